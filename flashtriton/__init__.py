@@ -1,0 +1,19 @@
+"""flashtriton: the flash_attn 2.x API with Triton kernels. Use as `import flashtriton as flash_attn`."""
+
+from pkgutil import extend_path
+
+__path__ = extend_path(__path__, __name__)
+
+
+def _read_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("flashtriton")
+    except PackageNotFoundError:
+        return "2.8.3+triton.0.1.0"
+
+
+__version__ = _read_version()
+
+from .interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func  # noqa: E402,F401

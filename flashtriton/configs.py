@@ -1,0 +1,87 @@
+"""Kernel tile configurations as data, and the pure functions that pick them.
+
+Each table entry names the measurement that justified it (BENCHMARKS.md / docs/perf-notes.md).
+Entries are keyed by arch class ("interpreter", "sm80", "sm90", ...) and head-dim bucket.
+FLASHTRITON_RESCALE_THRESHOLD (read once) overrides the forward's A-1 rescale threshold;
+0 disables the skip (every tile rescales).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import torch
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    rescale_threshold: float = 8.0  # log2 units; FA4's value for 16-bit inputs
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    block_m: int       # query rows per tile
+    block_n: int       # key rows per tile
+    num_warps: int
+    num_stages: int
+    preprocess_block: int = 128
+
+
+def _env_float(name: str):
+    value = os.environ.get(name)
+    return None if value in (None, "") else float(value)
+
+
+RESCALE_THRESHOLD_OVERRIDE = _env_float("FLASHTRITON_RESCALE_THRESHOLD")
+
+# Interpreter: small tiles so that interpreter-sized tests (seqlens up to ~300) cross many blocks.
+_INTERPRETER_FWD = FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=1)
+_INTERPRETER_BWD = BwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=1, preprocess_block=64)
+
+# GPU tables: (max head dim, config). First entries of the first GPU run (2026-11-30, H200, see BENCHMARKS.md).
+_FWD_TABLE = {
+    "sm90": ((64, FwdConfig(128, 128, 4, 3)), (128, FwdConfig(128, 128, 8, 3)), (256, FwdConfig(128, 64, 8, 2))),
+    "sm80": ((64, FwdConfig(128, 64, 4, 3)), (128, FwdConfig(128, 64, 4, 2)), (256, FwdConfig(64, 64, 4, 2))),
+}
+_BWD_TABLE = {
+    "sm90": ((64, BwdConfig(64, 128, 8, 2)), (128, BwdConfig(64, 128, 8, 2)), (256, BwdConfig(64, 64, 8, 1))),
+    "sm80": ((64, BwdConfig(64, 64, 4, 2)), (128, BwdConfig(64, 64, 4, 2)), (256, BwdConfig(32, 64, 4, 1))),
+}
+
+
+@lru_cache(maxsize=None)
+def arch_class(device: torch.device) -> str:
+    """'interpreter' for CPU tensors (the interpreter runs them), else 'sm90' for Hopper and newer, 'sm80' below."""
+    if device.type != "cuda":
+        return "interpreter"
+    major, _ = torch.cuda.get_device_capability(device)
+    return "sm90" if major >= 9 else "sm80"
+
+
+def _lookup(table, arch: str, head_dim: int):
+    for max_dim, config in table[arch]:
+        if head_dim <= max_dim:
+            return config
+    return table[arch][-1][1]
+
+
+def fwd_config(arch: str, head_dim: int) -> FwdConfig:
+    config = _INTERPRETER_FWD if arch == "interpreter" else _lookup(_FWD_TABLE, arch, head_dim)
+    if RESCALE_THRESHOLD_OVERRIDE is not None:
+        config = replace(config, rescale_threshold=RESCALE_THRESHOLD_OVERRIDE)
+    return config
+
+
+def bwd_config(arch: str, head_dim: int) -> BwdConfig:
+    return _INTERPRETER_BWD if arch == "interpreter" else _lookup(_BWD_TABLE, arch, head_dim)
+
+
+def block_d(head_dim: int) -> int:
+    """Head dim rounded up to a power of two, at least 16 (the smallest tl.dot operand)."""
+    return max(16, 1 << (head_dim - 1).bit_length())

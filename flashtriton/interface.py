@@ -1,0 +1,55 @@
+"""The public flash_attn 2.x functions: argument normalization and documentation only.
+
+Signatures, positional order, defaults and return structures follow flash_attn 2.8 exactly
+(shared/API.md §3). Tensors are (batch, seqlen, nheads, headdim); any batch/sequence/head strides
+are accepted as long as the last dimension is contiguous (otherwise a copy is made).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ops.autograd import FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc
+
+_COMMON_DOC = """
+    dropout_p: float, dropout probability (pass 0.0 at evaluation).
+    softmax_scale: float, scaling of QK^T before softmax; default 1 / sqrt(headdim).
+    causal: bool, bottom-right aligned causal mask.
+    window_size: (left, right), sliding-window local attention; -1 means unbounded on that side.
+    softcap: float, > 0 enables softcap * tanh(scores / softcap).
+    alibi_slopes: (nheads,) or (batch_size, nheads) fp32; adds -slope * |i + seqlen_k - seqlen_q - j|.
+    deterministic: bool, deterministic backward (flashtriton's backward always is).
+    return_attn_probs: bool, also return (softmax_lse, S_dmask); S_dmask is empty unless dropout_p > 0.
+Return:
+    out, or (out, softmax_lse (batch_size, nheads, seqlen_q) fp32, S_dmask) with return_attn_probs.
+"""
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    return FlashAttnQKVPackedFunc.apply(qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                        deterministic, return_attn_probs, torch.is_grad_enabled())
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    return FlashAttnKVPackedFunc.apply(q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                       deterministic, return_attn_probs, torch.is_grad_enabled())
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    return FlashAttnFunc.apply(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                               deterministic, return_attn_probs, torch.is_grad_enabled())
+
+
+flash_attn_qkvpacked_func.__doc__ = """Attention on packed qkv (batch_size, seqlen, 3, nheads, headdim).
+
+Same as flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], ...) but the backward writes one dqkv.
+Arguments:""" + _COMMON_DOC
+flash_attn_kvpacked_func.__doc__ = """Attention with q (batch_size, seqlen_q, nheads, headdim) and packed kv
+(batch_size, seqlen_k, 2, nheads_k, headdim); nheads_k must divide nheads (GQA/MQA).
+Arguments:""" + _COMMON_DOC
+flash_attn_func.__doc__ = """Attention with q (batch_size, seqlen_q, nheads, headdim), k and v
+(batch_size, seqlen_k, nheads_k, headdim); nheads_k must divide nheads (GQA/MQA).
+Arguments:""" + _COMMON_DOC

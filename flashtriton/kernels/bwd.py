@@ -1,0 +1,269 @@
+"""Backward: preprocess (delta = rowsum(dO * O)), dK/dV per key tile, dQ per query tile.
+
+No atomics: every output element is written by exactly one program, so gradients are bitwise
+reproducible (deterministic=True costs nothing). GQA reduces dK/dV over the query heads of a
+group inside the dK/dV program. P is recomputed from the saved natural-log LSE (+inf rows give
+P = 0). With softcap, dS is multiplied by 1 - tanh^2 before the scale (API.md §4.10).
+"""
+
+import triton
+import triton.language as tl
+
+from .common import (alibi_bias_log2, kv_block_range, q_block_range, scores_log2, sequence_bounds, tanh,
+                     visibility_mask)
+
+
+@triton.jit
+def attn_bwd_preprocess_kernel(
+    Out, DOut, Delta, CuSeqlensQ,
+    stride_ob, stride_om, stride_oh,
+    stride_dob, stride_dom, stride_doh,
+    stride_delta_b, stride_delta_h,
+    num_heads, seqlen_q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    batch = batch_head // num_heads
+    head = batch_head % num_heads
+    q_start, seqlen_q, _, _ = sequence_bounds(batch, CuSeqlensQ, CuSeqlensQ, seqlen_q, seqlen_q, IS_VARLEN)
+    m_start = m_block * BLOCK_M
+    if m_start >= seqlen_q:
+        return
+    offs_row = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = (q_start + m_start).to(tl.int64)
+    mask = ((m_start + offs_row) < seqlen_q)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    # [BLOCK_M, BLOCK_D]
+    o = tl.load(Out + batch.to(tl.int64) * stride_ob + rows * stride_om + head * stride_oh
+                + offs_row[:, None] * stride_om + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DOut + batch.to(tl.int64) * stride_dob + rows * stride_dom + head * stride_doh
+                 + offs_row[:, None] * stride_dom + offs_d[None, :], mask=mask, other=0.0)
+    # [BLOCK_M]
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    delta_base = Delta + batch.to(tl.int64) * stride_delta_b + head.to(tl.int64) * stride_delta_h + q_start + m_start
+    tl.store(delta_base + offs_row, delta, mask=(m_start + offs_row) < seqlen_q)
+
+
+@triton.jit
+def _dkdv_q_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+                 offs_n, offs_d, m_block_lo, m_block_hi, seqlen_q, seqlen_k,
+                 qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
+                 slope_log2, alibi_pure_causal,
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, IS_LOCAL: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Accumulate query blocks [m_block_lo, m_block_hi) of one head into the key tile's (dk, dv)."""
+    offs_m_base = tl.arange(0, BLOCK_M)
+    d_in = offs_d < HEAD_DIM
+    for m_block in range(m_block_lo, m_block_hi):
+        offs_m = m_block * BLOCK_M + offs_m_base
+        row_in = offs_m < seqlen_q
+        # [BLOCK_D, BLOCK_M]
+        q_t = tl.load(q_base + offs_m[None, :] * stride_qm + offs_d[:, None], mask=row_in[None, :] & d_in[:, None], other=0.0)
+        # [BLOCK_M, BLOCK_D]
+        do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], mask=row_in[:, None] & d_in[None, :], other=0.0)
+        # [BLOCK_M]; padded rows get lse = +inf, hence P = 0
+        lse_log2 = tl.load(lse_base + offs_m, mask=row_in, other=float("inf")) * 1.4426950408889634
+        delta = tl.load(delta_base + offs_m, mask=row_in, other=0.0)
+        # [BLOCK_N, BLOCK_M] transposed scores
+        qk_t = tl.dot(k, q_t)
+        s_t = scores_log2(qk_t, qk_scale_log2, softcap_in_scale, softcap_out_log2, HAS_SOFTCAP)
+        if HAS_ALIBI:
+            s_t += tl.trans(alibi_bias_log2(slope_log2, offs_m, offs_n, seqlen_q, seqlen_k, alibi_pure_causal))
+        p_t = tl.exp2(s_t - lse_log2[None, :])
+        if MASKED:
+            visible = tl.trans(visibility_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, IS_LOCAL))
+            p_t = tl.where(visible, p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv)
+        # [BLOCK_N, BLOCK_M]
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = p_t * (dp_t - delta[None, :])
+        if HAS_SOFTCAP:
+            cap_t = tanh(qk_t * softcap_in_scale)
+            ds_t = ds_t * (1.0 - cap_t * cap_t)
+        dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk)
+    return dk, dv
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    Q, K, V, DOut, Lse, Delta, DK, DV, AlibiSlopes, CuSeqlensQ, CuSeqlensK,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_lse_b, stride_lse_h,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    stride_alibi_b,
+    num_heads_k, group_size, seqlen_q, seqlen_k,
+    softmax_scale, qk_scale_log2, softcap_in_scale, softcap_out_log2,
+    window_left, window_right, alibi_pure_causal,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """One program per (key tile, batch * kv head); loops over the group's query heads and query tiles.
+
+    Lse and Delta share one layout (strides stride_lse_b, stride_lse_h; rows contiguous).
+    """
+    n_block = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    batch = batch_head // num_heads_k
+    head_k = batch_head % num_heads_k
+    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, IS_VARLEN)
+    n_start = n_block * BLOCK_N
+    if n_start >= seqlen_k:
+        return
+    batch64 = batch.to(tl.int64)
+    rows_k = (k_start + n_start).to(tl.int64)
+    offs_col = tl.arange(0, BLOCK_N)
+    offs_n = n_start + offs_col
+    offs_d = tl.arange(0, BLOCK_D)
+    key_in = offs_n < seqlen_k
+    d_in = offs_d < HEAD_DIM
+    kv_mask = key_in[:, None] & d_in[None, :]
+    # [BLOCK_N, BLOCK_D]
+    k = tl.load(K + batch64 * stride_kb + rows_k * stride_kn + head_k.to(tl.int64) * stride_kh
+                + offs_col[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + batch64 * stride_vb + rows_k * stride_vn + head_k.to(tl.int64) * stride_vh
+                + offs_col[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+    # [BLOCK_N, BLOCK_D] fp32 accumulators, summed over the group's query heads
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+
+    m_block_min, m_full_min, m_full_max, m_block_max = q_block_range(
+        n_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, IS_LOCAL)
+    for group_member in range(group_size):
+        head = head_k * group_size + group_member
+        head64 = head.to(tl.int64)
+        q_base = Q + batch64 * stride_qb + q_start.to(tl.int64) * stride_qm + head64 * stride_qh
+        do_base = DOut + batch64 * stride_dob + q_start.to(tl.int64) * stride_dom + head64 * stride_doh
+        lse_base = Lse + batch64 * stride_lse_b + head64 * stride_lse_h + q_start
+        delta_base = Delta + batch64 * stride_lse_b + head64 * stride_lse_h + q_start
+        slope_log2 = 0.0
+        if HAS_ALIBI:
+            slope_log2 = tl.load(AlibiSlopes + batch * stride_alibi_b + head) * 1.4426950408889634
+        dk, dv = _dkdv_q_loop(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, offs_n, offs_d,
+            m_block_min, m_full_min, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
+            window_left, window_right, slope_log2, alibi_pure_causal,
+            HEAD_DIM, BLOCK_M, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+        dk, dv = _dkdv_q_loop(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, offs_n, offs_d,
+            m_full_min, m_full_max, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
+            window_left, window_right, slope_log2, alibi_pure_causal,
+            HEAD_DIM, BLOCK_M, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+        dk, dv = _dkdv_q_loop(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, offs_n, offs_d,
+            m_full_max, m_block_max, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
+            window_left, window_right, slope_log2, alibi_pure_causal,
+            HEAD_DIM, BLOCK_M, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+
+    dk = dk * softmax_scale
+    tl.store(DK + batch64 * stride_dkb + rows_k * stride_dkn + head_k.to(tl.int64) * stride_dkh
+             + offs_col[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + batch64 * stride_dvb + rows_k * stride_dvn + head_k.to(tl.int64) * stride_dvh
+             + offs_col[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn,
+                offs_m, offs_d, n_block_lo, n_block_hi, seqlen_q, seqlen_k,
+                qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
+                slope_log2, alibi_pure_causal,
+                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_LOCAL: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Accumulate key blocks [n_block_lo, n_block_hi) into the query tile's dq (unscaled)."""
+    offs_n_base = tl.arange(0, BLOCK_N)
+    d_in = offs_d < HEAD_DIM
+    for n_block in range(n_block_lo, n_block_hi):
+        offs_n = n_block * BLOCK_N + offs_n_base
+        key_in = offs_n < seqlen_k
+        # [BLOCK_D, BLOCK_N]
+        k_t = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=key_in[None, :] & d_in[:, None], other=0.0)
+        v_t = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None], mask=key_in[None, :] & d_in[:, None], other=0.0)
+        # [BLOCK_M, BLOCK_N]
+        qk = tl.dot(q, k_t)
+        s = scores_log2(qk, qk_scale_log2, softcap_in_scale, softcap_out_log2, HAS_SOFTCAP)
+        if HAS_ALIBI:
+            s += alibi_bias_log2(slope_log2, offs_m, offs_n, seqlen_q, seqlen_k, alibi_pure_causal)
+        p = tl.exp2(s - lse_log2[:, None])
+        if MASKED:
+            p = tl.where(visibility_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, IS_LOCAL), p, 0.0)
+        dp = tl.dot(do, v_t)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            cap = tanh(qk * softcap_in_scale)
+            ds = ds * (1.0 - cap * cap)
+        dq = tl.dot(ds.to(k_t.dtype), tl.trans(k_t), dq)
+    return dq
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    Q, K, V, DOut, Lse, Delta, DQ, AlibiSlopes, CuSeqlensQ, CuSeqlensK,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_lse_b, stride_lse_h,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_alibi_b,
+    num_heads, group_size, seqlen_q, seqlen_k,
+    softmax_scale, qk_scale_log2, softcap_in_scale, softcap_out_log2,
+    window_left, window_right, alibi_pure_causal,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """One program per (query tile, batch * head); loops over the visible key tiles."""
+    m_block = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    batch = batch_head // num_heads
+    head = batch_head % num_heads
+    head_k = head // group_size
+    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, IS_VARLEN)
+    m_start = m_block * BLOCK_M
+    if m_start >= seqlen_q:
+        return
+    batch64 = batch.to(tl.int64)
+    head64 = head.to(tl.int64)
+    rows_q = (q_start + m_start).to(tl.int64)
+    offs_row = tl.arange(0, BLOCK_M)
+    offs_m = m_start + offs_row
+    offs_d = tl.arange(0, BLOCK_D)
+    row_in = offs_m < seqlen_q
+    q_mask = row_in[:, None] & (offs_d < HEAD_DIM)[None, :]
+    # [BLOCK_M, BLOCK_D]
+    q = tl.load(Q + batch64 * stride_qb + rows_q * stride_qm + head64 * stride_qh
+                + offs_row[:, None] * stride_qm + offs_d[None, :], mask=q_mask, other=0.0)
+    do = tl.load(DOut + batch64 * stride_dob + rows_q * stride_dom + head64 * stride_doh
+                 + offs_row[:, None] * stride_dom + offs_d[None, :], mask=q_mask, other=0.0)
+    # [BLOCK_M]
+    lse_log2 = tl.load(Lse + batch64 * stride_lse_b + head64 * stride_lse_h + q_start + offs_m,
+                       mask=row_in, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(Delta + batch64 * stride_lse_b + head64 * stride_lse_h + q_start + offs_m, mask=row_in, other=0.0)
+    slope_log2 = 0.0
+    if HAS_ALIBI:
+        slope_log2 = tl.load(AlibiSlopes + batch * stride_alibi_b + head) * 1.4426950408889634
+    k_base = K + batch64 * stride_kb + k_start.to(tl.int64) * stride_kn + head_k.to(tl.int64) * stride_kh
+    v_base = V + batch64 * stride_vb + k_start.to(tl.int64) * stride_vn + head_k.to(tl.int64) * stride_vh
+    # [BLOCK_M, BLOCK_D]
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    n_block_min, n_full_min, n_full_max, n_block_max = kv_block_range(
+        m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, IS_LOCAL)
+    dq = _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d,
+                     n_block_min, n_full_min, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
+                     window_left, window_right, slope_log2, alibi_pure_causal,
+                     HEAD_DIM, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+    dq = _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d,
+                     n_full_min, n_full_max, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
+                     window_left, window_right, slope_log2, alibi_pure_causal,
+                     HEAD_DIM, BLOCK_N, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+    dq = _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d,
+                     n_full_max, n_block_max, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
+                     window_left, window_right, slope_log2, alibi_pure_causal,
+                     HEAD_DIM, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+    dq = dq * softmax_scale
+    tl.store(DQ + batch64 * stride_dqb + rows_q * stride_dqm + head64 * stride_dqh
+             + offs_row[:, None] * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=q_mask)

@@ -1,0 +1,129 @@
+"""Jit helpers shared by every attention kernel: block ranges, masks and score modifiers.
+
+Naming legend (all kernels):
+  m_block / n_block   index of a query / key tile; offs_m, offs_n, offs_d index rows, keys, features
+  BLOCK_M, BLOCK_N    tile sizes; BLOCK_D the head dim rounded up to a power of two (>= 16)
+  window_left/right   the normalized window of API.md §4.2.3: both < 0 (no window) or both >= 0;
+                      causal is window_right == 0 with window_left >= seqlen_k (never binds)
+  *_log2              a quantity in log2 units (scores are kept as log2-domain logits inside kernels)
+Masks and key-block ranges live here and nowhere else.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def kv_block_range(m_start, seqlen_q, seqlen_k, window_left, window_right,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_LOCAL: tl.constexpr):
+    """Key blocks visible to query rows [m_start, m_start + BLOCK_M).
+
+    Returns (n_block_min, n_full_min, n_full_max, n_block_max): blocks in [n_full_min, n_full_max)
+    are visible to every row and need no mask; blocks in [n_block_min, n_full_min) and
+    [n_full_max, n_block_max) need one; blocks outside [n_block_min, n_block_max) are never loaded.
+    """
+    n_blocks = tl.cdiv(seqlen_k, BLOCK_N)
+    if IS_LOCAL:
+        offset = seqlen_k - seqlen_q
+        m_last = tl.minimum(m_start + BLOCK_M, seqlen_q) - 1
+        first_key = m_start + offset - window_left           # first key the first row sees
+        end_key = m_last + offset + window_right + 1         # one past the last key the last row sees
+        n_block_min = tl.maximum(first_key, 0) // BLOCK_N
+        n_block_max = tl.minimum(tl.cdiv(tl.maximum(end_key, 0), BLOCK_N), n_blocks)
+        full_first = m_last + offset - window_left          # keys every row sees start here ...
+        full_end = tl.minimum(m_start + offset + window_right + 1, seqlen_k)  # ... and end here
+        n_full_min = tl.cdiv(tl.maximum(full_first, 0), BLOCK_N)
+        n_full_max = tl.maximum(full_end, 0) // BLOCK_N
+        n_full_min = tl.minimum(tl.maximum(n_full_min, n_block_min), n_block_max)
+        n_full_max = tl.minimum(tl.maximum(n_full_max, n_full_min), n_block_max)
+    else:
+        n_block_min = 0
+        n_full_min = 0
+        n_full_max = seqlen_k // BLOCK_N
+        n_block_max = n_blocks
+    return n_block_min, n_full_min, n_full_max, n_block_max
+
+
+@triton.jit
+def q_block_range(n_start, seqlen_q, seqlen_k, window_left, window_right,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_LOCAL: tl.constexpr):
+    """Query blocks that see any of the keys [n_start, n_start + BLOCK_N): the mirror of kv_block_range.
+
+    Returns (m_block_min, m_full_min, m_full_max, m_block_max) with the same meaning. Key rows past
+    seqlen_k in the last key block are never stored, so only the window decides what is full.
+    """
+    m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+    if IS_LOCAL:
+        offset = seqlen_k - seqlen_q
+        n_last = tl.minimum(n_start + BLOCK_N, seqlen_k) - 1
+        first_row = n_start - offset - window_right          # first row that sees the first key
+        end_row = n_last - offset + window_left + 1          # one past the last row that sees the last key
+        m_block_min = tl.maximum(first_row, 0) // BLOCK_M
+        m_block_max = tl.minimum(tl.cdiv(tl.maximum(end_row, 0), BLOCK_M), m_blocks)
+        full_first = n_last - offset - window_right
+        full_end = tl.minimum(n_start - offset + window_left + 1, seqlen_q)
+        m_full_min = tl.cdiv(tl.maximum(full_first, 0), BLOCK_M)
+        m_full_max = tl.maximum(full_end, 0) // BLOCK_M
+        m_full_min = tl.minimum(tl.maximum(m_full_min, m_block_min), m_block_max)
+        m_full_max = tl.minimum(tl.maximum(m_full_max, m_full_min), m_block_max)
+    else:
+        m_block_min = 0
+        m_full_min = 0
+        m_full_max = m_blocks
+        m_block_max = m_blocks
+    return m_block_min, m_full_min, m_full_max, m_block_max
+
+
+@triton.jit
+def visibility_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, IS_LOCAL: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] bool: key offs_n is inside the sequence and the window of row offs_m."""
+    # [BLOCK_M, BLOCK_N]
+    visible = offs_n[None, :] < seqlen_k
+    if IS_LOCAL:
+        aligned = offs_m[:, None] + (seqlen_k - seqlen_q)
+        visible = visible & (offs_n[None, :] >= aligned - window_left) & (offs_n[None, :] <= aligned + window_right)
+    return visible
+
+
+@triton.jit
+def tanh(x):
+    """tanh from exp2, identical in compiled and interpreted kernels; saturates cleanly at +-1."""
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
+def alibi_bias_log2(slope_log2, offs_m, offs_n, seqlen_q, seqlen_k, alibi_pure_causal):
+    """[BLOCK_M, BLOCK_N] ALiBi bias in log2 units (API.md §4.4), with FA2's pure-causal LSE quirk."""
+    # [BLOCK_M, BLOCK_N] key distance |c_i - j|, or -j in the pure causal configuration
+    aligned = offs_m[:, None] + (seqlen_k - seqlen_q)
+    distance = tl.where(alibi_pure_causal != 0, -offs_n[None, :] + 0 * aligned, tl.abs(aligned - offs_n[None, :]))
+    bias = -slope_log2 * distance.to(tl.float32)
+    return bias
+
+
+@triton.jit
+def scores_log2(qk, qk_scale_log2, softcap_in_scale, softcap_out_log2, HAS_SOFTCAP: tl.constexpr):
+    """Raw q.k (fp32) to log2-domain logits: scale, then softcap * tanh(scaled / softcap) (API.md §4.1)."""
+    if HAS_SOFTCAP:
+        return tanh(qk * softcap_in_scale) * softcap_out_log2
+    else:
+        return qk * qk_scale_log2
+
+
+@triton.jit
+def sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
+    """(first row of q, q length, first row of k, k length) of one batch entry; varlen reads cu_seqlens."""
+    if IS_VARLEN:
+        q_start = tl.load(CuSeqlensQ + batch)
+        q_len = tl.load(CuSeqlensQ + batch + 1) - q_start
+        k_start = tl.load(CuSeqlensK + batch)
+        k_len = tl.load(CuSeqlensK + batch + 1) - k_start
+    else:
+        q_start = tl.zeros([], tl.int32)
+        q_len = seqlen_q
+        k_start = tl.zeros([], tl.int32)
+        k_len = seqlen_k
+    return q_start, q_len, k_start, k_len

@@ -1,0 +1,130 @@
+"""Prefill forward: one program per (query tile, batch * head), online softmax in the log2 domain.
+
+Numerics (API.md §4.10): fp32 scores and accumulators, P rounded to V's dtype before P.V,
+natural-log LSE out (+inf for rows that see no key). The running max lags by up to
+RESCALE_THRESHOLD (log2 units) so most tiles skip the O / row-sum rescale; P then stays below
+2**RESCALE_THRESHOLD, and the result is exact because O, the row sum and P share one base.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import alibi_bias_log2, kv_block_range, scores_log2, sequence_bounds, visibility_mask
+
+
+@triton.jit
+def _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+                 offs_m, offs_d, n_block_lo, n_block_hi, seqlen_q, seqlen_k,
+                 qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
+                 slope_log2, alibi_pure_causal,
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_LOCAL: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr):
+    """Accumulate key blocks [n_block_lo, n_block_hi) into (acc, l_i, m_i); MASKED applies the mask."""
+    offs_n_base = tl.arange(0, BLOCK_N)
+    d_in = offs_d < HEAD_DIM
+    for n_block in range(n_block_lo, n_block_hi):
+        offs_n = n_block * BLOCK_N + offs_n_base
+        key_in = offs_n < seqlen_k
+        # [BLOCK_D, BLOCK_N]
+        k_t = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=key_in[None, :] & d_in[:, None], other=0.0)
+        # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=key_in[:, None] & d_in[None, :], other=0.0)
+        # [BLOCK_M, BLOCK_N] log2-domain logits
+        s = scores_log2(tl.dot(q, k_t), qk_scale_log2, softcap_in_scale, softcap_out_log2, HAS_SOFTCAP)
+        if HAS_ALIBI:
+            s += alibi_bias_log2(slope_log2, offs_m, offs_n, seqlen_q, seqlen_k, alibi_pure_causal)
+        if MASKED:
+            s = tl.where(visibility_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, IS_LOCAL), s, float("-inf"))
+        # [BLOCK_M] new running max; it lags while it grows by at most RESCALE_THRESHOLD
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if RESCALE_THRESHOLD > 0:
+            m_new = tl.where(m_new > m_i + RESCALE_THRESHOLD, m_new, m_i)
+        pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # [BLOCK_M, BLOCK_N]
+        p = tl.exp2(s - pivot[:, None])
+        alpha = tl.exp2(m_i - pivot)
+        if RESCALE_THRESHOLD > 0:
+            if tl.min(alpha, 0) < 1.0:
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+        else:
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+        l_i += tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attn_fwd_kernel(
+    Q, K, V, Out, Lse, AlibiSlopes, CuSeqlensQ, CuSeqlensK,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    stride_lse_b, stride_lse_h,
+    stride_alibi_b,
+    num_heads, group_size, seqlen_q, seqlen_k,
+    qk_scale_log2, softcap_in_scale, softcap_out_log2,
+    window_left, window_right, alibi_pure_causal,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
+    RESCALE_THRESHOLD: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    batch = batch_head // num_heads
+    head = batch_head % num_heads
+    head_k = head // group_size
+    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, IS_VARLEN)
+    m_start = m_block * BLOCK_M
+    if m_start >= seqlen_q:
+        return
+
+    batch64 = batch.to(tl.int64)
+    q_base = Q + batch64 * stride_qb + (q_start + m_start).to(tl.int64) * stride_qm + head.to(tl.int64) * stride_qh
+    k_base = K + batch64 * stride_kb + k_start.to(tl.int64) * stride_kn + head_k.to(tl.int64) * stride_kh
+    v_base = V + batch64 * stride_vb + k_start.to(tl.int64) * stride_vn + head_k.to(tl.int64) * stride_vh
+    o_base = Out + batch64 * stride_ob + (q_start + m_start).to(tl.int64) * stride_om + head.to(tl.int64) * stride_oh
+    lse_base = Lse + batch64 * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start + m_start
+
+    offs_row = tl.arange(0, BLOCK_M)
+    offs_m = m_start + offs_row
+    offs_d = tl.arange(0, BLOCK_D)
+    row_in = offs_m < seqlen_q
+    d_in = offs_d < HEAD_DIM
+    # [BLOCK_M, BLOCK_D]
+    q = tl.load(q_base + offs_row[:, None] * stride_qm + offs_d[None, :], mask=row_in[:, None] & d_in[None, :], other=0.0)
+
+    slope_log2 = 0.0
+    if HAS_ALIBI:
+        slope_log2 = tl.load(AlibiSlopes + batch * stride_alibi_b + head) * 1.4426950408889634
+
+    # [BLOCK_M] running max (log2), row sum; [BLOCK_M, BLOCK_D] output accumulator
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    n_block_min, n_full_min, n_full_max, n_block_max = kv_block_range(
+        m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, IS_LOCAL)
+    acc, l_i, m_i = _fwd_kv_loop(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, n_block_min, n_full_min,
+        seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
+        slope_log2, alibi_pure_causal, HEAD_DIM, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, RESCALE_THRESHOLD)
+    acc, l_i, m_i = _fwd_kv_loop(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, n_full_min, n_full_max,
+        seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
+        slope_log2, alibi_pure_causal, HEAD_DIM, BLOCK_N, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, RESCALE_THRESHOLD)
+    acc, l_i, m_i = _fwd_kv_loop(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, n_full_max, n_block_max,
+        seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
+        slope_log2, alibi_pure_causal, HEAD_DIM, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, RESCALE_THRESHOLD)
+
+    # rows that saw no key: out 0, lse +inf (API.md §4.5)
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("inf"))
+    tl.store(o_base + offs_row[:, None] * stride_om + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=row_in[:, None] & d_in[None, :])
+    tl.store(lse_base + offs_row, lse, mask=row_in)

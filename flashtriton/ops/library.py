@@ -1,0 +1,86 @@
+"""torch.library custom ops and their fake (meta) implementations: the torch.compile boundary.
+
+Named `flashtriton::*` so they never clash with a real flash_attn installed beside us. The op
+objects are callable and serve as flash_attn's low-level `_flash_attn_*` functions (API.md §7).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import backend
+
+
+def _round128(x: int) -> int:
+    return backend.round_multiple(x, 128)
+
+
+@torch.library.custom_op("flashtriton::_flash_attn_forward", mutates_args=(), device_types=None)
+def _flash_attn_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[Tensor],
+    return_softmax: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Dense forward; returns (out, softmax_lse (B, H, Sq) fp32, S_dmask, rng_state (2,) int64)."""
+    return backend.mha_fwd(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                           softcap, alibi_slopes, return_softmax)
+
+
+@_flash_attn_forward.register_fake
+def _flash_attn_forward_fake(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                             softcap, alibi_slopes, return_softmax):
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    out = q.new_empty(batch, seqlen_q, num_heads, head_dim)
+    softmax_lse = q.new_empty(batch, num_heads, seqlen_q, dtype=torch.float32)
+    if return_softmax:
+        s_dmask = q.new_empty(batch, num_heads, _round128(seqlen_q), _round128(seqlen_k))
+    else:
+        s_dmask = q.new_empty(0)
+    rng_state = q.new_empty(2, dtype=torch.int64)
+    return out, softmax_lse, s_dmask, rng_state
+
+
+@torch.library.custom_op("flashtriton::_flash_attn_backward", mutates_args=("dq", "dk", "dv"), device_types=None)
+def _flash_attn_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    softmax_lse: Tensor,
+    dq: Tensor,
+    dk: Tensor,
+    dv: Tensor,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[Tensor],
+    deterministic: bool,
+    rng_state: Optional[Tensor] = None,
+) -> Tensor:
+    """Dense backward into dq, dk, dv (written in place); returns softmax_d (B, H, R(Sq)) fp32."""
+    return backend.mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                           window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state)
+
+
+@_flash_attn_backward.register_fake
+def _flash_attn_backward_fake(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                              window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
+                              rng_state=None):
+    batch, seqlen_q, num_heads, _ = q.shape
+    return q.new_empty(batch, num_heads, _round128(seqlen_q), dtype=torch.float32)

@@ -1,0 +1,168 @@
+"""Exact PyTorch attention with every flash_attn 2.x semantic: the oracle of the tests and the CPU path.
+
+Layout is flash_attn's padded one: q (B, Sq, H, D), k/v (B, Sk, Hk, D). Everything follows
+shared/API.md §4 literally; nothing here is tuned for speed. Run it in float64 for an oracle, in
+float32 for the CPU fallback, or in the input dtype to measure what PyTorch itself achieves there.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["normalize_window", "is_pure_causal", "visible_mask", "attention_reference", "attention_reference_varlen"]
+
+
+def normalize_window(window_size: Sequence[int], causal: bool, seqlen_k_star: int) -> Tuple[int, int]:
+    """FA2's host-side window rewrite (API.md §4.2.3): returns the (left, right) window the mask uses.
+
+    After the rewrite either both sides are negative (no window) or both are >= 0.
+    """
+    left, right = int(window_size[0]), int(window_size[1])
+    if left >= seqlen_k_star:
+        left = -1
+    if right >= seqlen_k_star:
+        right = -1
+    if causal:
+        right = 0
+    if left < 0 and right >= 0:
+        left = seqlen_k_star
+    if left >= 0 and right < 0:
+        right = seqlen_k_star
+    return left, right
+
+
+def is_pure_causal(window_size: Sequence[int], causal: bool, seqlen_k_star: int) -> bool:
+    """The configuration in which FA2's ALiBi uses `+slope * j` (API.md §4.2.3, §4.4 quirk)."""
+    left, right = int(window_size[0]), int(window_size[1])
+    if left >= seqlen_k_star:
+        left = -1
+    if right >= seqlen_k_star:
+        right = -1
+    if causal:
+        right = 0
+    return left < 0 and right == 0
+
+
+def visible_mask(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int, device=None) -> torch.Tensor:
+    """Bool (Sq, Sk): key j visible to query i under bottom-right alignment with a normalized window."""
+    rows = torch.arange(seqlen_q, device=device)[:, None]
+    cols = torch.arange(seqlen_k, device=device)[None, :]
+    aligned = rows + (seqlen_k - seqlen_q)
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if window_left >= 0:
+        visible &= cols >= aligned - window_left
+    if window_right >= 0:
+        visible &= cols <= aligned + window_right
+    return visible
+
+
+def _alibi_bias(slopes: torch.Tensor, batch: int, seqlen_q: int, seqlen_k: int, pure_causal: bool, dtype) -> torch.Tensor:
+    """(B, H, Sq, Sk) ALiBi bias in natural-log units, with FA2's pure-causal LSE quirk."""
+    slopes = slopes.to(dtype)
+    slopes = slopes.expand(batch, -1) if slopes.dim() == 1 else slopes
+    rows = torch.arange(seqlen_q, device=slopes.device, dtype=dtype)[:, None]
+    cols = torch.arange(seqlen_k, device=slopes.device, dtype=dtype)[None, :]
+    if pure_causal:
+        distance = -cols.expand(seqlen_q, seqlen_k)
+    else:
+        distance = (rows + (seqlen_k - seqlen_q) - cols).abs()
+    return -slopes[:, :, None, None] * distance
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Sequence[int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    dropout_mask: Optional[torch.Tensor] = None,
+    *,
+    seqlen_k_star: Optional[int] = None,
+    compute_dtype: Optional[torch.dtype] = torch.float64,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention exactly as API.md §4.1 defines it. Returns (out in q's dtype, lse (B, H, Sq) float32).
+
+    compute_dtype: float64 for an oracle, float32 for the CPU path, None (or q.dtype) to do the
+    math in the input dtype, which measures PyTorch's own rounding error there.
+    dropout_mask: bool (B, H, Sq, Sk), True where kept; required when dropout_p > 0.
+    seqlen_k_star: S* of the window normalization (defaults to Sk; varlen uses max_seqlen_k).
+    Differentiable w.r.t. q, k, v; rows with no visible key give out 0, lse +inf and zero gradients.
+    """
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k, num_heads_k = k.shape[1], k.shape[2]
+    compute_dtype = compute_dtype or q.dtype
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    star = seqlen_k if seqlen_k_star is None else seqlen_k_star
+    window_left, window_right = normalize_window(window_size, causal, star)
+
+    group = num_heads // num_heads_k
+    qc = q.to(compute_dtype)
+    kc = k.to(compute_dtype).repeat_interleave(group, dim=2)
+    vc = v.to(compute_dtype).repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", qc, kc) * scale
+    if softcap > 0.0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        pure_causal = is_pure_causal(window_size, causal, star)
+        scores = scores + _alibi_bias(alibi_slopes, batch, seqlen_q, seqlen_k, pure_causal, compute_dtype)
+    visible = visible_mask(seqlen_q, seqlen_k, window_left, window_right, device=q.device)
+    scores = scores.masked_fill(~visible, float("-inf"))
+
+    has_key = visible.any(dim=-1)  # (Sq,)
+    # A finite pivot for rows with no visible key keeps logsumexp and its gradient free of NaN.
+    safe_scores = torch.where(has_key[:, None], scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
+    lse = torch.logsumexp(safe_scores, dim=-1)
+    probs = torch.exp(safe_scores - lse[..., None]).masked_fill(~visible, 0.0)
+    if dropout_p > 0.0:
+        if dropout_mask is None:
+            raise ValueError("attention_reference: dropout_p > 0 needs dropout_mask (the keep mask)")
+        probs = probs.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs.to(vc.dtype), vc)
+    lse = torch.where(has_key, lse, torch.full((), float("inf"), dtype=lse.dtype, device=lse.device))
+    return out.to(q.dtype), lse.to(torch.float32)
+
+
+def attention_reference_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_k: int,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Sequence[int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    *,
+    compute_dtype: Optional[torch.dtype] = torch.float64,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Varlen attention (API.md §4.9): each sequence on its own, window normalized with S* = max_seqlen_k.
+
+    q (Tq, H, D), k/v (Tk, Hk, D). Returns (out (Tq, H, D), lse (H, Tq)); uncovered rows are 0 / +inf.
+    """
+    total_q, num_heads, head_dim = q.shape
+    out = torch.zeros(total_q, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    lse = torch.full((num_heads, total_q), float("inf"), dtype=torch.float32, device=q.device)
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(starts_q) - 1):
+        q0, q1, k0, k1 = starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b + 1]
+        if q1 == q0:
+            continue
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes[b : b + 1] if alibi_slopes.dim() == 2 else alibi_slopes
+        out_b, lse_b = attention_reference(
+            q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, causal, window_size, softcap, slopes,
+            seqlen_k_star=max_seqlen_k, compute_dtype=compute_dtype,
+        )
+        out[q0:q1] = out_b[0]
+        lse[:, q0:q1] = lse_b[0]
+    return out, lse
