@@ -10,11 +10,13 @@ from typing import Optional, Sequence
 
 import torch
 
+from .backend import empty_like, new_empty
+from .checks import has_contiguous_last_dim
 from .library import _flash_attn_backward, _flash_attn_forward
 
 
 def maybe_contiguous(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return x.contiguous() if x is not None and x.stride(-1) != 1 else x
+    return x.contiguous() if x is not None and not has_contiguous_last_dim(x) else x
 
 
 def _window_ints(window_size: Sequence) -> tuple:
@@ -61,7 +63,7 @@ class FlashAttnFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, *unused_grads):
         q, k, v = ctx.saved_tensors[:3]
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
         _backward(ctx, dout, dq, dk, dv)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
@@ -79,7 +81,7 @@ class FlashAttnQKVPackedFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, *unused_grads):
         q = ctx.saved_tensors[0]
-        dqkv = torch.empty(ctx.qkv_shape, dtype=q.dtype, device=q.device)
+        dqkv = new_empty(ctx.qkv_shape, q.dtype, q.device)
         _backward(ctx, dout, dqkv[:, :, 0], dqkv[:, :, 1], dqkv[:, :, 2])
         return dqkv, None, None, None, None, None, None, None, None, None
 
@@ -96,7 +98,7 @@ class FlashAttnKVPackedFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, *unused_grads):
         q = ctx.saved_tensors[0]
-        dq = torch.empty_like(q)
-        dkv = torch.empty(ctx.kv_shape, dtype=q.dtype, device=q.device)
+        dq = empty_like(q)
+        dkv = new_empty(ctx.kv_shape, q.dtype, q.device)
         _backward(ctx, dout, dq, dkv[:, :, 0], dkv[:, :, 1])
         return dq, dkv, None, None, None, None, None, None, None, None, None

@@ -28,6 +28,22 @@ KERNELS_INTERPRETED = type(attn_fwd_kernel).__name__ == "InterpretedFunction"
 
 DROPOUT_ISSUE = "dropout_p > 0 is not implemented yet in flashtriton (tracked by the dropout issue, #8)"
 
+# Tests set this (flashtriton.testing.poisoned_outputs) so every output buffer starts as NaN/garbage
+# and an element a kernel forgot to write fails the comparison.
+POISON_OUTPUTS = False
+
+
+def new_empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """Allocate an output buffer; NaN-filled (or 0x7f.. for integers) while POISON_OUTPUTS is set."""
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    if POISON_OUTPUTS:
+        tensor.fill_(float("nan") if tensor.is_floating_point() else 0x7F)
+    return tensor
+
+
+def empty_like(tensor: torch.Tensor) -> torch.Tensor:
+    return new_empty(tensor.shape, tensor.dtype, tensor.device)
+
 
 def runs_triton(tensor: torch.Tensor) -> bool:
     """True when this tensor's attention runs the Triton kernels (compiled, or interpreted on CPU)."""
@@ -140,7 +156,7 @@ def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, windo
     checks.check_options(dropout_p, softcap, alibi_slopes, batch, num_heads, q)
     checks.check(not return_softmax or dropout_p > 0.0, "return_softmax is only supported when p_dropout > 0.0")
     _check_dropout(dropout_p)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = (t if checks.has_contiguous_last_dim(t) else t.contiguous() for t in (q, k, v))
     rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
     s_dmask = torch.empty(0, dtype=q.dtype, device=q.device)
 
@@ -150,8 +166,8 @@ def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, windo
         return out, lse, s_dmask, rng_state
 
     params = score_params(softmax_scale, causal, window_size_left, window_size_right, softcap, seqlen_k)
-    out = torch.empty(batch, seqlen_q, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, num_heads, seqlen_q, dtype=torch.float32, device=q.device)
+    out = new_empty((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
+    lse = new_empty((batch, num_heads, seqlen_q), torch.float32, q.device)
     launch_fwd(q, k, v, out, lse, params, alibi_slopes, (lse.stride(0), lse.stride(1)), seqlen_q, seqlen_k, batch)
     return out, lse, s_dmask, rng_state
 
@@ -220,12 +236,12 @@ def _check_bwd_tensors(dout, q, out, dq, dk, dv, k, v) -> None:
     checks.check_dense_qkv(q, k, v, direction="backward")
     checks.check(out.dtype == q.dtype, "query and out must have the same dtype")
     checks.check(dout.dtype == q.dtype, "query and dout must have the same dtype")
-    checks.check(dout.stride(-1) == 1, "dout tensor must have contiguous last dimension")
+    checks.check(checks.has_contiguous_last_dim(dout), "dout tensor must have contiguous last dimension")
     for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         checks.check(tuple(grad.shape) == tuple(like.shape),
                      f"{name} must have the shape of its input {tuple(like.shape)}, got {tuple(grad.shape)}")
         checks.check(grad.dtype == q.dtype, f"{name} must have the dtype of q ({q.dtype}), got {grad.dtype}")
-        checks.check(grad.stride(-1) == 1, f"{name} must have contiguous last dimension")
+        checks.check(checks.has_contiguous_last_dim(grad), f"{name} must have contiguous last dimension")
     checks.check_same_device(q, dout=dout, out=out, dq=dq, dk=dk, dv=dv)
 
 
@@ -254,7 +270,7 @@ def mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softm
 
     params = score_params(softmax_scale, causal, window_size_left, window_size_right, softcap, seqlen_k)
     lse = softmax_lse.contiguous()
-    delta = torch.empty_like(lse)
+    delta = empty_like(lse)
     launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params, alibi_slopes,
                (lse.stride(0), lse.stride(1)), seqlen_q, seqlen_k, batch)
     softmax_d[:, :, :seqlen_q] = delta

@@ -19,6 +19,11 @@ def _shape_str(names, shape) -> str:
     return f"({', '.join(names)}), got {tuple(shape)}"
 
 
+def has_contiguous_last_dim(tensor: torch.Tensor) -> bool:
+    """Stride 1 in the last dim, or a layout where that stride is never used (last dim of 1, no elements)."""
+    return tensor.stride(-1) == 1 or tensor.shape[-1] <= 1 or tensor.numel() == 0
+
+
 def check_same_device(reference: torch.Tensor, **tensors: Optional[torch.Tensor]) -> None:
     for name, tensor in tensors.items():
         if tensor is not None and tensor.device != reference.device:

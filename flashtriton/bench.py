@@ -1,0 +1,446 @@
+"""Timing harness shared by `flashtriton bench`, `flashtriton validate` and benchmarks/: FLOP counts, providers,
+timed rows with metadata, and their JSON / Markdown / PNG outputs.
+
+Providers are flashtriton and PyTorch's SDPA backends (FLASH, CUDNN, EFFICIENT). A provider that cannot run a
+configuration gives a row marked unavailable. flashtriton's output is checked against the float32 reference on
+every timed configuration; the row records the max error and whether it passed the relative-L_inf gate.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import platform
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .reference import attention_reference
+
+PROVIDERS = ("flashtriton", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
+MODES = ("fwd", "bwd", "fwd+bwd")
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+# max|out - ref| / max|ref| allowed against the float64 / float32 reference.
+REL_LINF_GATES = {torch.float16: 2e-2, torch.bfloat16: 1e-2}
+
+# Backward FLOPs are 2.5x the forward's (two matmuls forward, five backward).
+BWD_FLOP_FACTOR = 2.5
+
+# Reference chunks are sized to keep one float32 score matrix near this many bytes.
+_REFERENCE_CHUNK_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A self-attention shape in flash_attn's (batch, seqlen, heads, head_dim) layout; Sq == Sk."""
+
+    batch: int
+    seqlen: int
+    heads: int
+    head_dim: int
+
+    def label(self) -> str:
+        return f"{self.batch}x{self.seqlen}x{self.heads}x{self.head_dim}"
+
+
+# BASELINES.md: 16k tokens, hidden 2048 (H = 2048 / D).
+BASELINE_SHAPES = (Shape(16, 1024, 16, 128), Shape(4, 4096, 16, 128), Shape(1, 16384, 16, 128),
+                   Shape(4, 4096, 32, 64), Shape(4, 4096, 8, 256))
+QUICK_SHAPES = (Shape(4, 2048, 16, 128), Shape(4, 2048, 32, 64))
+SHAPE_SETS = {"baseline": BASELINE_SHAPES, "quick": QUICK_SHAPES}
+
+
+def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool,
+                    mode: str = "fwd") -> float:
+    """Matmul FLOPs: forward 4*B*H*Sq*Sk*D, halved when causal; backward 2.5x forward; fwd+bwd the sum."""
+    forward = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
+    if causal:
+        forward /= 2
+    factors = {"fwd": 1.0, "bwd": BWD_FLOP_FACTOR, "fwd+bwd": 1.0 + BWD_FLOP_FACTOR}
+    if mode not in factors:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
+    return forward * factors[mode]
+
+
+def tflops_per_second(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+
+def relative_linf(actual: torch.Tensor, ref: torch.Tensor) -> float:
+    """max|actual - ref| / max|ref| (NaN counts as infinitely wrong)."""
+    err = (actual.double() - ref.double()).abs().nan_to_num(nan=float("inf"))
+    scale = float(ref.double().abs().max()) if ref.numel() else 0.0
+    max_err = float(err.max()) if err.numel() else 0.0
+    return max_err / scale if scale > 0 else max_err
+
+
+@dataclass
+class BenchRow:
+    """One timed (provider, shape, causal, dtype, mode). ms/tflops are None when the provider is unavailable."""
+
+    provider: str
+    batch: int
+    seqlen: int
+    heads: int
+    head_dim: int
+    causal: bool
+    dtype: str
+    mode: str
+    ms: Optional[float] = None
+    tflops: Optional[float] = None
+    status: str = "ok"
+    max_error: Optional[float] = None
+    rel_error: Optional[float] = None
+    correct: Optional[bool] = None
+    peak_mem_mib: Optional[float] = None
+
+    @property
+    def shape(self) -> Shape:
+        return Shape(self.batch, self.seqlen, self.heads, self.head_dim)
+
+
+@dataclass
+class BenchResult:
+    rows: list[BenchRow]
+    metadata: dict = field(default_factory=dict)
+
+
+def git_commit() -> Optional[str]:
+    """`git rev-parse --short HEAD` of the flashtriton checkout, when it is one."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
+
+
+def run_metadata() -> dict:
+    import triton
+
+    from . import __version__
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {
+        "gpu": gpu,
+        "capability": ".".join(map(str, torch.cuda.get_device_capability())) if gpu else None,
+        "flashtriton": __version__,
+        "commit": git_commit(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Providers
+# ----------------------------------------------------------------------------------------------------------------
+
+def _sdpa_backend(provider: str):
+    from torch.nn.attention import SDPBackend
+
+    return {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+            "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}[provider]
+
+
+def attention_callable(provider: str, causal: bool) -> Callable:
+    """fn(q, k, v) -> out for a provider, with q/k/v in the provider's layout (see provider_inputs)."""
+    if provider == "flashtriton":
+        from .interface import flash_attn_func
+
+        return lambda q, k, v: flash_attn_func(q, k, v, causal=causal)
+    if provider not in PROVIDERS:
+        raise ValueError(f"unknown provider {provider!r}; expected one of {PROVIDERS}")
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention
+
+    backend = _sdpa_backend(provider)
+
+    def run_sdpa(q, k, v):
+        with sdpa_kernel([backend]):
+            return scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run_sdpa
+
+
+def provider_inputs(provider: str, q, k, v, requires_grad: bool):
+    """Leaf copies of (B, S, H, D) inputs: unchanged layout for flashtriton, (B, H, S, D) for SDPA."""
+    def prepare(t):
+        t = t.detach() if provider == "flashtriton" else t.detach().transpose(1, 2)
+        return t.contiguous().clone().requires_grad_(requires_grad)
+
+    return prepare(q), prepare(k), prepare(v)
+
+
+def random_inputs(shape: Shape, dtype: torch.dtype, device="cuda", seed: int = 0):
+    """N(0, 1) q, k, v of a shape, (B, S, H, D)."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    size = (shape.batch, shape.seqlen, shape.heads, shape.head_dim)
+    return tuple(torch.randn(size, generator=generator, device=device, dtype=dtype) for _ in range(3))
+
+
+def timed_callable(provider: str, mode: str, causal: bool, q, k, v) -> Callable:
+    """The function to time for a mode. bwd times the backward only, on a graph built once."""
+    attention = attention_callable(provider, causal)
+    q, k, v = provider_inputs(provider, q, k, v, requires_grad=mode != "fwd")
+    if mode == "fwd":
+        def forward():
+            with torch.no_grad():
+                return attention(q, k, v)
+        return forward
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
+    out = attention(q, k, v)
+    dout = torch.randn_like(out)
+    if mode == "bwd":
+        return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    del out
+    return lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), dout)
+
+
+def median_ms(fn: Callable, warmup: int = 25, rep: int = 100) -> float:
+    """Median CUDA time of fn in milliseconds (triton.testing.do_bench)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def peak_memory_mib(fn: Callable) -> float:
+    """Peak CUDA memory allocated by one call of fn above what was allocated before it, in MiB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def reference_output(q, k, v, causal: bool) -> torch.Tensor:
+    """float32 reference in (B, S, H, D), computed a few heads at a time to bound memory."""
+    batch, seqlen_q, heads, _ = q.shape
+    scores_bytes = 4 * batch * seqlen_q * k.shape[1]
+    step = max(1, min(heads, _REFERENCE_CHUNK_BYTES // max(scores_bytes, 1)))
+    chunks = [attention_reference(q[:, :, h:h + step], k[:, :, h:h + step], v[:, :, h:h + step], causal=causal,
+                                  compute_dtype=torch.float32)[0] for h in range(0, heads, step)]
+    return torch.cat(chunks, dim=2)
+
+
+def check_flashtriton_output(q, k, v, causal: bool) -> tuple[float, float, bool]:
+    """(max abs error, relative L_inf error, passed) of flashtriton's forward against the float32 reference."""
+    from .interface import flash_attn_func
+
+    with torch.no_grad():
+        out = flash_attn_func(q, k, v, causal=causal)
+        ref = reference_output(q, k, v, causal)
+    max_error = float((out.double() - ref.double()).abs().nan_to_num(nan=float("inf")).max())
+    rel = relative_linf(out, ref)
+    return max_error, rel, rel <= REL_LINF_GATES[q.dtype]
+
+
+def _unavailable(error: Exception) -> str:
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"unavailable: {type(error).__name__}: {first_line[:160]}"
+
+
+def bench_config(provider: str, shape: Shape, causal: bool, dtype: torch.dtype, mode: str, q, k, v,
+                 warmup: int = 25, rep: int = 100) -> BenchRow:
+    """Time one configuration; failures of the provider become an unavailable row."""
+    dtype_name = next(name for name, value in DTYPES.items() if value == dtype)
+    row = BenchRow(provider, shape.batch, shape.seqlen, shape.heads, shape.head_dim, causal, dtype_name, mode)
+    try:
+        fn = timed_callable(provider, mode, causal, q, k, v)
+        row.ms = median_ms(fn, warmup=warmup, rep=rep)
+        if mode == "fwd+bwd":
+            row.peak_mem_mib = peak_memory_mib(fn)
+    except Exception as error:  # noqa: BLE001 - any provider failure is data, not a crash
+        row.status = _unavailable(error)
+        row.ms = None
+        return row
+    flops = attention_flops(shape.batch, shape.heads, shape.seqlen, shape.seqlen, shape.head_dim, causal, mode)
+    row.tflops = tflops_per_second(flops, row.ms)
+    return row
+
+
+def run_benchmarks(shapes: Sequence[Shape], providers: Sequence[str], modes: Sequence[str], dtype: torch.dtype,
+                   causal_values: Sequence[bool] = (False, True), warmup: int = 25, rep: int = 100,
+                   progress: Optional[Callable[[int, int, str], None]] = None) -> BenchResult:
+    """Time every (shape, causal, mode, provider) on the current CUDA device."""
+    configs = [(s, c) for s in shapes for c in causal_values]
+    total = len(configs) * len(modes) * len(providers)
+    rows, done = [], 0
+    for shape, causal in configs:
+        q, k, v = random_inputs(shape, dtype)
+        check = None
+        if "flashtriton" in providers:
+            try:
+                check = check_flashtriton_output(q, k, v, causal)
+            except Exception as error:  # noqa: BLE001 - recorded on the rows below
+                check = error
+        for mode in modes:
+            for provider in providers:
+                done += 1
+                if progress:
+                    progress(done, total, f"{provider} {shape.label()} causal={causal} {mode}")
+                row = bench_config(provider, shape, causal, dtype, mode, q, k, v, warmup, rep)
+                if provider == "flashtriton":
+                    _attach_check(row, check)
+                rows.append(row)
+        del q, k, v
+        torch.cuda.empty_cache()
+    return BenchResult(rows, run_metadata())
+
+
+def _attach_check(row: BenchRow, check) -> None:
+    if isinstance(check, Exception):
+        row.correct = False
+        row.status = f"{row.status}; check failed: {_unavailable(check)}"
+    elif check is not None:
+        row.max_error, row.rel_error, row.correct = check
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Outputs
+# ----------------------------------------------------------------------------------------------------------------
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence], right_align: Sequence[bool] = ()) -> str:
+    """A Markdown table padded so it also reads well as plain text."""
+    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    align = list(right_align) + [False] * (len(headers) - len(right_align))
+
+    def line(row):
+        padded = [c.rjust(w) if a else c.ljust(w) for c, w, a in zip(row, widths, align)]
+        return "| " + " | ".join(padded) + " |"
+
+    rule = "|" + "|".join(("-" * (w + 1) + ":") if a else ("-" * (w + 2)) for w, a in zip(widths, align)) + "|"
+    return "\n".join([line(cells[0]), rule] + [line(row) for row in cells[1:]])
+
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def _ratio(numerator: Optional[float], denominator: Optional[float]) -> str:
+    if numerator is None or not denominator:
+        return "n/a"
+    return f"{numerator / denominator:.2f}x"
+
+
+def _row_key(row: BenchRow):
+    return row.batch, row.seqlen, row.heads, row.head_dim, row.causal, row.dtype, row.mode
+
+
+def results_markdown(rows: Sequence[BenchRow], metadata: Optional[dict] = None) -> str:
+    """TF/s per provider for each configuration, with flashtriton/SDPA-flash and flashtriton/SDPA-cuDNN ratios,
+    flashtriton's correctness check, and (fwd+bwd rows) peak extra memory per provider."""
+    providers = [p for p in PROVIDERS if any(r.provider == p for r in rows)]
+    groups: dict = {}
+    for row in rows:
+        groups.setdefault(_row_key(row), {})[row.provider] = row
+    headers = ["B, S, H, D", "causal", "dtype", "mode"] + [f"{p} TF/s" for p in providers]
+    headers += ["ft/flash", "ft/cuDNN", "ft max err"]
+    table = []
+    for key, by_provider in groups.items():
+        batch, seqlen, heads, head_dim, causal, dtype, mode = key
+        ours = by_provider.get("flashtriton")
+        flash, cudnn = by_provider.get("sdpa-flash"), by_provider.get("sdpa-cudnn")
+        line = [f"{batch}, {seqlen}, {heads}, {head_dim}", "yes" if causal else "no", dtype, mode]
+        line += [_fmt(by_provider[p].tflops, ".1f") if p in by_provider else "-" for p in providers]
+        line += [_ratio(ours and ours.tflops, flash and flash.tflops),
+                 _ratio(ours and ours.tflops, cudnn and cudnn.tflops), _error_cell(ours)]
+        table.append(line)
+    right = [False] * 4 + [True] * (len(providers) + 2)
+    parts = []
+    if metadata:
+        parts.append(", ".join(f"{k}: {v}" for k, v in metadata.items() if v is not None))
+    parts.append(markdown_table(headers, table, right))
+    memory = memory_markdown(rows, providers)
+    if memory:
+        parts.append("Peak extra memory of fwd+bwd (MiB):\n\n" + memory)
+    unavailable = sorted({f"{r.provider}: {r.status}" for r in rows if r.ms is None})
+    if unavailable:
+        parts.append("Unavailable:\n" + "\n".join(f"- {line}" for line in unavailable))
+    return "\n\n".join(parts) + "\n"
+
+
+def _error_cell(row: Optional[BenchRow]) -> str:
+    if row is None or row.correct is None:
+        return "-"
+    return f"{_fmt(row.max_error, '.1e')} {'ok' if row.correct else 'WRONG'}"
+
+
+def memory_markdown(rows: Sequence[BenchRow], providers: Sequence[str]) -> str:
+    groups: dict = {}
+    for row in rows:
+        if row.mode == "fwd+bwd":
+            groups.setdefault(_row_key(row)[:6], {})[row.provider] = row
+    if not groups:
+        return ""
+    headers = ["B, S, H, D", "causal", "dtype"] + list(providers) + ["ft/flash"]
+    table = []
+    for (batch, seqlen, heads, head_dim, causal, dtype), by_provider in groups.items():
+        mems = {p: by_provider[p].peak_mem_mib if p in by_provider else None for p in providers}
+        table.append([f"{batch}, {seqlen}, {heads}, {head_dim}", "yes" if causal else "no", dtype]
+                     + [_fmt(mems[p], ".0f") for p in providers]
+                     + [_ratio(mems.get("flashtriton"), mems.get("sdpa-flash"))])
+    return markdown_table(headers, table, [False] * 3 + [True] * (len(providers) + 1))
+
+
+def write_plot(rows: Sequence[BenchRow], path: Path) -> bool:
+    """TF/s vs seqlen per provider (one panel per mode and causal). False when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r.mode, r.causal) for r in rows}, key=lambda p: (MODES.index(p[0]), p[1]))
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (mode, causal) in zip(axes[0], panels):
+        series: dict = {}
+        for r in rows:
+            if r.mode == mode and r.causal == causal and r.tflops is not None:
+                series.setdefault((r.provider, r.head_dim), []).append((r.seqlen, r.tflops))
+        for (provider, head_dim), points in sorted(series.items()):
+            points.sort()
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{provider} d{head_dim}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("TF/s")
+        ax.set_title(f"{mode}, causal={causal}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_results(result: BenchResult, out_dir: Path, stem: str = "bench") -> list[Path]:
+    """Write <stem>.json (metadata + rows), <stem>.md and, with matplotlib, <stem>.png; returns the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path, png_path = (out_dir / f"{stem}.{ext}" for ext in ("json", "md", "png"))
+    payload = {"metadata": result.metadata, "rows": [asdict(r) for r in result.rows]}
+    json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    md_path.write_text(results_markdown(result.rows, result.metadata))
+    written = [json_path, md_path]
+    if write_plot(result.rows, png_path):
+        written.append(png_path)
+    return written
+
+
+def load_rows(path: Path) -> BenchResult:
+    """Read a JSON file written by write_results."""
+    payload = json.loads(Path(path).read_text())
+    return BenchResult([BenchRow(**row) for row in payload["rows"]], payload.get("metadata", {}))

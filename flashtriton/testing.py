@@ -1,0 +1,164 @@
+"""Input generators, the tolerance rule and NaN-poisoning, shared by the tests and `flashtriton validate`.
+
+The tolerance rule (API.md §4.10): with `ref` the float64 reference and `pt` the same reference run
+in the input dtype, a kernel result passes when max|kernel - ref| <= factor * max|pt - ref| + atol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .ops import backend
+from .reference import attention_reference
+
+__all__ = ["Case", "ErrorCheck", "check_error", "check_lse", "make_case_inputs", "poisoned_outputs", "strided_like",
+           "compare_with_reference"]
+
+
+@contextlib.contextmanager
+def poisoned_outputs(enabled: bool = True):
+    """Within this block every buffer the library allocates for results starts as NaN."""
+    previous = backend.POISON_OUTPUTS
+    backend.POISON_OUTPUTS = enabled
+    try:
+        yield
+    finally:
+        backend.POISON_OUTPUTS = previous
+
+
+@dataclass(frozen=True)
+class Case:
+    """One dense attention configuration."""
+
+    batch: int = 2
+    seqlen_q: int = 64
+    seqlen_k: int = 64
+    num_heads: int = 4
+    num_heads_k: int = 4
+    head_dim: int = 64
+    dtype: torch.dtype = torch.float16
+    causal: bool = False
+    window_size: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi: bool = False
+    softmax_scale: Optional[float] = None
+    layout: str = "contiguous"  # or "bhsd" (transposed views), "sliced" (views into wider tensors)
+
+    def label(self) -> str:
+        parts = [f"b{self.batch}", f"sq{self.seqlen_q}", f"sk{self.seqlen_k}", f"h{self.num_heads}",
+                 f"hk{self.num_heads_k}", f"d{self.head_dim}", str(self.dtype).replace("torch.", "")]
+        if self.causal:
+            parts.append("causal")
+        if tuple(self.window_size) != (-1, -1):
+            parts.append(f"win{self.window_size[0]}_{self.window_size[1]}")
+        if self.softcap > 0:
+            parts.append(f"cap{self.softcap:g}")
+        if self.alibi:
+            parts.append("alibi")
+        if self.softmax_scale is not None:
+            parts.append(f"scale{self.softmax_scale:g}")
+        if self.layout != "contiguous":
+            parts.append(self.layout)
+        return "-".join(parts)
+
+
+def strided_like(tensor: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same values as `tensor` (B, S, H, D) in a non-contiguous layout with a contiguous last dim."""
+    if layout == "contiguous":
+        return tensor
+    if layout == "bhsd":
+        return tensor.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "sliced":
+        batch, seqlen, heads, dim = tensor.shape
+        wide = torch.empty(batch, seqlen + 3, heads + 1, dim + 8, dtype=tensor.dtype, device=tensor.device)
+        wide.normal_()
+        view = wide[:, 2:seqlen + 2, 1:, 3:dim + 3]
+        view.copy_(tensor)
+        return view
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def make_case_inputs(case: Case, device="cpu", requires_grad: bool = False, scale: float = 1.0):
+    """Fresh random (q, k, v, alibi_slopes) for a case, already rounded to its dtype."""
+    shape_q = (case.batch, case.seqlen_q, case.num_heads, case.head_dim)
+    shape_k = (case.batch, case.seqlen_k, case.num_heads_k, case.head_dim)
+    tensors = []
+    for shape in (shape_q, shape_k, shape_k):
+        t = strided_like((torch.randn(shape, device=device) * scale).to(case.dtype), case.layout)
+        tensors.append(t.requires_grad_(requires_grad))
+    slopes = None
+    if case.alibi:
+        slopes = torch.rand(case.batch, case.num_heads, device=device, dtype=torch.float32) * 0.5
+    return (*tensors, slopes)
+
+
+@dataclass(frozen=True)
+class ErrorCheck:
+    """One tolerance-rule comparison."""
+
+    name: str
+    max_error: float       # max |kernel - ref|
+    pytorch_error: float   # max |pt - ref|: what PyTorch itself reaches in this dtype
+    bound: float
+    finite: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.finite and self.max_error <= self.bound
+
+    @property
+    def ratio(self) -> float:
+        return self.max_error / self.pytorch_error if self.pytorch_error > 0 else float("inf") * self.max_error
+
+    def __str__(self) -> str:
+        return (f"{self.name}: max err {self.max_error:.3e}, PyTorch's own {self.pytorch_error:.3e}, "
+                f"bound {self.bound:.3e}, finite={self.finite}")
+
+
+def check_error(name: str, actual: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor, factor: float = 2.0,
+                atol: float = 1e-5) -> ErrorCheck:
+    """Apply the tolerance rule; NaN anywhere in `actual` where ref is finite fails."""
+    actual64, ref64, pt64 = actual.detach().double(), ref.detach().double(), pt.detach().double()
+    finite = bool(torch.isfinite(actual64[torch.isfinite(ref64)]).all()) if actual.numel() else True
+    err = (actual64 - ref64).abs().nan_to_num(nan=float("inf"))
+    max_error = float(err.max()) if err.numel() else 0.0
+    pytorch_error = float((pt64 - ref64).abs().max()) if pt.numel() else 0.0
+    return ErrorCheck(name, max_error, pytorch_error, factor * pytorch_error + atol, finite)
+
+
+def check_lse(lse: torch.Tensor, ref_lse: torch.Tensor) -> ErrorCheck:
+    """LSE must put +inf exactly where the reference does and match it elsewhere within 1e-4 relative."""
+    inf_ref = torch.isinf(ref_lse)
+    same_inf = torch.equal(torch.isinf(lse) & (lse > 0), inf_ref)
+    finite_ref = ref_lse[~inf_ref].detach().double()
+    err = (lse[~inf_ref].detach().double() - finite_ref).abs().nan_to_num(nan=float("inf"))
+    max_error = float(err.max()) if err.numel() else 0.0
+    bound = 1e-4 * (1.0 + (float(finite_ref.abs().max()) if err.numel() else 0.0))
+    return ErrorCheck("lse", max_error, 0.0, bound, same_inf)
+
+
+def compare_with_reference(case: Case, out: torch.Tensor, lse: torch.Tensor, q, k, v, alibi_slopes,
+                           grads: Optional[Sequence[torch.Tensor]] = None, dout: Optional[torch.Tensor] = None,
+                           grad_factor: float = 3.0):
+    """ErrorChecks of out (and, with grads and dout, dq/dk/dv) against float64 and same-dtype references.
+
+    LSE is checked separately: it must match the float64 LSE within 1e-3 relative and put +inf exactly
+    where the reference does.
+    """
+    options = (case.softmax_scale, case.causal, case.window_size, case.softcap, alibi_slopes)
+    inputs64 = [t.detach().double().requires_grad_(grads is not None) for t in (q, k, v)]
+    inputs_pt = [t.detach().clone().requires_grad_(grads is not None) for t in (q, k, v)]
+    with torch.enable_grad():
+        ref_out, ref_lse = attention_reference(*inputs64, *options, compute_dtype=torch.float64)
+        pt_out, _ = attention_reference(*inputs_pt, *options, compute_dtype=None)
+    checks = [check_error("out", out, ref_out, pt_out, factor=2.0), check_lse(lse, ref_lse)]
+    if grads is not None:
+        ref_grads = torch.autograd.grad(ref_out, inputs64, dout.double())
+        pt_grads = torch.autograd.grad(pt_out, inputs_pt, dout)
+        for name, g, rg, pg in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads):
+            checks.append(check_error(name, g, rg, pg, factor=grad_factor, atol=1e-4))
+    return checks
