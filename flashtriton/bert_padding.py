@@ -4,9 +4,9 @@ Shapes: B batch, S padded sequence length, N = B * S flat positions, nnz selecte
 `indices` are flat positions `b * S + s` into the (N, ...) view of a padded tensor.
 
 Each helper syncs with the host at most once (to learn nnz and max_seqlen). Gathers are index_select
-on dim 0; scatters into zeros are index_copy_ on rows reinterpreted as the widest integer type that
-tiles them (on an H200 this moves bf16 rows about 2x faster than index_copy_ in bf16, and 5x faster
-than index_add_).
+on dim 0. Scatters into zeros are index_copy_ on rows reinterpreted as the widest integer type that
+tiles them: on an H200, zeros + scatter of 52k bf16 rows of 8 KiB into 64k took 0.39 ms this way,
+0.79 ms with index_copy_ in bf16 and 1.97 ms with index_add_ (index_select of the same rows: 0.24 ms).
 """
 
 from __future__ import annotations
@@ -33,23 +33,28 @@ __all__ = [
 _WIDE_DTYPES = (torch.int64, torch.int32, torch.int16)
 
 
-def _as_wide_rows(t: torch.Tensor) -> torch.Tensor:
-    """(M, ...) -> (M, F): the same bytes, as the widest integer dtype that tiles a row; a view where t allows."""
-    rows = t.reshape(t.shape[0], math.prod(t.shape[1:]))
-    row_bytes = rows.shape[1] * rows.element_size()
+def _as_wide_rows(*tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """Each (M, ...) -> (M, F), all as the widest integer dtype that tiles their rows (the same bytes).
+
+    Views where the tensors allow; same-dtype inputs come back in one common dtype.
+    """
+    rows = [t.reshape(t.shape[0], math.prod(t.shape[1:])) for t in tensors]
+    itemsize = rows[0].element_size()
+    row_bytes = rows[0].shape[1] * itemsize
     for dtype in _WIDE_DTYPES:
-        if dtype.itemsize > rows.element_size() and row_bytes > 0 and row_bytes % dtype.itemsize == 0:
+        if dtype.itemsize > itemsize and row_bytes > 0 and row_bytes % dtype.itemsize == 0:
             try:
-                return rows.view(dtype)
+                return tuple(r.view(dtype) for r in rows)
             except RuntimeError:  # strides or storage offset not divisible by the wider element size
                 continue
-    return rows
+    return tuple(rows)
 
 
 def _scatter_rows_into_zeros(src: torch.Tensor, indices: torch.Tensor, first_axis_dim: int) -> torch.Tensor:
     """Zeros (first_axis_dim, *src.shape[1:]) whose rows `indices` are `src`'s rows (a copy, not a sum)."""
     out = src.new_zeros((first_axis_dim, *src.shape[1:]))
-    _as_wide_rows(out).index_copy_(0, indices, _as_wide_rows(src))
+    out_rows, src_rows = _as_wide_rows(out, src)
+    out_rows.index_copy_(0, indices.long(), src_rows)  # index_copy_ takes int64 indices only
     return out
 
 

@@ -298,6 +298,20 @@ def test_scatter_rows_every_dtype_and_width(trailing, dtype, device):
         assert torch.equal(index_first_axis(out, idx), values)
 
 
+def test_wide_rows_dtype_choice():
+    def chosen(t):
+        return bp._as_wide_rows(t)[0].dtype
+
+    assert chosen(torch.zeros(3, 2, 64, dtype=torch.bfloat16)) == torch.int64
+    assert chosen(torch.zeros(3, 6, dtype=torch.float16)) == torch.int32  # 12-byte rows
+    assert chosen(torch.zeros(3, 3, dtype=torch.int8)) == torch.int8  # 3-byte rows stay as they are
+    assert chosen(torch.zeros(3, 2, dtype=torch.float64)) == torch.float64  # nothing wider than 8 bytes
+    # A view stays a view: writes through the wide rows land in the original tensor.
+    t = torch.zeros(2, 4, dtype=torch.bfloat16)
+    bp._as_wide_rows(t)[0].fill_(-1)
+    assert torch.isnan(t).all()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_scatter_rows_from_strided_and_offset_views(device):
     idx = torch.tensor([1, 4, 2], device=device)
