@@ -16,4 +16,6 @@ def _read_version() -> str:
 
 __version__ = _read_version()
 
-from .interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func  # noqa: E402,F401
+from .interface import (  # noqa: E402,F401
+    flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)

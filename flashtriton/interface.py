@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .ops.autograd import FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc
+from .ops.autograd import (FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc, FlashAttnVarlenFunc,
+                           FlashAttnVarlenKVPackedFunc, FlashAttnVarlenQKVPackedFunc)
 
 _COMMON_DOC = """
     dropout_p: float, dropout probability (pass 0.0 at evaluation).
@@ -53,3 +54,46 @@ Arguments:""" + _COMMON_DOC
 flash_attn_func.__doc__ = """Attention with q (batch_size, seqlen_q, nheads, headdim), k and v
 (batch_size, seqlen_k, nheads_k, headdim); nheads_k must divide nheads (GQA/MQA).
 Arguments:""" + _COMMON_DOC
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    return FlashAttnVarlenQKVPackedFunc.apply(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
+                                              window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                                              torch.is_grad_enabled())
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    return FlashAttnVarlenKVPackedFunc.apply(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                             dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                             deterministic, return_attn_probs, torch.is_grad_enabled())
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    return FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                     softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                     return_attn_probs, block_table, torch.is_grad_enabled())
+
+
+_VARLEN_DOC = """
+    cu_seqlens_q / cu_seqlens_k: (batch_size + 1,) int32 cumulative sequence starts; sequence b is rows
+        cu_seqlens[b]:cu_seqlens[b+1]. max_seqlen_q / max_seqlen_k: upper bounds on the lengths (ints).
+    Masks, ALiBi positions and windows are per sequence, bottom-right aligned.
+""" + _COMMON_DOC.replace("(batch_size, nheads, seqlen_q)", "(nheads, total_q)")
+
+flash_attn_varlen_qkvpacked_func.__doc__ = """Varlen attention on packed qkv (total, 3, nheads, headdim) with one
+cu_seqlens / max_seqlen for queries and keys.
+Arguments:""" + _VARLEN_DOC
+flash_attn_varlen_kvpacked_func.__doc__ = """Varlen attention with q (total_q, nheads, headdim) and packed kv
+(total_k, 2, nheads_k, headdim).
+Arguments:""" + _VARLEN_DOC
+flash_attn_varlen_func.__doc__ = """Varlen attention with q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim).
+With block_table (batch_size, max_blocks_per_seq) int32, k/v are paged caches (num_blocks, page_block_size,
+nheads_k, headdim), any page size; key t of sequence b is k[block_table[b, t // page_size], t % page_size].
+This paged form is forward-only (its backward raises).
+Arguments:""" + _VARLEN_DOC

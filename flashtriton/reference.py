@@ -8,11 +8,12 @@ float32 for the CPU fallback, or in the input dtype to measure what PyTorch itse
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["normalize_window", "is_pure_causal", "visible_mask", "attention_reference", "attention_reference_varlen"]
+__all__ = ["normalize_window", "is_pure_causal", "visible_mask", "attention_reference", "attention_reference_backward",
+           "attention_reference_varlen", "attention_reference_varlen_backward"]
 
 
 def normalize_window(window_size: Sequence[int], causal: bool, seqlen_k_star: int) -> Tuple[int, int]:
@@ -72,6 +73,57 @@ def _alibi_bias(slopes: torch.Tensor, batch: int, seqlen_q: int, seqlen_k: int, 
     return -slopes[:, :, None, None] * distance
 
 
+class _Probabilities(NamedTuple):
+    """Intermediates of one reference evaluation, in the compute dtype, heads expanded to H."""
+
+    qc: torch.Tensor        # (B, Sq, H, D)
+    kc: torch.Tensor        # (B, Sk, H, D)
+    vc: torch.Tensor        # (B, Sk, H, D)
+    probs: torch.Tensor     # (B, H, Sq, Sk) softmax, before dropout
+    kept: torch.Tensor      # (B, H, Sq, Sk) probs after dropout and its 1/(1-p) rescale
+    capped: Optional[torch.Tensor]  # (B, H, Sq, Sk) tanh(scaled scores / softcap), when softcap > 0
+    lse: torch.Tensor       # (B, H, Sq), +inf on rows without a visible key
+    scale: float
+
+
+def _probabilities(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_mask,
+                   seqlen_k_star, compute_dtype) -> _Probabilities:
+    batch, seqlen_q, num_heads, head_dim = q.shape
+    seqlen_k, num_heads_k = k.shape[1], k.shape[2]
+    compute_dtype = compute_dtype or q.dtype
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    star = seqlen_k if seqlen_k_star is None else seqlen_k_star
+    window_left, window_right = normalize_window(window_size, causal, star)
+
+    group = num_heads // num_heads_k
+    qc = q.to(compute_dtype)
+    kc = k.to(compute_dtype).repeat_interleave(group, dim=2)
+    vc = v.to(compute_dtype).repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", qc, kc) * scale
+    capped = None
+    if softcap > 0.0:
+        capped = torch.tanh(scores / softcap)
+        scores = softcap * capped
+    if alibi_slopes is not None:
+        pure_causal = is_pure_causal(window_size, causal, star)
+        scores = scores + _alibi_bias(alibi_slopes, batch, seqlen_q, seqlen_k, pure_causal, compute_dtype)
+    visible = visible_mask(seqlen_q, seqlen_k, window_left, window_right, device=q.device)
+    scores = scores.masked_fill(~visible, float("-inf"))
+
+    has_key = visible.any(dim=-1)  # (Sq,)
+    # A finite pivot for rows with no visible key keeps logsumexp and its gradient free of NaN.
+    safe_scores = torch.where(has_key[:, None], scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
+    lse = torch.logsumexp(safe_scores, dim=-1)
+    probs = torch.exp(safe_scores - lse[..., None]).masked_fill(~visible, 0.0)
+    kept = probs
+    if dropout_p > 0.0:
+        if dropout_mask is None:
+            raise ValueError("attention_reference: dropout_p > 0 needs dropout_mask (the keep mask)")
+        kept = probs.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
+    lse = torch.where(has_key, lse, torch.full((), float("inf"), dtype=lse.dtype, device=lse.device))
+    return _Probabilities(qc, kc, vc, probs, kept, capped, lse, scale)
+
+
 def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -95,38 +147,49 @@ def attention_reference(
     seqlen_k_star: S* of the window normalization (defaults to Sk; varlen uses max_seqlen_k).
     Differentiable w.r.t. q, k, v; rows with no visible key give out 0, lse +inf and zero gradients.
     """
-    batch, seqlen_q, num_heads, head_dim = q.shape
-    seqlen_k, num_heads_k = k.shape[1], k.shape[2]
-    compute_dtype = compute_dtype or q.dtype
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
-    star = seqlen_k if seqlen_k_star is None else seqlen_k_star
-    window_left, window_right = normalize_window(window_size, causal, star)
+    r = _probabilities(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_mask,
+                       seqlen_k_star, compute_dtype)
+    out = torch.einsum("bhqk,bkhd->bqhd", r.kept.to(r.vc.dtype), r.vc)
+    return out.to(q.dtype).contiguous(), r.lse.to(torch.float32)
 
-    group = num_heads // num_heads_k
-    qc = q.to(compute_dtype)
-    kc = k.to(compute_dtype).repeat_interleave(group, dim=2)
-    vc = v.to(compute_dtype).repeat_interleave(group, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", qc, kc) * scale
-    if softcap > 0.0:
-        scores = softcap * torch.tanh(scores / softcap)
-    if alibi_slopes is not None:
-        pure_causal = is_pure_causal(window_size, causal, star)
-        scores = scores + _alibi_bias(alibi_slopes, batch, seqlen_q, seqlen_k, pure_causal, compute_dtype)
-    visible = visible_mask(seqlen_q, seqlen_k, window_left, window_right, device=q.device)
-    scores = scores.masked_fill(~visible, float("-inf"))
 
-    has_key = visible.any(dim=-1)  # (Sq,)
-    # A finite pivot for rows with no visible key keeps logsumexp and its gradient free of NaN.
-    safe_scores = torch.where(has_key[:, None], scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
-    lse = torch.logsumexp(safe_scores, dim=-1)
-    probs = torch.exp(safe_scores - lse[..., None]).masked_fill(~visible, 0.0)
-    if dropout_p > 0.0:
-        if dropout_mask is None:
-            raise ValueError("attention_reference: dropout_p > 0 needs dropout_mask (the keep mask)")
-        probs = probs.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
-    out = torch.einsum("bhqk,bkhd->bqhd", probs.to(vc.dtype), vc)
-    lse = torch.where(has_key, lse, torch.full((), float("inf"), dtype=lse.dtype, device=lse.device))
-    return out.to(q.dtype), lse.to(torch.float32)
+def attention_reference_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Sequence[int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    dropout_mask: Optional[torch.Tensor] = None,
+    *,
+    seqlen_k_star: Optional[int] = None,
+    compute_dtype: Optional[torch.dtype] = torch.float32,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of attention_reference written out (API.md §4.10), without autograd.
+
+    Used where autograd is unavailable (inside custom ops); GQA gradients are summed over each group.
+    """
+    r = _probabilities(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_mask,
+                       seqlen_k_star, compute_dtype)
+    do = dout.to(r.vc.dtype)
+    dv = torch.einsum("bhqk,bqhd->bkhd", r.kept, do)
+    d_kept = torch.einsum("bqhd,bkhd->bhqk", do, r.vc)
+    d_probs = d_kept if dropout_p <= 0.0 else d_kept.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
+    delta = (r.probs * d_probs).sum(-1, keepdim=True)
+    d_scores = r.probs * (d_probs - delta)
+    if r.capped is not None:
+        d_scores = d_scores * (1.0 - r.capped * r.capped)
+    dq = torch.einsum("bhqk,bkhd->bqhd", d_scores, r.kc) * r.scale
+    dk = torch.einsum("bhqk,bqhd->bkhd", d_scores, r.qc) * r.scale
+    num_heads_k = k.shape[2]
+    group = q.shape[2] // num_heads_k
+    dk = dk.unflatten(2, (num_heads_k, group)).sum(3)
+    dv = dv.unflatten(2, (num_heads_k, group)).sum(3)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def attention_reference_varlen(
@@ -166,3 +229,35 @@ def attention_reference_varlen(
         out[q0:q1] = out_b[0]
         lse[:, q0:q1] = lse_b[0]
     return out, lse
+
+
+def attention_reference_varlen_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_k: int,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Sequence[int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    *,
+    compute_dtype: Optional[torch.dtype] = torch.float32,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of attention_reference_varlen without autograd; uncovered rows get 0."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(starts_q) - 1):
+        q0, q1, k0, k1 = starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b + 1]
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes[b : b + 1] if alibi_slopes.dim() == 2 else alibi_slopes
+        grads = attention_reference_backward(
+            dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, causal, window_size,
+            softcap, slopes, seqlen_k_star=max_seqlen_k, compute_dtype=compute_dtype)
+        for target, grad, (lo, hi) in zip((dq, dk, dv), grads, ((q0, q1), (k0, k1), (k0, k1))):
+            target[lo:hi] = grad[0]
+    return dq, dk, dv

@@ -6,7 +6,6 @@ import ast
 import dataclasses
 import importlib.metadata
 import inspect
-import os
 import re
 import subprocess
 import sys
@@ -61,10 +60,6 @@ def _spec_parameters(spec: str):
     return [(a.arg, d) for a, d in zip(args.args, defaults)]
 
 
-def _python_parameters(fn):
-    return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
-
-
 def _op_schema_parameters(fn):
     """[(name, default)] of the operator schema a torch.library custom op parses its arguments with.
 
@@ -78,9 +73,11 @@ def _op_schema_parameters(fn):
 @pytest.mark.parametrize("module", [flash_attn, fai], ids=["flashtriton", "flash_attn_interface"])
 @pytest.mark.parametrize("name", sorted(PUBLIC_SIGNATURES))
 def test_public_signature_matches_spec(module, name):
-    params = inspect.signature(getattr(module, name)).parameters.values()
-    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params)
-    assert _python_parameters(getattr(module, name)) == _spec_parameters(PUBLIC_SIGNATURES[name])
+    params = list(inspect.signature(getattr(module, name)).parameters.values())
+    positional = [p for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert [(p.name, p.default) for p in positional] == _spec_parameters(PUBLIC_SIGNATURES[name])
+    # Only keyword-only extras may follow the FA2 parameters (API.md §3, §8); no *args / **kwargs.
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[len(positional):])
 
 
 @pytest.mark.parametrize("prefix", ["", "_wrapped"])
@@ -154,8 +151,8 @@ def test_path_is_extended_for_sibling_distributions(tmp_path):
     package_parent = Path(flash_attn.__file__).resolve().parent.parent
     code = ("import sys; sys.path.append(sys.argv[1]); import flashtriton, flashtriton.cute; "
             "print(flashtriton.cute.MARKER, callable(flashtriton.flash_attn_func))")
-    result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=package_parent, env=dict(os.environ),
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=package_parent, capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["sibling", "True"]
 
@@ -259,7 +256,7 @@ def test_packed_entry_points_match_flash_attn_func(entry):
     out.backward(dout)
     assert torch.equal(out, reference_out)
     packed_grads = torch.cat([leaf.grad.flatten() for leaf in leaves])
-    reference_grads = torch.cat([t.grad.flatten() for t in ENTRIES[entry].pack(*reference_leaves)])
+    reference_grads = torch.cat([t.flatten() for t in ENTRIES[entry].pack(*(t.grad for t in reference_leaves))])
     assert torch.equal(packed_grads, reference_grads)
 
 
@@ -366,6 +363,19 @@ def test_non_contiguous_last_dim_inputs_are_accepted(entry):
         assert not wide.grad[..., 1::2].any()
 
 
+@pytest.mark.parametrize("entry,index", [("func", 0), ("func", 1), ("func", 2), ("qkvpacked", 0),
+                                         ("kvpacked", 0), ("kvpacked", 1)])
+def test_single_strided_input_requiring_grad_gets_its_gradient(entry, index):
+    q, k, v = _inputs()
+    dout = torch.randn_like(q)
+    expected_leaves = ENTRIES[entry].leaves(q, k, v)
+    ENTRIES[entry].fn(*expected_leaves).backward(dout)
+    tensors = list(ENTRIES[entry].pack(q, k, v))
+    wide, tensors[index] = _strided_last_dim(tensors[index])
+    ENTRIES[entry].fn(*tensors).backward(dout)
+    assert torch.equal(wide.grad[..., ::2], expected_leaves[index].grad)
+
+
 def test_non_contiguous_last_dim_dout_is_accepted():
     q, k, v = _inputs()
     dout = torch.randn_like(q)
@@ -408,7 +418,9 @@ def test_low_level_forward_accepts_keyword_arguments():
     out, lse, _, _ = fai._flash_attn_forward(q=q, k=k, v=v, dropout_p=0.0, softmax_scale=0.25, causal=False,
                                              window_size_left=-1, window_size_right=-1, softcap=0.0,
                                              alibi_slopes=None, return_softmax=False)
-    assert torch.equal(out, _low_level_forward(q, k, v, 0.25)[0])
+    positional_out, positional_lse, _, _ = _low_level_forward(q, k, v, 0.25)
+    assert torch.equal(out, positional_out)
+    assert torch.equal(lse, positional_lse)
 
 
 def test_low_level_forward_return_softmax_needs_dropout():

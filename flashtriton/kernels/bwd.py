@@ -9,8 +9,8 @@ P = 0). With softcap, dS is multiplied by 1 - tanh^2 before the scale (API.md §
 import triton
 import triton.language as tl
 
-from .common import (alibi_bias_log2, kv_block_range, q_block_range, scores_log2, sequence_bounds, tanh,
-                     visibility_mask)
+from .common import (alibi_bias_log2, kv_block_range, q_block_range, row_offsets, scores_log2, sequence_bounds,
+                     tanh, to_int64, visibility_mask)
 
 
 @triton.jit
@@ -26,7 +26,8 @@ def attn_bwd_preprocess_kernel(
     batch_head = tl.program_id(1)
     batch = batch_head // num_heads
     head = batch_head % num_heads
-    q_start, seqlen_q, _, _ = sequence_bounds(batch, CuSeqlensQ, CuSeqlensQ, seqlen_q, seqlen_q, IS_VARLEN)
+    q_start, seqlen_q, _, _ = sequence_bounds(batch, CuSeqlensQ, CuSeqlensQ, None, None, seqlen_q, seqlen_q, IS_VARLEN,
+                                              False, False)
     m_start = m_block * BLOCK_M
     if m_start >= seqlen_q:
         return
@@ -53,15 +54,18 @@ def _dkdv_q_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, IS_LOCAL: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """Accumulate query blocks [m_block_lo, m_block_hi) of one head into the key tile's (dk, dv)."""
-    offs_m_base = tl.arange(0, BLOCK_M)
+    offs_row = tl.arange(0, BLOCK_M)
     d_in = offs_d < HEAD_DIM
     for m_block in range(m_block_lo, m_block_hi):
-        offs_m = m_block * BLOCK_M + offs_m_base
+        m_start = m_block * BLOCK_M
+        offs_m = m_start + offs_row
         row_in = offs_m < seqlen_q
+        q_offs = row_offsets(m_start, offs_row, seqlen_q, stride_qm, None, 1, 0, False)
+        do_offs = row_offsets(m_start, offs_row, seqlen_q, stride_dom, None, 1, 0, False)
         # [BLOCK_D, BLOCK_M]
-        q_t = tl.load(q_base + offs_m[None, :] * stride_qm + offs_d[:, None], mask=row_in[None, :] & d_in[:, None], other=0.0)
+        q_t = tl.load(q_base + q_offs[None, :] + offs_d[:, None], mask=row_in[None, :] & d_in[:, None], other=0.0)
         # [BLOCK_M, BLOCK_D]
-        do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], mask=row_in[:, None] & d_in[None, :], other=0.0)
+        do = tl.load(do_base + do_offs[:, None] + offs_d[None, :], mask=row_in[:, None] & d_in[None, :], other=0.0)
         # [BLOCK_M]; padded rows get lse = +inf, hence P = 0
         lse_log2 = tl.load(lse_base + offs_m, mask=row_in, other=float("inf")) * 1.4426950408889634
         delta = tl.load(delta_base + offs_m, mask=row_in, other=0.0)
@@ -110,7 +114,8 @@ def attn_bwd_dkdv_kernel(
     batch_head = tl.program_id(1)
     batch = batch_head // num_heads_k
     head_k = batch_head % num_heads_k
-    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, IS_VARLEN)
+    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, None, None, seqlen_q,
+                                                           seqlen_k, IS_VARLEN, False, False)
     n_start = n_block * BLOCK_N
     if n_start >= seqlen_k:
         return
@@ -136,8 +141,8 @@ def attn_bwd_dkdv_kernel(
     for group_member in range(group_size):
         head = head_k * group_size + group_member
         head64 = head.to(tl.int64)
-        q_base = Q + batch64 * stride_qb + q_start.to(tl.int64) * stride_qm + head64 * stride_qh
-        do_base = DOut + batch64 * stride_dob + q_start.to(tl.int64) * stride_dom + head64 * stride_doh
+        q_base = Q + batch64 * stride_qb + to_int64(q_start) * stride_qm + head64 * stride_qh
+        do_base = DOut + batch64 * stride_dob + to_int64(q_start) * stride_dom + head64 * stride_doh
         lse_base = Lse + batch64 * stride_lse_b + head64 * stride_lse_h + q_start
         delta_base = Delta + batch64 * stride_lse_b + head64 * stride_lse_h + q_start
         slope_log2 = 0.0
@@ -174,14 +179,17 @@ def _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn
                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_LOCAL: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """Accumulate key blocks [n_block_lo, n_block_hi) into the query tile's dq (unscaled)."""
-    offs_n_base = tl.arange(0, BLOCK_N)
+    offs_col = tl.arange(0, BLOCK_N)
     d_in = offs_d < HEAD_DIM
     for n_block in range(n_block_lo, n_block_hi):
-        offs_n = n_block * BLOCK_N + offs_n_base
+        n_start = n_block * BLOCK_N
+        offs_n = n_start + offs_col
         key_in = offs_n < seqlen_k
+        k_offs = row_offsets(n_start, offs_col, seqlen_k, stride_kn, None, 1, 0, False)
+        v_offs = row_offsets(n_start, offs_col, seqlen_k, stride_vn, None, 1, 0, False)
         # [BLOCK_D, BLOCK_N]
-        k_t = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=key_in[None, :] & d_in[:, None], other=0.0)
-        v_t = tl.load(v_base + offs_n[None, :] * stride_vn + offs_d[:, None], mask=key_in[None, :] & d_in[:, None], other=0.0)
+        k_t = tl.load(k_base + k_offs[None, :] + offs_d[:, None], mask=key_in[None, :] & d_in[:, None], other=0.0)
+        v_t = tl.load(v_base + v_offs[None, :] + offs_d[:, None], mask=key_in[None, :] & d_in[:, None], other=0.0)
         # [BLOCK_M, BLOCK_N]
         qk = tl.dot(q, k_t)
         s = scores_log2(qk, qk_scale_log2, softcap_in_scale, softcap_out_log2, HAS_SOFTCAP)
@@ -221,7 +229,8 @@ def attn_bwd_dq_kernel(
     batch = batch_head // num_heads
     head = batch_head % num_heads
     head_k = head // group_size
-    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, IS_VARLEN)
+    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, None, None, seqlen_q,
+                                                           seqlen_k, IS_VARLEN, False, False)
     m_start = m_block * BLOCK_M
     if m_start >= seqlen_q:
         return
@@ -245,8 +254,8 @@ def attn_bwd_dq_kernel(
     slope_log2 = 0.0
     if HAS_ALIBI:
         slope_log2 = tl.load(AlibiSlopes + batch * stride_alibi_b + head) * 1.4426950408889634
-    k_base = K + batch64 * stride_kb + k_start.to(tl.int64) * stride_kn + head_k.to(tl.int64) * stride_kh
-    v_base = V + batch64 * stride_vb + k_start.to(tl.int64) * stride_vn + head_k.to(tl.int64) * stride_vh
+    k_base = K + batch64 * stride_kb + to_int64(k_start) * stride_kn + head_k.to(tl.int64) * stride_kh
+    v_base = V + batch64 * stride_vb + to_int64(k_start) * stride_vn + head_k.to(tl.int64) * stride_vh
     # [BLOCK_M, BLOCK_D]
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 

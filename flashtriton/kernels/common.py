@@ -114,8 +114,13 @@ def scores_log2(qk, qk_scale_log2, softcap_in_scale, softcap_out_log2, HAS_SOFTC
 
 
 @triton.jit
-def sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
-    """(first row of q, q length, first row of k, k length) of one batch entry; varlen reads cu_seqlens."""
+def sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, seqlen_q, seqlen_k,
+                    IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr, HAS_LEFTPAD_K: tl.constexpr):
+    """(first row of q, q length, first row of k, k length) of one batch entry.
+
+    Varlen reads cu_seqlens; seqused_k replaces the key length; leftpad_k moves the first key forward
+    inside the sequence's slot (API.md §7).
+    """
     if IS_VARLEN:
         q_start = tl.load(CuSeqlensQ + batch)
         q_len = tl.load(CuSeqlensQ + batch + 1) - q_start
@@ -126,4 +131,31 @@ def sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, IS_VARLEN
         q_len = seqlen_q
         k_start = tl.zeros([], tl.int32)
         k_len = seqlen_k
+    if HAS_SEQUSED_K:
+        k_len = tl.load(SeqUsedK + batch)
+    if HAS_LEFTPAD_K:
+        left_pad = tl.load(LeftPadK + batch)
+        k_start += left_pad
+        k_len -= left_pad
     return q_start, q_len, k_start, k_len
+
+
+@triton.jit
+def to_int64(x):
+    """Widen a scalar (tensor or interpreter int) to int64 before it multiplies a stride."""
+    return x + tl.zeros([], tl.int64)
+
+
+@triton.jit
+def row_offsets(n_start, offs_col, seqlen_k, stride_row, block_table_row, page_size, stride_page,
+                IS_PAGED: tl.constexpr):
+    """[BLOCK] int64 element offsets of rows n_start + offs_col (keys, or query rows) from their head's base.
+
+    Paged caches (API.md §3.4, §5.2) map key t to row t % page_size of page block_table_row[t // page_size].
+    """
+    if IS_PAGED:
+        offs_n = n_start + offs_col
+        page = tl.load(block_table_row + offs_n // page_size, mask=offs_n < seqlen_k, other=0).to(tl.int64)
+        return page * stride_page + (offs_n % page_size) * stride_row
+    else:
+        return to_int64(n_start) * stride_row + offs_col * stride_row

@@ -9,26 +9,32 @@ RESCALE_THRESHOLD (log2 units) so most tiles skip the O / row-sum rescale; P the
 import triton
 import triton.language as tl
 
-from .common import alibi_bias_log2, kv_block_range, scores_log2, sequence_bounds, visibility_mask
+from .common import (alibi_bias_log2, row_offsets, kv_block_range, scores_log2, sequence_bounds, to_int64,
+                     visibility_mask)
 
 
 @triton.jit
-def _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+def _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, block_table_row, page_size,
+                 stride_kpage, stride_vpage,
                  offs_m, offs_d, n_block_lo, n_block_hi, seqlen_q, seqlen_k,
                  qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
                  slope_log2, alibi_pure_causal,
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_LOCAL: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr):
+                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_PAGED: tl.constexpr,
+                 RESCALE_THRESHOLD: tl.constexpr):
     """Accumulate key blocks [n_block_lo, n_block_hi) into (acc, l_i, m_i); MASKED applies the mask."""
-    offs_n_base = tl.arange(0, BLOCK_N)
+    offs_col = tl.arange(0, BLOCK_N)
     d_in = offs_d < HEAD_DIM
     for n_block in range(n_block_lo, n_block_hi):
-        offs_n = n_block * BLOCK_N + offs_n_base
+        n_start = n_block * BLOCK_N
+        offs_n = n_start + offs_col
         key_in = offs_n < seqlen_k
+        k_offs = row_offsets(n_start, offs_col, seqlen_k, stride_kn, block_table_row, page_size, stride_kpage, IS_PAGED)
+        v_offs = row_offsets(n_start, offs_col, seqlen_k, stride_vn, block_table_row, page_size, stride_vpage, IS_PAGED)
         # [BLOCK_D, BLOCK_N]
-        k_t = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=key_in[None, :] & d_in[:, None], other=0.0)
+        k_t = tl.load(k_base + k_offs[None, :] + offs_d[:, None], mask=key_in[None, :] & d_in[:, None], other=0.0)
         # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=key_in[:, None] & d_in[None, :], other=0.0)
+        v = tl.load(v_base + v_offs[:, None] + offs_d[None, :], mask=key_in[:, None] & d_in[None, :], other=0.0)
         # [BLOCK_M, BLOCK_N] log2-domain logits
         s = scores_log2(tl.dot(q, k_t), qk_scale_log2, softcap_in_scale, softcap_out_log2, HAS_SOFTCAP)
         if HAS_ALIBI:
@@ -58,34 +64,42 @@ def _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, Out, Lse, AlibiSlopes, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, Out, Lse, AlibiSlopes, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, BlockTable,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
     stride_lse_b, stride_lse_h,
-    stride_alibi_b,
+    stride_alibi_b, stride_block_table_b, page_size, stride_kpage, stride_vpage,
     num_heads, group_size, seqlen_q, seqlen_k,
     qk_scale_log2, softcap_in_scale, softcap_out_log2,
     window_left, window_right, alibi_pure_causal,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
+    IS_PAGED: tl.constexpr, HAS_SEQUSED_K: tl.constexpr, HAS_LEFTPAD_K: tl.constexpr,
     RESCALE_THRESHOLD: tl.constexpr,
 ):
+    """One program per (query tile, batch * head). Paged K/V (IS_PAGED) address keys through BlockTable."""
     m_block = tl.program_id(0)
     batch_head = tl.program_id(1)
     batch = batch_head // num_heads
     head = batch_head % num_heads
     head_k = head // group_size
-    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, seqlen_q, seqlen_k, IS_VARLEN)
+    q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, seqlen_q,
+                                                           seqlen_k, IS_VARLEN, HAS_SEQUSED_K, HAS_LEFTPAD_K)
     m_start = m_block * BLOCK_M
     if m_start >= seqlen_q:
         return
 
     batch64 = batch.to(tl.int64)
     q_base = Q + batch64 * stride_qb + (q_start + m_start).to(tl.int64) * stride_qm + head.to(tl.int64) * stride_qh
-    k_base = K + batch64 * stride_kb + k_start.to(tl.int64) * stride_kn + head_k.to(tl.int64) * stride_kh
-    v_base = V + batch64 * stride_vb + k_start.to(tl.int64) * stride_vn + head_k.to(tl.int64) * stride_vh
+    if IS_PAGED:
+        k_start = 0  # paged keys are addressed through the block table, not cu_seqlens_k
+    k_base = K + batch64 * stride_kb + to_int64(k_start) * stride_kn + head_k.to(tl.int64) * stride_kh
+    v_base = V + batch64 * stride_vb + to_int64(k_start) * stride_vn + head_k.to(tl.int64) * stride_vh
+    block_table_row = BlockTable
+    if IS_PAGED:
+        block_table_row = BlockTable + batch64 * stride_block_table_b
     o_base = Out + batch64 * stride_ob + (q_start + m_start).to(tl.int64) * stride_om + head.to(tl.int64) * stride_oh
     lse_base = Lse + batch64 * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start + m_start
 
@@ -109,17 +123,23 @@ def attn_fwd_kernel(
     n_block_min, n_full_min, n_full_max, n_block_max = kv_block_range(
         m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, IS_LOCAL)
     acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, n_block_min, n_full_min,
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, block_table_row, page_size, stride_kpage,
+        stride_vpage, offs_m, offs_d, n_block_min, n_full_min,
         seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
-        slope_log2, alibi_pure_causal, HEAD_DIM, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, RESCALE_THRESHOLD)
+        slope_log2, alibi_pure_causal, HEAD_DIM, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, IS_PAGED,
+        RESCALE_THRESHOLD)
     acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, n_full_min, n_full_max,
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, block_table_row, page_size, stride_kpage,
+        stride_vpage, offs_m, offs_d, n_full_min, n_full_max,
         seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
-        slope_log2, alibi_pure_causal, HEAD_DIM, BLOCK_N, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, RESCALE_THRESHOLD)
+        slope_log2, alibi_pure_causal, HEAD_DIM, BLOCK_N, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, IS_PAGED,
+        RESCALE_THRESHOLD)
     acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, n_full_max, n_block_max,
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, block_table_row, page_size, stride_kpage,
+        stride_vpage, offs_m, offs_d, n_full_max, n_block_max,
         seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
-        slope_log2, alibi_pure_causal, HEAD_DIM, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, RESCALE_THRESHOLD)
+        slope_log2, alibi_pure_causal, HEAD_DIM, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, IS_PAGED,
+        RESCALE_THRESHOLD)
 
     # rows that saw no key: out 0, lse +inf (API.md §4.5)
     seen = l_i > 0.0

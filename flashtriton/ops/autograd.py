@@ -6,13 +6,15 @@ packed gradient tensor, so nothing is concatenated.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from .backend import empty_like, new_empty
 from .checks import has_contiguous_last_dim
-from .library import _flash_attn_backward, _flash_attn_forward
+from .library import (_flash_attn_backward, _flash_attn_forward, _flash_attn_varlen_backward,
+                      _flash_attn_varlen_forward)
 
 
 def maybe_contiguous(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -23,30 +25,54 @@ def _window_ints(window_size: Sequence) -> tuple:
     return int(window_size[0]), int(window_size[1])
 
 
+@dataclass(frozen=True)
+class VarlenLayout:
+    """What the varlen functions add to the dense ones."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_table: Optional[torch.Tensor] = None
+
+
 def _forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-             return_softmax, is_grad_enabled):
-    """Shared forward of the three dense Functions; stores what _backward needs on ctx."""
+             return_softmax, needs_grad, varlen: Optional[VarlenLayout] = None):
+    """Shared forward of every Function; stores what _backward needs on ctx."""
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** (-0.5)
     window_left, window_right = _window_ints(window_size)
     q, k, v = maybe_contiguous(q), maybe_contiguous(k), maybe_contiguous(v)
-    out, softmax_lse, s_dmask, rng_state = _flash_attn_forward(
-        q, k, v, float(dropout_p), float(softmax_scale), bool(causal), window_left, window_right, float(softcap),
-        alibi_slopes, bool(return_softmax and dropout_p > 0))
-    if is_grad_enabled:
-        ctx.save_for_backward(q, k, v, out, softmax_lse, rng_state)
-        ctx.options = (float(dropout_p), float(softmax_scale), bool(causal), window_left, window_right,
-                       float(softcap), alibi_slopes, bool(deterministic))
-    result = (out, softmax_lse, s_dmask) if return_softmax else out
-    return result
+    options = (float(dropout_p), float(softmax_scale), bool(causal), window_left, window_right, float(softcap),
+               alibi_slopes)
+    return_softmax_op = bool(return_softmax and dropout_p > 0)
+    if varlen is None:
+        out, softmax_lse, s_dmask, rng_state = _flash_attn_forward(q, k, v, *options, return_softmax_op)
+    else:
+        out, softmax_lse, s_dmask, rng_state = _flash_attn_varlen_forward(
+            q, k, v, varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.max_seqlen_q, varlen.max_seqlen_k, *options,
+            return_softmax_op, varlen.block_table)
+    if needs_grad:
+        cu_seqlens = () if varlen is None else (varlen.cu_seqlens_q, varlen.cu_seqlens_k)
+        ctx.save_for_backward(q, k, v, out, softmax_lse, rng_state, *cu_seqlens)
+        ctx.options = (*options, bool(deterministic))
+        ctx.max_seqlens = None if varlen is None else (varlen.max_seqlen_q, varlen.max_seqlen_k)
+        ctx.is_paged = varlen is not None and varlen.block_table is not None
+    return (out, softmax_lse, s_dmask) if return_softmax else out
 
 
 def _backward(ctx, dout, dq, dk, dv):
     """Run the backward op into the given gradient buffers (views allowed)."""
-    q, k, v, out, softmax_lse, rng_state = ctx.saved_tensors
-    dropout_p, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic = ctx.options
-    _flash_attn_backward(maybe_contiguous(dout), q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
-                         causal, window_left, window_right, softcap, alibi_slopes, deterministic, rng_state)
+    q, k, v, out, softmax_lse, rng_state, *cu_seqlens = ctx.saved_tensors
+    dout = maybe_contiguous(dout)
+    if ctx.max_seqlens is None:
+        _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, *ctx.options, rng_state)
+        return
+    if ctx.is_paged:
+        raise RuntimeError("flash_attn_varlen_func with block_table (paged K/V) has no backward; "
+                           "it is meant for inference")
+    _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, *cu_seqlens, *ctx.max_seqlens,
+                                *ctx.options, rng_state)
 
 
 def _needs_grad(is_grad_enabled, *tensors) -> bool:
@@ -72,11 +98,11 @@ class FlashAttnQKVPackedFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                 return_softmax, is_grad_enabled):
+        needs_grad = _needs_grad(is_grad_enabled, qkv)
         qkv = maybe_contiguous(qkv)
         ctx.qkv_shape = qkv.shape
         return _forward(ctx, qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
-                        window_size, softcap, alibi_slopes, deterministic, return_softmax,
-                        _needs_grad(is_grad_enabled, qkv))
+                        window_size, softcap, alibi_slopes, deterministic, return_softmax, needs_grad)
 
     @staticmethod
     def backward(ctx, dout, *unused_grads):
@@ -90,10 +116,11 @@ class FlashAttnKVPackedFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                 return_softmax, is_grad_enabled):
+        needs_grad = _needs_grad(is_grad_enabled, q, kv)
         kv = maybe_contiguous(kv)
         ctx.kv_shape = kv.shape
         return _forward(ctx, q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
-                        alibi_slopes, deterministic, return_softmax, _needs_grad(is_grad_enabled, q, kv))
+                        alibi_slopes, deterministic, return_softmax, needs_grad)
 
     @staticmethod
     def backward(ctx, dout, *unused_grads):
@@ -102,3 +129,59 @@ class FlashAttnKVPackedFunc(torch.autograd.Function):
         dkv = new_empty(ctx.kv_shape, q.dtype, q.device)
         _backward(ctx, dout, dq, dkv[:, :, 0], dkv[:, :, 1])
         return dq, dkv, None, None, None, None, None, None, None, None, None
+
+
+class FlashAttnVarlenFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                causal, window_size, softcap, alibi_slopes, deterministic, return_softmax, block_table,
+                is_grad_enabled):
+        varlen = VarlenLayout(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), block_table)
+        return _forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                        deterministic, return_softmax, _needs_grad(is_grad_enabled, q, k, v), varlen)
+
+    @staticmethod
+    def backward(ctx, dout, *unused_grads):
+        q, k, v = ctx.saved_tensors[:3]
+        dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
+        _backward(ctx, dout, dq, dk, dv)
+        return (dq, dk, dv) + (None,) * 14
+
+
+class FlashAttnVarlenQKVPackedFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
+                alibi_slopes, deterministic, return_softmax, is_grad_enabled):
+        needs_grad = _needs_grad(is_grad_enabled, qkv)
+        qkv = maybe_contiguous(qkv)
+        ctx.qkv_shape = qkv.shape
+        varlen = VarlenLayout(cu_seqlens, cu_seqlens, int(max_seqlen), int(max_seqlen))
+        return _forward(ctx, qkv[:, 0], qkv[:, 1], qkv[:, 2], dropout_p, softmax_scale, causal, window_size,
+                        softcap, alibi_slopes, deterministic, return_softmax, needs_grad, varlen)
+
+    @staticmethod
+    def backward(ctx, dout, *unused_grads):
+        q = ctx.saved_tensors[0]
+        dqkv = new_empty(ctx.qkv_shape, q.dtype, q.device)
+        _backward(ctx, dout, dqkv[:, 0], dqkv[:, 1], dqkv[:, 2])
+        return (dqkv,) + (None,) * 11
+
+
+class FlashAttnVarlenKVPackedFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                causal, window_size, softcap, alibi_slopes, deterministic, return_softmax, is_grad_enabled):
+        needs_grad = _needs_grad(is_grad_enabled, q, kv)
+        kv = maybe_contiguous(kv)
+        ctx.kv_shape = kv.shape
+        varlen = VarlenLayout(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
+        return _forward(ctx, q, kv[:, 0], kv[:, 1], dropout_p, softmax_scale, causal, window_size, softcap,
+                        alibi_slopes, deterministic, return_softmax, needs_grad, varlen)
+
+    @staticmethod
+    def backward(ctx, dout, *unused_grads):
+        q = ctx.saved_tensors[0]
+        dq = empty_like(q)
+        dkv = new_empty(ctx.kv_shape, q.dtype, q.device)
+        _backward(ctx, dout, dq, dkv[:, 0], dkv[:, 1])
+        return (dq, dkv) + (None,) * 13

@@ -18,7 +18,8 @@ import torch
 from .. import configs
 from ..kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from ..kernels.fwd import attn_fwd_kernel
-from ..reference import attention_reference, is_pure_causal, normalize_window
+from ..reference import (attention_reference, attention_reference_backward, attention_reference_varlen,
+                         attention_reference_varlen_backward, is_pure_causal, normalize_window)
 from . import checks
 
 LOG2E = 1.4426950408889634
@@ -93,6 +94,16 @@ def _bsh_strides(tensor: torch.Tensor) -> Tuple[int, int, int]:
     return tensor.stride(0), tensor.stride(1), tensor.stride(2)
 
 
+def _varlen_strides(tensor: torch.Tensor) -> Tuple[int, int, int]:
+    """(batch, token, head) strides of a (T, H, D) tensor: sequences are found through cu_seqlens."""
+    return 0, tensor.stride(0), tensor.stride(1)
+
+
+def _paged_strides(tensor: torch.Tensor) -> Tuple[int, int, int]:
+    """(batch, row-in-page, head) strides of a paged (num_pages, page_size, H, D) cache."""
+    return 0, tensor.stride(1), tensor.stride(2)
+
+
 def _alibi_batch_stride(alibi_slopes: Optional[torch.Tensor]) -> int:
     return alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
 
@@ -119,26 +130,35 @@ def _check_dropout(dropout_p: float) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides: Tuple[int, int],
-               seqlen_q: int, seqlen_k: int, batch: int, cu_seqlens_q=None, cu_seqlens_k=None) -> None:
-    """Run the forward kernel into preallocated out (q's layout) and lse (fp32, rows contiguous)."""
+               seqlen_q: int, seqlen_k: int, batch: int, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
+               leftpad_k=None, block_table=None) -> None:
+    """Run the forward kernel into preallocated out (q's layout) and lse (fp32, rows contiguous).
+
+    Dense: q/k/v (B, S, H, D). Varlen (cu_seqlens given): (T, H, D), seqlen_q/k are the max lengths.
+    Paged (block_table given): k/v are (num_pages, page_size, Hk, D).
+    """
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k = k.shape[-2]
     config = configs.fwd_config(configs.arch_class(q.device), head_dim)
     if seqlen_q == 0 or batch == 0:
         return
     is_varlen = cu_seqlens_q is not None
-    seq_strides = (lambda t: (0, t.stride(0), t.stride(1))) if is_varlen else _bsh_strides
+    is_paged = block_table is not None
+    q_strides = _varlen_strides if is_varlen else _bsh_strides
+    kv_strides = _paged_strides if is_paged else q_strides
+    page_args = (block_table.stride(0), k.shape[1], k.stride(0), v.stride(0)) if is_paged else (0, 1, 0, 0)
     grid = (triton_cdiv(seqlen_q, config.block_m), batch * num_heads)
     with _device_guard(q):
         attn_fwd_kernel[grid](
-            q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-            *seq_strides(q), *seq_strides(k), *seq_strides(v), *seq_strides(out),
-            *lse_strides, _alibi_batch_stride(alibi_slopes),
+            q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table,
+            *q_strides(q), *kv_strides(k), *kv_strides(v), *q_strides(out),
+            *lse_strides, _alibi_batch_stride(alibi_slopes), *page_args,
             num_heads, num_heads // num_heads_k, seqlen_q, seqlen_k,
             *params.kernel_args(),
             HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             IS_LOCAL=params.is_local, HAS_SOFTCAP=params.softcap > 0.0, HAS_ALIBI=alibi_slopes is not None,
-            IS_VARLEN=is_varlen, RESCALE_THRESHOLD=config.rescale_threshold,
+            IS_VARLEN=is_varlen, IS_PAGED=is_paged, HAS_SEQUSED_K=seqused_k is not None,
+            HAS_LEFTPAD_K=leftpad_k is not None, RESCALE_THRESHOLD=config.rescale_threshold,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
 
@@ -147,15 +167,20 @@ def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+def check_fwd(q, k, v, dropout_p: float, softcap: float, alibi_slopes, return_softmax: bool) -> None:
+    """Every check of the dense forward (API.md §6); also run by the fake implementation."""
+    checks.check_dense_qkv(q, k, v)
+    checks.check_options(dropout_p, softcap, alibi_slopes, q.shape[0], q.shape[2], q)
+    checks.check(not return_softmax or dropout_p > 0.0, "return_softmax is only supported when p_dropout > 0.0")
+    _check_dropout(dropout_p)
+
+
 def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
             window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor], return_softmax: bool):
     """Dense forward. Returns (out, softmax_lse (B, H, Sq), S_dmask, rng_state); see API.md §7."""
-    checks.check_dense_qkv(q, k, v)
+    check_fwd(q, k, v, dropout_p, softcap, alibi_slopes, return_softmax)
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k = k.shape[1]
-    checks.check_options(dropout_p, softcap, alibi_slopes, batch, num_heads, q)
-    checks.check(not return_softmax or dropout_p > 0.0, "return_softmax is only supported when p_dropout > 0.0")
-    _check_dropout(dropout_p)
     q, k, v = (t if checks.has_contiguous_last_dim(t) else t.contiguous() for t in (q, k, v))
     rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
     s_dmask = torch.empty(0, dtype=q.dtype, device=q.device)
@@ -188,7 +213,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
     group_size = num_heads // num_heads_k
     config = configs.bwd_config(configs.arch_class(q.device), head_dim)
     is_varlen = cu_seqlens_q is not None
-    seq_strides = (lambda t: (0, t.stride(0), t.stride(1))) if is_varlen else _bsh_strides
+    seq_strides = _varlen_strides if is_varlen else _bsh_strides
     block_dim = configs.block_d(head_dim)
     flags = dict(IS_LOCAL=params.is_local, HAS_SOFTCAP=params.softcap > 0.0, HAS_ALIBI=alibi_slopes is not None,
                  IS_VARLEN=is_varlen)
@@ -224,16 +249,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
             )
 
 
-def _reference_grads(dout, q, k, v, reference_fn):
-    """Gradients of reference_fn(q, k, v) -> out, in float32 through autograd; returns (dq, dk, dv)."""
-    with torch.enable_grad():
-        inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
-        out = reference_fn(*inputs)
-        return torch.autograd.grad(out, inputs, dout.float())
-
-
-def _check_bwd_tensors(dout, q, out, dq, dk, dv, k, v) -> None:
-    checks.check_dense_qkv(q, k, v, direction="backward")
+def _check_bwd_outputs(dout, q, out, dq, dk, dv, k, v) -> None:
     checks.check(out.dtype == q.dtype, "query and out must have the same dtype")
     checks.check(dout.dtype == q.dtype, "query and dout must have the same dtype")
     checks.check(checks.has_contiguous_last_dim(dout), "dout tensor must have contiguous last dimension")
@@ -245,6 +261,14 @@ def _check_bwd_tensors(dout, q, out, dq, dk, dv, k, v) -> None:
     checks.check_same_device(q, dout=dout, out=out, dq=dq, dk=dk, dv=dv)
 
 
+def check_bwd(dout, q, k, v, out, dq, dk, dv, dropout_p: float, softcap: float, alibi_slopes) -> None:
+    """Every check of the dense backward; also run by the fake implementation."""
+    checks.check_dense_qkv(q, k, v, direction="backward")
+    _check_bwd_outputs(dout, q, out, dq, dk, dv, k, v)
+    checks.check_options(dropout_p, softcap, alibi_slopes, q.shape[0], q.shape[2], q)
+    _check_dropout(dropout_p)
+
+
 def mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softmax_scale: float, causal: bool,
             window_size_left: int, window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
             deterministic: bool, rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -252,17 +276,14 @@ def mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softm
 
     The kernels never use atomics, so the result is bitwise reproducible whatever `deterministic` says.
     """
-    _check_bwd_tensors(dout, q, out, dq, dk, dv, k, v)
+    check_bwd(dout, q, k, v, out, dq, dk, dv, dropout_p, softcap, alibi_slopes)
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k = k.shape[1]
-    checks.check_options(dropout_p, softcap, alibi_slopes, batch, num_heads, q)
-    _check_dropout(dropout_p)
     softmax_d = torch.zeros(batch, num_heads, round_multiple(seqlen_q, 128), dtype=torch.float32, device=q.device)
 
     if not runs_triton(q):
-        window = (window_size_left, window_size_right)
-        grads = _reference_grads(dout, q, k, v, lambda q_, k_, v_: attention_reference(
-            q_, k_, v_, softmax_scale, causal, window, softcap, alibi_slopes, compute_dtype=torch.float32)[0])
+        grads = attention_reference_backward(dout, q, k, v, softmax_scale, causal,
+                                             (window_size_left, window_size_right), softcap, alibi_slopes)
         for target, grad in zip((dq, dk, dv), grads):
             target.copy_(grad)
         softmax_d[:, :, :seqlen_q] = (dout.float() * out.float()).sum(-1).transpose(1, 2)
@@ -274,4 +295,182 @@ def mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softm
     launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params, alibi_slopes,
                (lse.stride(0), lse.stride(1)), seqlen_q, seqlen_k, batch)
     softmax_d[:, :, :seqlen_q] = delta
+    return softmax_d
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Variable length
+# ----------------------------------------------------------------------------------------------------------------
+
+def _zero_uncovered_rows(tensor: torch.Tensor, cu_seqlens: torch.Tensor, fill: float = 0.0, dim: int = 0) -> None:
+    """Fill rows t >= cu_seqlens[-1] along `dim` with `fill`, on the device and without a host sync."""
+    if tensor.numel() == 0:
+        return
+    rows = torch.arange(tensor.shape[dim], device=tensor.device)
+    uncovered = rows >= cu_seqlens[-1]
+    shape = [1] * tensor.dim()
+    shape[dim] = -1
+    tensor.masked_fill_(uncovered.view(shape), fill)
+
+
+def _gather_paged(cache: torch.Tensor, block_table: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
+    """(Tk, Hk, D) keys of a paged cache laid out as cu_seqlens_k describes (reference path only)."""
+    page_size = cache.shape[1]
+    rows = []
+    starts = cu_seqlens_k.tolist()
+    for b in range(len(starts) - 1):
+        positions = torch.arange(starts[b + 1] - starts[b], device=cache.device)
+        pages = block_table[b, positions // page_size].long()
+        rows.append(cache[pages, positions % page_size])
+    return torch.cat(rows) if rows else cache.new_empty(0, *cache.shape[2:])
+
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, direction: str = "forward") -> int:
+    """Checks of API.md §6 for the varlen layout; returns the batch size."""
+    checks.check_dtypes(q, k, v)
+    checks.check_same_device(q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table)
+    checks.check_device_capability(q)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        checks.check(cu.dtype == torch.int32, f"{name} must have dtype int32")
+        checks.check(cu.is_contiguous(), f"{name} must be contiguous")
+        checks.check(cu.dim() == 1, f"{name} must have shape (batch_size + 1), got {tuple(cu.shape)}")
+    batch = cu_seqlens_q.numel() - 1
+    checks.check(batch > 0, "batch size must be positive")
+    checks.check(cu_seqlens_k.numel() == batch + 1, "cu_seqlens_k must have shape (batch_size + 1)")
+    checks.check(q.dim() == 3, f"q must have shape (total_q, num_heads, head_size), got {tuple(q.shape)}")
+    _, num_heads, head_dim = q.shape
+    checks.check_head_dim(head_dim, direction)
+    if block_table is None:
+        checks.check(k.dim() == 3, f"k must have shape (total_k, num_heads_k, head_size), got {tuple(k.shape)}")
+        num_heads_k = k.shape[1]
+        names = ("total_k", "num_heads_k", "head_size")
+    else:
+        checks.check(block_table.dtype == torch.int32, "block_table must have dtype torch.int32")
+        checks.check(block_table.stride(-1) == 1, "block_table must have contiguous last dimension")
+        checks.check(block_table.dim() == 2 and block_table.shape[0] == batch,
+                     f"block_table must have shape (batch_size, max_num_blocks_per_seq), got {tuple(block_table.shape)}")
+        checks.check(k.dim() == 4, "k must have shape (num_blocks, page_block_size, num_heads_k, head_size) "
+                                   f"with block_table, got {tuple(k.shape)}")
+        num_heads_k = k.shape[2]
+        names = ("num_blocks", "page_block_size", "num_heads_k", "head_size")
+    checks.check(num_heads_k > 0 and num_heads % num_heads_k == 0,
+                 "Number of heads in key/value must divide number of heads in query")
+    checks.check_shape(k, "k", names, (*k.shape[:-2], num_heads_k, head_dim))
+    checks.check_shape(v, "v", names, k.shape)
+    return batch
+
+
+def _optional_int32(name: str, tensor: Optional[torch.Tensor], batch: int, q: torch.Tensor) -> None:
+    if tensor is not None:
+        checks.check_same_device(q, **{name: tensor})
+        checks.check(tensor.dtype == torch.int32, f"{name} must have dtype int32")
+        checks.check(tensor.is_contiguous(), f"{name} must be contiguous")
+        checks.check(tuple(tensor.shape) == (batch,), f"{name} must have shape (batch_size), got {tuple(tensor.shape)}")
+
+
+def check_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p: float, softcap: float, alibi_slopes,
+                     return_softmax: bool, block_table, leftpad_k, seqused_k, num_splits: int) -> int:
+    """Every check of the varlen forward; returns the batch size. Also run by the fake implementation."""
+    batch = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table)
+    checks.check_options(dropout_p, softcap, alibi_slopes, batch, q.shape[1], q)
+    checks.check(not return_softmax or dropout_p > 0.0, "return_softmax is only supported when p_dropout > 0.0")
+    checks.check(block_table is None or leftpad_k is None,
+                 "We don't support Paged KV and leftpad_k running at the same time yet")
+    checks.check(block_table is None or num_splits <= 1, "num_splits > 1 is not supported for varlen paged KV")
+    _optional_int32("leftpad_k", leftpad_k, batch, q)
+    _optional_int32("seqused_k", seqused_k, batch, q)
+    _check_dropout(dropout_p)
+    return batch
+
+
+def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+                   softmax_scale: float, causal: bool, window_size_left: int = -1, window_size_right: int = -1,
+                   softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, return_softmax: bool = False,
+                   block_table: Optional[torch.Tensor] = None, leftpad_k: Optional[torch.Tensor] = None,
+                   seqused_k: Optional[torch.Tensor] = None, zero_tensors: bool = False, num_splits: int = 0):
+    """Varlen forward. Returns (out (Tq, H, D), softmax_lse (H, Tq), S_dmask, rng_state); see API.md §7.
+
+    Rows not covered by any sequence get out 0 and lse +inf; no host synchronization on cu_seqlens.
+    """
+    batch = check_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap, alibi_slopes, return_softmax,
+                             block_table, leftpad_k, seqused_k, num_splits)
+    total_q, num_heads, head_dim = q.shape
+    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    q, k, v = (t if checks.has_contiguous_last_dim(t) else t.contiguous() for t in (q, k, v))
+    rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
+    s_dmask = torch.empty(0, dtype=q.dtype, device=q.device)
+
+    if not runs_triton(q):
+        out, lse = _reference_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, causal,
+                                         (window_size_left, window_size_right), softcap, alibi_slopes, block_table,
+                                         leftpad_k, seqused_k)
+        return out, lse, s_dmask, rng_state
+
+    params = score_params(softmax_scale, causal, window_size_left, window_size_right, softcap, max_seqlen_k)
+    out = new_empty((total_q, num_heads, head_dim), q.dtype, q.device)
+    lse = new_empty((num_heads, total_q), torch.float32, q.device)
+    launch_fwd(q, k, v, out, lse, params, alibi_slopes, (0, lse.stride(0)), max_seqlen_q, max_seqlen_k, batch,
+               cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table)
+    _zero_uncovered_rows(out, cu_seqlens_q)
+    _zero_uncovered_rows(lse, cu_seqlens_q, float("-inf") if zero_tensors else float("inf"), dim=1)
+    return out, lse, s_dmask, rng_state
+
+
+def _reference_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, causal, window, softcap,
+                          alibi_slopes, block_table, leftpad_k, seqused_k, compute_dtype=torch.float32):
+    """The CPU path of the varlen forward: per-sequence reference (host loop; CPU tensors only)."""
+    cu_k = cu_seqlens_k
+    if block_table is not None:
+        k, v = _gather_paged(k, block_table, cu_k), _gather_paged(v, block_table, cu_k)
+    if seqused_k is not None or leftpad_k is not None:
+        starts = cu_k[:-1] + (leftpad_k if leftpad_k is not None else 0)
+        ends = cu_k[:-1] + seqused_k if seqused_k is not None else cu_k[1:]
+        index = torch.cat([torch.arange(int(s), int(e)) for s, e in zip(starts.tolist(), ends.tolist())]).long()
+        k, v = k[index], v[index]
+        cu_k = torch.nn.functional.pad((ends - starts).cumsum(0), (1, 0)).to(torch.int32)
+    return attention_reference_varlen(q, k, v, cu_seqlens_q, cu_k, max_seqlen_k, softmax_scale, causal, window,
+                                      softcap, alibi_slopes, compute_dtype=compute_dtype)
+
+
+def check_varlen_bwd(dout, q, k, v, out, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, dropout_p: float, softcap: float,
+                     alibi_slopes) -> int:
+    """Every check of the varlen backward; returns the batch size. Also run by the fake implementation."""
+    batch = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, None, direction="backward")
+    _check_bwd_outputs(dout, q, out, dq, dk, dv, k, v)
+    checks.check_options(dropout_p, softcap, alibi_slopes, batch, q.shape[1], q)
+    _check_dropout(dropout_p)
+    return batch
+
+
+def mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                   max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
+                   window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor], deterministic: bool,
+                   rng_state: Optional[torch.Tensor] = None, zero_tensors: bool = False) -> torch.Tensor:
+    """Varlen backward into preallocated dq, dk, dv; returns softmax_d (H, Tq + 128 * B).
+
+    Gradient rows not covered by any sequence are written as 0.
+    """
+    batch = check_varlen_bwd(dout, q, k, v, out, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap,
+                             alibi_slopes)
+    total_q, num_heads, _ = q.shape
+    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    softmax_d = torch.zeros(num_heads, total_q + 128 * batch, dtype=torch.float32, device=q.device)
+
+    if not runs_triton(q):
+        grads = attention_reference_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
+                                                    softmax_scale, causal, (window_size_left, window_size_right),
+                                                    softcap, alibi_slopes)
+        for target, grad in zip((dq, dk, dv), grads):
+            target.copy_(grad)
+        softmax_d[:, :total_q] = (dout.float() * out.float()).sum(-1).t()
+        return softmax_d
+
+    params = score_params(softmax_scale, causal, window_size_left, window_size_right, softcap, max_seqlen_k)
+    lse = softmax_lse.contiguous()
+    delta = empty_like(lse)
+    launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params, alibi_slopes, (0, lse.stride(0)),
+               max_seqlen_q, max_seqlen_k, batch, cu_seqlens_q, cu_seqlens_k)
+    for grad, cu in ((dq, cu_seqlens_q), (dk, cu_seqlens_k), (dv, cu_seqlens_k)):
+        _zero_uncovered_rows(grad, cu)
+    softmax_d[:, :total_q] = delta
     return softmax_d

@@ -40,6 +40,7 @@ def _flash_attn_forward(
 @_flash_attn_forward.register_fake
 def _flash_attn_forward_fake(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
                              softcap, alibi_slopes, return_softmax):
+    backend.check_fwd(q, k, v, dropout_p, softcap, alibi_slopes, return_softmax)
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     out = q.new_empty(batch, seqlen_q, num_heads, head_dim)
@@ -82,5 +83,95 @@ def _flash_attn_backward(
 def _flash_attn_backward_fake(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
                               window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
                               rng_state=None):
+    backend.check_bwd(dout, q, k, v, out, dq, dk, dv, dropout_p, softcap, alibi_slopes)
     batch, seqlen_q, num_heads, _ = q.shape
     return q.new_empty(batch, num_heads, _round128(seqlen_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashtriton::_flash_attn_varlen_forward", mutates_args=(), device_types=None)
+def _flash_attn_varlen_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int = -1,
+    window_size_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    return_softmax: bool = False,
+    block_table: Optional[Tensor] = None,
+    leftpad_k: Optional[Tensor] = None,
+    seqused_k: Optional[Tensor] = None,
+    zero_tensors: bool = False,
+    num_splits: int = 0,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Varlen forward; returns (out (Tq, H, D), softmax_lse (H, Tq) fp32, S_dmask, rng_state)."""
+    return backend.mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+                                  return_softmax, block_table, leftpad_k, seqused_k, zero_tensors, num_splits)
+
+
+@_flash_attn_varlen_forward.register_fake
+def _flash_attn_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                    softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                                    alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
+                                    seqused_k=None, zero_tensors=False, num_splits=0):
+    batch = backend.check_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap, alibi_slopes,
+                                     return_softmax, block_table, leftpad_k, seqused_k, num_splits)
+    total_q, num_heads, head_dim = q.shape
+    out = q.new_empty(total_q, num_heads, head_dim)
+    softmax_lse = q.new_empty(num_heads, total_q, dtype=torch.float32)
+    if return_softmax:
+        s_dmask = q.new_empty(batch, num_heads, _round128(max_seqlen_q), _round128(max_seqlen_k))
+    else:
+        s_dmask = q.new_empty(0)
+    return out, softmax_lse, s_dmask, q.new_empty(2, dtype=torch.int64)
+
+
+@torch.library.custom_op("flashtriton::_flash_attn_varlen_backward", mutates_args=("dq", "dk", "dv"),
+                         device_types=None)
+def _flash_attn_varlen_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    softmax_lse: Tensor,
+    dq: Tensor,
+    dk: Tensor,
+    dv: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[Tensor],
+    deterministic: bool,
+    rng_state: Optional[Tensor] = None,
+    zero_tensors: bool = False,
+) -> Tensor:
+    """Varlen backward into dq, dk, dv (in place); returns softmax_d (H, Tq + 128 * B) fp32."""
+    return backend.mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                  max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left,
+                                  window_size_right, softcap, alibi_slopes, deterministic, rng_state, zero_tensors)
+
+
+@_flash_attn_varlen_backward.register_fake
+def _flash_attn_varlen_backward_fake(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left,
+                                     window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
+                                     zero_tensors=False):
+    batch = backend.check_varlen_bwd(dout, q, k, v, out, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap,
+                                     alibi_slopes)
+    return q.new_empty(q.shape[1], q.shape[0] + 128 * batch, dtype=torch.float32)

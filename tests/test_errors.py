@@ -1,0 +1,214 @@
+"""Argument validation of the dense API (API.md §6, with §2.4, §4.3, §4.7): every error is raised with the
+documented type and message BEFORE anything is launched. An autouse fixture replaces the Triton launchers and
+the CPU reference path with functions that raise AssertionError("launched"), so a check that comes too late
+(or is missing) surfaces as "launched" instead of the expected error."""
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import pytest
+import torch
+
+import flashtriton as flash_attn
+import flashtriton.flash_attn_interface as fai
+from flashtriton.ops import backend
+
+B, S, H, HK, D = 2, 8, 4, 2, 16
+FP16 = torch.float16
+
+
+def _launched(*args, **kwargs):
+    raise AssertionError("launched")
+
+
+@pytest.fixture(autouse=True)
+def no_launch(monkeypatch):
+    for name in ("launch_fwd", "launch_bwd", "attention_reference", "attention_reference_backward",
+                 "attention_reference_varlen", "attention_reference_varlen_backward"):
+        monkeypatch.setattr(backend, name, _launched)
+
+
+def _tensor(*shape, dtype=FP16, device="cpu"):
+    return torch.randn(*shape, dtype=torch.float32).to(dtype=dtype, device=device)
+
+
+def _strided_slopes(*shape):
+    return torch.rand(*shape[:-1], 2 * shape[-1])[..., ::2]
+
+
+def test_valid_forward_reaches_the_patched_launcher():
+    with pytest.raises(AssertionError, match="launched"):
+        flash_attn.flash_attn_func(_tensor(B, S, H, D), _tensor(B, S, HK, D), _tensor(B, S, HK, D))
+
+
+def test_valid_backward_reaches_the_patched_launcher():
+    q, k, v = _tensor(B, S, H, D), _tensor(B, S, HK, D), _tensor(B, S, HK, D)
+    with pytest.raises(AssertionError, match="launched"):
+        fai._flash_attn_backward(*_backward_args(q, k, v))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Forward, through flash_attn_func
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _q(batch=B, seqlen=S, heads=H, dim=D, dtype=FP16, device="cpu"):
+    return lambda: _tensor(batch, seqlen, heads, dim, dtype=dtype, device=device)
+
+
+def _kv(batch=B, seqlen=S, heads=HK, dim=D, dtype=FP16, device="cpu"):
+    return lambda: _tensor(batch, seqlen, heads, dim, dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class Bad:
+    """flash_attn_func(q(), k(), v(), **options) must raise RuntimeError matching `message`."""
+
+    q: Callable = _q()
+    k: Callable = _kv()
+    v: Callable = _kv()
+    options: dict = field(default_factory=dict)
+    message: Optional[str] = None  # None: any message (API.md §6 asks for a generic RuntimeError)
+
+
+KV_SHAPE = "(batch_size, seqlen_k, num_heads_k, head_size)"
+
+FORWARD_CASES = {
+    # §2.2 / §6: dtypes
+    "q-fp32": Bad(q=_q(dtype=torch.float32), k=_kv(dtype=torch.float32), v=_kv(dtype=torch.float32),
+                  message="FlashAttention only support fp16 and bf16 data type"),
+    "q-fp64-kv-fp16": Bad(q=_q(dtype=torch.float64), message="FlashAttention only support fp16 and bf16 data type"),
+    "k-bf16": Bad(k=_kv(dtype=torch.bfloat16), message="query and key must have the same dtype"),
+    "v-bf16": Bad(v=_kv(dtype=torch.bfloat16), message="query and value must have the same dtype"),
+    # §6: batch size
+    "batch-0": Bad(q=_q(batch=0), k=_kv(batch=0), v=_kv(batch=0), message="batch size must be positive"),
+    # §2.4: head dimension
+    "head-dim-257": Bad(q=_q(dim=257), k=_kv(dim=257), v=_kv(dim=257),
+                        message="FlashAttention forward only supports head dimension at most 256"),
+    # §2.5: GQA divisibility
+    "heads-4-over-3": Bad(k=_kv(heads=3), v=_kv(heads=3),
+                          message="Number of heads in key/value must divide number of heads in query"),
+    # §6: shapes
+    "k-batch": Bad(k=_kv(batch=B + 1), message=f"k must have shape {KV_SHAPE}"),
+    "k-head-dim": Bad(k=_kv(dim=D // 2), message=f"k must have shape {KV_SHAPE}"),
+    "k-3d": Bad(k=lambda: _tensor(B, S, HK * D), message=f"k must have shape {KV_SHAPE}"),
+    "v-seqlen": Bad(v=_kv(seqlen=S + 1), message=f"v must have shape {KV_SHAPE}"),
+    "v-heads": Bad(v=_kv(heads=H), message=f"v must have shape {KV_SHAPE}"),
+    "v-head-dim": Bad(v=_kv(dim=2 * D), message=f"v must have shape {KV_SHAPE}"),
+    # §4.3 / §4.7: softcap and dropout
+    "softcap-with-dropout": Bad(options=dict(softcap=5.0, dropout_p=0.1),
+                                message="Softcapping does not support dropout for now"),
+    "dropout-1": Bad(options=dict(dropout_p=1.0)),
+    "dropout-1.5": Bad(options=dict(dropout_p=1.5)),
+    "dropout-negative": Bad(options=dict(dropout_p=-0.1)),
+    # §4.4 / §6: ALiBi slopes
+    "alibi-fp16": Bad(options=dict(alibi_slopes=torch.rand(H).half()), message="ALiBi slopes must have dtype fp32"),
+    "alibi-fp64": Bad(options=dict(alibi_slopes=torch.rand(B, H).double()),
+                      message="ALiBi slopes must have dtype fp32"),
+    "alibi-strided": Bad(options=dict(alibi_slopes=_strided_slopes(H)),
+                         message="ALiBi slopes tensor must have contiguous last dimension"),
+    "alibi-batch-strided": Bad(options=dict(alibi_slopes=_strided_slopes(B, H)),
+                               message="ALiBi slopes tensor must have contiguous last dimension"),
+    "alibi-kv-heads": Bad(options=dict(alibi_slopes=torch.rand(HK))),
+    "alibi-wrong-batch": Bad(options=dict(alibi_slopes=torch.rand(B + 1, H))),
+    "alibi-3d": Bad(options=dict(alibi_slopes=torch.rand(B, H, 1))),
+    # §2.2: one device for everything, and the error names the offending argument. Without a GPU the
+    # other device is "meta".
+    "k-other-device": Bad(k=_kv(device="meta"), message="k must be on"),
+    "v-other-device": Bad(v=_kv(device="meta"), message="v must be on"),
+    "alibi-other-device": Bad(options=dict(alibi_slopes=torch.rand(H, device="meta")),
+                              message="alibi_slopes must be on"),
+}
+
+
+def _raises(message: Optional[str]):
+    """pytest.raises(RuntimeError) matching `message` (any message when None).
+
+    Callers also assert the error is not a NotImplementedError: that is a RuntimeError subclass too, and
+    "dropout is not implemented yet" must not pass for a missing range check.
+    """
+    return pytest.raises(RuntimeError, match=None if message is None else re.escape(message))
+
+
+@pytest.mark.parametrize("case", FORWARD_CASES.values(), ids=FORWARD_CASES.keys())
+def test_flash_attn_func_rejects(case):
+    with _raises(case.message) as excinfo:
+        flash_attn.flash_attn_func(case.q(), case.k(), case.v(), **case.options)
+    assert not isinstance(excinfo.value, NotImplementedError)
+
+
+@pytest.mark.parametrize("case", FORWARD_CASES.values(), ids=FORWARD_CASES.keys())
+def test_low_level_forward_rejects(case):
+    q, k, v = case.q(), case.k(), case.v()
+    options = dict(dropout_p=0.0, softcap=0.0, alibi_slopes=None) | case.options
+    with _raises(case.message) as excinfo:
+        fai._flash_attn_forward(q, k, v, options["dropout_p"], 0.25, False, -1, -1, options["softcap"],
+                                options["alibi_slopes"], False)
+    assert not isinstance(excinfo.value, NotImplementedError)
+
+
+PACKED_CASES = {
+    "qkvpacked-fp32": (lambda: (_tensor(B, S, 3, H, D, dtype=torch.float32),),
+                       flash_attn.flash_attn_qkvpacked_func, "FlashAttention only support fp16 and bf16 data type"),
+    "qkvpacked-batch-0": (lambda: (_tensor(0, S, 3, H, D),), flash_attn.flash_attn_qkvpacked_func,
+                          "batch size must be positive"),
+    "qkvpacked-head-dim-257": (lambda: (_tensor(B, S, 3, H, 257),), flash_attn.flash_attn_qkvpacked_func,
+                               "FlashAttention forward only supports head dimension at most 256"),
+    "kvpacked-kv-bf16": (lambda: (_tensor(B, S, H, D), _tensor(B, S, 2, HK, D, dtype=torch.bfloat16)),
+                         flash_attn.flash_attn_kvpacked_func, "query and key must have the same dtype"),
+    "kvpacked-heads-4-over-3": (lambda: (_tensor(B, S, H, D), _tensor(B, S, 2, 3, D)),
+                                flash_attn.flash_attn_kvpacked_func,
+                                "Number of heads in key/value must divide number of heads in query"),
+    "kvpacked-kv-batch": (lambda: (_tensor(B, S, H, D), _tensor(B + 1, S, 2, HK, D)),
+                          flash_attn.flash_attn_kvpacked_func,
+                          f"k must have shape {KV_SHAPE}"),
+}
+
+
+@pytest.mark.parametrize("make,fn,message", PACKED_CASES.values(), ids=PACKED_CASES.keys())
+def test_packed_functions_reject(make, fn, message):
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        fn(*make())
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Backward, through _flash_attn_backward (no forward needed: out and lse are just well-formed tensors)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _backward_args(q, k, v, dout=None, out=None, dropout_p=0.0, softcap=0.0):
+    out = _tensor(*q.shape, dtype=q.dtype) if out is None else out
+    dout = _tensor(*q.shape, dtype=q.dtype) if dout is None else dout
+    lse = torch.randn(q.shape[0], q.shape[2], q.shape[1])
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    return (dout, q, k, v, out, lse, *grads, dropout_p, 0.25, False, -1, -1, softcap, None, False,
+            torch.zeros(2, dtype=torch.int64))
+
+
+BACKWARD_CASES = {
+    "out-bf16": (dict(out=_tensor(B, S, H, D, dtype=torch.bfloat16)), "query and out must have the same dtype"),
+    "dout-bf16": (dict(dout=_tensor(B, S, H, D, dtype=torch.bfloat16)), "query and dout must have the same dtype"),
+    "softcap-with-dropout": (dict(softcap=5.0, dropout_p=0.1), "Softcapping does not support dropout for now"),
+    "dropout-1": (dict(dropout_p=1.0), None),
+    "dropout-negative": (dict(dropout_p=-0.1), None),
+    "dout-other-device": (dict(dout=_tensor(B, S, H, D, device="meta")), "dout must be on"),
+}
+
+
+@pytest.mark.parametrize("overrides,message", BACKWARD_CASES.values(), ids=BACKWARD_CASES.keys())
+def test_low_level_backward_rejects(overrides, message):
+    q, k, v = _tensor(B, S, H, D), _tensor(B, S, HK, D), _tensor(B, S, HK, D)
+    with _raises(message) as excinfo:
+        fai._flash_attn_backward(*_backward_args(q, k, v, **overrides))
+    assert not isinstance(excinfo.value, NotImplementedError)
+
+
+@pytest.mark.parametrize("dtype,dim,message", [
+    pytest.param(torch.float32, D, "FlashAttention only support fp16 and bf16 data type", id="fp32"),
+    pytest.param(FP16, 257, "FlashAttention backward only supports head dimension at most 256", id="head-dim-257"),
+])
+def test_low_level_backward_rejects_inputs(dtype, dim, message):
+    q, k, v = _q(dim=dim, dtype=dtype)(), _kv(dim=dim, dtype=dtype)(), _kv(dim=dim, dtype=dtype)()
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        fai._flash_attn_backward(*_backward_args(q, k, v))

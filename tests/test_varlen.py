@@ -1,0 +1,188 @@
+"""Variable-length attention (flash_attn_varlen_*) against the per-sequence float64 reference."""
+
+import pytest
+import torch
+
+import flashtriton
+from flashtriton.flash_attn_interface import _flash_attn_varlen_forward
+from flashtriton.reference import attention_reference_varlen
+from flashtriton.testing import check_error, check_lse, poisoned_outputs
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda"
+
+
+def cumulative(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+
+
+def make_varlen(lens_q, lens_k, num_heads=4, num_heads_k=2, head_dim=32, dtype=torch.float16, tail=3):
+    """q (Tq, H, D), k, v (Tk, Hk, D) with `tail` rows past the last sequence (uncovered rows)."""
+    total_q, total_k = sum(lens_q) + tail, sum(lens_k) + tail
+    q = torch.randn(total_q, num_heads, head_dim, device=DEVICE).to(dtype).requires_grad_()
+    k = torch.randn(total_k, num_heads_k, head_dim, device=DEVICE).to(dtype).requires_grad_()
+    v = torch.randn(total_k, num_heads_k, head_dim, device=DEVICE).to(dtype).requires_grad_()
+    return q, k, v, cumulative(lens_q), cumulative(lens_k)
+
+
+def reference_checks(q, k, v, cu_q, cu_k, max_seqlen_k, out, lse, grads, dout, **options):
+    """Tolerance-rule checks of out, lse and (dq, dk, dv) on the covered rows; uncovered rows must be 0."""
+    inputs64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    inputs_pt = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    with torch.enable_grad():
+        ref_out, ref_lse = attention_reference_varlen(*inputs64, cu_q.cpu(), cu_k.cpu(), max_seqlen_k, **options)
+        pt_out, _ = attention_reference_varlen(*inputs_pt, cu_q.cpu(), cu_k.cpu(), max_seqlen_k, compute_dtype=None,
+                                               **options)
+    covered_q, covered_k = int(cu_q[-1]), int(cu_k[-1])
+    checks = [check_error("out", out[:covered_q], ref_out[:covered_q], pt_out[:covered_q]),
+              check_lse(lse[:, :covered_q], ref_lse[:, :covered_q])]
+    ref_grads = torch.autograd.grad(ref_out, inputs64, dout.double())
+    pt_grads = torch.autograd.grad(pt_out, inputs_pt, dout)
+    for name, g, rg, pg, covered in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads,
+                                        (covered_q, covered_k, covered_k)):
+        checks.append(check_error(name, g[:covered], rg[:covered], pg[:covered], factor=3.0, atol=1e-4))
+        assert torch.all(g[covered:] == 0), f"{name}: uncovered rows must be zero"
+    assert torch.all(out[covered_q:] == 0), "uncovered output rows must be zero"
+    failed = [str(c) for c in checks if not c.ok]
+    assert not failed, "; ".join(failed)
+
+
+LENGTH_MIXES = {
+    "with-empty-and-one": ([5, 0, 70, 33, 1], [9, 12, 0, 80, 40]),
+    "q-longer": ([130, 7, 64], [40, 7, 3]),
+    "k-longer": ([17, 1, 90], [150, 65, 91]),
+    "single": ([97], [97]),
+}
+OPTIONS = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "window": dict(window_size=(9, 4)),
+    "causal-window-alibi": dict(causal=True, window_size=(12, -1), alibi=True),
+    "softcap-alibi-batch": dict(softcap=3.0, alibi="batch"),
+    "bf16-scale": dict(dtype=torch.bfloat16, softmax_scale=0.25),
+}
+
+
+def _alibi(kind, batch, num_heads):
+    if kind == "batch":
+        return torch.rand(batch, num_heads, device=DEVICE) * 0.4
+    return torch.rand(num_heads, device=DEVICE) * 0.4 if kind else None
+
+
+@pytest.mark.parametrize("option", list(OPTIONS), ids=list(OPTIONS))
+@pytest.mark.parametrize("mix", list(LENGTH_MIXES), ids=list(LENGTH_MIXES))
+def test_varlen_matches_reference(mix, option):
+    lens_q, lens_k = LENGTH_MIXES[mix]
+    opts = dict(OPTIONS[option])
+    dtype = opts.pop("dtype", torch.float16)
+    slopes = _alibi(opts.pop("alibi", None), len(lens_q), 4)
+    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, dtype=dtype)
+    max_q, max_k = max(lens_q) + 5, max(lens_k) + 3  # upper bounds, not the true maxima
+    with poisoned_outputs():
+        out, lse, _ = flashtriton.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes=slopes,
+                                                         return_attn_probs=True, **opts)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert lse.shape == (4, q.shape[0])
+    reference_checks(q, k, v, cu_q, cu_k, max_k, out, lse, grads, dout, alibi_slopes=slopes, **opts)
+
+
+def test_varlen_equals_dense_on_equal_lengths():
+    batch, seqlen = 3, 75
+    q = torch.randn(batch, seqlen, 4, 64, device=DEVICE, dtype=torch.float16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    cu = cumulative([seqlen] * batch)
+    dense = flashtriton.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    varlen = flashtriton.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, seqlen,
+                                                seqlen, causal=True, return_attn_probs=True)
+    assert torch.equal(varlen[0], dense[0].flatten(0, 1))
+    assert torch.equal(varlen[1], dense[1].transpose(0, 1).flatten(1))
+
+
+def test_varlen_packed_variants_match():
+    lens = [40, 0, 67]
+    cu = cumulative(lens)
+    qkv = torch.randn(sum(lens), 3, 4, 32, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    dout = torch.randn(sum(lens), 4, 32, device=DEVICE, dtype=torch.float16)
+    out_packed = flashtriton.flash_attn_varlen_qkvpacked_func(qkv, cu, max(lens), causal=True)
+    (dqkv,) = torch.autograd.grad(out_packed, (qkv,), dout)
+    q, k, v = (qkv[:, i].detach().clone().requires_grad_() for i in range(3))
+    out = flashtriton.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert torch.equal(out_packed, out) and torch.equal(dqkv, torch.stack(grads, dim=1))
+
+    kv = torch.stack((k, v), dim=1).detach().requires_grad_()
+    q2 = q.detach().clone().requires_grad_()
+    out_kv = flashtriton.flash_attn_varlen_kvpacked_func(q2, kv, cu, cu, max(lens), max(lens), causal=True)
+    dq, dkv = torch.autograd.grad(out_kv, (q2, kv), dout)
+    assert torch.equal(out_kv, out)
+    assert torch.equal(dq, grads[0]) and torch.equal(dkv, torch.stack(grads[1:], dim=1))
+
+
+@pytest.mark.parametrize("page_size", [16, 48, 7])
+def test_paged_kv_forward(page_size):
+    lens_q, lens_k = [3, 20, 0, 9], [50, 20, 11, 97]
+    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, tail=0)
+    max_pages = -(-max(lens_k) // page_size)
+    num_pages = len(lens_k) * max_pages + 2
+    order = torch.randperm(num_pages, device=DEVICE)[: len(lens_k) * max_pages].view(len(lens_k), max_pages)
+    block_table = order.to(torch.int32)
+    k_cache = torch.randn(num_pages, page_size, *k.shape[1:], device=DEVICE, dtype=k.dtype)
+    v_cache = torch.randn_like(k_cache)
+    for b, length in enumerate(lens_k):  # scatter each sequence's keys into its pages
+        positions = torch.arange(length, device=DEVICE)
+        pages = block_table[b, positions // page_size].long()
+        k_cache[pages, positions % page_size] = k.detach()[int(cu_k[b]):int(cu_k[b]) + length]
+        v_cache[pages, positions % page_size] = v.detach()[int(cu_k[b]):int(cu_k[b]) + length]
+    with poisoned_outputs():
+        out = flashtriton.flash_attn_varlen_func(q.detach(), k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                 causal=True, block_table=block_table)
+    expected = flashtriton.flash_attn_varlen_func(q.detach(), k.detach(), v.detach(), cu_q, cu_k, max(lens_q),
+                                                  max(lens_k), causal=True)
+    assert torch.equal(out, expected)
+
+    paged = flashtriton.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k),
+                                               block_table=block_table)
+    with pytest.raises(RuntimeError, match="block_table"):
+        paged.sum().backward()
+
+
+def test_seqused_and_leftpad_low_level():
+    lens_q, slots = [6, 30], [50, 40]
+    q, k, v, cu_q, cu_k = make_varlen(lens_q, slots, tail=0)
+    seqused = torch.tensor([37, 40], dtype=torch.int32, device=DEVICE)
+    leftpad = torch.tensor([5, 0], dtype=torch.int32, device=DEVICE)
+    out, lse, _, _ = _flash_attn_varlen_forward(q.detach(), k.detach(), v.detach(), cu_q, cu_k, max(lens_q),
+                                                max(slots), 0.0, 0.125, True, leftpad_k=leftpad, seqused_k=seqused)
+    # The same keys laid out explicitly: sequence b keeps slot rows [leftpad, seqused).
+    keep = torch.cat([torch.arange(int(cu_k[b]) + int(leftpad[b]), int(cu_k[b]) + int(seqused[b]))
+                      for b in range(2)]).to(DEVICE)
+    cu_kept = cumulative((seqused - leftpad).tolist())
+    expected, expected_lse, _, _ = _flash_attn_varlen_forward(q.detach(), k.detach()[keep], v.detach()[keep], cu_q,
+                                                              cu_kept, max(lens_q), max(slots), 0.0, 0.125, True)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(lse, expected_lse, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="compilation counting needs compiled kernels")
+def test_new_lengths_do_not_recompile():
+    from flashtriton.kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
+    from flashtriton.kernels.fwd import attn_fwd_kernel
+
+    def compiled_count():
+        return sum(len(cache[0]) for fn in (attn_fwd_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel)
+                   for cache in fn.device_caches.values())
+
+    def run(lens_q, lens_k, dense_len, batch):
+        q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, head_dim=64)
+        out = flashtriton.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+        out.sum().backward()
+        qd = torch.randn(batch, dense_len, 4, 64, device=DEVICE, dtype=torch.float16, requires_grad=True)
+        flashtriton.flash_attn_func(qd, qd, qd, causal=True).sum().backward()
+
+    run([100, 37], [120, 99], 128, 2)
+    before = compiled_count()
+    run([1, 513, 77], [1000, 3, 129], 1, 5)
+    run([2049], [4097], 333, 1)
+    assert compiled_count() == before
