@@ -16,20 +16,22 @@ import torch
 
 
 @dataclass(frozen=True)
-class FwdConfig:
-    block_m: int
-    block_n: int
+class TileConfig:
+    block_m: int       # query rows per tile
+    block_n: int       # key rows per tile
     num_warps: int
     num_stages: int
+
+
+@dataclass(frozen=True)
+class FwdConfig(TileConfig):
     rescale_threshold: float = 8.0  # log2 units; FA4's value for 16-bit inputs
 
 
 @dataclass(frozen=True)
 class BwdConfig:
-    block_m: int       # query rows per tile
-    block_n: int       # key rows per tile
-    num_warps: int
-    num_stages: int
+    dkdv: TileConfig   # one program per key tile, looping over query tiles
+    dq: TileConfig     # one program per query tile, looping over key tiles
     preprocess_block: int = 128
 
 
@@ -42,16 +44,30 @@ RESCALE_THRESHOLD_OVERRIDE = _env_float("FLASHTRITON_RESCALE_THRESHOLD")
 
 # Interpreter: small tiles so that interpreter-sized tests (seqlens up to ~300) cross many blocks.
 _INTERPRETER_FWD = FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=1)
-_INTERPRETER_BWD = BwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=1, preprocess_block=64)
+_INTERPRETER_BWD = BwdConfig(TileConfig(64, 64, 4, 1), TileConfig(64, 64, 4, 1), preprocess_block=64)
 
-# GPU tables: (max head dim, config). First entries of the first GPU run (2026-11-30, H200, see BENCHMARKS.md).
+# GPU tables, keyed by (arch class, causal): ((max head dim, config), ...), first match wins.
+# sm90 entries: benchmarks/sweep_configs.py on the H200, 2026-11-30 (docs/perf-notes.md has the numbers);
+# bf16, shapes (4, 4096, 16, 128), (4, 4096, 32, 64), (4, 4096, 8, 256). The A-1 rescale skip is off on
+# GPUs: expressed in Triton it needs a tile-wide reduction and branch per key block, which cost 15% at
+# head dim 128 (443 vs 519 TF/s) in that sweep. sm80 entries are conservative guesses, not measured.
+_NO_SKIP = 0.0
 _FWD_TABLE = {
-    "sm90": ((64, FwdConfig(128, 128, 4, 3)), (128, FwdConfig(128, 128, 8, 3)), (256, FwdConfig(128, 64, 8, 2))),
-    "sm80": ((64, FwdConfig(128, 64, 4, 3)), (128, FwdConfig(128, 64, 4, 2)), (256, FwdConfig(64, 64, 4, 2))),
+    ("sm90", False): ((64, FwdConfig(128, 64, 8, 3, _NO_SKIP)), (128, FwdConfig(128, 128, 8, 3, _NO_SKIP)),
+                      (256, FwdConfig(128, 64, 8, 2, _NO_SKIP))),
+    ("sm90", True): ((64, FwdConfig(64, 64, 4, 3, _NO_SKIP)), (128, FwdConfig(128, 128, 8, 3, _NO_SKIP)),
+                     (256, FwdConfig(128, 64, 8, 2, _NO_SKIP))),
+    ("sm80", False): ((64, FwdConfig(128, 64, 4, 3, _NO_SKIP)), (128, FwdConfig(128, 64, 4, 2, _NO_SKIP)),
+                      (256, FwdConfig(64, 64, 4, 2, _NO_SKIP))),
 }
+_FWD_TABLE[("sm80", True)] = _FWD_TABLE[("sm80", False)]
 _BWD_TABLE = {
-    "sm90": ((64, BwdConfig(64, 128, 8, 2)), (128, BwdConfig(64, 128, 8, 2)), (256, BwdConfig(64, 64, 8, 1))),
-    "sm80": ((64, BwdConfig(64, 64, 4, 2)), (128, BwdConfig(64, 64, 4, 2)), (256, BwdConfig(32, 64, 4, 1))),
+    "sm90": ((64, BwdConfig(TileConfig(32, 64, 4, 3), TileConfig(128, 64, 8, 3))),
+             (128, BwdConfig(TileConfig(64, 128, 8, 2), TileConfig(128, 64, 8, 3))),
+             (256, BwdConfig(TileConfig(32, 64, 8, 2), TileConfig(64, 32, 4, 2)))),
+    "sm80": ((64, BwdConfig(TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 2))),
+             (128, BwdConfig(TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 2))),
+             (256, BwdConfig(TileConfig(32, 64, 4, 1), TileConfig(32, 64, 4, 1)))),
 }
 
 
@@ -64,15 +80,15 @@ def arch_class(device: torch.device) -> str:
     return "sm90" if major >= 9 else "sm80"
 
 
-def _lookup(table, arch: str, head_dim: int):
-    for max_dim, config in table[arch]:
+def _lookup(table, key, head_dim: int):
+    for max_dim, config in table[key]:
         if head_dim <= max_dim:
             return config
-    return table[arch][-1][1]
+    return table[key][-1][1]
 
 
-def fwd_config(arch: str, head_dim: int) -> FwdConfig:
-    config = _INTERPRETER_FWD if arch == "interpreter" else _lookup(_FWD_TABLE, arch, head_dim)
+def fwd_config(arch: str, head_dim: int, causal: bool = False) -> FwdConfig:
+    config = _INTERPRETER_FWD if arch == "interpreter" else _lookup(_FWD_TABLE, (arch, causal), head_dim)
     if RESCALE_THRESHOLD_OVERRIDE is not None:
         config = replace(config, rescale_threshold=RESCALE_THRESHOLD_OVERRIDE)
     return config

@@ -8,6 +8,8 @@ forward kernel must use wgmma (HGMMA) and must not spill.
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import re
 import shutil
 import subprocess
@@ -41,17 +43,27 @@ class KernelReport:
 
 
 def flashtriton_kernels() -> dict:
-    """name -> JITFunction of every flashtriton kernel entry point."""
-    from .kernels import bwd, fwd
+    """name -> kernel object of every `*_kernel` entry point in the flashtriton.kernels modules."""
+    from . import kernels
 
-    return {"attn_fwd_kernel": fwd.attn_fwd_kernel, "attn_bwd_preprocess_kernel": bwd.attn_bwd_preprocess_kernel,
-            "attn_bwd_dkdv_kernel": bwd.attn_bwd_dkdv_kernel, "attn_bwd_dq_kernel": bwd.attn_bwd_dq_kernel}
+    found = {}
+    for module_info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"{kernels.__name__}.{module_info.name}")
+        for name, value in vars(module).items():
+            if name.endswith("_kernel") and hasattr(value, "run"):
+                found[name] = value
+    return found
 
 
-def compiled_kernels(jit_function) -> list:
-    """The CompiledKernel objects a JITFunction holds for every device (Triton 3.x device_caches)."""
-    caches = getattr(jit_function, "device_caches", {})
-    return [kernel for cache in caches.values() for kernel in cache[0].values()]
+def compiled_kernels(kernel) -> list:
+    """The CompiledKernel objects a kernel holds for every device (Triton 3.x JITFunction.device_caches).
+
+    Autotuner and heuristics wrappers are unwrapped through their `.fn`.
+    """
+    while not hasattr(kernel, "device_caches") and hasattr(kernel, "fn"):
+        kernel = kernel.fn
+    caches = getattr(kernel, "device_caches", {})
+    return [compiled for cache in caches.values() for compiled in cache[0].values()]
 
 
 def count_patterns(text: str, patterns: dict) -> dict:
@@ -116,7 +128,7 @@ def inspect_compiled() -> list[KernelReport]:
 
 
 def gate_failures(reports: list[KernelReport], capability: tuple) -> list[str]:
-    """On sm_90: the forward must contain wgmma/HGMMA and must not spill."""
+    """On sm_90: the forward must contain wgmma/HGMMA and must not spill (n_spills, else SASS STL count)."""
     if capability[0] != 9:
         return []
     failures = []
@@ -124,8 +136,9 @@ def gate_failures(reports: list[KernelReport], capability: tuple) -> list[str]:
         uses_wgmma = report.sass_counts.get("HGMMA", 0) > 0 or report.ptx_counts.get("wgmma", 0) > 0
         if not uses_wgmma:
             failures.append(f"{report.name}: no wgmma/HGMMA on sm_90")
-        if report.n_spills:
-            failures.append(f"{report.name}: {report.n_spills} register spills")
+        spills = report.n_spills if report.n_spills is not None else report.sass_counts.get("STL", 0)
+        if spills:
+            failures.append(f"{report.name}: {spills} register spills")
     if not any(r.is_forward for r in reports):
         failures.append("no compiled forward kernel found")
     return failures

@@ -26,8 +26,8 @@ from . import bench
 from .interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 from .ops import backend
 from .reference import attention_reference
-from .testing import Case, ErrorCheck, check_error, check_lse, compare_with_reference, make_case_inputs, \
-    poisoned_outputs
+from .testing import (Case, ErrorCheck, check_error, check_lse, compare_with_reference, make_case_inputs,
+                      poisoned_outputs)
 
 COSINE_GATE = 0.9995
 OUT_FACTOR = 2.0
@@ -72,9 +72,9 @@ def make_plan(device_type: str, full: bool) -> Plan:
     both = (torch.float16, torch.bfloat16)
     if device_type == "cpu":
         if not full:
-            return Plan(2, 2, 128, 64, (torch.float16,), ((128, 128), (77, 113)), (64, 128),
+            return Plan(1, 2, 96, 64, (torch.float16,), ((128, 128), (77, 113)), (64, 128),
                         ((128, 128, 64), (113, 77, 128)), 64)
-        return Plan(2, 2, 128, 64, both, ((17, 17), (64, 64), (128, 128), (77, 113), (113, 77), (200, 200)),
+        return Plan(2, 2, 96, 64, both, ((17, 17), (64, 64), (128, 128), (77, 113), (113, 77), (200, 200)),
                     (32, 40, 64, 96, 128, 256),
                     ((17, 17, 32), (64, 64, 64), (128, 128, 128), (77, 113, 96), (113, 77, 64), (128, 128, 256)), 96)
     quick_latency = (bench.Shape(4, 4096, 16, 128),)
@@ -101,6 +101,7 @@ class CheckResult:
     pytorch_error: Optional[float] = None
     detail: str = ""
     measures: list = field(default_factory=list)
+    seconds: Optional[float] = None
 
     @property
     def ratio(self) -> Optional[float]:
@@ -134,13 +135,19 @@ def _measure(check: ErrorCheck) -> dict:
             "bound": check.bound, "finite": check.finite, "ok": check.ok}
 
 
+def _failure_text(check: ErrorCheck) -> str:
+    if not check.finite:
+        return f"{check.name} not finite"
+    return f"{check.name} error {check.max_error:.2e} > bound {check.bound:.2e}"
+
+
 def summarize(section: str, case: str, checks: Sequence[ErrorCheck], failures: Sequence[str] = (),
               extra: Sequence[dict] = ()) -> CheckResult:
     """One CheckResult from tolerance-rule checks plus named extra failures; reports the worst check."""
     def badness(c: ErrorCheck):
         return (not c.ok, c.max_error / c.bound if c.bound > 0 else float("inf"))
 
-    failed = [f"{c.name}: {c}" for c in checks if not c.ok] + list(failures)
+    failed = [_failure_text(c) for c in checks if not c.ok] + list(failures)
     worst = max(checks, key=badness) if checks else None
     return CheckResult(section, case, not failed, worst.name if worst else "",
                        worst.max_error if worst else None, worst.pytorch_error if worst else None,
@@ -372,7 +379,8 @@ class Progress:
         self.interactive = self.stream.isatty()
         self.width = 0
 
-    def update(self, done: int, label: str) -> None:
+    def update(self, done: int, label: str, total: Optional[int] = None) -> None:
+        self.total = self.total if total is None else total
         text = f"[{done:>{len(str(self.total))}}/{self.total}] {label}"
         if self.interactive:
             self.stream.write("\r" + text.ljust(self.width))
@@ -408,11 +416,14 @@ def run_checks(checks: Sequence[Check], progress: Progress) -> list[CheckResult]
     for index, check in enumerate(checks):
         progress.update(index + 1, f"{check.section}: {check.label}")
         torch.manual_seed(index)
+        started = time.monotonic()
         try:
-            results.append(check.run())
+            result = check.run()
         except Exception as error:  # noqa: BLE001 - a crash is a failed check, reported with its message
             message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            results.append(CheckResult(check.section, check.label, False, detail=f"{type(error).__name__}: {message}"))
+            result = CheckResult(check.section, check.label, False, detail=f"{type(error).__name__}: {message}")
+        result.seconds = round(time.monotonic() - started, 2)
+        results.append(result)
     return results
 
 

@@ -13,7 +13,7 @@ from .common import (alibi_bias_log2, kv_block_range, q_block_range, row_offsets
                      tanh, to_int64, visibility_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_delta_b", "stride_delta_h", "seqlen_q"])
 def attn_bwd_preprocess_kernel(
     Out, DOut, Delta, CuSeqlensQ,
     stride_ob, stride_om, stride_oh,
@@ -89,7 +89,8 @@ def _dkdv_q_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm,
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "seqlen_q", "seqlen_k", "window_left",
+                               "window_right"])
 def attn_bwd_dkdv_kernel(
     Q, K, V, DOut, Lse, Delta, DK, DV, AlibiSlopes, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qm, stride_qh,
@@ -207,7 +208,8 @@ def _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "seqlen_q", "seqlen_k", "window_left",
+                               "window_right"])
 def attn_bwd_dq_kernel(
     Q, K, V, DOut, Lse, Delta, DQ, AlibiSlopes, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qm, stride_qh,

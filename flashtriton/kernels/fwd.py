@@ -62,7 +62,8 @@ def _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, block_t
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "page_size", "seqlen_q", "seqlen_k", "window_left",
+                               "window_right"])
 def attn_fwd_kernel(
     Q, K, V, Out, Lse, AlibiSlopes, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, BlockTable,
     stride_qb, stride_qm, stride_qh,

@@ -139,7 +139,7 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     """
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k = k.shape[-2]
-    config = configs.fwd_config(configs.arch_class(q.device), head_dim)
+    config = configs.fwd_config(configs.arch_class(q.device), head_dim, params.window_right == 0)
     if seqlen_q == 0 or batch == 0:
         return
     is_varlen = cu_seqlens_q is not None
@@ -228,24 +228,24 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
                 HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.preprocess_block, IS_VARLEN=is_varlen,
             )
         if seqlen_k > 0:
-            dkdv_grid = (triton_cdiv(seqlen_k, config.block_n), batch * num_heads_k)
+            dkdv_grid = (triton_cdiv(seqlen_k, config.dkdv.block_n), batch * num_heads_k)
             attn_bwd_dkdv_kernel[dkdv_grid](
                 q, k, v, dout, lse, delta, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                 *seq_strides(q), *seq_strides(k), *seq_strides(v), *seq_strides(dout), *lse_strides,
                 *seq_strides(dk), *seq_strides(dv), alibi_stride,
                 num_heads_k, group_size, seqlen_q, seqlen_k, params.softmax_scale, *score_args,
-                HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n, **flags,
-                num_warps=config.num_warps, num_stages=config.num_stages,
+                HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.dkdv.block_m, BLOCK_N=config.dkdv.block_n,
+                **flags, num_warps=config.dkdv.num_warps, num_stages=config.dkdv.num_stages,
             )
         if seqlen_q > 0:
-            dq_grid = (triton_cdiv(seqlen_q, config.block_m), batch * num_heads)
+            dq_grid = (triton_cdiv(seqlen_q, config.dq.block_m), batch * num_heads)
             attn_bwd_dq_kernel[dq_grid](
                 q, k, v, dout, lse, delta, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                 *seq_strides(q), *seq_strides(k), *seq_strides(v), *seq_strides(dout), *lse_strides,
                 *seq_strides(dq), alibi_stride,
                 num_heads, group_size, seqlen_q, seqlen_k, params.softmax_scale, *score_args,
-                HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n, **flags,
-                num_warps=config.num_warps, num_stages=config.num_stages,
+                HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.dq.block_m, BLOCK_N=config.dq.block_n, **flags,
+                num_warps=config.dq.num_warps, num_stages=config.dq.num_stages,
             )
 
 

@@ -1,0 +1,130 @@
+"""Sweep tile configurations on the GPU and print the best per (head dim, causal, mode).
+
+    python benchmarks/sweep_configs.py --modes fwd,bwd --out DIR
+
+Each candidate is checked against SDPA (max abs error printed) before it is timed; SDPA FLASH and
+CUDNN are timed in the same run so the numbers can be read as ratios. Results go to DIR/sweep.json.
+The tables in flashtriton/configs.py cite the run that chose them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, replace
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashtriton
+from flashtriton import configs
+from flashtriton.configs import BwdConfig, FwdConfig, TileConfig
+
+SHAPES = [(16, 1024, 16, 128), (4, 4096, 16, 128), (1, 16384, 16, 128), (4, 4096, 32, 64), (4, 4096, 8, 256)]
+
+FWD_CANDIDATES = {
+    "small": [FwdConfig(128, 128, 8, 3), FwdConfig(128, 128, 8, 2), FwdConfig(128, 64, 4, 3), FwdConfig(128, 64, 8, 3),
+              FwdConfig(64, 64, 4, 3), FwdConfig(128, 128, 4, 3)],
+    "large": [FwdConfig(128, 64, 8, 2), FwdConfig(64, 64, 4, 2), FwdConfig(128, 32, 8, 2), FwdConfig(64, 32, 4, 3),
+              FwdConfig(128, 64, 8, 3)],
+}
+DKDV_CANDIDATES = {
+    "small": [TileConfig(32, 128, 4, 3), TileConfig(64, 128, 8, 2), TileConfig(64, 64, 4, 3), TileConfig(32, 64, 4, 3),
+              TileConfig(64, 128, 4, 2), TileConfig(64, 128, 8, 3)],
+    "large": [TileConfig(32, 64, 4, 2), TileConfig(64, 64, 8, 1), TileConfig(32, 32, 4, 2), TileConfig(16, 64, 4, 2),
+              TileConfig(32, 64, 8, 2)],
+}
+DQ_CANDIDATES = {
+    "small": [TileConfig(128, 32, 4, 3), TileConfig(128, 64, 8, 2), TileConfig(64, 64, 4, 3), TileConfig(64, 128, 8, 2),
+              TileConfig(128, 64, 8, 3)],
+    "large": [TileConfig(64, 32, 4, 2), TileConfig(64, 64, 8, 1), TileConfig(32, 64, 4, 2), TileConfig(64, 32, 8, 2)],
+}
+
+
+def flops(batch, seqlen, heads, dim, causal, mode):
+    fwd = 4 * batch * heads * seqlen * seqlen * dim * (0.5 if causal else 1.0)
+    return fwd * (2.5 if mode == "bwd" else 1.0)
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def sdpa_times(q, k, v, dout, causal):
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    times, outputs = {}, {}
+    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            times[name, "fwd"] = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+            do_t = dout.transpose(1, 2)
+            times[name, "bwd"] = bench(lambda: torch.autograd.grad(out, (qt, kt, vt), do_t, retain_graph=True))
+            outputs[name] = out.transpose(1, 2)
+    return times, outputs["sdpa_flash"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", default="fwd,bwd")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--shapes", default="all", help="'all' or indices into SHAPES, e.g. 1,3")
+    args = parser.parse_args()
+    modes = args.modes.split(",")
+    shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    arch = configs.arch_class(torch.device("cuda"))
+    rows = []
+    original_fwd, original_bwd = configs.fwd_config, configs.bwd_config
+    for batch, seqlen, heads, dim in shapes:
+        size = "large" if dim > 128 else "small"
+        for causal in (False, True):
+            q, k, v = (torch.randn(batch, seqlen, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+            dout = torch.randn_like(q)
+            times, expected = sdpa_times(q, k, v, dout, causal)
+            tag = dict(batch=batch, seqlen=seqlen, heads=heads, dim=dim, causal=causal)
+            for (name, mode), ms in times.items():
+                rows.append(dict(tag, provider=name, mode=mode, ms=ms, tflops=flops(batch, seqlen, heads, dim, causal, mode) / ms * 1e-9))
+            if "fwd" in modes:
+                for cand in FWD_CANDIDATES[size] + [replace(FWD_CANDIDATES[size][0], rescale_threshold=0.0)]:
+                    configs.fwd_config = lambda *_, cand=cand: cand
+                    try:
+                        out = flashtriton.flash_attn_func(q, k, v, causal=causal)
+                        err = float((out.float() - expected.float()).abs().max())
+                        ms = bench(lambda: flashtriton.flash_attn_func(q, k, v, causal=causal))
+                    except Exception as exc:  # a candidate that does not compile is recorded, not fatal
+                        err, ms = float("nan"), float("nan")
+                        print("fwd candidate failed", cand, type(exc).__name__, str(exc)[:200])
+                    rows.append(dict(tag, provider="flashtriton", mode="fwd", config=asdict(cand), ms=ms, max_err=err,
+                                     tflops=flops(batch, seqlen, heads, dim, causal, "fwd") / ms * 1e-9))
+                configs.fwd_config = original_fwd
+            if "bwd" in modes:
+                out = flashtriton.flash_attn_func(q, k, v, causal=causal)
+                base = original_bwd(arch, dim)
+                candidates = [replace(base, dkdv=c) for c in DKDV_CANDIDATES[size]]
+                candidates += [replace(base, dq=c) for c in DQ_CANDIDATES[size]]
+                for cand in candidates:
+                    configs.bwd_config = lambda *_, cand=cand: cand
+                    try:
+                        ms = bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+                    except Exception as exc:
+                        ms = float("nan")
+                        print("bwd candidate failed", cand, type(exc).__name__, str(exc)[:200])
+                    rows.append(dict(tag, provider="flashtriton", mode="bwd", config=asdict(cand), ms=ms,
+                                     tflops=flops(batch, seqlen, heads, dim, causal, "bwd") / ms * 1e-9))
+                configs.bwd_config = original_bwd
+            summary = [r for r in rows if all(r[key] == tag[key] for key in tag)]
+            for mode in modes:
+                ours = [r for r in summary if r["provider"] == "flashtriton" and r["mode"] == mode and r["ms"] == r["ms"]]
+                best = min(ours, key=lambda r: r["ms"]) if ours else None
+                peers = {r["provider"]: r["tflops"] for r in summary if r["provider"] != "flashtriton" and r["mode"] == mode}
+                print(f"{tag} {mode}: best {best['tflops'] if best else float('nan'):.0f} TF/s {best['config'] if best else ''} "
+                      f"| flash {peers.get('sdpa_flash', 0):.0f} cudnn {peers.get('sdpa_cudnn', 0):.0f}", flush=True)
+    with open(os.path.join(args.out, "sweep.json"), "w") as handle:
+        json.dump(rows, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""The `flashtriton` command on CPU: env, validate (through Triton's interpreter), CUDA-only commands, and the
+pure parts of the bench harness (FLOP counter, Markdown tables) and of inspect (instruction counts, gates).
+
+The two `validate --quick` runs (~1.5 min each on 2 cores) start together in one module-scoped fixture.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import flashtriton
+from flashtriton import bench, cli, env, kernel_inspect
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
+
+
+def _command(*args):
+    return [sys.executable, "-m", "flashtriton", *args]
+
+
+@pytest.fixture(scope="module")
+def validate_runs(tmp_path_factory):
+    """Run `validate --quick` twice at once: a clean run under TRITON_INTERPRET=1 writing a report, and a run with
+    the hidden `--inject-fault` flag started *without* TRITON_INTERPRET, so it must re-execute itself under the
+    interpreter. --inject-fault multiplies the softmax scale given to the kernels (not to the reference) by 1.01;
+    the gates must catch that and exit 1."""
+    root = tmp_path_factory.mktemp("validate")
+    base_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    launches = {
+        "clean": (_command("validate", "--device", "cpu", "--quick", "--report", str(root / "report")),
+                  dict(base_env, TRITON_INTERPRET="1")),
+        "fault": (_command("validate", "--device", "cpu", "--quick", "--inject-fault"), base_env),
+    }
+    processes = {}
+    for name, (command, environment) in launches.items():
+        stdout, stderr = open(root / f"{name}.out", "w"), open(root / f"{name}.err", "w")
+        processes[name] = (subprocess.Popen(command, stdout=stdout, stderr=stderr, env=environment), stdout, stderr)
+    runs = {}
+    for name, (process, stdout, stderr) in processes.items():
+        returncode = process.wait(timeout=600)
+        stdout.close()
+        stderr.close()
+        runs[name] = subprocess.CompletedProcess(process.args, returncode, (root / f"{name}.out").read_text(),
+                                                 (root / f"{name}.err").read_text())
+    runs["report_dir"] = root / "report"
+    return runs
+
+
+def test_validate_quick_passes_and_writes_reports(validate_runs):
+    run = validate_runs["clean"]
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "kernels: Triton interpreter" in run.stdout
+    assert "interpreter: bf16 tl.dot patched to fp32" in run.stdout
+    assert "PASSED" in run.stdout
+    assert re.search(r"\[\s*1/\d+\] api: ", run.stderr), "progress indicator on stderr"
+    report_dir = validate_runs["report_dir"]
+    markdown = (report_dir / "validate.md").read_text()
+    payload = json.loads((report_dir / "validate.json").read_text())
+    assert "| section" in markdown and "Verdict: PASSED" in markdown
+    assert payload["passed"] is True
+    assert {r["section"] for r in payload["results"]} == {"api", "accuracy", "backward", "edge"}
+    assert payload["metadata"]["interpreter_patches"]
+    api_cases = [r["case"] for r in payload["results"] if r["section"] == "api"]
+    for path in ("flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func"):
+        for variant in ("base", "causal", "window", "alibi", "softcap"):
+            assert any(case.startswith(f"{path} {variant}") for case in api_cases), (path, variant)
+
+
+def test_validate_inject_fault_fails_after_reexec(validate_runs):
+    run = validate_runs["fault"]
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "re-running with TRITON_INTERPRET=1" in run.stderr
+    assert "kernels: Triton interpreter" in run.stdout
+    assert "FAILED" in run.stdout and "FAIL accuracy" in run.stdout
+
+
+def test_inject_fault_is_hidden_from_help(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["validate", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--report" in help_text and "inject" not in help_text
+
+
+def test_env_mentions_versions():
+    run = subprocess.run(_command("env"), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    for version in (flashtriton.__version__, torch.__version__):
+        assert version in run.stdout
+    assert "triton" in run.stdout and "Triton cache dir" in run.stdout and "CPU:" in run.stdout
+
+
+def test_env_json_lists_library_gaps(capsys):
+    assert cli.main(["env", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["versions"]["torch"] == torch.__version__
+    assert "dropout" in payload["library_gaps"]
+
+
+@needs_no_cuda
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--shapes", "quick"], "no CUDA GPU: bench"),
+    (["warmup"], "no CUDA GPU: warmup"),
+    (["inspect", "--head-dim", "64"], "no CUDA GPU: inspect needs compiled kernels"),
+], ids=["bench", "warmup", "inspect"])
+def test_cuda_only_commands_exit_2_without_gpu(argv, message, capsys):
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_rejects_unknown_provider():
+    with pytest.raises(SystemExit) as raised:
+        cli.main(["bench", "--providers", "flashtriton,sdpa-magic"])
+    assert raised.value.code == 2
+
+
+# ---- bench.py: FLOPs and tables -----------------------------------------------------------------------------------
+
+def test_attention_flops():
+    forward = 4 * 2 * 16 * 1024 * 2048 * 128
+    assert bench.attention_flops(2, 16, 1024, 2048, 128, causal=False) == forward
+    assert bench.attention_flops(2, 16, 1024, 2048, 128, causal=True) == forward / 2
+    assert bench.attention_flops(2, 16, 1024, 2048, 128, causal=False, mode="bwd") == 2.5 * forward
+    assert bench.attention_flops(2, 16, 1024, 2048, 128, causal=True, mode="fwd+bwd") == 3.5 * forward / 2
+    with pytest.raises(ValueError):
+        bench.attention_flops(1, 1, 1, 1, 1, causal=False, mode="sideways")
+    assert bench.tflops_per_second(2e12, 1000.0) == pytest.approx(2.0)
+
+
+def test_relative_linf_counts_nan_as_wrong():
+    ref = torch.tensor([1.0, -2.0, 0.5])
+    assert bench.relative_linf(ref + torch.tensor([0.0, 0.02, 0.0]), ref) == pytest.approx(0.01)
+    assert bench.relative_linf(torch.tensor([1.0, float("nan"), 0.5]), ref) == float("inf")
+
+
+def _fake_rows():
+    def row(provider, mode, tflops, **extra):
+        ms = None if tflops is None else 1.0
+        return bench.BenchRow(provider, 4, 4096, 16, 128, True, "bf16", mode, ms=ms, tflops=tflops, **extra)
+
+    return [
+        row("flashtriton", "fwd", 600.0, max_error=1e-3, rel_error=2e-3, correct=True),
+        row("sdpa-flash", "fwd", 300.0),
+        row("sdpa-cudnn", "fwd", 400.0),
+        row("sdpa-efficient", "fwd", None, status="unavailable: RuntimeError: no kernel"),
+        row("flashtriton", "fwd+bwd", 450.0, max_error=0.5, rel_error=0.3, correct=False, peak_mem_mib=300.0),
+        row("sdpa-flash", "fwd+bwd", 300.0, peak_mem_mib=200.0),
+    ]
+
+
+def test_markdown_table_pads_and_aligns():
+    table = bench.markdown_table(["name", "value"], [["a", 1.5], ["longer", 10]], [False, True])
+    lines = table.splitlines()
+    assert len({len(line) for line in lines}) == 1
+    assert lines[1] == "|--------|------:|"
+    assert lines[3] == "| longer |    10 |"
+
+
+def test_results_markdown_ratios_and_marks():
+    text = bench.results_markdown(_fake_rows(), {"gpu": "fake", "commit": None})
+    assert "gpu: fake" in text and "commit" not in text
+    fwd_line = next(line for line in text.splitlines() if "| fwd " in line)
+    assert "2.00x" in fwd_line and "1.50x" in fwd_line and "1.0e-03 ok" in fwd_line
+    assert "n/a" in fwd_line, "unavailable provider"
+    fwd_bwd_line = next(line for line in text.splitlines() if "| fwd+bwd " in line)
+    assert "WRONG" in fwd_bwd_line and "n/a" in fwd_bwd_line, "no cuDNN row: ratio n/a"
+    assert "Peak extra memory" in text and "1.50x" in text.split("Peak extra memory")[1]
+    assert "sdpa-efficient: unavailable: RuntimeError: no kernel" in text
+
+
+def test_write_results_round_trip(tmp_path):
+    result = bench.BenchResult(_fake_rows(), {"gpu": "fake"})
+    paths = bench.write_results(result, tmp_path / "out")
+    names = {p.name for p in paths}
+    assert {"bench.json", "bench.md"} <= names
+    try:
+        import matplotlib  # noqa: F401
+        assert "bench.png" in names
+    except ImportError:
+        assert "bench.png" not in names
+    loaded = bench.load_rows(tmp_path / "out" / "bench.json")
+    assert loaded.rows == result.rows and loaded.metadata == {"gpu": "fake"}
+
+
+def test_bench_config_rows_without_gpu(monkeypatch):
+    """bench_config's plumbing on CPU with the CUDA timer and memory probe replaced by stand-ins."""
+    monkeypatch.setattr(bench, "median_ms", lambda fn, warmup, rep: (fn(), 2.0)[1])
+    monkeypatch.setattr(bench, "peak_memory_mib", lambda fn: (fn(), 1.0)[1])
+    shape = bench.Shape(1, 32, 2, 16)
+    q, k, v = bench.random_inputs(shape, torch.bfloat16, device="cpu")
+    for mode in bench.MODES:
+        row = bench.bench_config("flashtriton", shape, True, torch.bfloat16, mode, q, k, v)
+        assert row.status == "ok" and row.ms == 2.0, row
+        flops = bench.attention_flops(1, 2, 32, 32, 16, True, mode)
+        assert row.tflops == pytest.approx(flops / 2e-3 / 1e12)
+        assert (row.peak_mem_mib is not None) == (mode == "fwd+bwd")
+    missing = bench.bench_config("sdpa-cudnn", shape, False, torch.bfloat16, "fwd", q, k, v)
+    assert missing.status.startswith("unavailable: ") and missing.ms is None and missing.tflops is None
+
+
+# ---- kernel_inspect.py and env.py: pure parts ---------------------------------------------------------------------
+
+FAKE_SASS = """
+        /*0100*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*0110*/                   MUFU.EX2 R3, R3 ;
+        /*0120*/                   MUFU.EX2 R4, R4 ;
+        /*0130*/                   STL [R1], R5 ;
+        /*0140*/                   LDL R6, [R1] ;
+"""
+
+
+def test_instruction_counts():
+    counts = kernel_inspect.count_patterns(FAKE_SASS, kernel_inspect.SASS_PATTERNS)
+    assert counts == {"HGMMA": 1, "HMMA": 0, "MUFU.EX2": 2, "LDL": 1, "STL": 1}
+    ptx = "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16 ...\nex2.approx.f32 %f1, %f2;"
+    assert kernel_inspect.count_patterns(ptx, kernel_inspect.PTX_PATTERNS)["wgmma"] == 1
+
+
+def test_inspect_gates_on_sm90_only():
+    good = kernel_inspect.KernelReport("attn_fwd_kernel", 168, 0, 98304, 8, 3, {"wgmma": 4}, {"HGMMA": 4})
+    spilling = kernel_inspect.KernelReport("attn_fwd_kernel", 255, 12, 98304, 8, 3, {"wgmma": 0}, {"HGMMA": 0})
+    assert kernel_inspect.gate_failures([good], (9, 0)) == []
+    failures = kernel_inspect.gate_failures([spilling], (9, 0))
+    assert any("wgmma" in f for f in failures) and any("spills" in f for f in failures)
+    assert kernel_inspect.gate_failures([spilling], (8, 0)) == []
+    assert "attn_fwd_kernel" in kernel_inspect.reports_table([good])
+
+
+def test_env_old_gpu_reason_and_cpu_path():
+    assert env.OLD_GPU_REASON == "FlashAttention only supports Ampere GPUs or newer."
+    assert "interpreter" in env.cpu_path_description(True)
+    assert "reference" in env.cpu_path_description(False)
