@@ -12,6 +12,7 @@ import datetime
 import json
 import math
 import platform
+import os
 import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -111,7 +112,9 @@ class BenchResult:
 
 
 def git_commit() -> Optional[str]:
-    """`git rev-parse --short HEAD` of the flashtriton checkout, when it is one."""
+    """$FLASHTRITON_COMMIT if set (copies without git history), else `git rev-parse --short HEAD`."""
+    if os.environ.get("FLASHTRITON_COMMIT"):
+        return os.environ["FLASHTRITON_COMMIT"]
     try:
         done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
                               capture_output=True, text=True, timeout=10)
