@@ -25,12 +25,12 @@ from flashtriton.configs import BwdConfig, FwdConfig, TileConfig
 
 SHAPES = [(16, 1024, 16, 128), (4, 4096, 16, 128), (1, 16384, 16, 128), (4, 4096, 32, 64), (4, 4096, 8, 256)]
 
-FWD_CANDIDATES = {
-    "small": [FwdConfig(128, 128, 8, 3), FwdConfig(128, 128, 8, 2), FwdConfig(128, 64, 4, 3), FwdConfig(128, 64, 8, 3),
-              FwdConfig(64, 64, 4, 3), FwdConfig(128, 128, 4, 3)],
-    "large": [FwdConfig(128, 64, 8, 2), FwdConfig(64, 64, 4, 2), FwdConfig(128, 32, 8, 2), FwdConfig(64, 32, 4, 3),
-              FwdConfig(128, 64, 8, 3)],
+_TILES = {
+    "small": [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 4), (128, 64, 4, 4)],
+    "large": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 64, 4, 3)],
 }
+FWD_CANDIDATES = {size: [FwdConfig(*tile, 0.0, tma) for tma in (True, False) for tile in tiles]
+                  for size, tiles in _TILES.items()}
 DKDV_CANDIDATES = {
     "small": [TileConfig(32, 128, 4, 3), TileConfig(64, 128, 8, 2), TileConfig(64, 64, 4, 3), TileConfig(32, 64, 4, 3),
               TileConfig(64, 128, 4, 2), TileConfig(64, 128, 8, 3)],
@@ -88,7 +88,7 @@ def main():
             for (name, mode), ms in times.items():
                 rows.append(dict(tag, provider=name, mode=mode, ms=ms, tflops=flops(batch, seqlen, heads, dim, causal, mode) / ms * 1e-9))
             if "fwd" in modes:
-                for cand in FWD_CANDIDATES[size] + [replace(FWD_CANDIDATES[size][0], rescale_threshold=0.0)]:
+                for cand in FWD_CANDIDATES[size]:
                     configs.fwd_config = lambda *_, cand=cand: cand
                     try:
                         out = flashtriton.flash_attn_func(q, k, v, causal=causal)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import platform
 import os
+import platform
 import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path

@@ -26,6 +26,7 @@ class TileConfig:
 @dataclass(frozen=True)
 class FwdConfig(TileConfig):
     rescale_threshold: float = 8.0  # log2 units; FA4's value for 16-bit inputs
+    use_tma: bool = False           # tensor descriptors for dense layouts (sm90+)
 
 
 @dataclass(frozen=True)
@@ -48,15 +49,17 @@ _INTERPRETER_BWD = BwdConfig(TileConfig(64, 64, 4, 1), TileConfig(64, 64, 4, 1),
 
 # GPU tables, keyed by (arch class, causal): ((max head dim, config), ...), first match wins.
 # sm90 entries: benchmarks/sweep_configs.py on the H200, 2026-11-30 (docs/perf-notes.md has the numbers);
-# bf16, shapes (4, 4096, 16, 128), (4, 4096, 32, 64), (4, 4096, 8, 256). The A-1 rescale skip is off on
-# GPUs: expressed in Triton it needs a tile-wide reduction and branch per key block, which cost 15% at
-# head dim 128 (443 vs 519 TF/s) in that sweep. sm80 entries are conservative guesses, not measured.
+# bf16, shapes (4, 4096, 16, 128), (4, 4096, 32, 64), (4, 4096, 8, 256). Forward: tensor descriptors won
+# on every row (d128: 572 vs 538 TF/s; d128 causal with 64x64 tiles: 489 vs 373). The A-1 rescale skip is
+# off on GPUs: expressed in Triton it needs a tile-wide reduction and branch per key block, which cost 15%
+# at head dim 128 (443 vs 519 TF/s). sm80 entries are conservative guesses, not measured.
 _NO_SKIP = 0.0
+_TMA = True
 _FWD_TABLE = {
-    ("sm90", False): ((64, FwdConfig(128, 64, 8, 3, _NO_SKIP)), (128, FwdConfig(128, 128, 8, 3, _NO_SKIP)),
-                      (256, FwdConfig(128, 64, 8, 2, _NO_SKIP))),
-    ("sm90", True): ((64, FwdConfig(64, 64, 4, 3, _NO_SKIP)), (128, FwdConfig(128, 128, 8, 3, _NO_SKIP)),
-                     (256, FwdConfig(128, 64, 8, 2, _NO_SKIP))),
+    ("sm90", False): ((64, FwdConfig(64, 64, 4, 3, _NO_SKIP, _TMA)), (128, FwdConfig(128, 128, 8, 3, _NO_SKIP, _TMA)),
+                      (256, FwdConfig(128, 64, 8, 2, _NO_SKIP, _TMA))),
+    ("sm90", True): ((64, FwdConfig(64, 64, 4, 3, _NO_SKIP, _TMA)), (128, FwdConfig(64, 64, 4, 3, _NO_SKIP, _TMA)),
+                     (256, FwdConfig(128, 64, 8, 2, _NO_SKIP, _TMA))),
     ("sm80", False): ((64, FwdConfig(128, 64, 4, 3, _NO_SKIP)), (128, FwdConfig(128, 64, 4, 2, _NO_SKIP)),
                       (256, FwdConfig(64, 64, 4, 2, _NO_SKIP))),
 }

@@ -2,8 +2,13 @@
 
 Sections: every public API path with every feature (tolerance rule + NaN/Inf), a forward accuracy sweep
 (relative L_inf, cosine and the tolerance rule), backward gradients (tolerance rule with factor 3), edge probes
-and, on CUDA, a latency table. On CPU the kernels run through Triton's interpreter: the command re-executes
-itself with TRITON_INTERPRET=1 when needed and applies flashtriton._interpreter_patches explicitly.
+and, on CUDA, a latency table. The API paths include the varlen functions (packed, and the paged K/V form of
+flash_attn_varlen_func, forward only) on mixed lengths with a 0- and a 1-length sequence, max_seqlen upper bounds
+and uncovered rows after the last sequence; they are checked against the float64 varlen reference. An edge probe
+checks that varlen on equal lengths is bitwise the dense result.
+
+On CPU the kernels run through Triton's interpreter: the command re-executes itself with TRITON_INTERPRET=1 when
+needed and applies flashtriton._interpreter_patches explicitly.
 
 The tolerance rule is flashtriton.testing's: max|kernel - ref| <= factor * max|pt - ref| + atol, with `pt` the
 same reference computed in the input dtype ("vs PyTorch" in the tables is max|kernel - ref| / max|pt - ref|).
@@ -23,9 +28,10 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from . import bench
-from .interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from .interface import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
+                        flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)
 from .ops import backend
-from .reference import attention_reference
+from .reference import attention_reference, attention_reference_varlen
 from .testing import (Case, ErrorCheck, check_error, check_lse, compare_with_reference, make_case_inputs,
                       poisoned_outputs)
 
@@ -36,7 +42,46 @@ GRAD_FACTOR = 3.0
 FAULT_SCALE_FACTOR = 1.01
 REPORT_STEM = "validate"
 
-API_PATHS = ("flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func")
+FUNCTIONS = {fn.__name__: fn for fn in (flash_attn_func, flash_attn_qkvpacked_func, flash_attn_kvpacked_func,
+                                         flash_attn_varlen_func, flash_attn_varlen_qkvpacked_func,
+                                         flash_attn_varlen_kvpacked_func)}
+# Page sizes of the paged K/V checks: one that is not a power of two, one that is.
+PAGE_SIZES = (48, 16)
+# Varlen inputs get this many rows after the last sequence (they must come back 0), and the kernels get
+# max_seqlen = true maximum + this slack (max_seqlen is an upper bound in the API).
+VARLEN_TAIL = 3
+MAX_SEQLEN_SLACK = 4
+
+
+@dataclass(frozen=True)
+class ApiPath:
+    """A public function; for flash_attn_varlen_func also the page size of a paged K/V cache (block_table)."""
+
+    function: str
+    page_size: Optional[int] = None
+
+    @property
+    def name(self) -> str:
+        return self.function if self.page_size is None else f"{self.function} paged{self.page_size}"
+
+    @property
+    def is_varlen(self) -> bool:
+        return "varlen" in self.function
+
+    @property
+    def packing(self) -> str:
+        """"qkv", "kv" or "" (separate q, k, v)."""
+        return "qkv" if "qkvpacked" in self.function else "kv" if "kvpacked" in self.function else ""
+
+    @property
+    def has_backward(self) -> bool:
+        return self.page_size is None
+
+
+DENSE_PATH = ApiPath("flash_attn_func")
+VARLEN_PATH = ApiPath("flash_attn_varlen_func")
+API_PATHS = (tuple(ApiPath(name) for name in FUNCTIONS)
+             + tuple(ApiPath(VARLEN_PATH.function, page_size) for page_size in PAGE_SIZES))
 SECTIONS = ("api", "accuracy", "backward", "edge")
 
 
@@ -59,6 +104,7 @@ class Plan:
     sweep_head_dims: tuple
     bwd_cases: tuple        # (seqlen_q, seqlen_k, head_dim)
     edge_seqlen: int
+    varlen_lens: tuple      # (lens_q, lens_k) of the varlen API paths
     latency_shapes: tuple = ()
 
     @property
@@ -70,21 +116,26 @@ class Plan:
 
 def make_plan(device_type: str, full: bool) -> Plan:
     both = (torch.float16, torch.bfloat16)
+    # Sequences with Sq > Sk, an empty query, a 1-length one, queries without any key and Sq < Sk.
+    cpu_varlen = ((40, 0, 1, 30, 18), (23, 9, 1, 0, 61))
     if device_type == "cpu":
         if not full:
             return Plan(1, 2, 96, 64, (torch.float16,), ((128, 128), (77, 113)), (64, 128),
-                        ((128, 128, 64), (113, 77, 128)), 64)
+                        ((128, 128, 64), (113, 77, 128)), 64, cpu_varlen)
         return Plan(2, 2, 96, 64, both, ((17, 17), (64, 64), (128, 128), (77, 113), (113, 77), (200, 200)),
                     (32, 40, 64, 96, 128, 256),
-                    ((17, 17, 32), (64, 64, 64), (128, 128, 128), (77, 113, 96), (113, 77, 64), (128, 128, 256)), 96)
+                    ((17, 17, 32), (64, 64, 64), (128, 128, 128), (77, 113, 96), (113, 77, 64), (128, 128, 256)), 96,
+                    (cpu_varlen[0] + (77,), cpu_varlen[1] + (128,)))
     quick_latency = (bench.Shape(4, 4096, 16, 128),)
+    gpu_varlen = ((700, 0, 1, 300, 517, 128), (411, 64, 1, 0, 1000, 128))
     if not full:
         return Plan(2, 4, 512, 128, (torch.float16,), ((128, 128), (1024, 1024), (333, 1000)), (64, 128, 256),
-                    ((1024, 1024, 128), (333, 1000, 64), (1000, 333, 256)), 256, quick_latency)
+                    ((1024, 1024, 128), (333, 1000, 64), (1000, 333, 256)), 256, gpu_varlen, quick_latency)
     return Plan(2, 4, 1024, 128, both,
                 ((1, 1), (128, 128), (1024, 1024), (333, 1000), (1000, 333), (2048, 2048), (4096, 4096)),
                 (32, 64, 96, 128, 256),
                 ((1024, 1024, 128), (333, 1000, 64), (1000, 333, 256), (2048, 2048, 128), (4096, 4096, 64)), 512,
+                (gpu_varlen[0] + (2049,), gpu_varlen[1] + (3000,)),
                 quick_latency + (bench.Shape(4, 4096, 32, 64), bench.Shape(4, 4096, 8, 256),
                                  bench.Shape(1, 16384, 16, 128)))
 
@@ -117,9 +168,38 @@ class Check:
     run: Callable[[], CheckResult]
 
 
+@dataclass(frozen=True)
+class VarlenBatch:
+    """The sequences of a varlen call: lengths, the max_seqlen arguments and uncovered rows after the last one."""
+
+    lens_q: tuple
+    lens_k: tuple
+    max_seqlen_q: int
+    max_seqlen_k: int
+    tail: int = VARLEN_TAIL
+
+    @classmethod
+    def from_lengths(cls, lens_q: Sequence[int], lens_k: Sequence[int], slack: int = MAX_SEQLEN_SLACK,
+                     tail: int = VARLEN_TAIL) -> "VarlenBatch":
+        return cls(tuple(lens_q), tuple(lens_k), max(lens_q) + slack, max(lens_k) + slack, tail)
+
+    @property
+    def total_q(self) -> int:
+        return sum(self.lens_q) + self.tail
+
+    @property
+    def total_k(self) -> int:
+        return sum(self.lens_k) + self.tail
+
+    def cu_seqlens(self, device) -> tuple:
+        """(cu_seqlens_q, cu_seqlens_k), int32 cumulative starts."""
+        return tuple(torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+                     for lens in (self.lens_q, self.lens_k))
+
+
 @dataclass
 class Outcome:
-    """What one kernel call produced, with the inputs it was given."""
+    """What one kernel call produced, with the inputs it was given (varlen: packed rows, and their sequences)."""
 
     case: Case
     inputs: tuple           # q, k, v, alibi_slopes
@@ -128,6 +208,7 @@ class Outcome:
     s_dmask: torch.Tensor
     grads: Optional[tuple] = None
     dout: Optional[torch.Tensor] = None
+    varlen: Optional[VarlenBatch] = None
 
 
 def _measure(check: ErrorCheck) -> dict:
@@ -170,24 +251,32 @@ class Validator:
             return case.softmax_scale
         return (case.softmax_scale or case.head_dim ** -0.5) * self.fault_factor
 
-    def run_kernels(self, case: Case, path: str = "flash_attn_func", with_grad: bool = True,
-                    input_scale: float = 1.0, inputs: Optional[tuple] = None,
-                    dout: Optional[torch.Tensor] = None) -> Outcome:
-        """One forward (and backward) through a public API path, with NaN-poisoned output buffers."""
-        q, k, v, slopes = inputs or make_case_inputs(case, self.device, scale=input_scale)
+    def run_kernels(self, case: Case, path: ApiPath = DENSE_PATH, with_grad: bool = True,
+                    input_scale: float = 1.0, inputs: Optional[tuple] = None, dout: Optional[torch.Tensor] = None,
+                    varlen: Optional[VarlenBatch] = None) -> Outcome:
+        """One forward (and backward) through a public API path, with NaN-poisoned output buffers.
+
+        Varlen paths need `varlen`; their inputs are packed rows (total, heads, head_dim).
+        """
+        if inputs is None:
+            inputs = (make_case_inputs(case, self.device, scale=input_scale) if varlen is None
+                      else make_varlen_inputs(case, varlen, self.device, scale=input_scale))
+        q, k, v, slopes = inputs
         options = dict(softmax_scale=self.kernel_scale(case), causal=case.causal, window_size=case.window_size,
                        softcap=case.softcap, alibi_slopes=slopes, return_attn_probs=True)
-        leaves, call = _api_call(path, q, k, v, with_grad)
+        leaves, call = _api_call(path, q, k, v, with_grad, varlen)
         with poisoned_outputs(), torch.set_grad_enabled(with_grad):
             out, lse, s_dmask = call(**options)
             grads = None
             if with_grad:
                 dout = torch.randn_like(out) if dout is None else dout
-                grads = _unpack_grads(path, torch.autograd.grad(out, leaves, dout))
-        return Outcome(case, (q, k, v, slopes), out.detach(), lse, s_dmask, grads, dout)
+                grads = _unpack_grads(path, torch.autograd.grad(out, leaves, dout), pack_dim=q.dim() - 2)
+        return Outcome(case, (q, k, v, slopes), out.detach(), lse, s_dmask, grads, dout, varlen)
 
     def tolerance_checks(self, outcome: Outcome) -> list[ErrorCheck]:
         q, k, v, slopes = outcome.inputs
+        if outcome.varlen is not None:
+            return compare_varlen_with_reference(outcome)
         return compare_with_reference(outcome.case, outcome.out, outcome.lse, q, k, v, slopes, outcome.grads,
                                       outcome.dout, grad_factor=GRAD_FACTOR)
 
@@ -220,15 +309,24 @@ class Validator:
         for dtype in self.plan.api_dtypes:
             for variant, case in self.api_variants(dtype).items():
                 for path in API_PATHS:
-                    if path == "flash_attn_qkvpacked_func" and case.num_heads != case.num_heads_k:
+                    if path.packing == "qkv" and case.num_heads != case.num_heads_k:
                         continue  # qkvpacked has H == Hk by construction
-                    label = f"{path} {variant} {_dtype_name(dtype)}"
+                    label = f"{path.name} {variant} {_dtype_name(dtype)}"
                     checks.append(Check("api", label, lambda c=case, p=path, n=label: self.check_api(n, c, p)))
         return checks
 
-    def check_api(self, label: str, case: Case, path: str) -> CheckResult:
-        outcome = self.run_kernels(case, path)
+    def varlen_batch(self, path: ApiPath) -> Optional[VarlenBatch]:
+        """The plan's sequences for a varlen path (qkvpacked: the query lengths for keys too); None if dense."""
+        if not path.is_varlen:
+            return None
+        lens_q, lens_k = self.plan.varlen_lens
+        return VarlenBatch.from_lengths(lens_q, lens_q if path.packing == "qkv" else lens_k)
+
+    def check_api(self, label: str, case: Case, path: ApiPath) -> CheckResult:
+        outcome = self.run_kernels(case, path, with_grad=path.has_backward, varlen=self.varlen_batch(path))
         failures = [] if outcome.s_dmask.shape == (0,) else [f"S_dmask shape {tuple(outcome.s_dmask.shape)}"]
+        if outcome.varlen is not None:
+            failures += uncovered_row_failures(outcome)
         return summarize("api", label, self.tolerance_checks(outcome), failures)
 
     def accuracy_checks(self) -> list[Check]:
@@ -291,6 +389,8 @@ class Validator:
             "no visible key": lambda: self.check_empty_rows(replace(base, seqlen_q=seqlen + 33, seqlen_k=seqlen // 2,
                                                                     causal=True)),
             "determinism": lambda: self.check_determinism(replace(base, causal=True, num_heads=2 * base.num_heads)),
+            "varlen = dense": lambda: self.check_varlen_equals_dense(
+                replace(base, batch=3, causal=True, alibi=True, num_heads=2 * base.num_heads)),
         }
         return [Check("edge", name, run) for name, run in probes.items()]
 
@@ -330,31 +430,129 @@ class Validator:
         return CheckResult("edge", f"determinism ({case.label()})", not failures, detail="; ".join(failures),
                            measures=extra)
 
+    def check_varlen_equals_dense(self, case: Case) -> CheckResult:
+        """flash_attn_varlen_func on a batch of equal lengths must give the dense call's results bitwise."""
+        dense = self.run_kernels(case)
+        q, k, v, slopes = dense.inputs
+        lengths = (case.seqlen_q,) * case.batch
+        batch = VarlenBatch.from_lengths(lengths, lengths, slack=0, tail=0)
+        packed = (q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), slopes)
+        varlen = self.run_kernels(case, VARLEN_PATH, inputs=packed, dout=dense.dout.flatten(0, 1), varlen=batch)
+        pairs = {"out": (varlen.out, dense.out.flatten(0, 1)),
+                 "lse": (varlen.lse, dense.lse.transpose(0, 1).flatten(1))}
+        pairs.update({name: (grad, dense_grad.flatten(0, 1))
+                      for name, grad, dense_grad in zip(("dq", "dk", "dv"), varlen.grads, dense.grads)})
+        differing = [name for name, (a, b) in pairs.items() if not torch.equal(a, b)]
+        extra = [{"name": f"{name} bitwise equal", "ok": name not in differing} for name in pairs]
+        failures = [f"{', '.join(differing)} of varlen differ from dense"] if differing else []
+        return CheckResult("edge", f"varlen = dense, equal lengths ({case.label()})", not failures,
+                           detail="; ".join(failures), measures=extra)
 
-def _api_call(path: str, q, k, v, with_grad: bool):
+
+def make_varlen_inputs(case: Case, batch: VarlenBatch, device="cpu", scale: float = 1.0) -> tuple:
+    """Fresh random packed (q (total_q, H, D), k, v (total_k, Hk, D), alibi_slopes (batch, H)), in case.dtype.
+
+    Only the case's heads, head dim, dtype and alibi flag are used; the rows come from `batch`.
+    """
+    shape_q = (batch.total_q, case.num_heads, case.head_dim)
+    shape_k = (batch.total_k, case.num_heads_k, case.head_dim)
+    q, k, v = ((torch.randn(shape, device=device) * scale).to(case.dtype) for shape in (shape_q, shape_k, shape_k))
+    slopes = None
+    if case.alibi:
+        slopes = torch.rand(len(batch.lens_q), case.num_heads, device=device, dtype=torch.float32) * 0.5
+    return q, k, v, slopes
+
+
+def paginate(k: torch.Tensor, v: torch.Tensor, batch: VarlenBatch, page_size: int) -> tuple:
+    """(k_cache, v_cache, block_table): each sequence's keys scattered into shuffled pages of a random cache."""
+    num_seqs = len(batch.lens_k)
+    pages_per_seq = -(-batch.max_seqlen_k // page_size)
+    num_pages = num_seqs * pages_per_seq + 2  # two pages no sequence uses
+    block_table = torch.randperm(num_pages, device=k.device)[: num_seqs * pages_per_seq]
+    block_table = block_table.view(num_seqs, pages_per_seq).to(torch.int32)
+    caches = []
+    for packed in (k, v):
+        cache = torch.randn(num_pages, page_size, *packed.shape[1:], device=k.device).to(packed.dtype)
+        start = 0
+        for seq, length in enumerate(batch.lens_k):
+            positions = torch.arange(length, device=k.device)
+            pages = block_table[seq, positions // page_size].long()
+            cache[pages, positions % page_size] = packed.detach()[start:start + length]
+            start += length
+        caches.append(cache)
+    return caches[0], caches[1], block_table
+
+
+def _api_call(path: ApiPath, q, k, v, with_grad: bool, varlen: Optional[VarlenBatch] = None):
     """(leaves to differentiate, fn(**options) -> (out, lse, S_dmask)) for one public API path."""
     def leaf(t):
         return t.detach().clone().requires_grad_(with_grad)
 
-    if path == "flash_attn_func":
+    function = FUNCTIONS[path.function]
+    pack_dim = q.dim() - 2
+    if path.packing == "qkv":
+        leaves = (leaf(torch.stack((q, k, v), dim=pack_dim)),)
+    elif path.packing == "kv":
+        leaves = (leaf(q), leaf(torch.stack((k, v), dim=pack_dim)))
+    elif path.page_size is not None:
+        k_cache, v_cache, block_table = paginate(k, v, varlen, path.page_size)
+        leaves = (leaf(q), leaf(k_cache), leaf(v_cache))
+    else:
         leaves = (leaf(q), leaf(k), leaf(v))
-        return leaves, lambda **o: flash_attn_func(*leaves, **o)
-    if path == "flash_attn_qkvpacked_func":
-        leaves = (leaf(torch.stack((q, k, v), dim=2)),)
-        return leaves, lambda **o: flash_attn_qkvpacked_func(*leaves, **o)
-    if path == "flash_attn_kvpacked_func":
-        leaves = (leaf(q), leaf(torch.stack((k, v), dim=2)))
-        return leaves, lambda **o: flash_attn_kvpacked_func(*leaves, **o)
-    raise ValueError(f"unknown API path {path!r}")
+    sequences, extra = (), {}
+    if path.is_varlen:
+        cu_seqlens_q, cu_seqlens_k = varlen.cu_seqlens(q.device)
+        sequences = ((cu_seqlens_q, varlen.max_seqlen_q) if path.packing == "qkv"
+                     else (cu_seqlens_q, cu_seqlens_k, varlen.max_seqlen_q, varlen.max_seqlen_k))
+    if path.page_size is not None:
+        extra = {"block_table": block_table}
+    return leaves, lambda **o: function(*leaves, *sequences, **o, **extra)
 
 
-def _unpack_grads(path: str, grads) -> tuple:
-    """(dq, dk, dv) from the gradients of an API path's leaves."""
-    if path == "flash_attn_qkvpacked_func":
-        return tuple(grads[0].unbind(dim=2))
-    if path == "flash_attn_kvpacked_func":
-        return (grads[0], *grads[1].unbind(dim=2))
+def _unpack_grads(path: ApiPath, grads, pack_dim: int) -> tuple:
+    """(dq, dk, dv) from the gradients of an API path's leaves; packed leaves stack along pack_dim."""
+    if path.packing == "qkv":
+        return tuple(grads[0].unbind(dim=pack_dim))
+    if path.packing == "kv":
+        return (grads[0], *grads[1].unbind(dim=pack_dim))
     return tuple(grads)
+
+
+def compare_varlen_with_reference(outcome: Outcome) -> list[ErrorCheck]:
+    """ErrorChecks of a varlen outcome's out, lse (and dq/dk/dv) against attention_reference_varlen.
+
+    Every row counts: the reference gives uncovered rows out 0, lse +inf and zero gradients.
+    """
+    case, batch = outcome.case, outcome.varlen
+    q, k, v, slopes = outcome.inputs
+    cu_seqlens_q, cu_seqlens_k = batch.cu_seqlens(q.device)
+    with_grad = outcome.grads is not None
+    options = dict(softmax_scale=case.softmax_scale, causal=case.causal, window_size=case.window_size,
+                   softcap=case.softcap, alibi_slopes=slopes)
+    inputs64 = [t.detach().double().requires_grad_(with_grad) for t in (q, k, v)]
+    inputs_pt = [t.detach().clone().requires_grad_(with_grad) for t in (q, k, v)]
+    with torch.enable_grad():
+        ref_out, ref_lse = attention_reference_varlen(*inputs64, cu_seqlens_q, cu_seqlens_k, batch.max_seqlen_k,
+                                                      **options, compute_dtype=torch.float64)
+        pt_out, _ = attention_reference_varlen(*inputs_pt, cu_seqlens_q, cu_seqlens_k, batch.max_seqlen_k,
+                                               **options, compute_dtype=None)
+    checks = [check_error("out", outcome.out, ref_out, pt_out, factor=OUT_FACTOR), check_lse(outcome.lse, ref_lse)]
+    if with_grad:
+        ref_grads = torch.autograd.grad(ref_out, inputs64, outcome.dout.double())
+        pt_grads = torch.autograd.grad(pt_out, inputs_pt, outcome.dout)
+        for name, grad, ref_grad, pt_grad in zip(("dq", "dk", "dv"), outcome.grads, ref_grads, pt_grads):
+            checks.append(check_error(name, grad, ref_grad, pt_grad, factor=GRAD_FACTOR, atol=1e-4))
+    return checks
+
+
+def uncovered_row_failures(outcome: Outcome) -> list[str]:
+    """Rows after the last sequence must come back exactly 0 in out (and dq, dk, dv), never NaN."""
+    covered_q, covered_k = sum(outcome.varlen.lens_q), sum(outcome.varlen.lens_k)
+    tensors = {"out": outcome.out[covered_q:]}
+    if outcome.grads is not None:
+        tensors.update({name: grad[covered:] for name, grad, covered in zip(
+            ("dq", "dk", "dv"), outcome.grads, (covered_q, covered_k, covered_k))})
+    return [f"{name} of uncovered rows is not 0" for name, rows in tensors.items() if not bool((rows == 0).all())]
 
 
 def _cosine(actual: torch.Tensor, ref: torch.Tensor) -> float:

@@ -20,6 +20,10 @@ from flashtriton import bench, cli, env, kernel_inspect
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
 
+DENSE_PATHS = ("flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func")
+VARLEN_PATHS = ("flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
+                "flash_attn_varlen_func paged48", "flash_attn_varlen_func paged16")
+
 
 def _command(*args):
     return [sys.executable, "-m", "flashtriton", *args]
@@ -68,9 +72,23 @@ def test_validate_quick_passes_and_writes_reports(validate_runs):
     assert {r["section"] for r in payload["results"]} == {"api", "accuracy", "backward", "edge"}
     assert payload["metadata"]["interpreter_patches"]
     api_cases = [r["case"] for r in payload["results"] if r["section"] == "api"]
-    for path in ("flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func"):
+    for path in DENSE_PATHS + VARLEN_PATHS:
         for variant in ("base", "causal", "window", "alibi", "softcap"):
             assert any(case.startswith(f"{path} {variant}") for case in api_cases), (path, variant)
+
+
+def test_validate_report_checks_varlen_paths(validate_runs):
+    """The varlen paths are in the report: gradients checked except for paged K/V (forward only), and the
+    varlen = dense edge probe."""
+    payload = json.loads((validate_runs["report_dir"] / "validate.json").read_text())
+    measured = {r["case"]: {m["name"] for m in r["measures"]} for r in payload["results"] if r["section"] == "api"}
+    for path in VARLEN_PATHS:
+        cases = [case for case in measured if case.startswith(f"{path} ")]
+        assert len(cases) >= 5, (path, cases)
+        expected = {"out", "lse"} if "paged" in path else {"out", "lse", "dq", "dk", "dv"}
+        assert all(measured[case] == expected for case in cases), (path, {c: measured[c] for c in cases})
+    edge_cases = [r["case"] for r in payload["results"] if r["section"] == "edge" and r["passed"]]
+    assert any(case.startswith("varlen = dense") for case in edge_cases), edge_cases
 
 
 def test_validate_inject_fault_fails_after_reexec(validate_runs):
@@ -79,6 +97,8 @@ def test_validate_inject_fault_fails_after_reexec(validate_runs):
     assert "re-running with TRITON_INTERPRET=1" in run.stderr
     assert "kernels: Triton interpreter" in run.stdout
     assert "FAILED" in run.stdout and "FAIL accuracy" in run.stdout
+    for path in VARLEN_PATHS:
+        assert f"FAIL api / {path} base" in run.stdout, path
 
 
 def test_inject_fault_is_hidden_from_help(capsys):

@@ -4,6 +4,10 @@ Numerics (API.md §4.10): fp32 scores and accumulators, P rounded to V's dtype b
 natural-log LSE out (+inf for rows that see no key). The running max lags by up to
 RESCALE_THRESHOLD (log2 units) so most tiles skip the O / row-sum rescale; P then stays below
 2**RESCALE_THRESHOLD, and the result is exact because O, the row sum and P share one base.
+
+Variants (constexpr): USE_TMA loads Q/K/V and stores O through host-built 4-D tensor descriptors
+(dense layouts only, where rows past a sequence are out of bounds and read as zeros); FOLD_SCALE
+(no softcap, no ALiBi, positive scale) keeps raw q.k and folds the scale into the exp2 FMA.
 """
 
 import triton
@@ -14,40 +18,50 @@ from .common import (alibi_bias_log2, row_offsets, kv_block_range, scores_log2, 
 
 
 @triton.jit
-def _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, block_table_row, page_size,
-                 stride_kpage, stride_vpage,
+def _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, batch, head_k, stride_kn, stride_vn,
+                 block_table_row, page_size, stride_kpage, stride_vpage,
                  offs_m, offs_d, n_block_lo, n_block_hi, seqlen_q, seqlen_k,
                  qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
                  slope_log2, alibi_pure_causal,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_LOCAL: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_PAGED: tl.constexpr,
-                 RESCALE_THRESHOLD: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+                 IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_PAGED: tl.constexpr,
+                 USE_TMA: tl.constexpr, FOLD_SCALE: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr):
     """Accumulate key blocks [n_block_lo, n_block_hi) into (acc, l_i, m_i); MASKED applies the mask."""
     offs_col = tl.arange(0, BLOCK_N)
     d_in = offs_d < HEAD_DIM
     for n_block in range(n_block_lo, n_block_hi):
         n_start = n_block * BLOCK_N
         offs_n = n_start + offs_col
-        key_in = offs_n < seqlen_k
-        k_offs = row_offsets(n_start, offs_col, seqlen_k, stride_kn, block_table_row, page_size, stride_kpage, IS_PAGED)
-        v_offs = row_offsets(n_start, offs_col, seqlen_k, stride_vn, block_table_row, page_size, stride_vpage, IS_PAGED)
-        # [BLOCK_D, BLOCK_N]
-        k_t = tl.load(k_base + k_offs[None, :] + offs_d[:, None], mask=key_in[None, :] & d_in[:, None], other=0.0)
-        # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_base + v_offs[:, None] + offs_d[None, :], mask=key_in[:, None] & d_in[None, :], other=0.0)
-        # [BLOCK_M, BLOCK_N] log2-domain logits
-        s = scores_log2(tl.dot(q, k_t), qk_scale_log2, softcap_in_scale, softcap_out_log2, HAS_SOFTCAP)
-        if HAS_ALIBI:
-            s += alibi_bias_log2(slope_log2, offs_m, offs_n, seqlen_q, seqlen_k, alibi_pure_causal)
+        if USE_TMA:
+            # [BLOCK_D, BLOCK_N], [BLOCK_N, BLOCK_D]
+            k_t = tl.trans(k_desc.load([batch, n_start, head_k, 0]).reshape(BLOCK_N, BLOCK_D))
+            v = v_desc.load([batch, n_start, head_k, 0]).reshape(BLOCK_N, BLOCK_D)
+        else:
+            key_in = offs_n < seqlen_k
+            k_offs = row_offsets(n_start, offs_col, seqlen_k, stride_kn, block_table_row, page_size, stride_kpage,
+                                 IS_PAGED)
+            v_offs = row_offsets(n_start, offs_col, seqlen_k, stride_vn, block_table_row, page_size, stride_vpage,
+                                 IS_PAGED)
+            # [BLOCK_D, BLOCK_N]
+            k_t = tl.load(k_base + k_offs[None, :] + offs_d[:, None], mask=key_in[None, :] & d_in[:, None], other=0.0)
+            # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_base + v_offs[:, None] + offs_d[None, :], mask=key_in[:, None] & d_in[None, :], other=0.0)
+        # [BLOCK_M, BLOCK_N]: raw q.k when FOLD_SCALE (the scale joins the exp2 FMA), else log2-domain logits
+        s = tl.dot(q, k_t)
+        if not FOLD_SCALE:
+            s = scores_log2(s, qk_scale_log2, softcap_in_scale, softcap_out_log2, HAS_SOFTCAP)
+            if HAS_ALIBI:
+                s += alibi_bias_log2(slope_log2, offs_m, offs_n, seqlen_q, seqlen_k, alibi_pure_causal)
         if MASKED:
             s = tl.where(visibility_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, IS_LOCAL), s, float("-inf"))
+        scale = qk_scale_log2 if FOLD_SCALE else 1.0
         # [BLOCK_M] new running max; it lags while it grows by at most RESCALE_THRESHOLD
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
         if RESCALE_THRESHOLD > 0:
             m_new = tl.where(m_new > m_i + RESCALE_THRESHOLD, m_new, m_i)
         pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
         # [BLOCK_M, BLOCK_N]
-        p = tl.exp2(s - pivot[:, None])
+        p = tl.exp2(s * scale - pivot[:, None])
         alpha = tl.exp2(m_i - pivot)
         if RESCALE_THRESHOLD > 0:
             if tl.min(alpha, 0) < 1.0:
@@ -66,6 +80,7 @@ def _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, block_t
                                "window_right"])
 def attn_fwd_kernel(
     Q, K, V, Out, Lse, AlibiSlopes, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, BlockTable,
+    q_desc, k_desc, v_desc, o_desc,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -78,10 +93,13 @@ def attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
     IS_PAGED: tl.constexpr, HAS_SEQUSED_K: tl.constexpr, HAS_LEFTPAD_K: tl.constexpr,
-    RESCALE_THRESHOLD: tl.constexpr,
+    USE_TMA: tl.constexpr, FOLD_SCALE: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr,
 ):
-    """One program per (query tile, batch * head). Paged K/V (IS_PAGED) address keys through BlockTable."""
-    m_block = tl.program_id(0)
+    """One program per (query tile, batch * head). Paged K/V (IS_PAGED) address keys through BlockTable.
+
+    Query tiles run in reverse order, so under a causal mask the longest rows start first.
+    """
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     batch_head = tl.program_id(1)
     batch = batch_head // num_heads
     head = batch_head % num_heads
@@ -110,7 +128,11 @@ def attn_fwd_kernel(
     row_in = offs_m < seqlen_q
     d_in = offs_d < HEAD_DIM
     # [BLOCK_M, BLOCK_D]
-    q = tl.load(q_base + offs_row[:, None] * stride_qm + offs_d[None, :], mask=row_in[:, None] & d_in[None, :], other=0.0)
+    if USE_TMA:
+        q = q_desc.load([batch, m_start, head, 0]).reshape(BLOCK_M, BLOCK_D)
+    else:
+        q = tl.load(q_base + offs_row[:, None] * stride_qm + offs_d[None, :], mask=row_in[:, None] & d_in[None, :],
+                    other=0.0)
 
     slope_log2 = 0.0
     if HAS_ALIBI:
@@ -124,28 +146,31 @@ def attn_fwd_kernel(
     n_block_min, n_full_min, n_full_max, n_block_max = kv_block_range(
         m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, IS_LOCAL)
     acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, block_table_row, page_size, stride_kpage,
-        stride_vpage, offs_m, offs_d, n_block_min, n_full_min,
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, batch, head_k, stride_kn, stride_vn, block_table_row,
+        page_size, stride_kpage, stride_vpage, offs_m, offs_d, n_block_min, n_full_min,
         seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
-        slope_log2, alibi_pure_causal, HEAD_DIM, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, IS_PAGED,
-        RESCALE_THRESHOLD)
+        slope_log2, alibi_pure_causal, HEAD_DIM, BLOCK_N, BLOCK_D, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
+        IS_PAGED, USE_TMA, FOLD_SCALE, RESCALE_THRESHOLD)
     acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, block_table_row, page_size, stride_kpage,
-        stride_vpage, offs_m, offs_d, n_full_min, n_full_max,
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, batch, head_k, stride_kn, stride_vn, block_table_row,
+        page_size, stride_kpage, stride_vpage, offs_m, offs_d, n_full_min, n_full_max,
         seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
-        slope_log2, alibi_pure_causal, HEAD_DIM, BLOCK_N, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, IS_PAGED,
-        RESCALE_THRESHOLD)
+        slope_log2, alibi_pure_causal, HEAD_DIM, BLOCK_N, BLOCK_D, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
+        IS_PAGED, USE_TMA, FOLD_SCALE, RESCALE_THRESHOLD)
     acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, block_table_row, page_size, stride_kpage,
-        stride_vpage, offs_m, offs_d, n_full_max, n_block_max,
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, batch, head_k, stride_kn, stride_vn, block_table_row,
+        page_size, stride_kpage, stride_vpage, offs_m, offs_d, n_full_max, n_block_max,
         seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
-        slope_log2, alibi_pure_causal, HEAD_DIM, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, IS_PAGED,
-        RESCALE_THRESHOLD)
+        slope_log2, alibi_pure_causal, HEAD_DIM, BLOCK_N, BLOCK_D, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
+        IS_PAGED, USE_TMA, FOLD_SCALE, RESCALE_THRESHOLD)
 
     # rows that saw no key: out 0, lse +inf (API.md §4.5)
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("inf"))
-    tl.store(o_base + offs_row[:, None] * stride_om + offs_d[None, :], out.to(Out.dtype.element_ty),
-             mask=row_in[:, None] & d_in[None, :])
+    if USE_TMA:
+        o_desc.store([batch, m_start, head, 0], out.to(Out.dtype.element_ty).reshape(1, BLOCK_M, 1, BLOCK_D))
+    else:
+        tl.store(o_base + offs_row[:, None] * stride_om + offs_d[None, :], out.to(Out.dtype.element_ty),
+                 mask=row_in[:, None] & d_in[None, :])
     tl.store(lse_base + offs_row, lse, mask=row_in)

@@ -104,6 +104,20 @@ def _paged_strides(tensor: torch.Tensor) -> Tuple[int, int, int]:
     return 0, tensor.stride(1), tensor.stride(2)
 
 
+def _tma_compatible(tensor: torch.Tensor) -> bool:
+    """A (B, S, H, D) tensor a 4-D TMA descriptor can address: 16-byte aligned base and strides."""
+    item = tensor.element_size()
+    return (tensor.is_cuda and tensor.data_ptr() % 16 == 0 and tensor.stride(-1) == 1
+            and all((stride * item) % 16 == 0 for stride in tensor.stride()[:-1]))
+
+
+def _row_descriptor(tensor: torch.Tensor, rows: int, block_dim: int):
+    """Descriptor of a (B, S, H, D) tensor loading [1, rows, 1, block_dim] tiles; out-of-bounds reads are 0."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), [1, rows, 1, block_dim])
+
+
 def _alibi_batch_stride(alibi_slopes: Optional[torch.Tensor]) -> int:
     return alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
 
@@ -147,18 +161,29 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     q_strides = _varlen_strides if is_varlen else _bsh_strides
     kv_strides = _paged_strides if is_paged else q_strides
     page_args = (block_table.stride(0), k.shape[1], k.stride(0), v.stride(0)) if is_paged else (0, 1, 0, 0)
+    block_dim = configs.block_d(head_dim)
+    use_tma = (config.use_tma and not (is_varlen or is_paged or seqused_k is not None or leftpad_k is not None)
+               and k.shape[1] > 0 and all(_tma_compatible(t) for t in (q, k, v, out)))
+    descriptors = (None,) * 4
+    if use_tma:
+        descriptors = tuple(_row_descriptor(t, rows, block_dim)
+                            for t, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n),
+                                            (out, config.block_m)))
     grid = (triton_cdiv(seqlen_q, config.block_m), batch * num_heads)
     with _device_guard(q):
         attn_fwd_kernel[grid](
             q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table,
+            *descriptors,
             *q_strides(q), *kv_strides(k), *kv_strides(v), *q_strides(out),
             *lse_strides, _alibi_batch_stride(alibi_slopes), *page_args,
             num_heads, num_heads // num_heads_k, seqlen_q, seqlen_k,
             *params.kernel_args(),
-            HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             IS_LOCAL=params.is_local, HAS_SOFTCAP=params.softcap > 0.0, HAS_ALIBI=alibi_slopes is not None,
             IS_VARLEN=is_varlen, IS_PAGED=is_paged, HAS_SEQUSED_K=seqused_k is not None,
-            HAS_LEFTPAD_K=leftpad_k is not None, RESCALE_THRESHOLD=config.rescale_threshold,
+            HAS_LEFTPAD_K=leftpad_k is not None, USE_TMA=use_tma,
+            FOLD_SCALE=params.softcap <= 0.0 and alibi_slopes is None and params.softmax_scale > 0.0,
+            RESCALE_THRESHOLD=config.rescale_threshold,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
 

@@ -1,0 +1,80 @@
+"""Compile flashtriton kernels for sm_90 on a machine without a GPU; print registers, spills, shared memory.
+
+    python tools/offline_compile.py [--head-dim 128] [--local] [--kernel fwd|dkdv|dq] [--config M,N,WARPS,STAGES]
+
+Uses Triton's bundled ptxas. Integer arguments are compiled as plain i32 with the pointer/stride
+divisibility hints a contiguous (B, S, H, D) launch would get, so the numbers approximate the real compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from flashtriton.kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
+from flashtriton.kernels.fwd import attn_fwd_kernel
+
+KERNELS = {"fwd": attn_fwd_kernel, "dkdv": attn_bwd_dkdv_kernel, "dq": attn_bwd_dq_kernel}
+NONE_ARGS = {"AlibiSlopes", "CuSeqlensQ", "CuSeqlensK", "SeqUsedK", "LeftPadK", "BlockTable"}
+FLOAT_ARGS = {"qk_scale_log2", "softcap_in_scale", "softcap_out_log2", "softmax_scale"}
+
+
+def compile_kernel(kernel, head_dim, local, block_m, block_n, warps, stages, dtype="bf16"):
+    names = list(inspect.signature(kernel.fn).parameters)
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()), BLOCK_M=block_m,
+                      BLOCK_N=block_n, IS_LOCAL=local, HAS_SOFTCAP=False, HAS_ALIBI=False, IS_VARLEN=False,
+                      IS_PAGED=False, HAS_SEQUSED_K=False, HAS_LEFTPAD_K=False, RESCALE_THRESHOLD=0.0)
+    signature, attrs_16 = {}, []
+    for index, name in enumerate(names):
+        if name in constexprs or name in NONE_ARGS:
+            signature[name] = "constexpr"
+            constexprs.setdefault(name, None)
+        elif name[0].isupper():
+            signature[name] = "*fp32" if name in ("Lse", "Delta") else f"*{dtype}"
+            attrs_16.append((index,))
+        elif name in FLOAT_ARGS:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name.startswith("stride") and not name.endswith("_lse_b") and not name.endswith("_lse_h"):
+                attrs_16.append((index,))
+    constexprs = {k: v for k, v in constexprs.items() if k in names}
+    attrs = {a: [["tt.divisibility", 16]] for a in attrs_16}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--local", action="store_true")
+    parser.add_argument("--kernel", default="fwd", choices=list(KERNELS))
+    parser.add_argument("--config", default="128,128,8,3")
+    args = parser.parse_args()
+    block_m, block_n, warps, stages = (int(x) for x in args.config.split(","))
+    compiled = compile_kernel(KERNELS[args.kernel], args.head_dim, args.local, block_m, block_n, warps, stages)
+    print(f"{args.kernel} d{args.head_dim} local={args.local} {args.config}: {resource_usage(compiled)} "
+          f"shared {compiled.metadata.shared} wgmma {compiled.asm['ptx'].count('wgmma.mma_async')}")
+
+
+def resource_usage(compiled) -> str:
+    """REG / STACK / local-memory line of `cuobjdump --dump-resource-usage` on the cubin."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(compiled.asm["cubin"])
+        handle.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", handle.name], capture_output=True, text=True).stdout
+    line = next((x for x in text.splitlines() if "REG:" in x), text)
+    return " ".join(line.split())
+
+
+if __name__ == "__main__":
+    main()
