@@ -18,4 +18,4 @@ __version__ = _read_version()
 
 from .interface import (  # noqa: E402,F401
     flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
-    flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)
+    flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)

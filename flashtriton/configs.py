@@ -90,8 +90,20 @@ def _lookup(table, key, head_dim: int):
     return table[key][-1][1]
 
 
-def fwd_config(arch: str, head_dim: int, causal: bool = False) -> FwdConfig:
-    config = _INTERPRETER_FWD if arch == "interpreter" else _lookup(_FWD_TABLE, (arch, causal), head_dim)
+# Few query rows (decoding, speculative verification): 16-row tiles instead of 64/128, so a one-token query
+# does not pay for 128 rows of tensor-core work. Not measured yet (the decode benchmark of issue #4 will).
+DECODE_MAX_ROWS = 16
+_DECODE = FwdConfig(16, 128, 4, 3, _NO_SKIP)
+_DECODE_LARGE = FwdConfig(16, 64, 4, 3, _NO_SKIP)
+
+
+def fwd_config(arch: str, head_dim: int, causal: bool = False, seqlen_q: int = 1 << 30) -> FwdConfig:
+    if arch == "interpreter":
+        config = _INTERPRETER_FWD
+    elif seqlen_q <= DECODE_MAX_ROWS:
+        config = _DECODE if head_dim <= 128 else _DECODE_LARGE
+    else:
+        config = _lookup(_FWD_TABLE, (arch, causal), head_dim)
     if RESCALE_THRESHOLD_OVERRIDE is not None:
         config = replace(config, rescale_threshold=RESCALE_THRESHOLD_OVERRIDE)
     return config

@@ -2,7 +2,7 @@
 
 from .interface import (  # noqa: F401
     flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
-    flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)
+    flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
 from .ops.autograd import (FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc,  # noqa: F401
                            FlashAttnVarlenFunc, FlashAttnVarlenKVPackedFunc, FlashAttnVarlenQKVPackedFunc,
                            maybe_contiguous)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from .ops.autograd import (FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc, FlashAttnVarlenFunc,
-                           FlashAttnVarlenKVPackedFunc, FlashAttnVarlenQKVPackedFunc)
+                           FlashAttnVarlenKVPackedFunc, FlashAttnVarlenQKVPackedFunc, maybe_contiguous)
+from .ops.library import fwd_kvcache
 
 _COMMON_DOC = """
     dropout_p: float, dropout probability (pass 0.0 at evaluation).
@@ -97,3 +98,36 @@ With block_table (batch_size, max_blocks_per_seq) int32, k/v are paged caches (n
 nheads_k, headdim), any page size; key t of sequence b is k[block_table[b, t // page_size], t % page_size].
 This paged form is forward-only (its backward raises).
 Arguments:""" + _VARLEN_DOC
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """Attention over a KV cache, appending new keys/values in place first (inference; no autograd).
+
+    q (batch_size, seqlen_q, nheads, headdim); k_cache/v_cache (batch_size_cache, seqlen_cache, nheads_k,
+    headdim), or paged (num_blocks, page_block_size, nheads_k, headdim) with block_table
+    (batch_size, max_num_blocks_per_seq) int32 (any page size). k/v (batch_size, seqlen_new, nheads_k,
+    headdim) are written at positions cache_seqlens[b] ... (after rotary for k, with rotary_cos/sin of shape
+    (seqlen_ro, rotary_dim / 2)); cache_seqlens (int or (batch_size,) int32) is not incremented.
+    cache_batch_idx picks the cache row of each batch row; cache_leftpad is where each row's keys start.
+    Causal/window/ALiBi are bottom-right aligned to the valid keys. num_splits only affects speed
+    (split-KV is not implemented yet: every value runs unsplit).
+    Return: out, or (out, softmax_lse (batch_size, nheads, seqlen_q)) with return_softmax_lse.
+    """
+    assert k_cache.stride(-1) == 1, "k_cache must have contiguous last dimension"
+    assert v_cache.stride(-1) == 1, "v_cache must have contiguous last dimension"
+    q, k, v = (maybe_contiguous(t) for t in (q, k, v))
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** (-0.5)
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=k_cache.device)
+    cache_seqlens, cache_batch_idx, block_table = (maybe_contiguous(t) for t in (cache_seqlens, cache_batch_idx,
+                                                                                 block_table))
+    with torch.no_grad():
+        out, softmax_lse = fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                       cache_batch_idx, cache_leftpad, block_table, float(softmax_scale), bool(causal),
+                                       int(window_size[0]), int(window_size[1]), float(softcap),
+                                       bool(rotary_interleaved), alibi_slopes, int(num_splits))
+    return (out, softmax_lse) if return_softmax_lse else out

@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 import torch
 
 __all__ = ["normalize_window", "is_pure_causal", "visible_mask", "attention_reference", "attention_reference_backward",
-           "attention_reference_varlen", "attention_reference_varlen_backward"]
+           "attention_reference_varlen", "attention_reference_varlen_backward", "kvcache_reference", "rotate"]
 
 
 def normalize_window(window_size: Sequence[int], causal: bool, seqlen_k_star: int) -> Tuple[int, int]:
@@ -261,3 +261,80 @@ def attention_reference_varlen_backward(
         for target, grad, (lo, hi) in zip((dq, dk, dv), grads, ((q0, q1), (k0, k1), (k0, k1))):
             target[lo:hi] = grad[0]
     return dq, dk, dv
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotary embedding of API.md §9.2 on the first 2 * cos.shape[-1] features of x (..., D), in fp32.
+
+    cos/sin broadcast against x's leading dims with a last dim of rotary_dim / 2.
+    """
+    half = cos.shape[-1]
+    x32 = x.float()
+    rot, rest = x32[..., : 2 * half], x32[..., 2 * half:]
+    cos, sin = cos.float(), sin.float()
+    if interleaved:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    else:
+        a, b = rot[..., :half], rot[..., half:]
+        rotated = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+    return torch.cat((rotated, rest), dim=-1).to(x.dtype)
+
+
+def kvcache_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                      cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+                      window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
+                      compute_dtype=torch.float64):
+    """flash_attn_with_kvcache literally (API.md §5), one batch row at a time; host loops, any device.
+
+    Returns (out (B, Sq, H, D), lse (B, H, Sq) fp32, new k_cache, new v_cache); the caches passed in are
+    not modified.
+    """
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    batch, seqlen_q = q.shape[:2]
+    paged = block_table is not None
+    page_size = k_cache.shape[1]
+    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    seqlen_new = 0 if k is None else k.shape[1]
+    if cache_seqlens is None:
+        lengths = [capacity] * batch
+    elif isinstance(cache_seqlens, int):
+        lengths = [cache_seqlens] * batch
+    else:
+        lengths = [int(x) for x in cache_seqlens.tolist()]
+    rows = list(range(batch)) if cache_batch_idx is None else [int(x) for x in cache_batch_idx.tolist()]
+    starts = [0] * batch if cache_leftpad is None else [int(x) for x in cache_leftpad.tolist()]
+    local = normalize_window(window_size, causal, capacity) != (-1, -1)
+
+    def positions_of(b, positions):
+        """(cache tensor index tuple) of logical positions of batch row b."""
+        positions = torch.as_tensor(positions, device=k_cache.device, dtype=torch.long)
+        if paged:
+            return block_table[b, positions // page_size].long(), positions % page_size
+        return torch.full_like(positions, rows[b]), positions
+
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, q.shape[2], seqlen_q, dtype=torch.float32, device=q.device)
+    for b in range(batch):
+        length = lengths[b]
+        if k is not None:
+            k_new = k[b]
+            if rotary_cos is not None:
+                table = slice(length, length + seqlen_new)
+                k_new = rotate(k_new, rotary_cos[table, None], rotary_sin[table, None], rotary_interleaved)
+            index = positions_of(b, range(length, length + seqlen_new))
+            k_cache[index] = k_new
+            v_cache[index] = v[b]
+        q_b = q[b]
+        if rotary_cos is not None:
+            table = torch.arange(length, length + seqlen_q) if (causal or local) else torch.full((seqlen_q,), length)
+            q_b = rotate(q_b, rotary_cos[table][:, None], rotary_sin[table][:, None], rotary_interleaved)
+        index = positions_of(b, range(starts[b], length + seqlen_new))
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes[b: b + 1] if alibi_slopes.dim() == 2 else alibi_slopes
+        out_b, lse_b = attention_reference(q_b[None], k_cache[index][None], v_cache[index][None], softmax_scale,
+                                           causal, window_size, softcap, slopes, seqlen_k_star=capacity,
+                                           compute_dtype=compute_dtype)
+        out[b], lse[b] = out_b[0], lse_b[0]
+    return out, lse, k_cache, v_cache

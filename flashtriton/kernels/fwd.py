@@ -79,7 +79,7 @@ def _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, batch, head_k
 @triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "page_size", "seqlen_q", "seqlen_k", "window_left",
                                "window_right"])
 def attn_fwd_kernel(
-    Q, K, V, Out, Lse, AlibiSlopes, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, BlockTable,
+    Q, K, V, Out, Lse, AlibiSlopes, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, BlockTable, CacheBatchIdx,
     q_desc, k_desc, v_desc, o_desc,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -92,10 +92,11 @@ def attn_fwd_kernel(
     window_left, window_right, alibi_pure_causal,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
-    IS_PAGED: tl.constexpr, HAS_SEQUSED_K: tl.constexpr, HAS_LEFTPAD_K: tl.constexpr,
+    IS_PAGED: tl.constexpr, HAS_SEQUSED_K: tl.constexpr, HAS_LEFTPAD_K: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
     USE_TMA: tl.constexpr, FOLD_SCALE: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr,
 ):
-    """One program per (query tile, batch * head). Paged K/V (IS_PAGED) address keys through BlockTable.
+    """One program per (query tile, batch * head). Paged K/V (IS_PAGED) address keys through BlockTable;
+    HAS_BATCH_IDX reads K/V from row CacheBatchIdx[batch] (the kv-cache's cache_batch_idx).
 
     Query tiles run in reverse order, so under a causal mask the longest rows start first.
     """
@@ -111,11 +112,15 @@ def attn_fwd_kernel(
         return
 
     batch64 = batch.to(tl.int64)
+    kv_batch = batch
+    if HAS_BATCH_IDX:
+        kv_batch = tl.load(CacheBatchIdx + batch)
+    kv_batch64 = kv_batch.to(tl.int64)
     q_base = Q + batch64 * stride_qb + (q_start + m_start).to(tl.int64) * stride_qm + head.to(tl.int64) * stride_qh
     if IS_PAGED:
         k_start = 0  # paged keys are addressed through the block table, not cu_seqlens_k
-    k_base = K + batch64 * stride_kb + to_int64(k_start) * stride_kn + head_k.to(tl.int64) * stride_kh
-    v_base = V + batch64 * stride_vb + to_int64(k_start) * stride_vn + head_k.to(tl.int64) * stride_vh
+    k_base = K + kv_batch64 * stride_kb + to_int64(k_start) * stride_kn + head_k.to(tl.int64) * stride_kh
+    v_base = V + kv_batch64 * stride_vb + to_int64(k_start) * stride_vn + head_k.to(tl.int64) * stride_vh
     block_table_row = BlockTable
     if IS_PAGED:
         block_table_row = BlockTable + batch64 * stride_block_table_b
@@ -146,19 +151,19 @@ def attn_fwd_kernel(
     n_block_min, n_full_min, n_full_max, n_block_max = kv_block_range(
         m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, IS_LOCAL)
     acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, batch, head_k, stride_kn, stride_vn, block_table_row,
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_batch, head_k, stride_kn, stride_vn, block_table_row,
         page_size, stride_kpage, stride_vpage, offs_m, offs_d, n_block_min, n_full_min,
         seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
         slope_log2, alibi_pure_causal, HEAD_DIM, BLOCK_N, BLOCK_D, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
         IS_PAGED, USE_TMA, FOLD_SCALE, RESCALE_THRESHOLD)
     acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, batch, head_k, stride_kn, stride_vn, block_table_row,
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_batch, head_k, stride_kn, stride_vn, block_table_row,
         page_size, stride_kpage, stride_vpage, offs_m, offs_d, n_full_min, n_full_max,
         seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
         slope_log2, alibi_pure_causal, HEAD_DIM, BLOCK_N, BLOCK_D, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
         IS_PAGED, USE_TMA, FOLD_SCALE, RESCALE_THRESHOLD)
     acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, batch, head_k, stride_kn, stride_vn, block_table_row,
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_batch, head_k, stride_kn, stride_vn, block_table_row,
         page_size, stride_kpage, stride_vpage, offs_m, offs_d, n_full_max, n_block_max,
         seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
         slope_log2, alibi_pure_causal, HEAD_DIM, BLOCK_N, BLOCK_D, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,

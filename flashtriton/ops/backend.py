@@ -145,15 +145,16 @@ def _check_dropout(dropout_p: float) -> None:
 
 def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides: Tuple[int, int],
                seqlen_q: int, seqlen_k: int, batch: int, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
-               leftpad_k=None, block_table=None) -> None:
+               leftpad_k=None, block_table=None, cache_batch_idx=None) -> None:
     """Run the forward kernel into preallocated out (q's layout) and lse (fp32, rows contiguous).
 
     Dense: q/k/v (B, S, H, D). Varlen (cu_seqlens given): (T, H, D), seqlen_q/k are the max lengths.
-    Paged (block_table given): k/v are (num_pages, page_size, Hk, D).
+    Paged (block_table given): k/v are (num_pages, page_size, Hk, D). cache_batch_idx maps q's batch rows
+    to K/V rows; seqused_k / leftpad_k bound each row's keys.
     """
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k = k.shape[-2]
-    config = configs.fwd_config(configs.arch_class(q.device), head_dim, params.window_right == 0)
+    config = configs.fwd_config(configs.arch_class(q.device), head_dim, params.window_right == 0, seqlen_q)
     if seqlen_q == 0 or batch == 0:
         return
     is_varlen = cu_seqlens_q is not None
@@ -173,7 +174,7 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     with _device_guard(q):
         attn_fwd_kernel[grid](
             q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table,
-            *descriptors,
+            cache_batch_idx, *descriptors,
             *q_strides(q), *kv_strides(k), *kv_strides(v), *q_strides(out),
             *lse_strides, _alibi_batch_stride(alibi_slopes), *page_args,
             num_heads, num_heads // num_heads_k, seqlen_q, seqlen_k,
@@ -181,7 +182,7 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
             HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             IS_LOCAL=params.is_local, HAS_SOFTCAP=params.softcap > 0.0, HAS_ALIBI=alibi_slopes is not None,
             IS_VARLEN=is_varlen, IS_PAGED=is_paged, HAS_SEQUSED_K=seqused_k is not None,
-            HAS_LEFTPAD_K=leftpad_k is not None, USE_TMA=use_tma,
+            HAS_LEFTPAD_K=leftpad_k is not None, HAS_BATCH_IDX=cache_batch_idx is not None, USE_TMA=use_tma,
             FOLD_SCALE=params.softcap <= 0.0 and alibi_slopes is None and params.softmax_scale > 0.0,
             RESCALE_THRESHOLD=config.rescale_threshold,
             num_warps=config.num_warps, num_stages=config.num_stages,

@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import backend
+from . import backend, kvcache
 
 
 def _round128(x: int) -> int:
@@ -175,3 +175,41 @@ def _flash_attn_varlen_backward_fake(dout, q, k, v, out, softmax_lse, dq, dk, dv
     batch = backend.check_varlen_bwd(dout, q, k, v, out, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap,
                                      alibi_slopes)
     return q.new_empty(q.shape[1], q.shape[0] + 128 * batch, dtype=torch.float32)
+
+
+@torch.library.custom_op("flashtriton::fwd_kvcache", mutates_args=("k_cache", "v_cache"), device_types=None)
+def fwd_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Optional[Tensor],
+    v: Optional[Tensor],
+    rotary_cos: Optional[Tensor],
+    rotary_sin: Optional[Tensor],
+    cache_seqlens: Optional[Tensor],
+    cache_batch_idx: Optional[Tensor],
+    cache_leftpad: Optional[Tensor],
+    block_table: Optional[Tensor],
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    rotary_interleaved: bool,
+    alibi_slopes: Optional[Tensor],
+    num_splits: int,
+) -> Tuple[Tensor, Tensor]:
+    """KV-cache forward: appends k/v into the caches (in place), returns (out, softmax_lse (B, H, Sq))."""
+    return kvcache.mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                   cache_leftpad, block_table, softmax_scale, causal, window_size_left,
+                                   window_size_right, softcap, rotary_interleaved, alibi_slopes, num_splits)
+
+
+@fwd_kvcache.register_fake
+def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                      cache_leftpad, block_table, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                      rotary_interleaved, alibi_slopes, num_splits):
+    kvcache.check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                          cache_leftpad, block_table, softcap, alibi_slopes, num_splits)
+    batch, seqlen_q, num_heads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty(batch, num_heads, seqlen_q, dtype=torch.float32)

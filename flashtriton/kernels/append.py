@@ -1,0 +1,58 @@
+"""KV-cache append: copy new keys/values into a contiguous or paged cache at each row's end (API.md §5.4).
+
+Row b's new token t goes to cache position cache_seqlens[b] + t of cache row cache_batch_idx[b] (or b),
+or through the block table when the cache is paged. Copies are bit-exact; positions at or past the
+capacity are not written (the launcher checks capacity where flash_attn does).
+"""
+
+import triton
+import triton.language as tl
+
+from .common import row_offsets
+
+
+@triton.jit(do_not_specialize=["seqlen_new", "capacity", "page_size"])
+def kv_append_kernel(
+    KNew, VNew, KCache, VCache, CacheSeqlens, CacheBatchIdx, BlockTable,
+    stride_knb, stride_kns, stride_knh,
+    stride_vnb, stride_vns, stride_vnh,
+    stride_kcb, stride_kcs, stride_kch,
+    stride_vcb, stride_vcs, stride_vch,
+    stride_block_table_b, page_size,
+    num_heads_k, seqlen_new, capacity,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_BATCH_IDX: tl.constexpr, IS_PAGED: tl.constexpr,
+):
+    """One program per (block of new tokens, batch * kv head)."""
+    s_block = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    batch = batch_head // num_heads_k
+    head = (batch_head % num_heads_k).to(tl.int64)
+    cache_row = batch
+    if HAS_BATCH_IDX:
+        cache_row = tl.load(CacheBatchIdx + batch)
+    end = tl.load(CacheSeqlens + batch)
+    offs_t = s_block * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    positions = end + offs_t
+    valid = (offs_t < seqlen_new) & (positions < capacity) & (positions >= 0)
+    mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+    block_table_row = BlockTable
+    if IS_PAGED:
+        block_table_row = BlockTable + batch.to(tl.int64) * stride_block_table_b
+    # [BLOCK_S] element offsets of the destination rows inside one head's cache
+    k_rows = row_offsets(end + s_block * BLOCK_S, tl.arange(0, BLOCK_S), capacity, stride_kcs, block_table_row,
+                         page_size, stride_kcb, IS_PAGED)
+    v_rows = row_offsets(end + s_block * BLOCK_S, tl.arange(0, BLOCK_S), capacity, stride_vcs, block_table_row,
+                         page_size, stride_vcb, IS_PAGED)
+    batch64 = batch.to(tl.int64)
+    src_k = KNew + batch64 * stride_knb + head * stride_knh + offs_t[:, None].to(tl.int64) * stride_kns
+    src_v = VNew + batch64 * stride_vnb + head * stride_vnh + offs_t[:, None].to(tl.int64) * stride_vns
+    dst_k = KCache + head * stride_kch + k_rows[:, None] + offs_d[None, :]
+    dst_v = VCache + head * stride_vch + v_rows[:, None] + offs_d[None, :]
+    if not IS_PAGED:
+        dst_k += cache_row.to(tl.int64) * stride_kcb
+        dst_v += cache_row.to(tl.int64) * stride_vcb
+    # [BLOCK_S, BLOCK_D]
+    tl.store(dst_k, tl.load(src_k + offs_d[None, :], mask=mask), mask=mask)
+    tl.store(dst_v, tl.load(src_v + offs_d[None, :], mask=mask), mask=mask)
