@@ -8,6 +8,7 @@ FLASHTRITON_RESCALE_THRESHOLD (read once) overrides the forward's A-1 rescale th
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -116,3 +117,33 @@ def bwd_config(arch: str, head_dim: int) -> BwdConfig:
 def block_d(head_dim: int) -> int:
     """Head dim rounded up to a power of two, at least 16 (the smallest tl.dot operand)."""
     return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def num_splits_heuristic(num_programs: int, num_key_blocks: int, num_sms: int, max_splits: int = 128) -> int:
+    """How many parts to split each row's keys into (split-KV), as a pure function of the launch shape.
+
+    num_programs is the unsplit grid (query tiles x batch x heads). Splitting pays only when that grid
+    leaves SMs idle: below 80% of one wave, pick the smallest split count whose last wave is at least
+    85% as full as the best one, skipping counts that give the same number of key blocks per split.
+    """
+    if num_programs >= 0.8 * num_sms or num_key_blocks <= 1:
+        return 1
+    max_splits = max(1, min(max_splits, num_sms, num_key_blocks))
+
+    def wave_efficiency(splits: int) -> float:
+        waves = num_programs * splits / num_sms
+        return waves / math.ceil(waves)
+
+    def blocks_per_split(splits: int) -> int:
+        return math.ceil(num_key_blocks / splits)
+
+    eligible = [s for s in range(1, max_splits + 1) if s == 1 or blocks_per_split(s) != blocks_per_split(s - 1)]
+    best = max(wave_efficiency(s) for s in eligible)
+    return next(s for s in eligible if wave_efficiency(s) >= 0.85 * best)
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """SM count of a CUDA device; 8 elsewhere (so interpreted CPU runs exercise the split path)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8

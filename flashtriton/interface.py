@@ -112,8 +112,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     headdim) are written at positions cache_seqlens[b] ... (after rotary for k, with rotary_cos/sin of shape
     (seqlen_ro, rotary_dim / 2)); cache_seqlens (int or (batch_size,) int32) is not incremented.
     cache_batch_idx picks the cache row of each batch row; cache_leftpad is where each row's keys start.
-    Causal/window/ALiBi are bottom-right aligned to the valid keys. num_splits only affects speed
-    (split-KV is not implemented yet: every value runs unsplit).
+    Causal/window/ALiBi are bottom-right aligned to the valid keys. num_splits (split-KV: 0 = heuristic,
+    1 = none, n <= 128 parts) only affects speed; each fixed value is deterministic.
     Return: out, or (out, softmax_lse (batch_size, nheads, seqlen_q)) with return_softmax_lse.
     """
     assert k_cache.stride(-1) == 1, "k_cache must have contiguous last dimension"

@@ -202,3 +202,39 @@ def test_kvcache_errors(bad):
     with pytest.raises(expected[0], match=expected[1].replace("(", r"\(").replace(")", r"\)")):
         flashtriton.flash_attn_with_kvcache(q, k_cache, v_cache, **inputs)
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1]), "nothing may be written"
+
+
+ON_GPU = DEVICE == "cuda"
+SPLIT_CASES = ["decode", "paged-7-gqa", "chunk-causal", "leftpad-batch-idx-alibi", "local-two-sided"]
+# The interpreter runs every split program in Python: CPU runs take fewer cases and split counts.
+SPLIT_COUNTS = (1, 2, 3, 7, 0, 128) if ON_GPU else (1, 3, 0)
+
+
+@pytest.mark.parametrize("name", SPLIT_CASES if ON_GPU else SPLIT_CASES[:2])
+def test_every_num_splits_agrees_with_one(name):
+    """Split-KV changes only rounding; each fixed split count is deterministic."""
+    q, k_cache, v_cache, inputs, options = make_inputs(replace(CASES[name], seqlen_new=0, capacity=100))
+    inputs.pop("rotary_cos", None), inputs.pop("rotary_sin", None), inputs.pop("rotary_interleaved", None)
+    results = {}
+    for splits in SPLIT_COUNTS:
+        results[splits] = flashtriton.flash_attn_with_kvcache(q, k_cache, v_cache, **inputs, **options,
+                                                              num_splits=splits, return_softmax_lse=True)
+    again = flashtriton.flash_attn_with_kvcache(q, k_cache, v_cache, **inputs, **options, num_splits=3,
+                                                return_softmax_lse=True)
+    assert all(torch.equal(a, b) for a, b in zip(again, results[3])), "num_splits=3 is not deterministic"
+    out_one, lse_one = results[1]
+    for splits, (out, lse) in results.items():
+        torch.testing.assert_close(out.float(), out_one.float(), rtol=0, atol=2e-3, msg=f"num_splits={splits}")
+        torch.testing.assert_close(lse, lse_one, rtol=1e-5, atol=1e-5, msg=f"num_splits={splits}")
+
+
+def test_splits_with_no_visible_keys_merge_to_zero_and_inf():
+    """Rows whose every key is out of the window: each split sees nothing, the merge gives 0 and +inf."""
+    case = KVCase(seqlen_q=5, seqlen_new=0, capacity=120, window_size=(0, 0))
+    q, k_cache, v_cache, inputs, _ = make_inputs(case)
+    inputs["cache_seqlens"] = torch.tensor([0, 3, 120], dtype=torch.int32, device=DEVICE)
+    out, lse = flashtriton.flash_attn_with_kvcache(q, k_cache, v_cache, **inputs, window_size=(0, 0), num_splits=4,
+                                                   return_softmax_lse=True)
+    ref_out, ref_lse, _, _ = kvcache_reference(q, k_cache, v_cache, **inputs, window_size=(0, 0))
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)) and torch.all(out[torch.isinf(ref_lse).transpose(1, 2)] == 0)
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=0, atol=2e-3)

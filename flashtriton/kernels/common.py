@@ -48,6 +48,15 @@ def kv_block_range(m_start, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
+def split_block_range(n_block_min, n_block_max, split_idx, num_splits):
+    """Key blocks [lo, hi) of split `split_idx` when [n_block_min, n_block_max) is cut into num_splits parts."""
+    per_split = tl.cdiv(tl.maximum(n_block_max - n_block_min, 0), num_splits)
+    lo = tl.minimum(n_block_min + split_idx * per_split, n_block_max)
+    hi = tl.minimum(lo + per_split, n_block_max)
+    return lo, hi
+
+
+@triton.jit
 def q_block_range(n_start, seqlen_q, seqlen_k, window_left, window_right,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_LOCAL: tl.constexpr):
     """Query blocks that see any of the keys [n_start, n_start + BLOCK_N): the mirror of kv_block_range.

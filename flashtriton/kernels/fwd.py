@@ -13,8 +13,8 @@ Variants (constexpr): USE_TMA loads Q/K/V and stores O through host-built 4-D te
 import triton
 import triton.language as tl
 
-from .common import (alibi_bias_log2, row_offsets, kv_block_range, scores_log2, sequence_bounds, to_int64,
-                     visibility_mask)
+from .common import (alibi_bias_log2, kv_block_range, row_offsets, scores_log2, sequence_bounds, split_block_range,
+                     to_int64, visibility_mask)
 
 
 @triton.jit
@@ -86,19 +86,21 @@ def attn_fwd_kernel(
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
     stride_lse_b, stride_lse_h,
-    stride_alibi_b, stride_block_table_b, page_size, stride_kpage, stride_vpage,
+    stride_alibi_b, stride_block_table_b, page_size, stride_kpage, stride_vpage, stride_o_split, stride_lse_split,
     num_heads, group_size, seqlen_q, seqlen_k,
     qk_scale_log2, softcap_in_scale, softcap_out_log2,
     window_left, window_right, alibi_pure_causal,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
     IS_PAGED: tl.constexpr, HAS_SEQUSED_K: tl.constexpr, HAS_LEFTPAD_K: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
-    USE_TMA: tl.constexpr, FOLD_SCALE: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr,
+    IS_SPLIT: tl.constexpr, USE_TMA: tl.constexpr, FOLD_SCALE: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr,
 ):
     """One program per (query tile, batch * head). Paged K/V (IS_PAGED) address keys through BlockTable;
     HAS_BATCH_IDX reads K/V from row CacheBatchIdx[batch] (the kv-cache's cache_batch_idx).
 
     Query tiles run in reverse order, so under a causal mask the longest rows start first.
+    IS_SPLIT (split-KV, grid axis 2 = split): each split attends to its share of the visible key blocks and
+    writes fp32 partial outputs and LSEs (-inf where it saw no key) for attn_combine_kernel to merge.
     """
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     batch_head = tl.program_id(1)
@@ -124,8 +126,11 @@ def attn_fwd_kernel(
     block_table_row = BlockTable
     if IS_PAGED:
         block_table_row = BlockTable + batch64 * stride_block_table_b
-    o_base = Out + batch64 * stride_ob + (q_start + m_start).to(tl.int64) * stride_om + head.to(tl.int64) * stride_oh
-    lse_base = Lse + batch64 * stride_lse_b + head.to(tl.int64) * stride_lse_h + q_start + m_start
+    split_idx = tl.program_id(2)
+    o_base = (Out + split_idx.to(tl.int64) * stride_o_split + batch64 * stride_ob
+              + (q_start + m_start).to(tl.int64) * stride_om + head.to(tl.int64) * stride_oh)
+    lse_base = (Lse + split_idx.to(tl.int64) * stride_lse_split + batch64 * stride_lse_b
+                + head.to(tl.int64) * stride_lse_h + q_start + m_start)
 
     offs_row = tl.arange(0, BLOCK_M)
     offs_m = m_start + offs_row
@@ -150,6 +155,12 @@ def attn_fwd_kernel(
 
     n_block_min, n_full_min, n_full_max, n_block_max = kv_block_range(
         m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, IS_LOCAL)
+    if IS_SPLIT:
+        split_lo, split_hi = split_block_range(n_block_min, n_block_max, split_idx, tl.num_programs(2))
+        n_block_min = split_lo
+        n_full_min = tl.minimum(tl.maximum(n_full_min, split_lo), split_hi)
+        n_full_max = tl.minimum(tl.maximum(n_full_max, n_full_min), split_hi)
+        n_block_max = split_hi
     acc, l_i, m_i = _fwd_kv_loop(
         acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_batch, head_k, stride_kn, stride_vn, block_table_row,
         page_size, stride_kpage, stride_vpage, offs_m, offs_d, n_block_min, n_full_min,
@@ -172,7 +183,9 @@ def attn_fwd_kernel(
     # rows that saw no key: out 0, lse +inf (API.md §4.5)
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("inf"))
+    # rows that saw no key: +inf as flash_attn returns it, -inf inside a split so the combine weighs it 0
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf") if IS_SPLIT else float("inf"))
     if USE_TMA:
         o_desc.store([batch, m_start, head, 0], out.to(Out.dtype.element_ty).reshape(1, BLOCK_M, 1, BLOCK_D))
     else:

@@ -1,13 +1,15 @@
 """Rotary position embedding: rotate feature pairs of x by the angle of each token's position (API.md §9.2).
 
-One program per (sequence block, head block, batch entry). With r = ROTARY_DIM, pair m < r/2 is
+One program per (sequence block, head block, batch entry); grid axis 0 enumerates (batch entry, sequence
+block) pairs, so the batch may exceed the 65535 limit of the other grid axes. With r = ROTARY_DIM, pair m < r/2 is
 (x[m], x[m + r/2]) (GPT-NeoX, non-interleaved) or (x[2m], x[2m+1]) (GPT-J, INTERLEAVED), and
     y_a = a * cos[t, m] - b * sin[t, m],    y_b = a * sin[t, m] + b * cos[t, m]
 in fp32, written in Out's dtype. Token s of a sequence has position t = s + offset. Rows t outside
 [0, seqlen_ro) of the table act as cos = 1, sin = 0 (identity). CONJUGATE negates sin (the inverse
 rotation, used by backward). COPY_TAIL copies features >= r unchanged (out-of-place calls).
 
-Naming legend: offs_s token offsets inside the sequence, offs_h heads, offs_k pair index m,
+Naming legend: offs_s token offsets inside the sequence, offs_h heads, offs_k pair index m, offs_r
+feature index in [0, r) (interleaved loads), offs_t feature index in [r, HEAD_DIM) (the copied tail);
 BLOCK_K = r/2 rounded up to a power of two, BLOCK_TAIL = HEAD_DIM - r rounded up likewise.
 Varlen (IS_VARLEN): sequence b is rows [CuSeqlens[b], CuSeqlens[b+1]) of a (T, H, D) tensor; the
 grid may carry one extra batch slice (index num_batches) that copies the rows past CuSeqlens[-1]
@@ -75,12 +77,12 @@ def _rotary_block(out_rows, x_rows, Cos, Sin, offs_s, row_in, offs_k, k_in, head
         tl.store(out_rows + offs_t[None, None, :], tail.to(out_rows.dtype.element_ty), mask=tail_mask)
 
 
-@triton.jit(do_not_specialize=["seqlen", "seqlen_ro", "seqlen_offset", "total_tokens"])
+@triton.jit(do_not_specialize=["num_s_blocks", "seqlen", "seqlen_ro", "seqlen_offset", "total_tokens"])
 def rotary_kernel(
     Out, X, Cos, Sin, CuSeqlens, SeqlenOffsets,
     stride_out_b, stride_out_s, stride_out_h,
     stride_x_b, stride_x_s, stride_x_h,
-    num_batches, num_heads, seqlen, seqlen_ro, seqlen_offset, total_tokens,
+    num_batches, num_heads, num_s_blocks, seqlen, seqlen_ro, seqlen_offset, total_tokens,
     ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_TAIL: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
     INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -88,12 +90,13 @@ def rotary_kernel(
 ):
     """Out = rotary(X): X and Out are (B, S, H, D), or (T, H, D) with IS_VARLEN. Cos/Sin are (seqlen_ro, r/2).
 
-    seqlen is the (max) sequence length the grid covers; a longer varlen sequence is still covered, since
-    each program strides over the sequence by the grid's extent. Out may alias X (in place).
+    Grid: (num_s_blocks * (batch entries), head blocks). seqlen is the (max) sequence length that the
+    num_s_blocks blocks of BLOCK_S rows cover; a longer varlen sequence is still covered, since each
+    program strides over its sequence by num_s_blocks * BLOCK_S. Out may alias X (in place).
     """
-    s_block = tl.program_id(0)
+    s_block = tl.program_id(0) % num_s_blocks
+    batch = tl.program_id(0) // num_s_blocks
     h_block = tl.program_id(1)
-    batch = tl.program_id(2)
     use_table = batch < num_batches
     if IS_VARLEN:
         seq_start = tl.load(CuSeqlens + batch)
@@ -117,7 +120,7 @@ def rotary_kernel(
     k_in = offs_k < ROTARY_DIM // 2
     x_base = X + batch64 * stride_x_b
     out_base = Out + batch64 * stride_out_b
-    for s_start in range(s_block * BLOCK_S, seq_len, tl.num_programs(0) * BLOCK_S):
+    for s_start in range(s_block * BLOCK_S, seq_len, num_s_blocks * BLOCK_S):
         # [BLOCK_S]
         offs_s = s_start + tl.arange(0, BLOCK_S)
         row_in = offs_s < seq_len

@@ -91,11 +91,13 @@ def _qk_parts(qkv: torch.Tensor, num_heads_q: Optional[int]):
         qk = qkv[:, :, :2].view(batch, seqlen, 2 * num_heads, head_dim) if joinable else None
         return q, k, qk
     assert qkv.dim() == 4, f"qkv must have 5 dims (batch, seqlen, 3, nheads, headdim) or 4, got {tuple(qkv.shape)}"
-    assert num_heads_q is not None, "num_heads_q must be given when qkv has shape (batch, seqlen, nheads_q + 2 * nheads_k, headdim)"
+    assert num_heads_q is not None, (
+        "num_heads_q must be given when qkv has shape (batch, seqlen, nheads_q + 2 * nheads_k, headdim)")
     num_heads_k = (qkv.shape[2] - num_heads_q) // 2
     assert qkv.shape[2] == num_heads_q + 2 * num_heads_k, (
         f"qkv has {qkv.shape[2]} heads, which is not num_heads_q ({num_heads_q}) + 2 * num_heads_k")
-    return qkv[:, :, :num_heads_q], qkv[:, :, num_heads_q:num_heads_q + num_heads_k], qkv[:, :, :num_heads_q + num_heads_k]
+    num_qk = num_heads_q + num_heads_k
+    return qkv[:, :, :num_heads_q], qkv[:, :, num_heads_q:num_qk], qkv[:, :, :num_qk]
 
 
 def _rotate_qk_(qkv, cos, sin, cos_k, sin_k, interleaved, seqlen_offsets, num_heads_q, conjugate):

@@ -17,6 +17,7 @@ import torch
 
 from .. import configs
 from ..kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
+from ..kernels.combine import attn_combine_kernel
 from ..kernels.fwd import attn_fwd_kernel
 from ..reference import (attention_reference, attention_reference_backward, attention_reference_varlen,
                          attention_reference_varlen_backward, is_pure_causal, normalize_window)
@@ -32,6 +33,7 @@ DROPOUT_ISSUE = "dropout_p > 0 is not implemented yet in flashtriton (tracked by
 # Tests set this (flashtriton.testing.poisoned_outputs) so every output buffer starts as NaN/garbage
 # and an element a kernel forgot to write fails the comparison.
 POISON_OUTPUTS = False
+COMBINE_BLOCK = 16  # query rows per combine program
 
 
 def new_empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
@@ -122,7 +124,7 @@ def _alibi_batch_stride(alibi_slopes: Optional[torch.Tensor]) -> int:
     return alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
 
 
-def _device_guard(tensor: torch.Tensor):
+def device_guard(tensor: torch.Tensor):
     return torch.cuda.device(tensor.device) if tensor.is_cuda else _NullContext()
 
 
@@ -145,12 +147,13 @@ def _check_dropout(dropout_p: float) -> None:
 
 def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides: Tuple[int, int],
                seqlen_q: int, seqlen_k: int, batch: int, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
-               leftpad_k=None, block_table=None, cache_batch_idx=None) -> None:
+               leftpad_k=None, block_table=None, cache_batch_idx=None, num_splits: int = 1) -> None:
     """Run the forward kernel into preallocated out (q's layout) and lse (fp32, rows contiguous).
 
     Dense: q/k/v (B, S, H, D). Varlen (cu_seqlens given): (T, H, D), seqlen_q/k are the max lengths.
     Paged (block_table given): k/v are (num_pages, page_size, Hk, D). cache_batch_idx maps q's batch rows
-    to K/V rows; seqused_k / leftpad_k bound each row's keys.
+    to K/V rows; seqused_k / leftpad_k bound each row's keys. num_splits > 1 (dense layout only) splits
+    each row's keys, writes fp32 partials and merges them with the combine kernel.
     """
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k = k.shape[-2]
@@ -163,30 +166,51 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     kv_strides = _paged_strides if is_paged else q_strides
     page_args = (block_table.stride(0), k.shape[1], k.stride(0), v.stride(0)) if is_paged else (0, 1, 0, 0)
     block_dim = configs.block_d(head_dim)
-    use_tma = (config.use_tma and not (is_varlen or is_paged or seqused_k is not None or leftpad_k is not None)
+    is_split = num_splits > 1
+    if is_split:
+        assert not is_varlen, "split-KV is implemented for the dense layout only"
+        target_out, target_lse = out, lse
+        out = new_empty((num_splits, *out.shape), torch.float32, q.device)
+        lse = new_empty((num_splits, *lse.shape), torch.float32, q.device)
+    split_strides = (out.stride(0), lse.stride(0)) if is_split else (0, 0)
+    lse_strides = (lse.stride(1), lse.stride(2)) if is_split else lse_strides
+    use_tma = (config.use_tma and not (is_varlen or is_paged or is_split or seqused_k is not None
+                                       or leftpad_k is not None)
                and k.shape[1] > 0 and all(_tma_compatible(t) for t in (q, k, v, out)))
     descriptors = (None,) * 4
     if use_tma:
         descriptors = tuple(_row_descriptor(t, rows, block_dim)
                             for t, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n),
                                             (out, config.block_m)))
-    grid = (triton_cdiv(seqlen_q, config.block_m), batch * num_heads)
-    with _device_guard(q):
+    grid = (triton_cdiv(seqlen_q, config.block_m), batch * num_heads, num_splits)
+    with device_guard(q):
         attn_fwd_kernel[grid](
             q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table,
             cache_batch_idx, *descriptors,
-            *q_strides(q), *kv_strides(k), *kv_strides(v), *q_strides(out),
-            *lse_strides, _alibi_batch_stride(alibi_slopes), *page_args,
+            *q_strides(q), *kv_strides(k), *kv_strides(v), *q_strides(out[0] if is_split else out),
+            *lse_strides, _alibi_batch_stride(alibi_slopes), *page_args, *split_strides,
             num_heads, num_heads // num_heads_k, seqlen_q, seqlen_k,
             *params.kernel_args(),
             HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             IS_LOCAL=params.is_local, HAS_SOFTCAP=params.softcap > 0.0, HAS_ALIBI=alibi_slopes is not None,
             IS_VARLEN=is_varlen, IS_PAGED=is_paged, HAS_SEQUSED_K=seqused_k is not None,
-            HAS_LEFTPAD_K=leftpad_k is not None, HAS_BATCH_IDX=cache_batch_idx is not None, USE_TMA=use_tma,
+            HAS_LEFTPAD_K=leftpad_k is not None, HAS_BATCH_IDX=cache_batch_idx is not None, IS_SPLIT=is_split,
+            USE_TMA=use_tma,
             FOLD_SCALE=params.softcap <= 0.0 and alibi_slopes is None and params.softmax_scale > 0.0,
             RESCALE_THRESHOLD=config.rescale_threshold,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
+        if is_split:
+            combine_grid = (triton_cdiv(seqlen_q, COMBINE_BLOCK), batch * num_heads)
+            attn_combine_kernel[combine_grid](
+                out, lse, target_out, target_lse,
+                out.stride(0), out.stride(1), out.stride(2), out.stride(3),
+                lse.stride(0), lse.stride(1), lse.stride(2),
+                target_out.stride(0), target_out.stride(1), target_out.stride(2),
+                target_lse.stride(0), target_lse.stride(1),
+                num_heads, seqlen_q, num_splits,
+                HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=COMBINE_BLOCK,
+            )
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -245,7 +269,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
                  IS_VARLEN=is_varlen)
     score_args = params.kernel_args()
     alibi_stride = _alibi_batch_stride(alibi_slopes)
-    with _device_guard(q):
+    with device_guard(q):
         if seqlen_q > 0:
             preprocess_grid = (triton_cdiv(seqlen_q, config.preprocess_block), batch * num_heads)
             attn_bwd_preprocess_kernel[preprocess_grid](

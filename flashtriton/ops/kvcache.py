@@ -15,7 +15,7 @@ from .. import configs
 from ..kernels.append import kv_append_kernel
 from ..reference import kvcache_reference
 from . import checks
-from .backend import _device_guard, launch_fwd, new_empty, runs_triton, score_params, triton_cdiv
+from .backend import device_guard, launch_fwd, new_empty, runs_triton, score_params, triton_cdiv
 
 APPEND_BLOCK = 32
 
@@ -120,7 +120,7 @@ def _append(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
         return
     page_args = (block_table.stride(0), k_cache.shape[1]) if block_table is not None else (0, 1)
     grid = (triton_cdiv(seqlen_new, APPEND_BLOCK), batch * num_heads_k)
-    with _device_guard(k):
+    with device_guard(k):
         kv_append_kernel[grid](
             k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
@@ -179,5 +179,15 @@ def mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     lse = new_empty((batch, num_heads, seqlen_q), torch.float32, q.device)
     launch_fwd(q, k_cache, v_cache, out, lse, params, alibi_slopes, (lse.stride(0), lse.stride(1)), seqlen_q,
                capacity, batch, seqused_k=seqused, leftpad_k=leftpad, block_table=block_table,
-               cache_batch_idx=cache_batch_idx)
+               cache_batch_idx=cache_batch_idx, num_splits=splits_for(q, seqlen_q, capacity, num_splits))
     return out, lse
+
+
+def splits_for(q: torch.Tensor, seqlen_q: int, capacity: int, num_splits: int) -> int:
+    """The caller's num_splits, or the heuristic's choice for <= 0 (from shapes only: no host sync)."""
+    if num_splits > 0:
+        return min(num_splits, 128)
+    config = configs.fwd_config(configs.arch_class(q.device), q.shape[-1], False, seqlen_q)
+    programs = triton_cdiv(seqlen_q, config.block_m) * q.shape[0] * q.shape[2]
+    return configs.num_splits_heuristic(programs, triton_cdiv(capacity, config.block_n),
+                                        configs.multiprocessor_count(q.device))

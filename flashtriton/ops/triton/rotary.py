@@ -14,7 +14,7 @@ import torch
 import triton
 
 from ...kernels.rotary import rotary_kernel
-from ..backend import new_empty
+from ..backend import device_guard, new_empty
 
 # TRITON_INTERPRET is read when @triton.jit runs, so the kernel object says how it runs.
 KERNELS_INTERPRETED = type(rotary_kernel).__name__ == "InterpretedFunction"
@@ -36,18 +36,6 @@ def block_sizes(rotary_dim: int, head_dim: int, num_heads: int, copy_tail: bool)
     return block_k, block_tail, block_s, block_h
 
 
-def _device_guard(tensor: torch.Tensor):
-    return torch.cuda.device(tensor.device) if tensor.is_cuda else _NullContext()
-
-
-class _NullContext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _check(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen):
     """The asserts of API.md §9.2; returns (batch, seqlen) where seqlen is max_seqlen for varlen."""
     if cu_seqlens is None:
@@ -57,7 +45,8 @@ def _check(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen):
         assert max_seqlen is not None, "If cu_seqlens is passed in, then max_seqlen must be passed"
         assert x.dim() == 3, f"x must have shape (total_seqlen, nheads, headdim) with cu_seqlens, got {tuple(x.shape)}"
         assert cu_seqlens.dim() == 1 and cu_seqlens.dtype in (torch.int32, torch.int64), (
-            f"cu_seqlens must be a 1-D int32/int64 tensor (batch + 1,), got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+            f"cu_seqlens must be a 1-D int32/int64 tensor (batch + 1,), "
+            f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
         batch, seqlen = cu_seqlens.shape[0] - 1, int(max_seqlen)
     assert cos.dim() == 2, f"cos must have shape (seqlen_ro, rotary_dim / 2), got {tuple(cos.shape)}"
     assert sin.shape == cos.shape, f"sin must have the shape of cos {tuple(cos.shape)}, got {tuple(sin.shape)}"
@@ -119,8 +108,8 @@ def launch_rotary(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: to
     copy_tail = not inplace and rotary_dim < head_dim
     block_k, block_tail, block_s, block_h = block_sizes(rotary_dim, head_dim, num_heads, copy_tail)
     copy_uncovered_rows = is_varlen and not inplace
-    grid = (max(triton.cdiv(seqlen, block_s), int(copy_uncovered_rows)), triton.cdiv(num_heads, block_h),
-            batch + int(copy_uncovered_rows))
+    num_s_blocks = max(triton.cdiv(seqlen, block_s), int(copy_uncovered_rows))
+    grid = (num_s_blocks * (batch + int(copy_uncovered_rows)), triton.cdiv(num_heads, block_h))
     if x.numel() == 0 or 0 in grid:
         return
     has_offset_tensor = isinstance(seqlen_offsets, torch.Tensor)
@@ -128,11 +117,12 @@ def launch_rotary(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: to
         strides = (0, out.stride(0), out.stride(1), 0, x.stride(0), x.stride(1))
     else:
         strides = (out.stride(0), out.stride(1), out.stride(2), x.stride(0), x.stride(1), x.stride(2))
-    with _device_guard(x):
+    with device_guard(x):
         rotary_kernel[grid](
             out, x, cos, sin, cu_seqlens, seqlen_offsets.contiguous() if has_offset_tensor else None,
             *strides,
-            batch, num_heads, seqlen, cos.shape[0], 0 if has_offset_tensor else int(seqlen_offsets), x.shape[0],
+            batch, num_heads, num_s_blocks, seqlen, cos.shape[0], 0 if has_offset_tensor else int(seqlen_offsets),
+            x.shape[0],
             ROTARY_DIM=rotary_dim, HEAD_DIM=head_dim, BLOCK_K=block_k, BLOCK_TAIL=block_tail,
             BLOCK_S=block_s, BLOCK_H=block_h, INTERLEAVED=interleaved, CONJUGATE=conjugate, IS_VARLEN=is_varlen,
             HAS_OFFSET_TENSOR=has_offset_tensor, COPY_TAIL=copy_tail, num_warps=NUM_WARPS,

@@ -1,0 +1,31 @@
+"""Pure functions of flashtriton.configs (tile tables, split-KV heuristic), checked on the CPU."""
+
+import pytest
+
+from flashtriton import configs
+
+
+def test_num_splits_heuristic_splits_only_small_grids():
+    assert configs.num_splits_heuristic(num_programs=4096, num_key_blocks=512, num_sms=132) == 1
+    assert configs.num_splits_heuristic(num_programs=32, num_key_blocks=1, num_sms=132) == 1
+    splits = configs.num_splits_heuristic(num_programs=32, num_key_blocks=512, num_sms=132)
+    assert 2 <= splits <= 128
+    # The chosen count fills the machine at least 85% as well as the best one allowed.
+    efficiency = lambda s: (32 * s / 132) / -(-32 * s // 132)  # noqa: E731
+    assert efficiency(splits) >= 0.85 * max(efficiency(s) for s in range(1, 129))
+
+
+@pytest.mark.parametrize("programs,blocks", [(1, 4096), (8, 1024), (64, 256), (100, 3)])
+def test_num_splits_heuristic_stays_in_bounds(programs, blocks):
+    splits = configs.num_splits_heuristic(programs, blocks, 132)
+    assert 1 <= splits <= min(128, blocks)
+
+
+def test_decode_rows_get_small_tiles():
+    assert configs.fwd_config("sm90", 128, False, 1).block_m == configs.DECODE_MAX_ROWS
+    assert configs.fwd_config("sm90", 128, False, 4096).block_m >= 64
+    assert configs.fwd_config("interpreter", 128, False, 1).block_m == 64
+
+
+def test_block_d_is_a_power_of_two_at_least_16():
+    assert [configs.block_d(d) for d in (1, 16, 17, 40, 128, 129, 256)] == [16, 16, 32, 64, 128, 256, 256]
