@@ -1,0 +1,80 @@
+"""Decode benchmark (GPU): one query token, GQA 32/8 heads, hdim 128, bf16; TB/s of K+V bytes read.
+
+    python benchmarks/bench_decode.py [--paged 0,64,256]
+
+Rows of issue #4: (batch, seqlen_k) in (64, 4096), (16, 16384), (4, 65536), (1, 131072), contiguous and
+paged. The device-copy bandwidth and SDPA (FLASH / CUDNN, GQA through enable_gqa) are measured in the
+same run. Every flashtriton row is checked against SDPA's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashtriton
+from flashtriton.ops.kvcache import splits_for
+
+ROWS = [(64, 4096), (16, 16384), (4, 65536), (1, 131072)]
+HEADS, HEADS_K, DIM = 32, 8, 128
+
+
+def timed(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = timed(lambda: dst.copy_(src))
+    return 2 * src.numel() / ms * 1e-9
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--paged", default="0,64,256", help="page sizes; 0 = contiguous cache")
+    args = parser.parse_args()
+    print(f"device copy: {copy_bandwidth():.2f} TB/s (bytes read + written)")
+    print("| batch, seqlen_k | layout | flashtriton TB/s | splits | sdpa-flash TB/s | sdpa-cudnn TB/s | max err |")
+    print("|---|---|---|---|---|---|---|")
+    for batch, seqlen in ROWS:
+        q = torch.randn(batch, 1, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(batch, seqlen, HEADS_K, DIM, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        lengths = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+        kv_bytes = 2 * k.numel() * k.element_size()
+        peers = {}
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        expected = None
+        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                with sdpa_kernel(backend):
+                    fn = lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)  # noqa: E731
+                    expected = fn().transpose(1, 2)
+                    peers[name] = kv_bytes / timed(fn) * 1e-9
+            except RuntimeError:
+                peers[name] = float("nan")
+        for page in (int(p) for p in args.paged.split(",")):
+            if page:
+                pages = seqlen // page
+                table = torch.arange(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
+                k_cache = k.reshape(batch * pages, page, HEADS_K, DIM)
+                v_cache = v.reshape(batch * pages, page, HEADS_K, DIM)
+                call = lambda: flashtriton.flash_attn_with_kvcache(  # noqa: E731
+                    q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)
+            else:
+                call = lambda: flashtriton.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths)  # noqa: E731
+            err = float((call().float() - expected.float()).abs().max()) if expected is not None else float("nan")
+            ms = timed(call)
+            splits = splits_for(q, 1, seqlen, 0)
+            layout = f"paged {page}" if page else "contiguous"
+            print(f"| {batch}, {seqlen} | {layout} | {kv_bytes / ms * 1e-9:.2f} | {splits} | {peers['flash']:.2f} | "
+                  f"{peers['cudnn']:.2f} | {err:.1e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
