@@ -74,6 +74,13 @@ def triton_cache_dir() -> str:
         return os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
 
 
+def implemented_optional_features() -> list:
+    """The OPTIONAL_FUNCTIONS features this flashtriton provides."""
+    import flashtriton
+
+    return [feature for feature, name in OPTIONAL_FUNCTIONS.items() if hasattr(flashtriton, name)]
+
+
 def library_gaps() -> dict:
     """Features flashtriton does not implement yet, on any device, with the reason."""
     import flashtriton
@@ -92,7 +99,7 @@ def device_info(index: int) -> DeviceInfo:
     info = DeviceInfo(index, props.name, f"{props.major}.{props.minor} (sm_{props.major}{props.minor})",
                       props.multi_processor_count, round(props.total_memory / 2**30, 1))
     if capability >= MIN_CAPABILITY:
-        info.supported = list(DENSE_FEATURES)
+        info.supported = list(DENSE_FEATURES) + implemented_optional_features()
     else:
         info.unsupported = {"every feature": OLD_GPU_REASON}
     return info

@@ -192,6 +192,20 @@ def attention_reference_backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _row_slopes(alibi_slopes: Optional[torch.Tensor], b: int) -> Optional[torch.Tensor]:
+    """ALiBi slopes of batch row (or varlen sequence) b, as attention_reference takes them."""
+    if alibi_slopes is None:
+        return None
+    return alibi_slopes[b : b + 1] if alibi_slopes.dim() == 2 else alibi_slopes
+
+
+def _sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
+    """(b, q rows, k rows) of every varlen sequence, as slices of the packed first dimension."""
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(starts_q) - 1):
+        yield b, slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1])
+
+
 def attention_reference_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -214,20 +228,14 @@ def attention_reference_varlen(
     total_q, num_heads, head_dim = q.shape
     out = torch.zeros(total_q, num_heads, head_dim, dtype=q.dtype, device=q.device)
     lse = torch.full((num_heads, total_q), float("inf"), dtype=torch.float32, device=q.device)
-    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for b in range(len(starts_q) - 1):
-        q0, q1, k0, k1 = starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b + 1]
-        if q1 == q0:
+    for b, rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if rows_q.stop == rows_q.start:
             continue
-        slopes = None
-        if alibi_slopes is not None:
-            slopes = alibi_slopes[b : b + 1] if alibi_slopes.dim() == 2 else alibi_slopes
         out_b, lse_b = attention_reference(
-            q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, causal, window_size, softcap, slopes,
-            seqlen_k_star=max_seqlen_k, compute_dtype=compute_dtype,
-        )
-        out[q0:q1] = out_b[0]
-        lse[:, q0:q1] = lse_b[0]
+            q[None, rows_q], k[None, rows_k], v[None, rows_k], softmax_scale, causal, window_size, softcap,
+            _row_slopes(alibi_slopes, b), seqlen_k_star=max_seqlen_k, compute_dtype=compute_dtype)
+        out[rows_q] = out_b[0]
+        lse[:, rows_q] = lse_b[0]
     return out, lse
 
 
@@ -249,17 +257,13 @@ def attention_reference_varlen_backward(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of attention_reference_varlen without autograd; uncovered rows get 0."""
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for b in range(len(starts_q) - 1):
-        q0, q1, k0, k1 = starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b + 1]
-        slopes = None
-        if alibi_slopes is not None:
-            slopes = alibi_slopes[b : b + 1] if alibi_slopes.dim() == 2 else alibi_slopes
+    for b, rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
         grads = attention_reference_backward(
-            dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale, causal, window_size,
-            softcap, slopes, seqlen_k_star=max_seqlen_k, compute_dtype=compute_dtype)
-        for target, grad, (lo, hi) in zip((dq, dk, dv), grads, ((q0, q1), (k0, k1), (k0, k1))):
-            target[lo:hi] = grad[0]
+            dout[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k], softmax_scale, causal,
+            window_size, softcap, _row_slopes(alibi_slopes, b), seqlen_k_star=max_seqlen_k,
+            compute_dtype=compute_dtype)
+        for target, grad, rows in zip((dq, dk, dv), grads, (rows_q, rows_k, rows_k)):
+            target[rows] = grad[0]
     return dq, dk, dv
 
 
@@ -330,11 +334,8 @@ def kvcache_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
             table = torch.arange(length, length + seqlen_q) if (causal or local) else torch.full((seqlen_q,), length)
             q_b = rotate(q_b, rotary_cos[table][:, None], rotary_sin[table][:, None], rotary_interleaved)
         index = positions_of(b, range(starts[b], length + seqlen_new))
-        slopes = None
-        if alibi_slopes is not None:
-            slopes = alibi_slopes[b: b + 1] if alibi_slopes.dim() == 2 else alibi_slopes
         out_b, lse_b = attention_reference(q_b[None], k_cache[index][None], v_cache[index][None], softmax_scale,
-                                           causal, window_size, softcap, slopes, seqlen_k_star=capacity,
-                                           compute_dtype=compute_dtype)
+                                           causal, window_size, softcap, _row_slopes(alibi_slopes, b),
+                                           seqlen_k_star=capacity, compute_dtype=compute_dtype)
         out[b], lse[b] = out_b[0], lse_b[0]
     return out, lse, k_cache, v_cache

@@ -303,13 +303,13 @@ def test_kv_inplace_and_gradient():
     cos, sin = tables(14, 16)
     kv = leaf * 1.0
     assert apply_rotary_emb_kv_(kv, cos, sin, seqlen_offsets=5) is kv
-    expected_k, _ = rotary_reference64(leaf[:, :, 0], cos, sin, 5)
-    torch.testing.assert_close(kv[:, :, 0].double(), expected_k, rtol=0, atol=1e-6)
+    expected_k, bound = rotary_reference64(leaf[:, :, 0], cos, sin, 5)
+    assert_rotary_close(kv[:, :, 0], expected_k, bound)
     assert torch.equal(kv[:, :, 1], leaf[:, :, 1])
     dout = torch.randn_like(kv)
     (grad,) = torch.autograd.grad(kv, leaf, dout)
-    expected_dk, _ = rotary_reference64(dout[:, :, 0], cos, sin, 5, conjugate=True)
-    torch.testing.assert_close(grad[:, :, 0].double(), expected_dk, rtol=0, atol=1e-6)
+    expected_dk, bound = rotary_reference64(dout[:, :, 0], cos, sin, 5, conjugate=True)
+    assert_rotary_close(grad[:, :, 0], expected_dk, bound)
     assert torch.equal(grad[:, :, 1], dout[:, :, 1])
 
 
@@ -333,9 +333,9 @@ def test_torch_reference_with_batched_tables():
 # ---- RotaryEmbedding -------------------------------------------------------------------------------------------
 
 def rope_tables(dim, positions, base=10000.0):
-    """cos, sin (len(positions), dim / 2) in float64 from the definition."""
-    inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    angles = torch.as_tensor(positions, dtype=torch.float64)[:, None] * inv_freq
+    """cos, sin (len(positions), dim / 2) in float64 from the definition, on the test device."""
+    inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=DEVICE) / dim)
+    angles = torch.as_tensor(list(positions), dtype=torch.float64, device=DEVICE)[:, None] * inv_freq
     return angles.cos(), angles.sin()
 
 
@@ -394,11 +394,12 @@ def test_xpos_scales_scores_by_relative_position():
     q0, k0 = qkv[0, :, 0, 0].double().clone(), qkv[0, :, 1, 0].double().clone()
     rotary(qkv)
     scores = qkv[0, :, 0, 0].double() @ qkv[0, :, 1, 0].double().T
-    zeta = (torch.arange(0, dim, 2, dtype=torch.float64) + 0.4 * dim) / (1.4 * dim)
+    zeta = (torch.arange(0, dim, 2, dtype=torch.float64, device=DEVICE) + 0.4 * dim) / (1.4 * dim)
     cos, sin = rope_tables(dim, range(seqlen))
     q_rot = apply_rotary_emb_torch(q0[None, :, None], cos, sin)[0, :, 0]
     k_rot = apply_rotary_emb_torch(k0[None, :, None], cos, sin)[0, :, 0]
-    relative = torch.arange(seqlen, dtype=torch.float64)[:, None] - torch.arange(seqlen)[None, :]
+    positions = torch.arange(seqlen, dtype=torch.float64, device=DEVICE)
+    relative = positions[:, None] - positions[None, :]
     # score(i, j) = sum_m zeta_m^((i - j) / scale_base) * (pair m of q_i) . (pair m of k_j)
     pairs_q, pairs_k = q_rot.view(seqlen, 2, dim // 2), k_rot.view(seqlen, 2, dim // 2)
     per_pair = torch.einsum("ipm,jpm->ijm", pairs_q, pairs_k)
