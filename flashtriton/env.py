@@ -19,7 +19,7 @@ OLD_GPU_REASON = "FlashAttention only supports Ampere GPUs or newer."
 
 # Features of the dense API that every supported device runs.
 DENSE_FEATURES = ("forward", "backward", "fp16", "bf16", "causal", "sliding window", "softcap", "ALiBi",
-                  "GQA/MQA", "head dim 1..256", "deterministic backward")
+                  "GQA/MQA", "head dim 1..256", "deterministic backward", "dropout")
 # Public functions of the flash_attn 2.x surface that may not be implemented yet.
 OPTIONAL_FUNCTIONS = {"varlen": "flash_attn_varlen_func", "kv cache": "flash_attn_with_kvcache"}
 
@@ -84,9 +84,8 @@ def implemented_optional_features() -> list:
 def library_gaps() -> dict:
     """Features flashtriton does not implement yet, on any device, with the reason."""
     import flashtriton
-    from .ops import backend
 
-    gaps = {"dropout": backend.DROPOUT_ISSUE}
+    gaps = {}
     for feature, name in OPTIONAL_FUNCTIONS.items():
         if not hasattr(flashtriton, name):
             gaps[feature] = f"flashtriton.{name} is not implemented yet"

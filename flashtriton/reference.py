@@ -12,7 +12,8 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["normalize_window", "is_pure_causal", "visible_mask", "attention_reference", "attention_reference_backward",
+__all__ = ["normalize_window", "is_pure_causal", "visible_mask", "attention_probabilities", "attention_reference",
+           "attention_reference_backward",
            "attention_reference_varlen", "attention_reference_varlen_backward", "kvcache_reference", "rotate"]
 
 
@@ -124,6 +125,13 @@ def _probabilities(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
     return _Probabilities(qc, kc, vc, probs, kept, capped, lse, scale)
 
 
+def attention_probabilities(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            alibi_slopes=None, *, seqlen_k_star=None, compute_dtype=torch.float32) -> torch.Tensor:
+    """(B, H, Sq, Sk) softmax probabilities before dropout; 0 where a key is not visible."""
+    return _probabilities(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, 0.0, None,
+                          seqlen_k_star, compute_dtype).probs
+
+
 def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -192,14 +200,21 @@ def attention_reference_backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _row_slopes(alibi_slopes: Optional[torch.Tensor], b: int) -> Optional[torch.Tensor]:
+def row_slopes(alibi_slopes: Optional[torch.Tensor], b: int) -> Optional[torch.Tensor]:
     """ALiBi slopes of batch row (or varlen sequence) b, as attention_reference takes them."""
     if alibi_slopes is None:
         return None
     return alibi_slopes[b : b + 1] if alibi_slopes.dim() == 2 else alibi_slopes
 
 
-def _sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
+def _sequence_mask(mask: Optional[torch.Tensor], b: int, rows_q: slice, rows_k: slice) -> Optional[torch.Tensor]:
+    """Sequence b's (1, H, Sq_b, Sk_b) corner of a (B, H, rows, cols) varlen dropout mask."""
+    if mask is None:
+        return None
+    return mask[b : b + 1, :, : rows_q.stop - rows_q.start, : rows_k.stop - rows_k.start]
+
+
+def sequence_slices(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
     """(b, q rows, k rows) of every varlen sequence, as slices of the packed first dimension."""
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(starts_q) - 1):
@@ -219,21 +234,25 @@ def attention_reference_varlen(
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
     *,
+    dropout_p: float = 0.0,
+    dropout_mask: Optional[torch.Tensor] = None,
     compute_dtype: Optional[torch.dtype] = torch.float64,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Varlen attention (API.md §4.9): each sequence on its own, window normalized with S* = max_seqlen_k.
 
     q (Tq, H, D), k/v (Tk, Hk, D). Returns (out (Tq, H, D), lse (H, Tq)); uncovered rows are 0 / +inf.
+    dropout_mask: bool (B, H, >= max Sq, >= max Sk) in each sequence's local indices.
     """
     total_q, num_heads, head_dim = q.shape
     out = torch.zeros(total_q, num_heads, head_dim, dtype=q.dtype, device=q.device)
     lse = torch.full((num_heads, total_q), float("inf"), dtype=torch.float32, device=q.device)
-    for b, rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
+    for b, rows_q, rows_k in sequence_slices(cu_seqlens_q, cu_seqlens_k):
         if rows_q.stop == rows_q.start:
             continue
         out_b, lse_b = attention_reference(
             q[None, rows_q], k[None, rows_k], v[None, rows_k], softmax_scale, causal, window_size, softcap,
-            _row_slopes(alibi_slopes, b), seqlen_k_star=max_seqlen_k, compute_dtype=compute_dtype)
+            row_slopes(alibi_slopes, b), dropout_p, _sequence_mask(dropout_mask, b, rows_q, rows_k),
+            seqlen_k_star=max_seqlen_k, compute_dtype=compute_dtype)
         out[rows_q] = out_b[0]
         lse[:, rows_q] = lse_b[0]
     return out, lse
@@ -253,15 +272,17 @@ def attention_reference_varlen_backward(
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
     *,
+    dropout_p: float = 0.0,
+    dropout_mask: Optional[torch.Tensor] = None,
     compute_dtype: Optional[torch.dtype] = torch.float32,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of attention_reference_varlen without autograd; uncovered rows get 0."""
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for b, rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
+    for b, rows_q, rows_k in sequence_slices(cu_seqlens_q, cu_seqlens_k):
         grads = attention_reference_backward(
             dout[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k], softmax_scale, causal,
-            window_size, softcap, _row_slopes(alibi_slopes, b), seqlen_k_star=max_seqlen_k,
-            compute_dtype=compute_dtype)
+            window_size, softcap, row_slopes(alibi_slopes, b), dropout_p,
+            _sequence_mask(dropout_mask, b, rows_q, rows_k), seqlen_k_star=max_seqlen_k, compute_dtype=compute_dtype)
         for target, grad, rows in zip((dq, dk, dv), grads, (rows_q, rows_k, rows_k)):
             target[rows] = grad[0]
     return dq, dk, dv
@@ -335,7 +356,7 @@ def kvcache_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
             q_b = rotate(q_b, rotary_cos[table][:, None], rotary_sin[table][:, None], rotary_interleaved)
         index = positions_of(b, range(starts[b], length + seqlen_new))
         out_b, lse_b = attention_reference(q_b[None], k_cache[index][None], v_cache[index][None], softmax_scale,
-                                           causal, window_size, softcap, _row_slopes(alibi_slopes, b),
+                                           causal, window_size, softcap, row_slopes(alibi_slopes, b),
                                            seqlen_k_star=capacity, compute_dtype=compute_dtype)
         out[b], lse[b] = out_b[0], lse_b[0]
     return out, lse, k_cache, v_cache

@@ -5,7 +5,9 @@ Sections: every public API path with every feature (tolerance rule + NaN/Inf), a
 and, on CUDA, a latency table. The API paths include the varlen functions (packed, and the paged K/V form of
 flash_attn_varlen_func, forward only) on mixed lengths with a 0- and a 1-length sequence, max_seqlen upper bounds
 and uncovered rows after the last sequence; they are checked against the float64 varlen reference. An edge probe
-checks that varlen on equal lengths is bitwise the dense result.
+checks that varlen on equal lengths is bitwise the dense result. flash_attn_with_kvcache is checked on a contiguous
+and a paged cache (page size 48) against the float64 kvcache reference: out, lse, and the caches after the append
+(bit-exact; within 1e-3 for rotated keys), with num_splits 3 and 1 agreeing.
 
 On CPU the kernels run through Triton's interpreter: the command re-executes itself with TRITON_INTERPRET=1 when
 needed. bf16 is then left out: Triton 3.6-3.9's interpreter computes a bf16 tl.dot as an integer matmul on
@@ -30,9 +32,9 @@ import torch
 
 from . import bench
 from .interface import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
-                        flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)
+                        flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
 from .ops import backend
-from .reference import attention_reference, attention_reference_varlen
+from .reference import attention_reference, attention_reference_varlen, kvcache_reference
 from .testing import (Case, ErrorCheck, check_error, check_lse, compare_with_reference, make_case_inputs,
                       poisoned_outputs)
 
@@ -52,11 +54,20 @@ PAGE_SIZES = (48, 16)
 # max_seqlen = true maximum + this slack (max_seqlen is an upper bound in the API).
 VARLEN_TAIL = 3
 MAX_SEQLEN_SLACK = 4
+# flash_attn_with_kvcache: the page size of its paged cache (not a power of two); the tolerance factors of out
+# (ALiBi's larger); how far rotated keys written into the cache may be from the reference's; how far out of
+# num_splits=3 may be from out of num_splits=1 (they differ only in rounding).
+KVCACHE_PAGE_SIZE = 48
+KVCACHE_OUT_FACTOR = 3.0
+KVCACHE_ALIBI_OUT_FACTOR = 5.0
+ROTARY_K_CACHE_ATOL = 1e-3
+SPLIT_AGREEMENT_ATOL = 2e-3
 
 
 @dataclass(frozen=True)
 class ApiPath:
-    """A public function; for flash_attn_varlen_func also the page size of a paged K/V cache (block_table)."""
+    """A public function; for flash_attn_varlen_func and flash_attn_with_kvcache also the page size of a paged K/V
+    cache (block_table)."""
 
     function: str
     page_size: Optional[int] = None
@@ -83,6 +94,7 @@ DENSE_PATH = ApiPath("flash_attn_func")
 VARLEN_PATH = ApiPath("flash_attn_varlen_func")
 API_PATHS = (tuple(ApiPath(name) for name in FUNCTIONS)
              + tuple(ApiPath(VARLEN_PATH.function, page_size) for page_size in PAGE_SIZES))
+KVCACHE_PATHS = tuple(ApiPath(flash_attn_with_kvcache.__name__, page_size) for page_size in (None, KVCACHE_PAGE_SIZE))
 SECTIONS = ("api", "accuracy", "backward", "edge")
 
 
@@ -107,6 +119,8 @@ class Plan:
     edge_seqlen: int
     varlen_lens: tuple      # (lens_q, lens_k) of the varlen API paths
     latency_shapes: tuple = ()
+    kv_batch: int = 2       # flash_attn_with_kvcache: batch rows and keys each cache row holds
+    kv_capacity: int = 96
 
     @property
     def window(self) -> tuple:
@@ -135,19 +149,21 @@ def make_plan(device_type: str, full: bool) -> Plan:
         return Plan(2, 2, 96, 64, both, ((17, 17), (64, 64), (128, 128), (77, 113), (113, 77), (200, 200)),
                     (32, 40, 64, 96, 128, 256),
                     ((17, 17, 32), (64, 64, 64), (128, 128, 128), (77, 113, 96), (113, 77, 64), (128, 128, 256)), 96,
-                    (cpu_varlen[0] + (77,), cpu_varlen[1] + (128,)))
+                    (cpu_varlen[0] + (77,), cpu_varlen[1] + (128,)), kv_batch=3, kv_capacity=128)
     quick_latency = (bench.Shape(4, 4096, 16, 128),)
     gpu_varlen = ((700, 0, 1, 300, 517, 128), (411, 64, 1, 0, 1000, 128))
     if not full:
         return Plan(2, 4, 512, 128, (torch.float16,), ((128, 128), (1024, 1024), (333, 1000)), (64, 128, 256),
-                    ((1024, 1024, 128), (333, 1000, 64), (1000, 333, 256)), 256, gpu_varlen, quick_latency)
+                    ((1024, 1024, 128), (333, 1000, 64), (1000, 333, 256)), 256, gpu_varlen, quick_latency,
+                    kv_batch=4, kv_capacity=1000)
     return Plan(2, 4, 1024, 128, both,
                 ((1, 1), (128, 128), (1024, 1024), (333, 1000), (1000, 333), (2048, 2048), (4096, 4096)),
                 (32, 64, 96, 128, 256),
                 ((1024, 1024, 128), (333, 1000, 64), (1000, 333, 256), (2048, 2048, 128), (4096, 4096, 64)), 512,
                 (gpu_varlen[0] + (2049,), gpu_varlen[1] + (3000,)),
                 quick_latency + (bench.Shape(4, 4096, 32, 64), bench.Shape(4, 4096, 8, 256),
-                                 bench.Shape(1, 16384, 16, 128)))
+                                 bench.Shape(1, 16384, 16, 128)),
+                kv_batch=5, kv_capacity=5000)
 
 
 @dataclass
@@ -207,6 +223,74 @@ class VarlenBatch:
                      for lens in (self.lens_q, self.lens_k))
 
 
+@dataclass(frozen=True)
+class KVCase:
+    """One flash_attn_with_kvcache configuration: seqlen_new keys appended to caches of `capacity` keys per row
+    (paged: rounded up to whole pages), then seqlen_q queries attend to each row's keys."""
+
+    batch: int
+    capacity: int
+    num_heads: int
+    num_heads_k: int
+    head_dim: int
+    dtype: torch.dtype
+    seqlen_q: int = 1
+    seqlen_new: int = 1
+    causal: bool = False
+    softcap: float = 0.0
+    alibi: bool = False
+    rotary_dim: int = 0             # 0: no rotary; else interleaved (GPT-J) rotary on that many features
+    batch_idx_leftpad: bool = False  # cache_batch_idx into a cache of batch + 2 rows, and cache_leftpad
+    page_size: Optional[int] = None
+    num_splits: tuple = (0,)        # each value is run and checked; several must agree with each other
+    softmax_scale: Optional[float] = None
+
+    @property
+    def pages_per_row(self) -> int:
+        return -(-self.capacity // self.page_size)
+
+    @property
+    def row_capacity(self) -> int:
+        return self.capacity if self.page_size is None else self.pages_per_row * self.page_size
+
+
+def make_kvcache_inputs(case: KVCase, device) -> tuple:
+    """(q, k_cache, v_cache, keyword arguments of flash_attn_with_kvcache and kvcache_reference), in case.dtype.
+
+    Row 0's new keys end exactly at the capacity; paged, row 1's start at the last slot of a page; the next row's
+    cache is empty; further rows are random. Paged caches have shuffled pages and one page that no row uses.
+    """
+    gen = dict(device=device)
+    room = case.row_capacity - case.seqlen_new
+    lengths = torch.randint(0, room + 1, (case.batch,), **gen)
+    edges = (room, 0) if case.page_size is None else (room, min(room, case.page_size - 1), 0)
+    for row, length in enumerate(edges[:case.batch]):
+        lengths[row] = length
+    inputs = dict(cache_seqlens=lengths.to(torch.int32))
+    cache_rows = case.batch + 2 if case.batch_idx_leftpad else case.batch
+    cache_shape = (cache_rows, case.capacity, case.num_heads_k, case.head_dim)
+    if case.page_size is not None:
+        num_pages = case.batch * case.pages_per_row + 1
+        table = torch.randperm(num_pages, **gen)[:case.batch * case.pages_per_row]
+        inputs["block_table"] = table.view(case.batch, case.pages_per_row).to(torch.int32)
+        cache_shape = (num_pages, case.page_size, case.num_heads_k, case.head_dim)
+    k_cache, v_cache = (torch.randn(cache_shape, **gen).to(case.dtype) for _ in range(2))
+    new_shape = (case.batch, case.seqlen_new, case.num_heads_k, case.head_dim)
+    inputs["k"], inputs["v"] = (torch.randn(new_shape, **gen).to(case.dtype) for _ in range(2))
+    if case.batch_idx_leftpad:
+        inputs["cache_batch_idx"] = torch.randperm(cache_rows, **gen)[:case.batch].to(torch.int32)
+        leftpad = torch.randint(0, 40, (case.batch,), **gen).minimum(lengths)
+        inputs["cache_leftpad"] = leftpad.to(torch.int32)
+    if case.rotary_dim:
+        angles = torch.rand(case.row_capacity, case.rotary_dim // 2, **gen) * 6.28
+        inputs.update(rotary_cos=angles.cos().to(case.dtype), rotary_sin=angles.sin().to(case.dtype),
+                      rotary_interleaved=True)
+    if case.alibi:
+        inputs["alibi_slopes"] = torch.rand(case.num_heads, **gen) * 0.5
+    q = torch.randn(case.batch, case.seqlen_q, case.num_heads, case.head_dim, **gen).to(case.dtype)
+    return q, k_cache, v_cache, inputs
+
+
 @dataclass
 class Outcome:
     """What one kernel call produced, with the inputs it was given (varlen: packed rows, and their sequences)."""
@@ -255,8 +339,11 @@ class Validator:
 
     # ---- calling the kernels ----------------------------------------------------------------------------------
 
-    def kernel_scale(self, case: Case) -> Optional[float]:
-        """The softmax_scale passed to the kernels: the case's (None = default) unless a fault is injected."""
+    def kernel_scale(self, case) -> Optional[float]:
+        """The softmax_scale passed to the kernels: the case's (None = default) unless a fault is injected.
+
+        `case` is a Case or a KVCase.
+        """
         if self.fault_factor == 1.0:
             return case.softmax_scale
         return (case.softmax_scale or case.head_dim ** -0.5) * self.fault_factor
@@ -323,7 +410,29 @@ class Validator:
                         continue  # qkvpacked has H == Hk by construction
                     label = f"{path.name} {variant} {_dtype_name(dtype)}"
                     checks.append(Check("api", label, lambda c=case, p=path, n=label: self.check_api(n, c, p)))
+            for path in KVCACHE_PATHS:
+                for variant, case in self.kvcache_variants(dtype).items():
+                    if path.page_size is not None and case.batch_idx_leftpad:
+                        continue  # flash_attn rejects cache_batch_idx and cache_leftpad with a paged cache
+                    case = replace(case, page_size=path.page_size)
+                    label = f"{path.name} {variant} {_dtype_name(dtype)}"
+                    checks.append(Check("api", label, lambda c=case, n=label: self.check_kvcache(n, c)))
         return checks
+
+    def kvcache_variants(self, dtype: torch.dtype) -> dict:
+        plan = self.plan
+        base = KVCase(plan.kv_batch, plan.kv_capacity, plan.heads, plan.heads, plan.api_head_dim, dtype)
+        chunk = replace(base, seqlen_q=5, seqlen_new=5, causal=True)
+        return {
+            "decode": base,
+            "chunk": chunk,
+            "rotary": replace(chunk, rotary_dim=32),
+            "batch_idx+leftpad": replace(base, seqlen_q=2, seqlen_new=2, causal=True, batch_idx_leftpad=True),
+            "alibi": replace(chunk, alibi=True),
+            "softcap": replace(base, seqlen_q=2, softcap=2.0),
+            "gqa": replace(base, num_heads=2 * plan.heads),
+            "num_splits 3 vs 1": replace(base, num_splits=(3, 1)),
+        }
 
     def varlen_batch(self, path: ApiPath) -> Optional[VarlenBatch]:
         """The plan's sequences for a varlen path (qkvpacked: the query lengths for keys too); None if dense."""
@@ -338,6 +447,49 @@ class Validator:
         if outcome.varlen is not None:
             failures += uncovered_row_failures(outcome)
         return summarize("api", label, self.tolerance_checks(outcome), failures)
+
+    def check_kvcache(self, label: str, case: KVCase) -> CheckResult:
+        """flash_attn_with_kvcache on fresh caches per num_splits value: out, lse and both caches after the append
+        against kvcache_reference; with several num_splits values, out and lse of each against the first's."""
+        q, k_cache, v_cache, inputs = make_kvcache_inputs(case, self.device)
+        options = dict(inputs, softmax_scale=case.softmax_scale, causal=case.causal, softcap=case.softcap)
+        ref_out, ref_lse, ref_k_cache, ref_v_cache = kvcache_reference(q, k_cache, v_cache, **options)
+        pt_out = kvcache_reference(q, k_cache, v_cache, **options, compute_dtype=None)[0]
+        factor = KVCACHE_ALIBI_OUT_FACTOR if case.alibi else KVCACHE_OUT_FACTOR
+        k_atol = ROTARY_K_CACHE_ATOL if case.rotary_dim else 0.0
+        kernel_options = dict(options, softmax_scale=self.kernel_scale(case), return_softmax_lse=True)
+        checks, failures, extra, results = [], [], [], {}
+        for splits in case.num_splits:
+            suffix = f" (num_splits={splits})" if len(case.num_splits) > 1 else ""
+            caches = (k_cache.clone(), v_cache.clone())
+            with poisoned_outputs():
+                out, lse = flash_attn_with_kvcache(q, *caches, **kernel_options, num_splits=splits)
+            results[splits] = out, lse
+            checks += [replace(check_error("out", out, ref_out, pt_out, factor=factor), name="out" + suffix),
+                       replace(check_lse(lse, ref_lse), name="lse" + suffix)]
+            for name, cache, ref_cache, atol in zip(("k_cache", "v_cache"), caches, (ref_k_cache, ref_v_cache),
+                                                    (k_atol, 0.0)):
+                error = float((cache.double() - ref_cache.double()).abs().nan_to_num(nan=float("inf")).max())
+                extra.append({"name": name + suffix, "max_error": error, "bound": atol, "ok": error <= atol})
+                if not error <= atol:
+                    failures.append(f"{name}{suffix} after the append differs from the reference by {error:.3e} "
+                                    f"(allowed {atol:g})")
+        first, *others = case.num_splits
+        for splits in others:
+            agreement = self.split_agreement(results[splits], results[first], f"num_splits={first} vs {splits}")
+            extra += agreement
+            failures += [f"{m['name']} disagree (max difference {m['max_error']:.3e}, bound {m['bound']:.1e})"
+                         for m in agreement if not m["ok"]]
+        return summarize("api", label, checks, failures, extra)
+
+    @staticmethod
+    def split_agreement(result: tuple, first: tuple, what: str) -> list[dict]:
+        """Measures of out (absolute) and lse (check_lse's rule) of one split count against another's."""
+        out_error = float((result[0].double() - first[0].double()).abs().nan_to_num(nan=float("inf")).max())
+        lse = check_lse(result[1], first[1])
+        return [{"name": f"out {what}", "max_error": out_error, "bound": SPLIT_AGREEMENT_ATOL,
+                 "ok": out_error <= SPLIT_AGREEMENT_ATOL},
+                {"name": f"lse {what}", "max_error": lse.max_error, "bound": lse.bound, "ok": lse.ok}]
 
     def accuracy_checks(self) -> list[Check]:
         plan, checks = self.plan, []

@@ -22,20 +22,26 @@ from flashtriton.kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 from flashtriton.kernels.fwd import attn_fwd_kernel
 
 KERNELS = {"fwd": attn_fwd_kernel, "dkdv": attn_bwd_dkdv_kernel, "dq": attn_bwd_dq_kernel}
-NONE_ARGS = {"AlibiSlopes", "CuSeqlensQ", "CuSeqlensK", "SeqUsedK", "LeftPadK", "BlockTable"}
-FLOAT_ARGS = {"qk_scale_log2", "softcap_in_scale", "softcap_out_log2", "softmax_scale"}
+NONE_ARGS = {"AlibiSlopes", "CuSeqlensQ", "CuSeqlensK", "SeqUsedK", "LeftPadK", "BlockTable", "CacheBatchIdx",
+             "q_desc", "k_desc", "v_desc", "o_desc"}
+FLOAT_ARGS = {"qk_scale_log2", "softcap_in_scale", "softcap_out_log2", "softmax_scale", "dropout_p", "dropout_scale"}
 
 
-def compile_kernel(kernel, head_dim, local, block_m, block_n, warps, stages, dtype="bf16"):
+def compile_kernel(kernel, head_dim, local, block_m, block_n, warps, stages, dtype="bf16", dropout=False):
     names = list(inspect.signature(kernel.fn).parameters)
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()), BLOCK_M=block_m,
                       BLOCK_N=block_n, IS_LOCAL=local, HAS_SOFTCAP=False, HAS_ALIBI=False, IS_VARLEN=False,
-                      IS_PAGED=False, HAS_SEQUSED_K=False, HAS_LEFTPAD_K=False, RESCALE_THRESHOLD=0.0)
+                      IS_PAGED=False, HAS_SEQUSED_K=False, HAS_LEFTPAD_K=False, HAS_BATCH_IDX=False, IS_SPLIT=False,
+                      HAS_DROPOUT=dropout, USE_TMA=False, FOLD_SCALE=not dropout, RESCALE_THRESHOLD=0.0)
     signature, attrs_16 = {}, []
     for index, name in enumerate(names):
         if name in constexprs or name in NONE_ARGS:
             signature[name] = "constexpr"
             constexprs.setdefault(name, None)
+        elif name == "RngState":
+            signature[name] = "*i64" if dropout else "constexpr"
+            if not dropout:
+                constexprs[name] = None
         elif name[0].isupper():
             signature[name] = "*fp32" if name in ("Lse", "Delta") else f"*{dtype}"
             attrs_16.append((index,))
@@ -58,10 +64,13 @@ def main():
     parser.add_argument("--local", action="store_true")
     parser.add_argument("--kernel", default="fwd", choices=list(KERNELS))
     parser.add_argument("--config", default="128,128,8,3")
+    parser.add_argument("--dropout", action="store_true")
     args = parser.parse_args()
     block_m, block_n, warps, stages = (int(x) for x in args.config.split(","))
-    compiled = compile_kernel(KERNELS[args.kernel], args.head_dim, args.local, block_m, block_n, warps, stages)
-    print(f"{args.kernel} d{args.head_dim} local={args.local} {args.config}: {resource_usage(compiled)} "
+    compiled = compile_kernel(KERNELS[args.kernel], args.head_dim, args.local, block_m, block_n, warps, stages,
+                              dropout=args.dropout)
+    print(f"{args.kernel} d{args.head_dim} local={args.local} dropout={args.dropout} {args.config}: "
+          f"{resource_usage(compiled)} "
           f"shared {compiled.metadata.shared} wgmma {compiled.asm['ptx'].count('wgmma.mma_async')}")
 
 

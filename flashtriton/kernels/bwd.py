@@ -9,8 +9,8 @@ P = 0). With softcap, dS is multiplied by 1 - tanh^2 before the scale (API.md §
 import triton
 import triton.language as tl
 
-from .common import (alibi_bias_log2, kv_block_range, q_block_range, row_offsets, scores_log2, sequence_bounds,
-                     tanh, to_int64, visibility_mask)
+from .common import (alibi_bias_log2, dropout_keep, kv_block_range, q_block_range, row_offsets, scores_log2,
+                     sequence_bounds, tanh, to_int64, visibility_mask)
 
 
 @triton.jit(do_not_specialize=["stride_delta_b", "stride_delta_h", "seqlen_q"])
@@ -50,9 +50,9 @@ def attn_bwd_preprocess_kernel(
 def _dkdv_q_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
                  offs_n, offs_d, m_block_lo, m_block_hi, seqlen_q, seqlen_k,
                  qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
-                 slope_log2, alibi_pure_causal,
+                 slope_log2, alibi_pure_causal, rng_state, stream, dropout_p, dropout_scale,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, IS_LOCAL: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """Accumulate query blocks [m_block_lo, m_block_hi) of one head into the key tile's (dk, dv)."""
     offs_row = tl.arange(0, BLOCK_M)
     d_in = offs_d < HEAD_DIM
@@ -78,9 +78,14 @@ def _dkdv_q_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm,
         if MASKED:
             visible = tl.trans(visibility_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, IS_LOCAL))
             p_t = tl.where(visible, p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv)
         # [BLOCK_N, BLOCK_M]
         dp_t = tl.dot(v, tl.trans(do))
+        if HAS_DROPOUT:
+            keep_t = dropout_keep(rng_state, stream, offs_m[None, :], offs_n[:, None], dropout_p)
+            dv = tl.dot((tl.where(keep_t, p_t, 0.0) * dropout_scale).to(do.dtype), do, dv)
+            dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv)
         ds_t = p_t * (dp_t - delta[None, :])
         if HAS_SOFTCAP:
             cap_t = tanh(qk_t * softcap_in_scale)
@@ -92,7 +97,7 @@ def _dkdv_q_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm,
 @triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "seqlen_q", "seqlen_k", "window_left",
                                "window_right"])
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV, AlibiSlopes, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, DOut, Lse, Delta, DK, DV, AlibiSlopes, CuSeqlensQ, CuSeqlensK, RngState,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -103,9 +108,10 @@ def attn_bwd_dkdv_kernel(
     stride_alibi_b,
     num_heads_k, group_size, seqlen_q, seqlen_k,
     softmax_scale, qk_scale_log2, softcap_in_scale, softcap_out_log2,
-    window_left, window_right, alibi_pure_causal,
+    window_left, window_right, alibi_pure_causal, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
 ):
     """One program per (key tile, batch * kv head); loops over the group's query heads and query tiles.
 
@@ -152,18 +158,18 @@ def attn_bwd_dkdv_kernel(
         dk, dv = _dkdv_q_loop(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, offs_n, offs_d,
             m_block_min, m_full_min, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
-            window_left, window_right, slope_log2, alibi_pure_causal,
-            HEAD_DIM, BLOCK_M, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+            window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch * num_heads_k * group_size + head,
+            dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
         dk, dv = _dkdv_q_loop(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, offs_n, offs_d,
             m_full_min, m_full_max, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
-            window_left, window_right, slope_log2, alibi_pure_causal,
-            HEAD_DIM, BLOCK_M, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+            window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch * num_heads_k * group_size + head,
+            dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
         dk, dv = _dkdv_q_loop(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, offs_n, offs_d,
             m_full_max, m_block_max, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
-            window_left, window_right, slope_log2, alibi_pure_causal,
-            HEAD_DIM, BLOCK_M, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+            window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch * num_heads_k * group_size + head,
+            dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
 
     dk = dk * softmax_scale
     tl.store(DK + batch64 * stride_dkb + rows_k * stride_dkn + head_k.to(tl.int64) * stride_dkh
@@ -176,9 +182,9 @@ def attn_bwd_dkdv_kernel(
 def _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn,
                 offs_m, offs_d, n_block_lo, n_block_hi, seqlen_q, seqlen_k,
                 qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
-                slope_log2, alibi_pure_causal,
+                slope_log2, alibi_pure_causal, rng_state, stream, dropout_p, dropout_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_LOCAL: tl.constexpr,
-                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """Accumulate key blocks [n_block_lo, n_block_hi) into the query tile's dq (unscaled)."""
     offs_col = tl.arange(0, BLOCK_N)
     d_in = offs_d < HEAD_DIM
@@ -200,6 +206,9 @@ def _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn
         if MASKED:
             p = tl.where(visibility_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, IS_LOCAL), p, 0.0)
         dp = tl.dot(do, v_t)
+        if HAS_DROPOUT:
+            keep = dropout_keep(rng_state, stream, offs_m[:, None], offs_n[None, :], dropout_p)
+            dp = tl.where(keep, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             cap = tanh(qk * softcap_in_scale)
@@ -211,7 +220,7 @@ def _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn
 @triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "seqlen_q", "seqlen_k", "window_left",
                                "window_right"])
 def attn_bwd_dq_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ, AlibiSlopes, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, DOut, Lse, Delta, DQ, AlibiSlopes, CuSeqlensQ, CuSeqlensK, RngState,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -221,9 +230,10 @@ def attn_bwd_dq_kernel(
     stride_alibi_b,
     num_heads, group_size, seqlen_q, seqlen_k,
     softmax_scale, qk_scale_log2, softcap_in_scale, softcap_out_log2,
-    window_left, window_right, alibi_pure_causal,
+    window_left, window_right, alibi_pure_causal, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
 ):
     """One program per (query tile, batch * head); loops over the visible key tiles."""
     m_block = tl.program_id(0)
@@ -265,16 +275,16 @@ def attn_bwd_dq_kernel(
         m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, IS_LOCAL)
     dq = _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d,
                      n_block_min, n_full_min, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
-                     window_left, window_right, slope_log2, alibi_pure_causal,
-                     HEAD_DIM, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+                     window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch_head, dropout_p,
+                     dropout_scale, HEAD_DIM, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
     dq = _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d,
                      n_full_min, n_full_max, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
-                     window_left, window_right, slope_log2, alibi_pure_causal,
-                     HEAD_DIM, BLOCK_N, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+                     window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch_head, dropout_p,
+                     dropout_scale, HEAD_DIM, BLOCK_N, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
     dq = _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d,
                      n_full_max, n_block_max, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
-                     window_left, window_right, slope_log2, alibi_pure_causal,
-                     HEAD_DIM, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+                     window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch_head, dropout_p,
+                     dropout_scale, HEAD_DIM, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
     dq = dq * softmax_scale
     tl.store(DQ + batch64 * stride_dqb + rows_q * stride_dqm + head64 * stride_dqh
              + offs_row[:, None] * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=q_mask)

@@ -168,3 +168,18 @@ def row_offsets(n_start, offs_col, seqlen_k, stride_row, block_table_row, page_s
         return page * stride_page + (offs_n % page_size) * stride_row
     else:
         return to_int64(n_start) * stride_row + offs_col * stride_row
+
+
+@triton.jit
+def dropout_keep(rng_state, stream, rows, cols, dropout_p):
+    """Bool keep mask (shape of rows + cols) of flash-attention dropout: Bernoulli(1 - dropout_p).
+
+    Counter-based (Philox): element (query row i, key j) of stream (batch * heads + head) draws
+    philox(seed, j, i, stream, offset) with (seed, offset) = rng_state[0:2], so the mask never depends
+    on tile sizes, launch order or splits. `rows` and `cols` broadcast against each other.
+    """
+    seed = tl.load(rng_state)
+    offset = (tl.load(rng_state + 1) & 0x7FFFFFFF).to(tl.int32)
+    zeros = tl.zeros_like(rows + cols)
+    bits, _, _, _ = tl.random.philox(seed, cols + zeros, rows + zeros, stream + zeros, offset + zeros)
+    return tl.random.uint_to_uniform_float(bits) >= dropout_p

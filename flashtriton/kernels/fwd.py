@@ -13,8 +13,8 @@ Variants (constexpr): USE_TMA loads Q/K/V and stores O through host-built 4-D te
 import triton
 import triton.language as tl
 
-from .common import (alibi_bias_log2, kv_block_range, row_offsets, scores_log2, sequence_bounds, split_block_range,
-                     to_int64, visibility_mask)
+from .common import (alibi_bias_log2, dropout_keep, kv_block_range, row_offsets, scores_log2, sequence_bounds,
+                     split_block_range, to_int64, visibility_mask)
 
 
 @triton.jit
@@ -22,10 +22,11 @@ def _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, batch, head_k
                  block_table_row, page_size, stride_kpage, stride_vpage,
                  offs_m, offs_d, n_block_lo, n_block_hi, seqlen_q, seqlen_k,
                  qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
-                 slope_log2, alibi_pure_causal,
+                 slope_log2, alibi_pure_causal, rng_state, stream, dropout_p,
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                  IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_PAGED: tl.constexpr,
-                 USE_TMA: tl.constexpr, FOLD_SCALE: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr):
+                 HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, FOLD_SCALE: tl.constexpr,
+                 RESCALE_THRESHOLD: tl.constexpr):
     """Accumulate key blocks [n_block_lo, n_block_hi) into (acc, l_i, m_i); MASKED applies the mask."""
     offs_col = tl.arange(0, BLOCK_N)
     d_in = offs_d < HEAD_DIM
@@ -70,7 +71,9 @@ def _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, batch, head_k
         else:
             acc = acc * alpha[:, None]
             l_i = l_i * alpha
-        l_i += tl.sum(p, 1)
+        l_i += tl.sum(p, 1)  # the softmax normalizer (and so the LSE) ignores dropout
+        if HAS_DROPOUT:
+            p = tl.where(dropout_keep(rng_state, stream, offs_m[:, None], offs_n[None, :], dropout_p), p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
     return acc, l_i, m_i
@@ -79,7 +82,7 @@ def _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, batch, head_k
 @triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "page_size", "seqlen_q", "seqlen_k", "window_left",
                                "window_right"])
 def attn_fwd_kernel(
-    Q, K, V, Out, Lse, AlibiSlopes, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, BlockTable, CacheBatchIdx,
+    Q, K, V, Out, Lse, AlibiSlopes, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, BlockTable, CacheBatchIdx, RngState,
     q_desc, k_desc, v_desc, o_desc,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -89,16 +92,18 @@ def attn_fwd_kernel(
     stride_alibi_b, stride_block_table_b, page_size, stride_kpage, stride_vpage, stride_o_split, stride_lse_split,
     num_heads, group_size, seqlen_q, seqlen_k,
     qk_scale_log2, softcap_in_scale, softcap_out_log2,
-    window_left, window_right, alibi_pure_causal,
+    window_left, window_right, alibi_pure_causal, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
     IS_PAGED: tl.constexpr, HAS_SEQUSED_K: tl.constexpr, HAS_LEFTPAD_K: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
-    IS_SPLIT: tl.constexpr, USE_TMA: tl.constexpr, FOLD_SCALE: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr,
+    IS_SPLIT: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, FOLD_SCALE: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr,
 ):
     """One program per (query tile, batch * head). Paged K/V (IS_PAGED) address keys through BlockTable;
     HAS_BATCH_IDX reads K/V from row CacheBatchIdx[batch] (the kv-cache's cache_batch_idx).
 
     Query tiles run in reverse order, so under a causal mask the longest rows start first.
+    HAS_DROPOUT drops P elements by dropout_keep (seeded from RngState) after the row sum, so the LSE
+    ignores dropout, and scales the output by dropout_scale = 1 / (1 - dropout_p).
     IS_SPLIT (split-KV, grid axis 2 = split): each split attends to its share of the visible key blocks and
     writes fp32 partial outputs and LSEs (-inf where it saw no key) for attn_combine_kernel to merge.
     """
@@ -165,24 +170,26 @@ def attn_fwd_kernel(
         acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_batch, head_k, stride_kn, stride_vn, block_table_row,
         page_size, stride_kpage, stride_vpage, offs_m, offs_d, n_block_min, n_full_min,
         seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
-        slope_log2, alibi_pure_causal, HEAD_DIM, BLOCK_N, BLOCK_D, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-        IS_PAGED, USE_TMA, FOLD_SCALE, RESCALE_THRESHOLD)
+        slope_log2, alibi_pure_causal, RngState, batch_head, dropout_p, HEAD_DIM, BLOCK_N, BLOCK_D, True, IS_LOCAL,
+        HAS_SOFTCAP, HAS_ALIBI, IS_PAGED, HAS_DROPOUT, USE_TMA, FOLD_SCALE, RESCALE_THRESHOLD)
     acc, l_i, m_i = _fwd_kv_loop(
         acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_batch, head_k, stride_kn, stride_vn, block_table_row,
         page_size, stride_kpage, stride_vpage, offs_m, offs_d, n_full_min, n_full_max,
         seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
-        slope_log2, alibi_pure_causal, HEAD_DIM, BLOCK_N, BLOCK_D, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-        IS_PAGED, USE_TMA, FOLD_SCALE, RESCALE_THRESHOLD)
+        slope_log2, alibi_pure_causal, RngState, batch_head, dropout_p, HEAD_DIM, BLOCK_N, BLOCK_D, False, IS_LOCAL,
+        HAS_SOFTCAP, HAS_ALIBI, IS_PAGED, HAS_DROPOUT, USE_TMA, FOLD_SCALE, RESCALE_THRESHOLD)
     acc, l_i, m_i = _fwd_kv_loop(
         acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_batch, head_k, stride_kn, stride_vn, block_table_row,
         page_size, stride_kpage, stride_vpage, offs_m, offs_d, n_full_max, n_block_max,
         seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
-        slope_log2, alibi_pure_causal, HEAD_DIM, BLOCK_N, BLOCK_D, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-        IS_PAGED, USE_TMA, FOLD_SCALE, RESCALE_THRESHOLD)
+        slope_log2, alibi_pure_causal, RngState, batch_head, dropout_p, HEAD_DIM, BLOCK_N, BLOCK_D, True, IS_LOCAL,
+        HAS_SOFTCAP, HAS_ALIBI, IS_PAGED, HAS_DROPOUT, USE_TMA, FOLD_SCALE, RESCALE_THRESHOLD)
 
     # rows that saw no key: out 0, lse +inf (API.md §4.5)
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if HAS_DROPOUT:
+        out = out * dropout_scale
     # rows that saw no key: +inf as flash_attn returns it, -inf inside a split so the combine weighs it 0
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf") if IS_SPLIT else float("inf"))

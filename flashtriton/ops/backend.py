@@ -21,14 +21,14 @@ from ..kernels.combine import attn_combine_kernel
 from ..kernels.fwd import attn_fwd_kernel
 from ..reference import (attention_reference, attention_reference_backward, attention_reference_varlen,
                          attention_reference_varlen_backward, is_pure_causal, normalize_window)
-from . import checks
+from . import checks, dropout
+from .launching import device_guard, triton_cdiv
 
 LOG2E = 1.4426950408889634
 
 # TRITON_INTERPRET is read when @triton.jit runs, so the kernel objects themselves say how they run.
 KERNELS_INTERPRETED = type(attn_fwd_kernel).__name__ == "InterpretedFunction"
 
-DROPOUT_ISSUE = "dropout_p > 0 is not implemented yet in flashtriton (tracked by the dropout issue, #8)"
 
 # Tests set this (flashtriton.testing.poisoned_outputs) so every output buffer starts as NaN/garbage
 # and an element a kernel forgot to write fails the comparison.
@@ -124,36 +124,17 @@ def _alibi_batch_stride(alibi_slopes: Optional[torch.Tensor]) -> int:
     return alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
 
 
-def device_guard(tensor: torch.Tensor):
-    return torch.cuda.device(tensor.device) if tensor.is_cuda else _NullContext()
-
-
-class _NullContext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _check_dropout(dropout_p: float) -> None:
-    if dropout_p > 0.0:
-        raise NotImplementedError(DROPOUT_ISSUE)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Forward
-# ----------------------------------------------------------------------------------------------------------------
-
 def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides: Tuple[int, int],
                seqlen_q: int, seqlen_k: int, batch: int, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
-               leftpad_k=None, block_table=None, cache_batch_idx=None, num_splits: int = 1) -> None:
+               leftpad_k=None, block_table=None, cache_batch_idx=None, num_splits: int = 1, dropout_p: float = 0.0,
+               rng_state=None) -> None:
     """Run the forward kernel into preallocated out (q's layout) and lse (fp32, rows contiguous).
 
     Dense: q/k/v (B, S, H, D). Varlen (cu_seqlens given): (T, H, D), seqlen_q/k are the max lengths.
     Paged (block_table given): k/v are (num_pages, page_size, Hk, D). cache_batch_idx maps q's batch rows
     to K/V rows; seqused_k / leftpad_k bound each row's keys. num_splits > 1 (dense layout only) splits
-    each row's keys, writes fp32 partials and merges them with the combine kernel.
+    each row's keys, writes fp32 partials and merges them with the combine kernel. dropout_p > 0 drops
+    attention probabilities with the Philox stream seeded by rng_state ((2,) int64: seed, offset).
     """
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k = k.shape[-2]
@@ -186,16 +167,16 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     with device_guard(q):
         attn_fwd_kernel[grid](
             q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table,
-            cache_batch_idx, *descriptors,
+            cache_batch_idx, rng_state, *descriptors,
             *q_strides(q), *kv_strides(k), *kv_strides(v), *q_strides(out[0] if is_split else out),
             *lse_strides, _alibi_batch_stride(alibi_slopes), *page_args, *split_strides,
             num_heads, num_heads // num_heads_k, seqlen_q, seqlen_k,
-            *params.kernel_args(),
+            *params.kernel_args(), dropout_p, 1.0 / (1.0 - dropout_p),
             HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             IS_LOCAL=params.is_local, HAS_SOFTCAP=params.softcap > 0.0, HAS_ALIBI=alibi_slopes is not None,
             IS_VARLEN=is_varlen, IS_PAGED=is_paged, HAS_SEQUSED_K=seqused_k is not None,
             HAS_LEFTPAD_K=leftpad_k is not None, HAS_BATCH_IDX=cache_batch_idx is not None, IS_SPLIT=is_split,
-            USE_TMA=use_tma,
+            HAS_DROPOUT=dropout_p > 0.0, USE_TMA=use_tma,
             FOLD_SCALE=params.softcap <= 0.0 and alibi_slopes is None and params.softmax_scale > 0.0,
             RESCALE_THRESHOLD=config.rescale_threshold,
             num_warps=config.num_warps, num_stages=config.num_stages,
@@ -213,16 +194,11 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
             )
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
-
-
 def check_fwd(q, k, v, dropout_p: float, softcap: float, alibi_slopes, return_softmax: bool) -> None:
     """Every check of the dense forward (API.md §6); also run by the fake implementation."""
     checks.check_dense_qkv(q, k, v)
     checks.check_options(dropout_p, softcap, alibi_slopes, q.shape[0], q.shape[2], q)
     checks.check(not return_softmax or dropout_p > 0.0, "return_softmax is only supported when p_dropout > 0.0")
-    _check_dropout(dropout_p)
 
 
 def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
@@ -232,18 +208,30 @@ def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, windo
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     q, k, v = (t if checks.has_contiguous_last_dim(t) else t.contiguous() for t in (q, k, v))
-    rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
+    window = (window_size_left, window_size_right)
+    use_kernels = runs_triton(q)
+    rng_state = dropout.new_rng_state(q.device) if dropout_p > 0.0 else torch.zeros(2, dtype=torch.int64,
+                                                                                   device=q.device)
+    keep = None
+    if dropout_p > 0.0 and (return_softmax or not use_kernels):
+        keep = dropout.keep_mask(rng_state, batch, num_heads, round_multiple(seqlen_q, 128),
+                                 round_multiple(seqlen_k, 128), dropout_p, use_kernels)
     s_dmask = torch.empty(0, dtype=q.dtype, device=q.device)
+    if return_softmax:
+        s_dmask = dropout.dense_s_dmask(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, keep,
+                                        (batch, num_heads, round_multiple(seqlen_q, 128), round_multiple(seqlen_k, 128)))
 
-    if not runs_triton(q):
-        out, lse = attention_reference(q, k, v, softmax_scale, causal, (window_size_left, window_size_right),
-                                       softcap, alibi_slopes, compute_dtype=torch.float32)
+    if not use_kernels:
+        dropout_mask = None if keep is None else keep[:, :, :seqlen_q, :seqlen_k]
+        out, lse = attention_reference(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
+                                       dropout_mask, compute_dtype=torch.float32)
         return out, lse, s_dmask, rng_state
 
     params = score_params(softmax_scale, causal, window_size_left, window_size_right, softcap, seqlen_k)
     out = new_empty((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
     lse = new_empty((batch, num_heads, seqlen_q), torch.float32, q.device)
-    launch_fwd(q, k, v, out, lse, params, alibi_slopes, (lse.stride(0), lse.stride(1)), seqlen_q, seqlen_k, batch)
+    launch_fwd(q, k, v, out, lse, params, alibi_slopes, (lse.stride(0), lse.stride(1)), seqlen_q, seqlen_k, batch,
+               dropout_p=dropout_p, rng_state=rng_state)
     return out, lse, s_dmask, rng_state
 
 
@@ -253,7 +241,7 @@ def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, windo
 
 def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, alibi_slopes,
                lse_strides: Tuple[int, int], seqlen_q: int, seqlen_k: int, batch: int,
-               cu_seqlens_q=None, cu_seqlens_k=None) -> None:
+               cu_seqlens_q=None, cu_seqlens_k=None, dropout_p: float = 0.0, rng_state=None) -> None:
     """Run preprocess, dK/dV and dQ into preallocated dq/dk/dv (any strides, last dim contiguous).
 
     delta has lse's layout (lse_strides) and receives rowsum(dout * out).
@@ -266,7 +254,8 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
     seq_strides = _varlen_strides if is_varlen else _bsh_strides
     block_dim = configs.block_d(head_dim)
     flags = dict(IS_LOCAL=params.is_local, HAS_SOFTCAP=params.softcap > 0.0, HAS_ALIBI=alibi_slopes is not None,
-                 IS_VARLEN=is_varlen)
+                 IS_VARLEN=is_varlen, HAS_DROPOUT=dropout_p > 0.0)
+    dropout_args = (dropout_p, 1.0 / (1.0 - dropout_p))
     score_args = params.kernel_args()
     alibi_stride = _alibi_batch_stride(alibi_slopes)
     with device_guard(q):
@@ -280,20 +269,20 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
         if seqlen_k > 0:
             dkdv_grid = (triton_cdiv(seqlen_k, config.dkdv.block_n), batch * num_heads_k)
             attn_bwd_dkdv_kernel[dkdv_grid](
-                q, k, v, dout, lse, delta, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                q, k, v, dout, lse, delta, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
                 *seq_strides(q), *seq_strides(k), *seq_strides(v), *seq_strides(dout), *lse_strides,
                 *seq_strides(dk), *seq_strides(dv), alibi_stride,
-                num_heads_k, group_size, seqlen_q, seqlen_k, params.softmax_scale, *score_args,
+                num_heads_k, group_size, seqlen_q, seqlen_k, params.softmax_scale, *score_args, *dropout_args,
                 HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.dkdv.block_m, BLOCK_N=config.dkdv.block_n,
                 **flags, num_warps=config.dkdv.num_warps, num_stages=config.dkdv.num_stages,
             )
         if seqlen_q > 0:
             dq_grid = (triton_cdiv(seqlen_q, config.dq.block_m), batch * num_heads)
             attn_bwd_dq_kernel[dq_grid](
-                q, k, v, dout, lse, delta, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                q, k, v, dout, lse, delta, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
                 *seq_strides(q), *seq_strides(k), *seq_strides(v), *seq_strides(dout), *lse_strides,
                 *seq_strides(dq), alibi_stride,
-                num_heads, group_size, seqlen_q, seqlen_k, params.softmax_scale, *score_args,
+                num_heads, group_size, seqlen_q, seqlen_k, params.softmax_scale, *score_args, *dropout_args,
                 HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.dq.block_m, BLOCK_N=config.dq.block_n, **flags,
                 num_warps=config.dq.num_warps, num_stages=config.dq.num_stages,
             )
@@ -316,7 +305,6 @@ def check_bwd(dout, q, k, v, out, dq, dk, dv, dropout_p: float, softcap: float, 
     checks.check_dense_qkv(q, k, v, direction="backward")
     _check_bwd_outputs(dout, q, out, dq, dk, dv, k, v)
     checks.check_options(dropout_p, softcap, alibi_slopes, q.shape[0], q.shape[2], q)
-    _check_dropout(dropout_p)
 
 
 def mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softmax_scale: float, causal: bool,
@@ -327,13 +315,19 @@ def mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softm
     The kernels never use atomics, so the result is bitwise reproducible whatever `deterministic` says.
     """
     check_bwd(dout, q, k, v, out, dq, dk, dv, dropout_p, softcap, alibi_slopes)
+    dropout.require_rng_state(rng_state, dropout_p)
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     softmax_d = torch.zeros(batch, num_heads, round_multiple(seqlen_q, 128), dtype=torch.float32, device=q.device)
 
     if not runs_triton(q):
+        keep = None
+        if dropout_p > 0.0:
+            keep = dropout.keep_mask(rng_state, batch, num_heads, round_multiple(seqlen_q, 128),
+                                     round_multiple(seqlen_k, 128), dropout_p, False)[:, :, :seqlen_q, :seqlen_k]
         grads = attention_reference_backward(dout, q, k, v, softmax_scale, causal,
-                                             (window_size_left, window_size_right), softcap, alibi_slopes)
+                                             (window_size_left, window_size_right), softcap, alibi_slopes,
+                                             dropout_p, keep)
         for target, grad in zip((dq, dk, dv), grads):
             target.copy_(grad)
         softmax_d[:, :, :seqlen_q] = (dout.float() * out.float()).sum(-1).transpose(1, 2)
@@ -343,7 +337,7 @@ def mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softm
     lse = softmax_lse.contiguous()
     delta = empty_like(lse)
     launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params, alibi_slopes,
-               (lse.stride(0), lse.stride(1)), seqlen_q, seqlen_k, batch)
+               (lse.stride(0), lse.stride(1)), seqlen_q, seqlen_k, batch, dropout_p=dropout_p, rng_state=rng_state)
     softmax_d[:, :, :seqlen_q] = delta
     return softmax_d
 
@@ -429,7 +423,6 @@ def check_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p: float, soft
     checks.check(block_table is None or num_splits <= 1, "num_splits > 1 is not supported for varlen paged KV")
     _optional_int32("leftpad_k", leftpad_k, batch, q)
     _optional_int32("seqused_k", seqused_k, batch, q)
-    _check_dropout(dropout_p)
     return batch
 
 
@@ -447,27 +440,38 @@ def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     total_q, num_heads, head_dim = q.shape
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     q, k, v = (t if checks.has_contiguous_last_dim(t) else t.contiguous() for t in (q, k, v))
-    rng_state = torch.zeros(2, dtype=torch.int64, device=q.device)
+    window = (window_size_left, window_size_right)
+    use_kernels = runs_triton(q)
+    rng_state = dropout.new_rng_state(q.device) if dropout_p > 0.0 else torch.zeros(2, dtype=torch.int64,
+                                                                                   device=q.device)
+    mask_shape = (batch, num_heads, round_multiple(max_seqlen_q, 128), round_multiple(max_seqlen_k, 128))
+    keep = None
+    if dropout_p > 0.0 and (return_softmax or not use_kernels):
+        keep = dropout.keep_mask(rng_state, *mask_shape, dropout_p, use_kernels)
     s_dmask = torch.empty(0, dtype=q.dtype, device=q.device)
+    if return_softmax:
+        s_dmask = dropout.varlen_s_dmask(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, causal,
+                                         window, softcap, alibi_slopes, keep, mask_shape)
 
-    if not runs_triton(q):
+    if not use_kernels:
         out, lse = _reference_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, causal,
-                                         (window_size_left, window_size_right), softcap, alibi_slopes, block_table,
-                                         leftpad_k, seqused_k)
+                                         window, softcap, alibi_slopes, block_table, leftpad_k, seqused_k,
+                                         dropout_p, keep)
         return out, lse, s_dmask, rng_state
 
     params = score_params(softmax_scale, causal, window_size_left, window_size_right, softcap, max_seqlen_k)
     out = new_empty((total_q, num_heads, head_dim), q.dtype, q.device)
     lse = new_empty((num_heads, total_q), torch.float32, q.device)
     launch_fwd(q, k, v, out, lse, params, alibi_slopes, (0, lse.stride(0)), max_seqlen_q, max_seqlen_k, batch,
-               cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table)
+               cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table, dropout_p=dropout_p,
+               rng_state=rng_state)
     _zero_uncovered_rows(out, cu_seqlens_q)
     _zero_uncovered_rows(lse, cu_seqlens_q, float("-inf") if zero_tensors else float("inf"), dim=1)
     return out, lse, s_dmask, rng_state
 
 
 def _reference_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, causal, window, softcap,
-                          alibi_slopes, block_table, leftpad_k, seqused_k, compute_dtype=torch.float32):
+                          alibi_slopes, block_table, leftpad_k, seqused_k, dropout_p, keep):
     """The CPU path of the varlen forward: per-sequence reference (host loop; CPU tensors only)."""
     cu_k = cu_seqlens_k
     if block_table is not None:
@@ -479,7 +483,8 @@ def _reference_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, sof
         k, v = k[index], v[index]
         cu_k = torch.nn.functional.pad((ends - starts).cumsum(0), (1, 0)).to(torch.int32)
     return attention_reference_varlen(q, k, v, cu_seqlens_q, cu_k, max_seqlen_k, softmax_scale, causal, window,
-                                      softcap, alibi_slopes, compute_dtype=compute_dtype)
+                                      softcap, alibi_slopes, dropout_p=dropout_p, dropout_mask=keep,
+                                      compute_dtype=torch.float32)
 
 
 def check_varlen_bwd(dout, q, k, v, out, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, dropout_p: float, softcap: float,
@@ -488,7 +493,6 @@ def check_varlen_bwd(dout, q, k, v, out, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
     batch = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, None, direction="backward")
     _check_bwd_outputs(dout, q, out, dq, dk, dv, k, v)
     checks.check_options(dropout_p, softcap, alibi_slopes, batch, q.shape[1], q)
-    _check_dropout(dropout_p)
     return batch
 
 
@@ -502,14 +506,19 @@ def mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu
     """
     batch = check_varlen_bwd(dout, q, k, v, out, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap,
                              alibi_slopes)
+    dropout.require_rng_state(rng_state, dropout_p)
     total_q, num_heads, _ = q.shape
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     softmax_d = torch.zeros(num_heads, total_q + 128 * batch, dtype=torch.float32, device=q.device)
 
     if not runs_triton(q):
+        keep = None
+        if dropout_p > 0.0:
+            keep = dropout.keep_mask(rng_state, batch, num_heads, round_multiple(max_seqlen_q, 128),
+                                     round_multiple(max_seqlen_k, 128), dropout_p, False)
         grads = attention_reference_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
                                                     softmax_scale, causal, (window_size_left, window_size_right),
-                                                    softcap, alibi_slopes)
+                                                    softcap, alibi_slopes, dropout_p=dropout_p, dropout_mask=keep)
         for target, grad in zip((dq, dk, dv), grads):
             target.copy_(grad)
         softmax_d[:, :total_q] = (dout.float() * out.float()).sum(-1).t()
@@ -519,7 +528,7 @@ def mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu
     lse = softmax_lse.contiguous()
     delta = empty_like(lse)
     launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params, alibi_slopes, (0, lse.stride(0)),
-               max_seqlen_q, max_seqlen_k, batch, cu_seqlens_q, cu_seqlens_k)
+               max_seqlen_q, max_seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, dropout_p=dropout_p, rng_state=rng_state)
     for grad, cu in ((dq, cu_seqlens_q), (dk, cu_seqlens_k), (dv, cu_seqlens_k)):
         _zero_uncovered_rows(grad, cu)
     softmax_d[:, :total_q] = delta

@@ -15,7 +15,8 @@ from .. import configs
 from ..kernels.append import kv_append_kernel
 from ..reference import kvcache_reference
 from . import checks
-from .backend import device_guard, launch_fwd, new_empty, runs_triton, score_params, triton_cdiv
+from .backend import launch_fwd, new_empty, runs_triton, score_params
+from .launching import device_guard, triton_cdiv
 
 APPEND_BLOCK = 32
 

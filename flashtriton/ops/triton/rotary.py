@@ -14,7 +14,8 @@ import torch
 import triton
 
 from ...kernels.rotary import rotary_kernel
-from ..backend import device_guard, new_empty
+from ..backend import new_empty
+from ..launching import device_guard
 
 # TRITON_INTERPRET is read when @triton.jit runs, so the kernel object says how it runs.
 KERNELS_INTERPRETED = type(rotary_kernel).__name__ == "InterpretedFunction"

@@ -1,0 +1,126 @@
+"""Dropout (API.md §4.7): Bernoulli keep mask from torch's RNG, read back through S_dmask and checked exactly."""
+
+import pytest
+import torch
+
+import flashtriton
+from flashtriton.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
+from flashtriton.reference import attention_reference, attention_reference_varlen
+from flashtriton.testing import check_error, check_lse, poisoned_outputs
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_qkv(batch=2, seqlen_q=70, seqlen_k=90, heads=4, heads_k=2, dim=32, dtype=torch.float16):
+    shape_q, shape_k = (batch, seqlen_q, heads, dim), (batch, seqlen_k, heads_k, dim)
+    return tuple(torch.randn(s, device=DEVICE).to(dtype).requires_grad_() for s in (shape_q, shape_k, shape_k))
+
+
+def keep_mask_of(s_dmask, seqlen_q, seqlen_k):
+    """The keep mask S_dmask encodes: non-negative means kept (sign-bit encoding of API.md §4.7)."""
+    return ~torch.signbit(s_dmask[:, :, :seqlen_q, :seqlen_k])
+
+
+@pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(window_size=(20, 5), alibi=True)],
+                         ids=["full", "causal", "local-alibi"])
+def test_output_and_gradients_match_reference_with_the_kernels_mask(options):
+    options = dict(options)
+    q, k, v = make_qkv()
+    slopes = torch.rand(4, device=DEVICE) * 0.3 if options.pop("alibi", False) else None
+    p = 0.17
+    with poisoned_outputs():
+        out, lse, s_dmask = flashtriton.flash_attn_func(q, k, v, p, alibi_slopes=slopes, return_attn_probs=True,
+                                                        **options)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert s_dmask.shape == (2, 4, 128, 128) and s_dmask.dtype == q.dtype
+    keep = keep_mask_of(s_dmask, 70, 90)
+    inputs64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    inputs_pt = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref_args = (None, options.get("causal", False), options.get("window_size", (-1, -1)), 0.0, slopes, p, keep)
+    with torch.enable_grad():
+        ref_out, ref_lse = attention_reference(*inputs64, *ref_args)
+        pt_out, _ = attention_reference(*inputs_pt, *ref_args, compute_dtype=None)
+    checks = [check_error("out", out, ref_out, pt_out), check_lse(lse, ref_lse)]
+    ref_grads = torch.autograd.grad(ref_out, inputs64, dout.double())
+    pt_grads = torch.autograd.grad(pt_out, inputs_pt, dout)
+    for name, g, rg, pg in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads):
+        checks.append(check_error(name, g, rg, pg, factor=3.0, atol=1e-4))
+    failed = [str(c) for c in checks if not c.ok]
+    assert not failed, "; ".join(failed)
+
+
+def test_drop_rate_lse_and_s_dmask_contents():
+    q, k, v = make_qkv(batch=2, seqlen_q=128, seqlen_k=128, heads=4, heads_k=4)
+    p = 0.3
+    out, lse, s_dmask = flashtriton.flash_attn_func(q, k, v, p, causal=True, return_attn_probs=True)
+    _, lse_no_dropout, _ = flashtriton.flash_attn_func(q, k, v, 0.0, causal=True, return_attn_probs=True)
+    assert torch.equal(lse, lse_no_dropout), "the LSE does not depend on dropout"
+    visible = torch.ones(128, 128, dtype=torch.bool, device=DEVICE).tril()
+    kept = keep_mask_of(s_dmask, 128, 128)
+    rate = 1.0 - kept[..., visible].float().mean().item()
+    assert abs(rate - p) < 0.01
+    assert torch.all(s_dmask[..., ~visible] == 0) and not torch.signbit(s_dmask[..., ~visible]).any()
+    probs = s_dmask.abs().float()
+    torch.testing.assert_close(probs.sum(-1), torch.ones_like(probs.sum(-1)), rtol=0, atol=2e-2)
+
+
+def test_manual_seed_reproduces_and_calls_differ():
+    q, k, v = make_qkv()
+    torch.manual_seed(1234)
+    first = flashtriton.flash_attn_func(q, k, v, 0.25, return_attn_probs=True)
+    second = flashtriton.flash_attn_func(q, k, v, 0.25, return_attn_probs=True)
+    torch.manual_seed(1234)
+    again = flashtriton.flash_attn_func(q, k, v, 0.25, return_attn_probs=True)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    assert not torch.equal(first[2], second[2]), "two calls must draw different masks"
+
+
+def test_backward_is_deterministic_and_uses_the_forward_mask():
+    q, k, v = make_qkv()
+    out = flashtriton.flash_attn_func(q, k, v, 0.2, causal=True, deterministic=True)
+    dout = torch.randn_like(out)
+    grads = [torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) for _ in range(3)]
+    for other in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], other))
+
+
+def test_dense_and_varlen_draw_the_same_mask():
+    q, k, v = make_qkv(batch=3, seqlen_q=50, seqlen_k=50, heads=2, heads_k=2)
+    cu = torch.arange(0, 151, 50, dtype=torch.int32, device=DEVICE)
+    torch.manual_seed(7)
+    dense, _, dense_mask = flashtriton.flash_attn_func(q, k, v, 0.3, causal=True, return_attn_probs=True)
+    torch.manual_seed(7)
+    varlen, _, varlen_mask = flashtriton.flash_attn_varlen_func(
+        q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, 50, 50, 0.3, causal=True, return_attn_probs=True)
+    assert torch.equal(varlen, dense.flatten(0, 1))
+    assert torch.equal(varlen_mask, dense_mask)
+
+
+def test_varlen_matches_reference_with_the_kernels_mask():
+    lens_q, lens_k = [30, 0, 45], [20, 10, 60]
+    cu_q = torch.tensor([0, 30, 30, 75], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 20, 30, 90], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(75, 2, 32, device=DEVICE).half()
+    k, v = torch.randn(90, 2, 32, device=DEVICE).half(), torch.randn(90, 2, 32, device=DEVICE).half()
+    out, _, s_dmask = flashtriton.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), 0.2,
+                                                         causal=True, return_attn_probs=True)
+    keep = keep_mask_of(s_dmask, max(lens_q), max(lens_k))
+    ref, _ = attention_reference_varlen(q, k, v, cu_q.cpu(), cu_k.cpu(), max(lens_k), causal=True, dropout_p=0.2,
+                                        dropout_mask=keep)
+    pt, _ = attention_reference_varlen(q, k, v, cu_q.cpu(), cu_k.cpu(), max(lens_k), causal=True, dropout_p=0.2,
+                                       dropout_mask=keep, compute_dtype=None)
+    check = check_error("out", out, ref, pt)
+    assert check.ok, str(check)
+
+
+def test_backward_without_rng_state_raises():
+    q, k, v = make_qkv()
+    out, lse, _, _ = _flash_attn_forward(
+        q.detach(), k.detach(), v.detach(), 0.1, 0.2, False, -1, -1, 0.0, None, False)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    with pytest.raises(RuntimeError, match="rng_state"):
+        _flash_attn_backward(
+            torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, dq, dk, dv, 0.1, 0.2, False, -1, -1,
+            0.0, None, False, None)
