@@ -23,6 +23,14 @@ needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the
 DENSE_PATHS = ("flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func")
 VARLEN_PATHS = ("flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
                 "flash_attn_varlen_func paged48", "flash_attn_varlen_func paged16")
+KVCACHE_PATHS = ("flash_attn_with_kvcache", "flash_attn_with_kvcache paged48")
+KVCACHE_VARIANTS = ("decode", "chunk", "rotary", "batch_idx+leftpad", "alibi", "softcap", "gqa", "num_splits 3 vs 1")
+
+
+def kvcache_cases():
+    """(path, variant) of every flash_attn_with_kvcache check; cache_batch_idx/cache_leftpad only contiguous."""
+    return [(path, variant) for path in KVCACHE_PATHS for variant in KVCACHE_VARIANTS
+            if not ("paged" in path and variant == "batch_idx+leftpad")]
 
 
 def _command(*args):
@@ -91,6 +99,22 @@ def test_validate_report_checks_varlen_paths(validate_runs):
     assert any(case.startswith("varlen = dense") for case in edge_cases), edge_cases
 
 
+def test_validate_report_checks_kvcache_paths(validate_runs):
+    """flash_attn_with_kvcache, contiguous and paged: out and lse against the reference, both caches after the
+    append, and with num_splits 3 and 1 each of those plus their agreement."""
+    payload = json.loads((validate_runs["report_dir"] / "validate.json").read_text())
+    measured = {r["case"]: {m["name"] for m in r["measures"]} for r in payload["results"] if r["section"] == "api"}
+    for path, variant in kvcache_cases():
+        cases = [case for case in measured if case.startswith(f"{path} {variant} ")]
+        assert len(cases) == 1, (path, variant, cases)
+        if variant.startswith("num_splits"):
+            expected = {f"{name} (num_splits={splits})" for name in ("out", "lse", "k_cache", "v_cache")
+                        for splits in (3, 1)} | {"out num_splits=3 vs 1", "lse num_splits=3 vs 1"}
+        else:
+            expected = {"out", "lse", "k_cache", "v_cache"}
+        assert measured[cases[0]] == expected, (cases[0], measured[cases[0]])
+
+
 def test_validate_inject_fault_fails_after_reexec(validate_runs):
     run = validate_runs["fault"]
     assert run.returncode == 1, run.stdout + run.stderr
@@ -99,6 +123,8 @@ def test_validate_inject_fault_fails_after_reexec(validate_runs):
     assert "FAILED" in run.stdout and "FAIL accuracy" in run.stdout
     for path in VARLEN_PATHS:
         assert f"FAIL api / {path} base" in run.stdout, path
+    for path, variant in kvcache_cases():
+        assert f"FAIL api / {path} {variant} " in run.stdout, (path, variant)
 
 
 def test_inject_fault_is_hidden_from_help(capsys):
@@ -116,11 +142,12 @@ def test_env_mentions_versions():
     assert "triton" in run.stdout and "Triton cache dir" in run.stdout and "CPU:" in run.stdout
 
 
-def test_env_json_lists_library_gaps(capsys):
+def test_env_json_has_no_library_gaps(capsys):
+    """Dropout, varlen and the KV cache are all implemented: env lists no gap."""
     assert cli.main(["env", "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)
     assert payload["versions"]["torch"] == torch.__version__
-    assert "dropout" in payload["library_gaps"]
+    assert payload["library_gaps"] == {}
 
 
 @needs_no_cuda

@@ -1,8 +1,8 @@
 """flash_attn_with_kvcache's backend (API.md §5): validate, rotate, append into the cache, attend.
 
 The attention itself runs the prefill forward kernel with per-row key bounds (seqused_k / leftpad_k),
-cache_batch_idx and paged addressing. Split-KV is not implemented yet: num_splits is validated and
-otherwise has no effect (it only ever affects speed).
+cache_batch_idx and paged addressing. Split-KV: each row's keys are cut into num_splits parts (the heuristic
+picks the count when num_splits <= 0) whose partial results the combine kernel merges by LSE.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
         checks.check_shape(k, "k", names, (batch, k.shape[1], num_heads_k, head_dim))
         checks.check_shape(v, "v", names, k.shape)
     if isinstance(cache_seqlens, torch.Tensor):
-        checks.check(cache_seqlens.dtype in (torch.int32, torch.int64), "seqlens_k must have dtype int32")
+        checks.check(cache_seqlens.dtype in (torch.int32, torch.int64),
+                     "seqlens_k must have dtype int32 (int64 is converted)")
         checks.check(tuple(cache_seqlens.shape) == (batch,), "seqlens_k must have shape (batch_size)")
         checks.check(cache_seqlens.is_contiguous(), "seqlens_k must be contiguous")
     for name, tensor, message in (("cache_leftpad", cache_leftpad, "leftpad_k must have dtype int32"),
@@ -180,15 +181,20 @@ def mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     lse = new_empty((batch, num_heads, seqlen_q), torch.float32, q.device)
     launch_fwd(q, k_cache, v_cache, out, lse, params, alibi_slopes, (lse.stride(0), lse.stride(1)), seqlen_q,
                capacity, batch, seqused_k=seqused, leftpad_k=leftpad, block_table=block_table,
-               cache_batch_idx=cache_batch_idx, num_splits=splits_for(q, seqlen_q, capacity, num_splits))
+               cache_batch_idx=cache_batch_idx,
+               num_splits=splits_for(q, seqlen_q, capacity, num_splits, params.window_right == 0))
     return out, lse
 
 
-def splits_for(q: torch.Tensor, seqlen_q: int, capacity: int, num_splits: int) -> int:
-    """The caller's num_splits, or the heuristic's choice for <= 0 (from shapes only: no host sync)."""
+def splits_for(q: torch.Tensor, seqlen_q: int, capacity: int, num_splits: int, causal_like: bool = False) -> int:
+    """The caller's num_splits, or the heuristic's choice for <= 0 (from shapes only: no host sync).
+
+    causal_like must be what launch_fwd keys its tile config on (window_right == 0), so the key-block
+    count matches the launch.
+    """
     if num_splits > 0:
         return min(num_splits, 128)
-    config = configs.fwd_config(configs.arch_class(q.device), q.shape[-1], False, seqlen_q)
+    config = configs.fwd_config(configs.arch_class(q.device), q.shape[-1], causal_like, seqlen_q)
     programs = triton_cdiv(seqlen_q, config.block_m) * q.shape[0] * q.shape[2]
     return configs.num_splits_heuristic(programs, triton_cdiv(capacity, config.block_n),
                                         configs.multiprocessor_count(q.device))
