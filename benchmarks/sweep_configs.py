@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtriton
 from flashtriton import configs
-from flashtriton.configs import BwdConfig, FwdConfig, TileConfig
+from flashtriton.configs import FwdConfig, TileConfig
 
 SHAPES = [(16, 1024, 16, 128), (4, 4096, 16, 128), (1, 16384, 16, 128), (4, 4096, 32, 64), (4, 4096, 8, 256)]
 

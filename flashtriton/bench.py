@@ -206,7 +206,6 @@ def timed_callable(provider: str, mode: str, causal: bool, q, k, v) -> Callable:
     dout = torch.randn_like(out)
     if mode == "bwd":
         return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-    del out
     return lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), dout)
 
 

@@ -9,7 +9,6 @@ Where kernels run:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
