@@ -2,12 +2,13 @@
 
 Sections: every public API path with every feature (tolerance rule + NaN/Inf), a forward accuracy sweep
 (relative L_inf, cosine and the tolerance rule), backward gradients (tolerance rule with factor 3), edge probes
-and, on CUDA, a latency table. The API paths include the varlen functions (packed, and the paged K/V form of
-flash_attn_varlen_func, forward only) on mixed lengths with a 0- and a 1-length sequence, max_seqlen upper bounds
+(including dropout: the keep mask read back from S_dmask, out and gradients against the reference with that
+mask, the drop rate) and, on CUDA, a latency table. The API paths include the varlen functions (packed, and
+the paged K/V form of flash_attn_varlen_func, forward only) on mixed lengths with a 0- and a 1-length sequence, max_seqlen upper bounds
 and uncovered rows after the last sequence; they are checked against the float64 varlen reference. An edge probe
 checks that varlen on equal lengths is bitwise the dense result. flash_attn_with_kvcache is checked on a contiguous
 and a paged cache (page size 48) against the float64 kvcache reference: out, lse, and the caches after the append
-(bit-exact; within 1e-3 for rotated keys), with num_splits 3 and 1 agreeing.
+(bit-exact; rotated keys within 1e-3 or one ulp), with num_splits 3 and 1 agreeing.
 
 On CPU the kernels run through Triton's interpreter: the command re-executes itself with TRITON_INTERPRET=1 when
 needed. bf16 is then left out: Triton 3.6-3.9's interpreter computes a bf16 tl.dot as an integer matmul on
@@ -61,6 +62,7 @@ KVCACHE_PAGE_SIZE = 48
 KVCACHE_OUT_FACTOR = 3.0
 KVCACHE_ALIBI_OUT_FACTOR = 5.0
 ROTARY_K_CACHE_ATOL = 1e-3
+DROPOUT_P = 0.17
 
 
 def rotated_key_tolerance(ref_k_cache: torch.Tensor) -> float:
@@ -560,8 +562,36 @@ class Validator:
             "determinism": lambda: self.check_determinism(replace(base, causal=True, num_heads=2 * base.num_heads)),
             "varlen = dense": lambda: self.check_varlen_equals_dense(
                 replace(base, batch=3, causal=True, alibi=True, num_heads=2 * base.num_heads)),
+            "dropout": lambda: self.check_dropout(replace(base, causal=True, num_heads=2 * base.num_heads)),
         }
         return [Check("edge", name, run) for name, run in probes.items()]
+
+    def check_dropout(self, case: Case) -> CheckResult:
+        """flash_attn_func with dropout: the keep mask read back from S_dmask, out and gradients against the
+        reference with that mask (tolerance rule), the drop rate within 0.02 of p, LSE independent of dropout."""
+        q, k, v, _ = make_case_inputs(case, self.device, requires_grad=True)
+        scale = self.kernel_scale(case)
+        with poisoned_outputs():
+            out, lse, s_dmask = flash_attn_func(q, k, v, DROPOUT_P, scale, case.causal, return_attn_probs=True)
+            dout = torch.randn_like(out)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+        keep = ~torch.signbit(s_dmask[:, :, : case.seqlen_q, : case.seqlen_k])
+        visible = s_dmask[:, :, : case.seqlen_q, : case.seqlen_k] != 0
+        drop_rate = 1.0 - float((keep & visible).sum()) / max(1, int(visible.sum()))
+        inputs64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        inputs_pt = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        args = (case.softmax_scale, case.causal, (-1, -1), 0.0, None, DROPOUT_P, keep)
+        with torch.enable_grad():
+            ref_out, ref_lse = attention_reference(*inputs64, *args)
+            pt_out, _ = attention_reference(*inputs_pt, *args, compute_dtype=None)
+        checks = [check_error("out", out, ref_out, pt_out), check_lse(lse, ref_lse)]
+        for name, grad, ref, pt in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(ref_out, inputs64, dout.double()),
+                                       torch.autograd.grad(pt_out, inputs_pt, dout)):
+            checks.append(check_error(name, grad, ref, pt, factor=GRAD_FACTOR, atol=1e-4))
+        rate_ok = abs(drop_rate - DROPOUT_P) <= 0.02
+        failures = [] if rate_ok else [f"drop rate {drop_rate:.3f}, expected {DROPOUT_P} +- 0.02"]
+        extra = [{"name": "drop rate", "max_error": abs(drop_rate - DROPOUT_P), "bound": 0.02, "ok": rate_ok}]
+        return summarize("edge", "dropout", checks, failures, extra)
 
     def check_window_zero(self, case: Case) -> CheckResult:
         """window (0, 0) with Sq == Sk: each row sees only its aligned key, so out must equal V exactly."""

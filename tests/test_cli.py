@@ -97,6 +97,7 @@ def test_validate_report_checks_varlen_paths(validate_runs):
         assert all(measured[case] == expected for case in cases), (path, {c: measured[c] for c in cases})
     edge_cases = [r["case"] for r in payload["results"] if r["section"] == "edge" and r["passed"]]
     assert any(case.startswith("varlen = dense") for case in edge_cases), edge_cases
+    assert "dropout" in edge_cases, edge_cases
 
 
 def test_validate_report_checks_kvcache_paths(validate_runs):
