@@ -11,6 +11,8 @@ import os
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+
 
 import flashtriton.ops.backend as backend
 
@@ -57,6 +59,14 @@ def _patch_interpreter() -> None:
 
 if INTERPRETED:
     _patch_interpreter()
+
+# Fuzzing profiles (tests/test_fuzz.py): `ci` keeps the interpreter run to a few minutes; `long` is for a GPU
+# or a patient CPU (`pytest --hypothesis-profile=long`).
+_FUZZ_SETTINGS = dict(deadline=None, derandomize=False, print_blob=True,
+                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("ci", max_examples=25, **_FUZZ_SETTINGS)
+settings.register_profile("long", max_examples=400, **_FUZZ_SETTINGS)
+settings.load_profile("ci")
 
 
 @pytest.fixture(autouse=True)

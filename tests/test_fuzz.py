@@ -1,0 +1,149 @@
+"""Property-based fuzzing of the public functions against the float64 reference (hypothesis).
+
+Profiles (tests/conftest.py): `ci` (default, a few minutes through the interpreter) and `long`
+(`--hypothesis-profile=long`, for a GPU or a long CPU run). Every drawn case runs forward and backward with
+NaN-poisoned outputs and applies the tolerance rule of API.md §4.10.
+"""
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import flashtriton
+from flashtriton.reference import attention_reference_varlen, kvcache_reference
+from flashtriton.testing import Case, check_error, check_lse, compare_with_reference, make_case_inputs, poisoned_outputs
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = DEVICE == "cpu"  # the interpreter is slow: keep CPU shapes small
+MAX_SEQLEN = 150 if SMALL else 1100
+
+
+def assert_ok(checks):
+    failed = [str(c) for c in checks if not c.ok]
+    assert not failed, "; ".join(failed)
+
+
+@st.composite
+def windows(draw):
+    kind = draw(st.sampled_from(["none", "left", "right", "both"]))
+    side = st.integers(0, 70)
+    if kind == "none":
+        return (-1, -1)
+    if kind == "left":
+        return (draw(side), -1)
+    if kind == "right":
+        return (-1, draw(side))
+    return (draw(side), draw(side))
+
+
+@st.composite
+def dense_cases(draw):
+    heads_k = draw(st.sampled_from([1, 2]))
+    return Case(
+        batch=draw(st.integers(1, 2)),
+        seqlen_q=draw(st.integers(1, MAX_SEQLEN)),
+        seqlen_k=draw(st.integers(1, MAX_SEQLEN)),
+        num_heads=heads_k * draw(st.sampled_from([1, 2, 3])),
+        num_heads_k=heads_k,
+        head_dim=draw(st.sampled_from([8, 16, 24, 40, 64, 80, 128] if SMALL else [8, 40, 64, 96, 128, 192, 256])),
+        dtype=draw(st.sampled_from([torch.float16] if SMALL else [torch.float16, torch.bfloat16])),
+        causal=draw(st.booleans()),
+        window_size=draw(windows()),
+        softcap=draw(st.sampled_from([0.0, 0.0, 3.0])),
+        alibi=draw(st.booleans()),
+        softmax_scale=draw(st.sampled_from([None, None, 0.3])),
+        layout=draw(st.sampled_from(["contiguous", "bhsd", "sliced"])),
+    )
+
+
+@given(case=dense_cases(), input_scale=st.sampled_from([1.0, 4.0]))
+def test_fuzz_flash_attn_func(case, input_scale):
+    q, k, v, slopes = make_case_inputs(case, DEVICE, requires_grad=True, scale=input_scale)
+    with poisoned_outputs():
+        out, lse, _ = flashtriton.flash_attn_func(q, k, v, 0.0, case.softmax_scale, case.causal, case.window_size,
+                                                  case.softcap, slopes, return_attn_probs=True)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert_ok(compare_with_reference(case, out, lse, q, k, v, slopes, grads, dout))
+
+
+@st.composite
+def varlen_batches(draw):
+    batch = draw(st.integers(1, 4))
+    lens = st.integers(0, MAX_SEQLEN // 2)
+    return [draw(lens) for _ in range(batch)], [draw(lens) for _ in range(batch)], draw(st.integers(0, 3))
+
+
+@given(lengths=varlen_batches(), causal=st.booleans(), window=windows(), alibi=st.booleans(),
+       heads=st.sampled_from([(2, 2), (4, 2), (3, 1)]), head_dim=st.sampled_from([16, 40, 64]))
+def test_fuzz_flash_attn_varlen_func(lengths, causal, window, alibi, heads, head_dim):
+    lens_q, lens_k, tail = lengths
+    num_heads, num_heads_k = heads
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(lens_q) + tail, num_heads, head_dim, device=DEVICE).half().requires_grad_()
+    k = torch.randn(sum(lens_k) + tail, num_heads_k, head_dim, device=DEVICE).half().requires_grad_()
+    v = torch.randn_like(k).requires_grad_()
+    slopes = torch.rand(len(lens_q), num_heads, device=DEVICE) * 0.3 if alibi else None
+    max_q, max_k = max(lens_q) + 1, max(lens_k) + 1
+    with poisoned_outputs():
+        out, lse, _ = flashtriton.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
+                                                         window_size=window, alibi_slopes=slopes,
+                                                         return_attn_probs=True)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    options = dict(causal=causal, window_size=window, alibi_slopes=slopes)
+    inputs64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    inputs_pt = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    with torch.enable_grad():
+        ref, ref_lse = attention_reference_varlen(*inputs64, cu_q.cpu(), cu_k.cpu(), max_k, **options)
+        pt, _ = attention_reference_varlen(*inputs_pt, cu_q.cpu(), cu_k.cpu(), max_k, compute_dtype=None, **options)
+    covered_q, covered_k = sum(lens_q), sum(lens_k)
+    checks = [check_error("out", out[:covered_q], ref[:covered_q], pt[:covered_q]),
+              check_lse(lse[:, :covered_q], ref_lse[:, :covered_q])]
+    if covered_q and covered_k:
+        ref_grads = torch.autograd.grad(ref, inputs64, dout.double())
+        pt_grads = torch.autograd.grad(pt, inputs_pt, dout)
+        for name, g, rg, pg, n in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads, (covered_q, covered_k, covered_k)):
+            checks.append(check_error(name, g[:n], rg[:n], pg[:n], factor=3.0, atol=1e-4))
+    assert_ok(checks)
+    assert torch.all(out[covered_q:] == 0) and all(torch.all(g[n:] == 0) for g, n in
+                                                   zip(grads, (covered_q, covered_k, covered_k)))
+
+
+@given(batch=st.integers(1, 3), seqlen_q=st.integers(1, 6), seqlen_new=st.integers(0, 4),
+       capacity=st.integers(8, 120), page_size=st.sampled_from([0, 0, 7, 16, 33]), causal=st.booleans(),
+       window=windows(), splits=st.sampled_from([0, 1, 2, 5]), rotary=st.booleans(), leftpad=st.booleans())
+def test_fuzz_flash_attn_with_kvcache(batch, seqlen_q, seqlen_new, capacity, page_size, causal, window, splits,
+                                      rotary, leftpad):
+    capacity = max(capacity, seqlen_new)
+    if page_size:  # the block table addresses whole pages
+        capacity = -(-capacity // page_size) * page_size
+    lengths = torch.randint(0, capacity - seqlen_new + 1, (batch,), device=DEVICE).to(torch.int32)
+    inputs = dict(cache_seqlens=lengths)
+    if page_size:
+        pages = capacity // page_size
+        inputs["block_table"] = torch.randperm(batch * pages + 1, device=DEVICE)[: batch * pages].view(
+            batch, pages).to(torch.int32)
+        cache_shape = (batch * pages + 1, page_size, 2, 32)
+    else:
+        cache_shape = (batch, capacity, 2, 32)
+        if leftpad:
+            inputs["cache_leftpad"] = torch.minimum(torch.randint(0, 5, (batch,), device=DEVICE).to(torch.int32),
+                                                    lengths)
+    q = torch.randn(batch, seqlen_q, 4, 32, device=DEVICE).half()
+    k_cache, v_cache = torch.randn(cache_shape, device=DEVICE).half(), torch.randn(cache_shape, device=DEVICE).half()
+    if seqlen_new:
+        inputs["k"] = torch.randn(batch, seqlen_new, 2, 32, device=DEVICE).half()
+        inputs["v"] = torch.randn_like(inputs["k"])
+        if rotary:
+            angles = torch.rand(capacity + 3, 8, device=DEVICE) * 6.28
+            inputs["rotary_cos"], inputs["rotary_sin"] = angles.cos().half(), angles.sin().half()
+    options = dict(causal=causal, window_size=window)
+    ref, ref_lse, ref_k, ref_v = kvcache_reference(q, k_cache, v_cache, **inputs, **options)
+    pt = kvcache_reference(q, k_cache, v_cache, **inputs, **options, compute_dtype=None)[0]
+    with poisoned_outputs():
+        out, lse = flashtriton.flash_attn_with_kvcache(q, k_cache, v_cache, **inputs, **options, num_splits=splits,
+                                                       return_softmax_lse=True)
+    assert_ok([check_error("out", out, ref, pt, factor=3.0), check_lse(lse, ref_lse)])
+    assert torch.equal(v_cache, ref_v)
