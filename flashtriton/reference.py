@@ -306,6 +306,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
     return torch.cat((rotated, rest), dim=-1).to(x.dtype)
 
 
+def _table_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor):
+    """(cos, sin) rows (len, 1, r/2) of the positions; a position past the table is not rotated (cos 1, sin 0),
+    as flashtriton's rotary kernel does (queries of a chunk longer than the appended keys can reach past it)."""
+    inside = positions < cos.shape[0]
+    rows = positions.clamp(max=cos.shape[0] - 1).to(cos.device)
+    inside = inside.to(cos.device)[:, None]
+    cos_rows = torch.where(inside, cos[rows].float(), 1.0)
+    sin_rows = torch.where(inside, sin[rows].float(), 0.0)
+    return cos_rows[:, None], sin_rows[:, None]
+
+
 def kvcache_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                       cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                       window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
@@ -352,8 +363,8 @@ def kvcache_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
             v_cache[index] = v[b]
         q_b = q[b]
         if rotary_cos is not None:
-            table = torch.arange(length, length + seqlen_q) if (causal or local) else torch.full((seqlen_q,), length)
-            q_b = rotate(q_b, rotary_cos[table][:, None], rotary_sin[table][:, None], rotary_interleaved)
+            positions = torch.arange(length, length + seqlen_q) if (causal or local) else torch.full((seqlen_q,), length)
+            q_b = rotate(q_b, *_table_rows(rotary_cos, rotary_sin, positions), rotary_interleaved)
         index = positions_of(b, range(starts[b], length + seqlen_new))
         out_b, lse_b = attention_reference(q_b[None], k_cache[index][None], v_cache[index][None], softmax_scale,
                                            causal, window_size, softcap, row_slopes(alibi_slopes, b),
