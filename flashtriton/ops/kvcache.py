@@ -17,6 +17,7 @@ from ..reference import kvcache_reference
 from . import checks
 from .backend import launch_fwd, new_empty, runs_triton, score_params
 from .launching import device_guard, triton_cdiv
+from .triton.rotary import apply_rotary
 
 APPEND_BLOCK = 32
 
@@ -105,8 +106,6 @@ def _check_paged_capacity(cache_seqlens: torch.Tensor, seqlen_new: int, capacity
 
 def _rotate_queries(q, rotary_cos, rotary_sin, cache_seqlens, interleaved: bool, per_row_positions: bool):
     """Queries at positions cache_seqlens + i (causal/local) or all at cache_seqlens (API.md §5.5)."""
-    from .triton.rotary import apply_rotary
-
     if per_row_positions:
         return apply_rotary(q, rotary_cos, rotary_sin, seqlen_offsets=cache_seqlens, interleaved=interleaved)
     batch, seqlen_q = q.shape[:2]
@@ -167,8 +166,6 @@ def mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         cache_seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
     if k is not None:
         if rotary_cos is not None:
-            from .triton.rotary import apply_rotary
-
             k = apply_rotary(k, rotary_cos, rotary_sin, seqlen_offsets=cache_seqlens, interleaved=rotary_interleaved)
         _append(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, capacity)
     if rotary_cos is not None:
