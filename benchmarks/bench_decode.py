@@ -1,15 +1,17 @@
 """Decode benchmark (GPU): one query token, GQA 32/8 heads, hdim 128, bf16; TB/s of K+V bytes read.
 
-    python benchmarks/bench_decode.py [--paged 0,64,256]
+    python benchmarks/bench_decode.py [--paged 0,64,256] [--sweep]
 
 Rows of issue #4: (batch, seqlen_k) in (64, 4096), (16, 16384), (4, 65536), (1, 131072), contiguous and
 paged. The device-copy bandwidth and SDPA (FLASH / CUDNN, GQA through enable_gqa) are measured in the
-same run. Every flashtriton row is checked against SDPA's output.
+same run. Every flashtriton row is checked against SDPA's output. --sweep times every candidate decode
+tile config of DECODE_CANDIDATES too (the table in flashtriton/configs.py cites the run that chose it).
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -17,10 +19,14 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtriton
+from flashtriton import configs
 from flashtriton.ops.kvcache import splits_for
 
 ROWS = [(64, 4096), (16, 16384), (4, 65536), (1, 131072)]
 HEADS, HEADS_K, DIM = 32, 8, 128
+# (block_m, block_n, warps, stages) of the decode tile; block_m 16 holds the 4 packed query heads of a KV head
+DECODE_CANDIDATES = [(16, 128, 4, 3), (16, 128, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 2, 4),
+                     (16, 128, 8, 3), (16, 256, 8, 2), (16, 32, 2, 6)]
 
 
 def timed(fn):
@@ -37,7 +43,12 @@ def copy_bandwidth() -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--paged", default="0,64,256", help="page sizes; 0 = contiguous cache")
+    parser.add_argument("--sweep", action="store_true", help="also time every DECODE_CANDIDATES config")
     args = parser.parse_args()
+    default_config = configs.fwd_config
+    base = default_config(configs.arch_class(torch.device("cuda")), DIM, False, 1)
+    candidates = [None] + ([replace(base, block_m=m, block_n=n, num_warps=w, num_stages=s)
+                            for m, n, w, s in DECODE_CANDIDATES] if args.sweep else [])
     print(f"device copy: {copy_bandwidth():.2f} TB/s (bytes read + written)")
     print("| batch, seqlen_k | layout | flashtriton TB/s | splits | sdpa-flash TB/s | sdpa-cudnn TB/s | max err |")
     print("|---|---|---|---|---|---|---|")
@@ -68,12 +79,21 @@ def main():
                     q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)
             else:
                 call = lambda: flashtriton.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths)  # noqa: E731
-            err = float((call().float() - expected.float()).abs().max()) if expected is not None else float("nan")
-            ms = timed(call)
-            splits = splits_for(q, 1, seqlen, 0)
             layout = f"paged {page}" if page else "contiguous"
-            print(f"| {batch}, {seqlen} | {layout} | {kv_bytes / ms * 1e-9:.2f} | {splits} | {peers['flash']:.2f} | "
-                  f"{peers['cudnn']:.2f} | {err:.1e} |", flush=True)
+            for candidate in candidates:
+                configs.fwd_config = default_config if candidate is None else (lambda *_, c=candidate: c)
+                label = "" if candidate is None else (f" [{candidate.block_m}x{candidate.block_n} "
+                                                      f"w{candidate.num_warps} s{candidate.num_stages}]")
+                try:
+                    err = float((call().float() - expected.float()).abs().max()) if expected is not None else float("nan")
+                    ms = timed(call)
+                except Exception as exc:  # a candidate that does not compile is reported, not fatal
+                    print(f"| {batch}, {seqlen} | {layout}{label} | failed: {type(exc).__name__} |", flush=True)
+                    continue
+                splits = splits_for(q, HEADS_K, 1, seqlen, 0)
+                print(f"| {batch}, {seqlen} | {layout}{label} | {kv_bytes / ms * 1e-9:.2f} | {splits} | "
+                      f"{peers['flash']:.2f} | {peers['cudnn']:.2f} | {err:.1e} |", flush=True)
+            configs.fwd_config = default_config
 
 
 if __name__ == "__main__":

@@ -27,20 +27,21 @@ SHAPES = [(16, 1024, 16, 128), (4, 4096, 16, 128), (1, 16384, 16, 128), (4, 4096
 
 _TILES = {
     "small": [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 4), (128, 64, 4, 4)],
-    "large": [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 64, 4, 3)],
+    # head dim 256: offline sm_90 compiles (tools/offline_compile.py) show 128x32 w8 s3 without spills
+    "large": [(128, 64, 8, 2), (128, 32, 8, 3), (128, 32, 8, 2), (64, 64, 8, 3), (64, 64, 4, 2)],
 }
 FWD_CANDIDATES = {size: [FwdConfig(*tile, 0.0, tma) for tma in (True, False) for tile in tiles]
                   for size, tiles in _TILES.items()}
 DKDV_CANDIDATES = {
     "small": [TileConfig(32, 128, 4, 3), TileConfig(64, 128, 8, 2), TileConfig(64, 64, 4, 3), TileConfig(32, 64, 4, 3),
               TileConfig(64, 128, 4, 2), TileConfig(64, 128, 8, 3)],
-    "large": [TileConfig(32, 64, 4, 2), TileConfig(64, 64, 8, 1), TileConfig(32, 32, 4, 2), TileConfig(16, 64, 4, 2),
-              TileConfig(32, 64, 8, 2)],
+    # head dim 256: 16x64 w8 compiles without spills and keeps wgmma; 32x64 w8 (the current entry) spills 208 B
+    "large": [TileConfig(32, 64, 8, 2), TileConfig(16, 64, 8, 2), TileConfig(16, 64, 8, 3), TileConfig(32, 32, 8, 2)],
 }
 DQ_CANDIDATES = {
     "small": [TileConfig(128, 32, 4, 3), TileConfig(128, 64, 8, 2), TileConfig(64, 64, 4, 3), TileConfig(64, 128, 8, 2),
               TileConfig(128, 64, 8, 3)],
-    "large": [TileConfig(64, 32, 4, 2), TileConfig(64, 64, 8, 1), TileConfig(32, 64, 4, 2), TileConfig(64, 32, 8, 2)],
+    "large": [TileConfig(64, 32, 4, 2), TileConfig(64, 32, 8, 2), TileConfig(128, 32, 8, 2), TileConfig(64, 64, 8, 2)],
 }
 
 

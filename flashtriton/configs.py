@@ -98,6 +98,25 @@ _DECODE = FwdConfig(16, 128, 4, 3, _NO_SKIP)
 _DECODE_LARGE = FwdConfig(16, 64, 4, 3, _NO_SKIP)
 
 
+def paged_config(config: FwdConfig, page_size: int) -> FwdConfig:
+    """The config for a paged K/V cache: key tiles shrink to the largest power of two dividing page_size
+    (at least 16), so each tile lies in one page and needs one block-table lookup; otherwise unchanged
+    (keys are gathered row by row)."""
+    largest_divisor = page_size & -page_size
+    if page_size % config.block_n == 0 or largest_divisor < 16:
+        return config
+    return replace(config, block_n=largest_divisor)
+
+
+def pack_gqa(seqlen_q: int, group_size: int) -> bool:
+    """Whether the forward packs the group_size query heads of a KV head into one tile (decoding with GQA).
+
+    With few query rows a tile is mostly empty and every query head re-reads its group's K/V; packed,
+    each K/V tile is read once per KV head.
+    """
+    return group_size > 1 and seqlen_q <= DECODE_MAX_ROWS
+
+
 def fwd_config(arch: str, head_dim: int, causal: bool = False, seqlen_q: int = 1 << 30) -> FwdConfig:
     if arch == "interpreter":
         config = _INTERPRETER_FWD

@@ -75,6 +75,18 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def force_tma(monkeypatch):
+    """Forward configs with tensor descriptors on (the interpreter's own config has them off), so CPU runs
+    exercise the TMA code paths: host-built descriptors for dense layouts, in-kernel ones otherwise."""
+    from dataclasses import replace
+
+    from flashtriton import configs
+
+    original = configs.fwd_config
+    monkeypatch.setattr(configs, "fwd_config", lambda *args, **kwargs: replace(original(*args, **kwargs), use_tma=True))
+
+
 def pytest_report_header(config):
     mode = "Triton interpreter" if INTERPRETED else "compiled Triton on CUDA / reference on CPU"
     cuda = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"

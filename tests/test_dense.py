@@ -86,6 +86,30 @@ def test_features(feature, seqlen_q, seqlen_k):
     assert_all_ok(run_case(case))
 
 
+PACKED_GQA_CASES = {
+    # 16 rows x 6 heads = 96 packed rows: the tile boundary falls inside one query row's head group
+    "two-packed-tiles": dict(seqlen_q=16, seqlen_k=83, num_heads=12, num_heads_k=2, causal=True,
+                             window_size=(30, 0), alibi=True, softcap=3.0),
+    "mqa-one-row": dict(seqlen_q=1, seqlen_k=150, num_heads=5, num_heads_k=1, alibi=True),
+    "gqa-bf16-local": dict(seqlen_q=7, seqlen_k=97, num_heads=8, num_heads_k=2, window_size=(11, 3),
+                           dtype=torch.bfloat16, layout="bhsd"),
+}
+
+
+@pytest.mark.parametrize("name", list(PACKED_GQA_CASES), ids=list(PACKED_GQA_CASES))
+def test_short_queries_pack_gqa_heads(name):
+    """Few query rows with GQA: the forward packs each KV head's query heads into one tile."""
+    case = replace(Case(), **PACKED_GQA_CASES[name])
+    assert configs.pack_gqa(case.seqlen_q, case.num_heads // case.num_heads_k)
+    assert_all_ok(run_case(case))
+
+
+@pytest.mark.parametrize("feature", ["causal-window", "gqa", "alibi-causal-quirk"])
+def test_dense_through_tensor_descriptors(force_tma, feature):
+    """Host-built descriptors over whole (B, S, H, D) tensors, as sm90 runs dense layouts."""
+    assert_all_ok(run_case(replace(Case(seqlen_q=150, seqlen_k=83), **FEATURES[feature])))
+
+
 def test_window_quirk_query_longer_than_keys():
     """FA2's §4.2.3 rewrite: with Sq >= Sk + 2 a finite left window turns an unbounded right into Sk."""
     assert_all_ok(run_case(Case(seqlen_q=200, seqlen_k=30, window_size=(5, -1))))

@@ -21,11 +21,13 @@ def keep_mask_of(s_dmask, seqlen_q, seqlen_k):
     return ~torch.signbit(s_dmask[:, :, :seqlen_q, :seqlen_k])
 
 
-@pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(window_size=(20, 5), alibi=True)],
-                         ids=["full", "causal", "local-alibi"])
+@pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(window_size=(20, 5), alibi=True),
+                                     dict(seqlen_q=5, causal=True, alibi=True)],
+                         ids=["full", "causal", "local-alibi", "short-query-packed-gqa-alibi"])
 def test_output_and_gradients_match_reference_with_the_kernels_mask(options):
     options = dict(options)
-    q, k, v = make_qkv()
+    seqlen_q = options.pop("seqlen_q", 70)
+    q, k, v = make_qkv(seqlen_q=seqlen_q)
     slopes = torch.rand(4, device=DEVICE) * 0.3 if options.pop("alibi", False) else None
     p = 0.17
     with poisoned_outputs():
@@ -34,7 +36,7 @@ def test_output_and_gradients_match_reference_with_the_kernels_mask(options):
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
     assert s_dmask.shape == (2, 4, 128, 128) and s_dmask.dtype == q.dtype
-    keep = keep_mask_of(s_dmask, 70, 90)
+    keep = keep_mask_of(s_dmask, seqlen_q, 90)
     inputs64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
     inputs_pt = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     ref_args = (None, options.get("causal", False), options.get("window_size", (-1, -1)), 0.0, slopes, p, keep)

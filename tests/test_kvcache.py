@@ -114,6 +114,14 @@ def test_kvcache_matches_reference(name):
     run_and_check(CASES[name])
 
 
+@pytest.mark.parametrize("name", ["chunk-causal", "leftpad-batch-idx-alibi", "rotary-neox-noncausal"])
+@pytest.mark.parametrize("heads", ["gqa-packed", "mha"])
+def test_kvcache_through_tensor_descriptors(force_tma, name, heads):
+    """In-kernel descriptors bounded by each row's cache length; packed GQA queries keep pointer loads for Q/O."""
+    case = CASES[name] if heads == "gqa-packed" else replace(CASES[name], num_heads=2, num_heads_k=2)
+    run_and_check(case)
+
+
 def test_int_cache_seqlens_and_full_cache():
     case = KVCase(seqlen_new=0, seqlen_q=2)
     q, k_cache, v_cache, _, _ = make_inputs(case)

@@ -27,15 +27,20 @@ NONE_ARGS = {"AlibiSlopes", "CuSeqlensQ", "CuSeqlensK", "SeqUsedK", "LeftPadK", 
 FLOAT_ARGS = {"qk_scale_log2", "softcap_in_scale", "softcap_out_log2", "softmax_scale", "dropout_p", "dropout_scale"}
 
 
-def compile_kernel(kernel, head_dim, local, block_m, block_n, warps, stages, dtype="bf16", dropout=False):
+def compile_kernel(kernel, head_dim, local, block_m, block_n, warps, stages, dtype="bf16", dropout=False,
+                   pack_gqa=False, paged=False, tma_device=False):
     names = list(inspect.signature(kernel.fn).parameters)
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()), BLOCK_M=block_m,
                       BLOCK_N=block_n, IS_LOCAL=local, HAS_SOFTCAP=False, HAS_ALIBI=False, IS_VARLEN=False,
-                      IS_PAGED=False, HAS_SEQUSED_K=False, HAS_LEFTPAD_K=False, HAS_BATCH_IDX=False, IS_SPLIT=False,
-                      HAS_DROPOUT=dropout, USE_TMA=False, FOLD_SCALE=not dropout, RESCALE_THRESHOLD=0.0)
+                      IS_PAGED=paged, HAS_SEQUSED_K=paged, HAS_LEFTPAD_K=False, HAS_BATCH_IDX=False, IS_SPLIT=False,
+                      HAS_DROPOUT=dropout, TMA_MODE=2 if tma_device else 0, FOLD_SCALE=not dropout, PACK_GQA=pack_gqa,
+                      TILE_IN_PAGE=paged, RESCALE_THRESHOLD=0.0)
+    pointer_args = {"BlockTable", "SeqUsedK"} if paged else set()
     signature, attrs_16 = {}, []
     for index, name in enumerate(names):
-        if name in constexprs or name in NONE_ARGS:
+        if name in pointer_args:
+            signature[name] = "*i32"
+        elif name in constexprs or name in NONE_ARGS:
             signature[name] = "constexpr"
             constexprs.setdefault(name, None)
         elif name == "RngState":
@@ -65,11 +70,16 @@ def main():
     parser.add_argument("--kernel", default="fwd", choices=list(KERNELS))
     parser.add_argument("--config", default="128,128,8,3")
     parser.add_argument("--dropout", action="store_true")
+    parser.add_argument("--pack-gqa", action="store_true", help="forward only: packed GQA decode tiles")
+    parser.add_argument("--paged", action="store_true", help="forward only: paged K/V, one page per key tile")
+    parser.add_argument("--tma-device", action="store_true", help="forward only: in-kernel tensor descriptors")
     args = parser.parse_args()
     block_m, block_n, warps, stages = (int(x) for x in args.config.split(","))
     compiled = compile_kernel(KERNELS[args.kernel], args.head_dim, args.local, block_m, block_n, warps, stages,
-                              dropout=args.dropout)
-    print(f"{args.kernel} d{args.head_dim} local={args.local} dropout={args.dropout} {args.config}: "
+                              dropout=args.dropout, pack_gqa=args.pack_gqa, paged=args.paged,
+                              tma_device=args.tma_device)
+    print(f"{args.kernel} d{args.head_dim} local={args.local} dropout={args.dropout} pack_gqa={args.pack_gqa} "
+          f"paged={args.paged} tma_device={args.tma_device} {args.config}: "
           f"{resource_usage(compiled)} "
           f"shared {compiled.metadata.shared} wgmma {compiled.asm['ptx'].count('wgmma.mma_async')}")
 

@@ -157,12 +157,17 @@ def to_int64(x):
 
 @triton.jit
 def row_offsets(n_start, offs_col, seqlen_k, stride_row, block_table_row, page_size, stride_page,
-                IS_PAGED: tl.constexpr):
+                IS_PAGED: tl.constexpr, TILE_IN_PAGE: tl.constexpr = False):
     """[BLOCK] int64 element offsets of rows n_start + offs_col (keys, or query rows) from their head's base.
 
     Paged caches (API.md §3.4, §5.2) map key t to row t % page_size of page block_table_row[t // page_size].
+    TILE_IN_PAGE (the tile size divides page_size, n_start is a tile start): the whole tile lies in one
+    page, looked up once.
     """
-    if IS_PAGED:
+    if IS_PAGED and TILE_IN_PAGE:
+        page = tl.load(block_table_row + n_start // page_size).to(tl.int64)
+        return page * stride_page + ((n_start % page_size) + offs_col) * stride_row
+    elif IS_PAGED:
         offs_n = n_start + offs_col
         page = tl.load(block_table_row + offs_n // page_size, mask=offs_n < seqlen_k, other=0).to(tl.int64)
         return page * stride_page + (offs_n % page_size) * stride_row

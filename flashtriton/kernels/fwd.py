@@ -5,44 +5,53 @@ natural-log LSE out (+inf for rows that see no key). The running max lags by up 
 RESCALE_THRESHOLD (log2 units) so most tiles skip the O / row-sum rescale; P then stays below
 2**RESCALE_THRESHOLD, and the result is exact because O, the row sum and P share one base.
 
-Variants (constexpr): USE_TMA loads Q/K/V and stores O through host-built 4-D tensor descriptors
-(dense layouts only, where rows past a sequence are out of bounds and read as zeros); FOLD_SCALE
-(no softcap, no ALiBi, positive scale) keeps raw q.k and folds the scale into the exp2 FMA.
+Variants (constexpr): TMA_MODE loads Q/K/V and stores O through 4-D tensor descriptors, built on the host
+over whole (B, S, H, D) tensors (TMA_HOST: dense layouts, tiles addressed by batch, row and head) or in the
+kernel over one sequence of one head (TMA_DEVICE: varlen, kv-cache, split-KV; tiles addressed by row).
+Either way rows past a sequence are out of bounds: they read as zeros and are never stored. FOLD_SCALE
+(no softcap, no ALiBi, positive scale) keeps raw q.k and folds the scale into the exp2 FMA;
+PACK_GQA (decoding with GQA) puts the query heads that share a KV head into one tile, so each
+K/V tile is read once per KV head instead of once per query head.
 """
 
 import triton
 import triton.language as tl
+
+# TMA_MODE values
+TMA_OFF = tl.constexpr(0)
+TMA_HOST = tl.constexpr(1)
+TMA_DEVICE = tl.constexpr(2)
 
 from .common import (alibi_bias_log2, dropout_keep, kv_block_range, row_offsets, scores_log2, sequence_bounds,
                      split_block_range, to_int64, visibility_mask)
 
 
 @triton.jit
-def _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, batch, head_k, stride_kn, stride_vn,
+def _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_kv_batch, desc_head_k, stride_kn, stride_vn,
                  block_table_row, page_size, stride_kpage, stride_vpage,
                  offs_m, offs_d, n_block_lo, n_block_hi, seqlen_q, seqlen_k,
                  qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
                  slope_log2, alibi_pure_causal, rng_state, stream, dropout_p,
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
                  IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_PAGED: tl.constexpr,
-                 HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, FOLD_SCALE: tl.constexpr,
-                 RESCALE_THRESHOLD: tl.constexpr):
+                 HAS_DROPOUT: tl.constexpr, TMA_MODE: tl.constexpr, FOLD_SCALE: tl.constexpr,
+                 TILE_IN_PAGE: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr):
     """Accumulate key blocks [n_block_lo, n_block_hi) into (acc, l_i, m_i); MASKED applies the mask."""
     offs_col = tl.arange(0, BLOCK_N)
     d_in = offs_d < HEAD_DIM
     for n_block in range(n_block_lo, n_block_hi):
         n_start = n_block * BLOCK_N
         offs_n = n_start + offs_col
-        if USE_TMA:
+        if TMA_MODE != TMA_OFF:
             # [BLOCK_D, BLOCK_N], [BLOCK_N, BLOCK_D]
-            k_t = tl.trans(k_desc.load([batch, n_start, head_k, 0]).reshape(BLOCK_N, BLOCK_D))
-            v = v_desc.load([batch, n_start, head_k, 0]).reshape(BLOCK_N, BLOCK_D)
+            k_t = tl.trans(k_desc.load([desc_kv_batch, n_start, desc_head_k, 0]).reshape(BLOCK_N, BLOCK_D))
+            v = v_desc.load([desc_kv_batch, n_start, desc_head_k, 0]).reshape(BLOCK_N, BLOCK_D)
         else:
             key_in = offs_n < seqlen_k
             k_offs = row_offsets(n_start, offs_col, seqlen_k, stride_kn, block_table_row, page_size, stride_kpage,
-                                 IS_PAGED)
+                                 IS_PAGED, TILE_IN_PAGE)
             v_offs = row_offsets(n_start, offs_col, seqlen_k, stride_vn, block_table_row, page_size, stride_vpage,
-                                 IS_PAGED)
+                                 IS_PAGED, TILE_IN_PAGE)
             # [BLOCK_D, BLOCK_N]
             k_t = tl.load(k_base + k_offs[None, :] + offs_d[:, None], mask=key_in[None, :] & d_in[:, None], other=0.0)
             # [BLOCK_N, BLOCK_D]
@@ -96,9 +105,11 @@ def attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
     IS_PAGED: tl.constexpr, HAS_SEQUSED_K: tl.constexpr, HAS_LEFTPAD_K: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
-    IS_SPLIT: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, FOLD_SCALE: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr,
+    IS_SPLIT: tl.constexpr, HAS_DROPOUT: tl.constexpr, TMA_MODE: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    PACK_GQA: tl.constexpr, TILE_IN_PAGE: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr,
 ):
-    """One program per (query tile, batch * head). Paged K/V (IS_PAGED) address keys through BlockTable;
+    """One program per (query tile, batch * head), or per (packed tile, batch * kv head) with PACK_GQA.
+    Paged K/V (IS_PAGED) address keys through BlockTable, one lookup per key tile with TILE_IN_PAGE;
     HAS_BATCH_IDX reads K/V from row CacheBatchIdx[batch] (the kv-cache's cache_batch_idx).
 
     Query tiles run in reverse order, so under a causal mask the longest rows start first.
@@ -109,21 +120,41 @@ def attn_fwd_kernel(
     """
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     batch_head = tl.program_id(1)
-    batch = batch_head // num_heads
-    head = batch_head % num_heads
-    head_k = head // group_size
+    num_heads_k = num_heads // group_size
+    if PACK_GQA:
+        batch = batch_head // num_heads_k
+        head_k = batch_head % num_heads_k
+    else:
+        batch = batch_head // num_heads
+        head_k = (batch_head % num_heads) // group_size
     q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, seqlen_q,
                                                            seqlen_k, IS_VARLEN, HAS_SEQUSED_K, HAS_LEFTPAD_K)
-    m_start = m_block * BLOCK_M
-    if m_start >= seqlen_q:
-        return
+    offs_row = tl.arange(0, BLOCK_M)
+    if PACK_GQA:
+        # tile row r holds query row p // group_size of head head_k * group_size + p % group_size, p = packed index
+        packed_start = m_block * BLOCK_M
+        if packed_start >= seqlen_q * group_size:
+            return
+        offs_packed = packed_start + offs_row
+        offs_m = offs_packed // group_size
+        heads = head_k * group_size + offs_packed % group_size
+        m_start = packed_start // group_size
+    else:
+        m_start = m_block * BLOCK_M
+        if m_start >= seqlen_q:
+            return
+        offs_m = m_start + offs_row
+        heads = batch_head % num_heads + 0 * offs_row
+    # [BLOCK_M] the query head of each tile row
+    head_in_tile = heads.to(tl.int64)
+    row_in = offs_m < seqlen_q
 
     batch64 = batch.to(tl.int64)
     kv_batch = batch
     if HAS_BATCH_IDX:
         kv_batch = tl.load(CacheBatchIdx + batch)
     kv_batch64 = kv_batch.to(tl.int64)
-    q_base = Q + batch64 * stride_qb + (q_start + m_start).to(tl.int64) * stride_qm + head.to(tl.int64) * stride_qh
+    q_base = Q + batch64 * stride_qb + to_int64(q_start) * stride_qm
     if IS_PAGED:
         k_start = 0  # paged keys are addressed through the block table, not cu_seqlens_k
     k_base = K + kv_batch64 * stride_kb + to_int64(k_start) * stride_kn + head_k.to(tl.int64) * stride_kh
@@ -132,26 +163,44 @@ def attn_fwd_kernel(
     if IS_PAGED:
         block_table_row = BlockTable + batch64 * stride_block_table_b
     split_idx = tl.program_id(2)
-    o_base = (Out + split_idx.to(tl.int64) * stride_o_split + batch64 * stride_ob
-              + (q_start + m_start).to(tl.int64) * stride_om + head.to(tl.int64) * stride_oh)
-    lse_base = (Lse + split_idx.to(tl.int64) * stride_lse_split + batch64 * stride_lse_b
-                + head.to(tl.int64) * stride_lse_h + q_start + m_start)
+    o_base = Out + split_idx.to(tl.int64) * stride_o_split + batch64 * stride_ob + to_int64(q_start) * stride_om
+    lse_base = Lse + split_idx.to(tl.int64) * stride_lse_split + batch64 * stride_lse_b + q_start
 
-    offs_row = tl.arange(0, BLOCK_M)
-    offs_m = m_start + offs_row
     offs_d = tl.arange(0, BLOCK_D)
-    row_in = offs_m < seqlen_q
     d_in = offs_d < HEAD_DIM
+    # [BLOCK_M] offsets of each tile row inside Q, Out and Lse from their bases
+    q_row_offs = offs_m.to(tl.int64) * stride_qm + head_in_tile * stride_qh
+    o_row_offs = offs_m.to(tl.int64) * stride_om + head_in_tile * stride_oh
+    lse_row_offs = head_in_tile * stride_lse_h + offs_m
+    # descriptor coordinates (batch, head, kv batch, kv head) of this program's tiles
+    desc_batch, desc_head, desc_kv_batch, desc_head_k = batch, batch_head % num_heads, kv_batch, head_k
+    if TMA_MODE == TMA_DEVICE:
+        desc_batch, desc_head, desc_kv_batch, desc_head_k = 0, 0, 0, 0
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[1, seqlen_k, 1, HEAD_DIM],
+                                           strides=[stride_kn, stride_kn, stride_kh, 1],
+                                           block_shape=[1, BLOCK_N, 1, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[1, seqlen_k, 1, HEAD_DIM],
+                                           strides=[stride_vn, stride_vn, stride_vh, 1],
+                                           block_shape=[1, BLOCK_N, 1, BLOCK_D])
+        if not PACK_GQA:
+            head64 = (batch_head % num_heads).to(tl.int64)
+            q_desc = tl.make_tensor_descriptor(q_base + head64 * stride_qh, shape=[1, seqlen_q, 1, HEAD_DIM],
+                                               strides=[stride_qm, stride_qm, stride_qh, 1],
+                                               block_shape=[1, BLOCK_M, 1, BLOCK_D])
+            o_desc = tl.make_tensor_descriptor(o_base + head64 * stride_oh, shape=[1, seqlen_q, 1, HEAD_DIM],
+                                               strides=[stride_om, stride_om, stride_oh, 1],
+                                               block_shape=[1, BLOCK_M, 1, BLOCK_D])
     # [BLOCK_M, BLOCK_D]
-    if USE_TMA:
-        q = q_desc.load([batch, m_start, head, 0]).reshape(BLOCK_M, BLOCK_D)
+    if TMA_MODE != TMA_OFF and not PACK_GQA:
+        q = q_desc.load([desc_batch, m_start, desc_head, 0]).reshape(BLOCK_M, BLOCK_D)
     else:
-        q = tl.load(q_base + offs_row[:, None] * stride_qm + offs_d[None, :], mask=row_in[:, None] & d_in[None, :],
-                    other=0.0)
+        q = tl.load(q_base + q_row_offs[:, None] + offs_d[None, :], mask=row_in[:, None] & d_in[None, :], other=0.0)
 
-    slope_log2 = 0.0
+    # [BLOCK_M, 1] ALiBi slope of each row's head (log2 units); [BLOCK_M, 1] dropout stream batch * heads + head
+    slope_log2 = tl.zeros([BLOCK_M, 1], tl.float32)
     if HAS_ALIBI:
-        slope_log2 = tl.load(AlibiSlopes + batch * stride_alibi_b + head) * 1.4426950408889634
+        slope_log2 = tl.load(AlibiSlopes + batch * stride_alibi_b + heads)[:, None] * 1.4426950408889634
+    stream = (batch * num_heads + heads)[:, None]
 
     # [BLOCK_M] running max (log2), row sum; [BLOCK_M, BLOCK_D] output accumulator
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -167,23 +216,23 @@ def attn_fwd_kernel(
         n_full_max = tl.minimum(tl.maximum(n_full_max, n_full_min), split_hi)
         n_block_max = split_hi
     acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_batch, head_k, stride_kn, stride_vn, block_table_row,
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_kv_batch, desc_head_k, stride_kn, stride_vn, block_table_row,
         page_size, stride_kpage, stride_vpage, offs_m, offs_d, n_block_min, n_full_min,
         seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
-        slope_log2, alibi_pure_causal, RngState, batch_head, dropout_p, HEAD_DIM, BLOCK_N, BLOCK_D, True, IS_LOCAL,
-        HAS_SOFTCAP, HAS_ALIBI, IS_PAGED, HAS_DROPOUT, USE_TMA, FOLD_SCALE, RESCALE_THRESHOLD)
+        slope_log2, alibi_pure_causal, RngState, stream, dropout_p, HEAD_DIM, BLOCK_N, BLOCK_D, True, IS_LOCAL,
+        HAS_SOFTCAP, HAS_ALIBI, IS_PAGED, HAS_DROPOUT, TMA_MODE, FOLD_SCALE, TILE_IN_PAGE, RESCALE_THRESHOLD)
     acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_batch, head_k, stride_kn, stride_vn, block_table_row,
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_kv_batch, desc_head_k, stride_kn, stride_vn, block_table_row,
         page_size, stride_kpage, stride_vpage, offs_m, offs_d, n_full_min, n_full_max,
         seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
-        slope_log2, alibi_pure_causal, RngState, batch_head, dropout_p, HEAD_DIM, BLOCK_N, BLOCK_D, False, IS_LOCAL,
-        HAS_SOFTCAP, HAS_ALIBI, IS_PAGED, HAS_DROPOUT, USE_TMA, FOLD_SCALE, RESCALE_THRESHOLD)
+        slope_log2, alibi_pure_causal, RngState, stream, dropout_p, HEAD_DIM, BLOCK_N, BLOCK_D, False, IS_LOCAL,
+        HAS_SOFTCAP, HAS_ALIBI, IS_PAGED, HAS_DROPOUT, TMA_MODE, FOLD_SCALE, TILE_IN_PAGE, RESCALE_THRESHOLD)
     acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_batch, head_k, stride_kn, stride_vn, block_table_row,
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_kv_batch, desc_head_k, stride_kn, stride_vn, block_table_row,
         page_size, stride_kpage, stride_vpage, offs_m, offs_d, n_full_max, n_block_max,
         seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
-        slope_log2, alibi_pure_causal, RngState, batch_head, dropout_p, HEAD_DIM, BLOCK_N, BLOCK_D, True, IS_LOCAL,
-        HAS_SOFTCAP, HAS_ALIBI, IS_PAGED, HAS_DROPOUT, USE_TMA, FOLD_SCALE, RESCALE_THRESHOLD)
+        slope_log2, alibi_pure_causal, RngState, stream, dropout_p, HEAD_DIM, BLOCK_N, BLOCK_D, True, IS_LOCAL,
+        HAS_SOFTCAP, HAS_ALIBI, IS_PAGED, HAS_DROPOUT, TMA_MODE, FOLD_SCALE, TILE_IN_PAGE, RESCALE_THRESHOLD)
 
     # rows that saw no key: out 0, lse +inf (API.md §4.5)
     seen = l_i > 0.0
@@ -193,9 +242,10 @@ def attn_fwd_kernel(
     # rows that saw no key: +inf as flash_attn returns it, -inf inside a split so the combine weighs it 0
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf") if IS_SPLIT else float("inf"))
-    if USE_TMA:
-        o_desc.store([batch, m_start, head, 0], out.to(Out.dtype.element_ty).reshape(1, BLOCK_M, 1, BLOCK_D))
+    if TMA_MODE != TMA_OFF and not PACK_GQA:
+        o_desc.store([desc_batch, m_start, desc_head, 0],
+                     out.to(Out.dtype.element_ty).reshape(1, BLOCK_M, 1, BLOCK_D))
     else:
-        tl.store(o_base + offs_row[:, None] * stride_om + offs_d[None, :], out.to(Out.dtype.element_ty),
+        tl.store(o_base + o_row_offs[:, None] + offs_d[None, :], out.to(Out.dtype.element_ty),
                  mask=row_in[:, None] & d_in[None, :])
-    tl.store(lse_base + offs_row, lse, mask=row_in)
+    tl.store(lse_base + lse_row_offs, lse, mask=row_in)

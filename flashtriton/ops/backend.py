@@ -17,6 +17,7 @@ import torch
 from .. import configs
 from ..kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from ..kernels.combine import attn_combine_kernel
+from ..kernels import fwd as fwd_kernel_module
 from ..kernels.fwd import attn_fwd_kernel
 from ..reference import (attention_reference, attention_reference_backward, attention_reference_varlen,
                          attention_reference_varlen_backward, is_pure_causal, normalize_window)
@@ -24,6 +25,9 @@ from . import checks, dropout
 from .launching import device_guard, triton_cdiv
 
 LOG2E = 1.4426950408889634
+
+TMA_OFF, TMA_HOST, TMA_DEVICE = (mode.value for mode in (fwd_kernel_module.TMA_OFF, fwd_kernel_module.TMA_HOST,
+                                                         fwd_kernel_module.TMA_DEVICE))
 
 # TRITON_INTERPRET is read when @triton.jit runs, so the kernel objects themselves say how they run.
 KERNELS_INTERPRETED = type(attn_fwd_kernel).__name__ == "InterpretedFunction"
@@ -106,10 +110,27 @@ def _paged_strides(tensor: torch.Tensor) -> Tuple[int, int, int]:
 
 
 def _tma_compatible(tensor: torch.Tensor) -> bool:
-    """A (B, S, H, D) tensor a 4-D TMA descriptor can address: 16-byte aligned base and strides."""
+    """A tensor TMA descriptors can address: 16-byte aligned base and strides, contiguous last dim.
+
+    Every row and head of it then starts 16-byte aligned too, as in-kernel descriptors need.
+    """
     item = tensor.element_size()
-    return (tensor.is_cuda and tensor.data_ptr() % 16 == 0 and tensor.stride(-1) == 1
+    return (tensor.data_ptr() % 16 == 0 and tensor.stride(-1) == 1
             and all((stride * item) % 16 == 0 for stride in tensor.stride()[:-1]))
+
+
+def _scratch_buffer(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_scratch_allocator() -> None:
+    """In-kernel tensor descriptors live in a per-launch global scratch buffer that Triton asks an allocator
+    for; install one backed by PyTorch's caching allocator unless the user set their own."""
+    import triton
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch_buffer)
 
 
 def _row_descriptor(tensor: torch.Tensor, rows: int, block_dim: int):
@@ -121,6 +142,14 @@ def _row_descriptor(tensor: torch.Tensor, rows: int, block_dim: int):
 
 def _alibi_batch_stride(alibi_slopes: Optional[torch.Tensor]) -> int:
     return alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
+
+
+def fwd_tile_grid(seqlen_q: int, batch: int, num_heads: int, num_heads_k: int, block_m: int) -> Tuple[int, int]:
+    """(query tiles, batch x heads) of the forward grid; packed GQA tiles hold group_size heads' rows."""
+    group_size = num_heads // num_heads_k
+    if configs.pack_gqa(seqlen_q, group_size):
+        return triton_cdiv(seqlen_q * group_size, block_m), batch * num_heads_k
+    return triton_cdiv(seqlen_q, block_m), batch * num_heads
 
 
 def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides: Tuple[int, int],
@@ -142,6 +171,8 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
         return
     is_varlen = cu_seqlens_q is not None
     is_paged = block_table is not None
+    if is_paged:
+        config = configs.paged_config(config, k.shape[1])
     q_strides = _varlen_strides if is_varlen else _bsh_strides
     kv_strides = _paged_strides if is_paged else q_strides
     page_args = (block_table.stride(0), k.shape[1], k.stride(0), v.stride(0)) if is_paged else (0, 1, 0, 0)
@@ -154,15 +185,20 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
         lse = new_empty((num_splits, *lse.shape), torch.float32, q.device)
     split_strides = (out.stride(0), lse.stride(0)) if is_split else (0, 0)
     lse_strides = (lse.stride(1), lse.stride(2)) if is_split else lse_strides
-    use_tma = (config.use_tma and not (is_varlen or is_paged or is_split or seqused_k is not None
-                                       or leftpad_k is not None)
-               and k.shape[1] > 0 and all(_tma_compatible(t) for t in (q, k, v, out)))
+    pack_gqa = configs.pack_gqa(seqlen_q, num_heads // num_heads_k)
+    tma_mode = TMA_OFF
+    if config.use_tma and not is_paged and k.shape[1] > 0 and all(_tma_compatible(t) for t in (q, k, v, out)):
+        whole_tensors = not (is_varlen or is_split or pack_gqa or seqused_k is not None or leftpad_k is not None
+                             or cache_batch_idx is not None)
+        tma_mode = TMA_HOST if whole_tensors else TMA_DEVICE
+    if tma_mode == TMA_DEVICE:
+        _ensure_scratch_allocator()
     descriptors = (None,) * 4
-    if use_tma:
+    if tma_mode == TMA_HOST:
         descriptors = tuple(_row_descriptor(t, rows, block_dim)
                             for t, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n),
                                             (out, config.block_m)))
-    grid = (triton_cdiv(seqlen_q, config.block_m), batch * num_heads, num_splits)
+    grid = (*fwd_tile_grid(seqlen_q, batch, num_heads, num_heads_k, config.block_m), num_splits)
     with device_guard(q):
         attn_fwd_kernel[grid](
             q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table,
@@ -175,8 +211,8 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
             IS_LOCAL=params.is_local, HAS_SOFTCAP=params.softcap > 0.0, HAS_ALIBI=alibi_slopes is not None,
             IS_VARLEN=is_varlen, IS_PAGED=is_paged, HAS_SEQUSED_K=seqused_k is not None,
             HAS_LEFTPAD_K=leftpad_k is not None, HAS_BATCH_IDX=cache_batch_idx is not None, IS_SPLIT=is_split,
-            HAS_DROPOUT=dropout_p > 0.0, USE_TMA=use_tma,
-            FOLD_SCALE=params.softcap <= 0.0 and alibi_slopes is None and params.softmax_scale > 0.0,
+            HAS_DROPOUT=dropout_p > 0.0, TMA_MODE=tma_mode, PACK_GQA=pack_gqa,
+            TILE_IN_PAGE=is_paged and k.shape[1] % config.block_n == 0, FOLD_SCALE=params.softcap <= 0.0 and alibi_slopes is None and params.softmax_scale > 0.0,
             RESCALE_THRESHOLD=config.rescale_threshold,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )

@@ -15,7 +15,7 @@ from .. import configs
 from ..kernels.append import kv_append_kernel
 from ..reference import kvcache_reference
 from . import checks
-from .backend import launch_fwd, new_empty, runs_triton, score_params
+from .backend import fwd_tile_grid, launch_fwd, new_empty, runs_triton, score_params
 from .launching import device_guard, triton_cdiv
 from .triton.rotary import apply_rotary
 
@@ -179,11 +179,13 @@ def mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     launch_fwd(q, k_cache, v_cache, out, lse, params, alibi_slopes, (lse.stride(0), lse.stride(1)), seqlen_q,
                capacity, batch, seqused_k=seqused, leftpad_k=leftpad, block_table=block_table,
                cache_batch_idx=cache_batch_idx,
-               num_splits=splits_for(q, seqlen_q, capacity, num_splits, params.window_right == 0))
+               num_splits=splits_for(q, k_cache.shape[-2], seqlen_q, capacity, num_splits,
+                                     params.window_right == 0))
     return out, lse
 
 
-def splits_for(q: torch.Tensor, seqlen_q: int, capacity: int, num_splits: int, causal_like: bool = False) -> int:
+def splits_for(q: torch.Tensor, num_heads_k: int, seqlen_q: int, capacity: int, num_splits: int,
+               causal_like: bool = False) -> int:
     """The caller's num_splits, or the heuristic's choice for <= 0 (from shapes only: no host sync).
 
     causal_like must be what launch_fwd keys its tile config on (window_right == 0), so the key-block
@@ -192,6 +194,7 @@ def splits_for(q: torch.Tensor, seqlen_q: int, capacity: int, num_splits: int, c
     if num_splits > 0:
         return min(num_splits, 128)
     config = configs.fwd_config(configs.arch_class(q.device), q.shape[-1], causal_like, seqlen_q)
-    programs = triton_cdiv(seqlen_q, config.block_m) * q.shape[0] * q.shape[2]
+    query_tiles, batch_heads = fwd_tile_grid(seqlen_q, q.shape[0], q.shape[2], num_heads_k, config.block_m)
+    programs = query_tiles * batch_heads
     return configs.num_splits_heuristic(programs, triton_cdiv(capacity, config.block_n),
                                         configs.multiprocessor_count(q.device))
