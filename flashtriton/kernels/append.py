@@ -8,7 +8,7 @@ capacity are not written (the launcher checks capacity where flash_attn does).
 import triton
 import triton.language as tl
 
-from .common import row_offsets
+from .common import row_offsets, tile_and_batch_head
 
 
 @triton.jit(do_not_specialize=["seqlen_new", "capacity", "page_size"])
@@ -24,8 +24,7 @@ def kv_append_kernel(
     HAS_BATCH_IDX: tl.constexpr, IS_PAGED: tl.constexpr,
 ):
     """One program per (block of new tokens, batch * kv head)."""
-    s_block = tl.program_id(0)
-    batch_head = tl.program_id(1)
+    s_block, batch_head = tile_and_batch_head(tl.cdiv(seqlen_new, BLOCK_S))
     batch = batch_head // num_heads_k
     head = (batch_head % num_heads_k).to(tl.int64)
     cache_row = batch

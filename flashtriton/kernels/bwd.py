@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .common import (alibi_bias_log2, dropout_keep, kv_block_range, q_block_range, row_offsets, scores_log2,
-                     sequence_bounds, tanh, to_int64, visibility_mask)
+                     sequence_bounds, tanh, tile_and_batch_head, to_int64, visibility_mask)
 
 
 @triton.jit(do_not_specialize=["stride_delta_b", "stride_delta_h", "seqlen_q"])
@@ -22,8 +22,7 @@ def attn_bwd_preprocess_kernel(
     num_heads, seqlen_q,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    m_block = tl.program_id(0)
-    batch_head = tl.program_id(1)
+    m_block, batch_head = tile_and_batch_head(tl.cdiv(seqlen_q, BLOCK_M))
     batch = batch_head // num_heads
     head = batch_head % num_heads
     q_start, seqlen_q, _, _ = sequence_bounds(batch, CuSeqlensQ, CuSeqlensQ, None, None, seqlen_q, seqlen_q, IS_VARLEN,
@@ -117,8 +116,7 @@ def attn_bwd_dkdv_kernel(
 
     Lse and Delta share one layout (strides stride_lse_b, stride_lse_h; rows contiguous).
     """
-    n_block = tl.program_id(0)
-    batch_head = tl.program_id(1)
+    n_block, batch_head = tile_and_batch_head(tl.cdiv(seqlen_k, BLOCK_N))
     batch = batch_head // num_heads_k
     head_k = batch_head % num_heads_k
     q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, None, None, seqlen_q,
@@ -236,8 +234,7 @@ def attn_bwd_dq_kernel(
     HAS_DROPOUT: tl.constexpr,
 ):
     """One program per (query tile, batch * head); loops over the visible key tiles."""
-    m_block = tl.program_id(0)
-    batch_head = tl.program_id(1)
+    m_block, batch_head = tile_and_batch_head(tl.cdiv(seqlen_q, BLOCK_M))
     batch = batch_head // num_heads
     head = batch_head % num_heads
     head_k = head // group_size

@@ -7,6 +7,8 @@ lse_s = -inf and weigh nothing; rows no split saw get out 0 and lse +inf (flash_
 import triton
 import triton.language as tl
 
+from .common import tile_and_batch_head
+
 
 @triton.jit(do_not_specialize=["seqlen_q", "num_splits", "stride_la_split", "stride_la_b", "stride_la_h",
                                "stride_lse_b", "stride_lse_h"])
@@ -20,8 +22,7 @@ def attn_combine_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """One program per (query tile, batch * head); loops twice over the splits (max/sum, then the merge)."""
-    m_block = tl.program_id(0)
-    batch_head = tl.program_id(1)
+    m_block, batch_head = tile_and_batch_head(tl.cdiv(seqlen_q, BLOCK_M))
     batch = (batch_head // num_heads).to(tl.int64)
     head = (batch_head % num_heads).to(tl.int64)
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -17,6 +17,15 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def tile_and_batch_head(num_tiles):
+    """(tile, batch * heads index) of this program. Grids are 1-D over num_tiles tiles per (batch, head),
+    tiles fastest (the programs of one head run together and share its K/V in L2), so CUDA's 65535 limit
+    on grid axes 1 and 2 never binds on batch * heads. Launchers size axis 0 as num_tiles * batch * heads."""
+    pid = tl.program_id(0)
+    return pid % num_tiles, pid // num_tiles
+
+
+@triton.jit
 def kv_block_range(m_start, seqlen_q, seqlen_k, window_left, window_right,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_LOCAL: tl.constexpr):
     """Key blocks visible to query rows [m_start, m_start + BLOCK_M).

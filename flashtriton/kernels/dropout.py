@@ -6,15 +6,14 @@ It evaluates the same dropout_keep as the attention kernels, so S_dmask shows ex
 import triton
 import triton.language as tl
 
-from .common import dropout_keep
+from .common import dropout_keep, tile_and_batch_head
 
 
 @triton.jit(do_not_specialize=["rows", "cols"])
 def dropout_mask_kernel(RngState, Keep, stride_kb, stride_kh, stride_km, num_heads, rows, cols, dropout_p,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keep[b, h, i, j] = 1 where attention probability (i, j) of stream b * heads + h is kept."""
-    m_block = tl.program_id(0)
-    batch_head = tl.program_id(1)
+    m_block, batch_head = tile_and_batch_head(tl.cdiv(rows, BLOCK_M))
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     base = Keep + (batch_head // num_heads).to(tl.int64) * stride_kb + (batch_head % num_heads).to(tl.int64) * stride_kh
     for n_start in range(0, cols, BLOCK_N):

@@ -23,7 +23,7 @@ TMA_HOST = tl.constexpr(1)
 TMA_DEVICE = tl.constexpr(2)
 
 from .common import (alibi_bias_log2, dropout_keep, kv_block_range, row_offsets, scores_log2, sequence_bounds,
-                     split_block_range, to_int64, visibility_mask)
+                     split_block_range, tile_and_batch_head, to_int64, visibility_mask)
 
 
 @triton.jit
@@ -115,12 +115,16 @@ def attn_fwd_kernel(
     Query tiles run in reverse order, so under a causal mask the longest rows start first.
     HAS_DROPOUT drops P elements by dropout_keep (seeded from RngState) after the row sum, so the LSE
     ignores dropout, and scales the output by dropout_scale = 1 / (1 - dropout_p).
-    IS_SPLIT (split-KV, grid axis 2 = split): each split attends to its share of the visible key blocks and
+    IS_SPLIT (split-KV, grid axis 1 = split): each split attends to its share of the visible key blocks and
     writes fp32 partial outputs and LSEs (-inf where it saw no key) for attn_combine_kernel to merge.
     """
-    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
-    batch_head = tl.program_id(1)
     num_heads_k = num_heads // group_size
+    if PACK_GQA:
+        num_tiles = tl.cdiv(seqlen_q * group_size, BLOCK_M)
+    else:
+        num_tiles = tl.cdiv(seqlen_q, BLOCK_M)
+    tile, batch_head = tile_and_batch_head(num_tiles)
+    m_block = num_tiles - 1 - tile
     if PACK_GQA:
         batch = batch_head // num_heads_k
         head_k = batch_head % num_heads_k
@@ -162,7 +166,7 @@ def attn_fwd_kernel(
     block_table_row = BlockTable
     if IS_PAGED:
         block_table_row = BlockTable + batch64 * stride_block_table_b
-    split_idx = tl.program_id(2)
+    split_idx = tl.program_id(1)
     o_base = Out + split_idx.to(tl.int64) * stride_o_split + batch64 * stride_ob + to_int64(q_start) * stride_om
     lse_base = Lse + split_idx.to(tl.int64) * stride_lse_split + batch64 * stride_lse_b + q_start
 
@@ -210,7 +214,7 @@ def attn_fwd_kernel(
     n_block_min, n_full_min, n_full_max, n_block_max = kv_block_range(
         m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, IS_LOCAL)
     if IS_SPLIT:
-        split_lo, split_hi = split_block_range(n_block_min, n_block_max, split_idx, tl.num_programs(2))
+        split_lo, split_hi = split_block_range(n_block_min, n_block_max, split_idx, tl.num_programs(1))
         n_block_min = split_lo
         n_full_min = tl.minimum(tl.maximum(n_full_min, split_lo), split_hi)
         n_full_max = tl.minimum(tl.maximum(n_full_max, n_full_min), split_hi)

@@ -198,7 +198,8 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
         descriptors = tuple(_row_descriptor(t, rows, block_dim)
                             for t, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n),
                                             (out, config.block_m)))
-    grid = (*fwd_tile_grid(seqlen_q, batch, num_heads, num_heads_k, config.block_m), num_splits)
+    query_tiles, batch_heads = fwd_tile_grid(seqlen_q, batch, num_heads, num_heads_k, config.block_m)
+    grid = (query_tiles * batch_heads, num_splits)
     with device_guard(q):
         attn_fwd_kernel[grid](
             q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table,
@@ -217,7 +218,7 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if is_split:
-            combine_grid = (triton_cdiv(seqlen_q, COMBINE_BLOCK), batch * num_heads)
+            combine_grid = (triton_cdiv(seqlen_q, COMBINE_BLOCK) * batch * num_heads,)
             attn_combine_kernel[combine_grid](
                 out, lse, target_out, target_lse,
                 out.stride(0), out.stride(1), out.stride(2), out.stride(3),
@@ -295,14 +296,14 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
     alibi_stride = _alibi_batch_stride(alibi_slopes)
     with device_guard(q):
         if seqlen_q > 0:
-            preprocess_grid = (triton_cdiv(seqlen_q, config.preprocess_block), batch * num_heads)
+            preprocess_grid = (triton_cdiv(seqlen_q, config.preprocess_block) * batch * num_heads,)
             attn_bwd_preprocess_kernel[preprocess_grid](
                 out, dout, delta, cu_seqlens_q, *seq_strides(out), *seq_strides(dout), *lse_strides,
                 num_heads, seqlen_q,
                 HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.preprocess_block, IS_VARLEN=is_varlen,
             )
         if seqlen_k > 0:
-            dkdv_grid = (triton_cdiv(seqlen_k, config.dkdv.block_n), batch * num_heads_k)
+            dkdv_grid = (triton_cdiv(seqlen_k, config.dkdv.block_n) * batch * num_heads_k,)
             attn_bwd_dkdv_kernel[dkdv_grid](
                 q, k, v, dout, lse, delta, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
                 *seq_strides(q), *seq_strides(k), *seq_strides(v), *seq_strides(dout), *lse_strides,
@@ -312,7 +313,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
                 **flags, num_warps=config.dkdv.num_warps, num_stages=config.dkdv.num_stages,
             )
         if seqlen_q > 0:
-            dq_grid = (triton_cdiv(seqlen_q, config.dq.block_m), batch * num_heads)
+            dq_grid = (triton_cdiv(seqlen_q, config.dq.block_m) * batch * num_heads,)
             attn_bwd_dq_kernel[dq_grid](
                 q, k, v, dout, lse, delta, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
                 *seq_strides(q), *seq_strides(k), *seq_strides(v), *seq_strides(dout), *lse_strides,

@@ -41,7 +41,7 @@ def keep_mask(rng_state: torch.Tensor, batch: int, heads: int, rows: int, cols: 
         return (torch.rand(batch, heads, rows, cols, generator=generator) >= dropout_p).to(device)
     keep = torch.empty(batch, heads, rows, cols, dtype=torch.int8, device=device)
     if keep.numel():
-        grid = (triton_cdiv(rows, MASK_BLOCK), batch * heads)
+        grid = (triton_cdiv(rows, MASK_BLOCK) * batch * heads,)
         with device_guard(keep):
             dropout_mask_kernel[grid](rng_state, keep, keep.stride(0), keep.stride(1), keep.stride(2), heads, rows,
                                       cols, dropout_p, BLOCK_M=MASK_BLOCK, BLOCK_N=MASK_BLOCK)

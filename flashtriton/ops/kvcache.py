@@ -120,7 +120,7 @@ def _append(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
     if seqlen_new == 0:
         return
     page_args = (block_table.stride(0), k_cache.shape[1]) if block_table is not None else (0, 1)
-    grid = (triton_cdiv(seqlen_new, APPEND_BLOCK), batch * num_heads_k)
+    grid = (triton_cdiv(seqlen_new, APPEND_BLOCK) * batch * num_heads_k,)
     with device_guard(k):
         kv_append_kernel[grid](
             k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
