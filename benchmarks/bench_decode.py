@@ -24,9 +24,11 @@ from flashtriton.ops.kvcache import splits_for
 
 ROWS = [(64, 4096), (16, 16384), (4, 65536), (1, 131072)]
 HEADS, HEADS_K, DIM = 32, 8, 128
-# (block_m, block_n, warps, stages) of the decode tile; block_m 16 holds the 4 packed query heads of a KV head
-DECODE_CANDIDATES = [(16, 128, 4, 3), (16, 128, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 2, 4),
-                     (16, 128, 8, 3), (16, 256, 8, 2), (16, 32, 2, 6)]
+# (block_m, block_n, warps, stages, tensor descriptors) of the decode tile; block_m 16 holds the 4 packed
+# query heads of a KV head. Paged caches never use descriptors.
+DECODE_CANDIDATES = [(16, 128, 4, 3, False), (16, 128, 4, 2, False), (16, 64, 4, 3, False), (16, 64, 4, 4, False),
+                     (16, 64, 2, 4, False), (16, 128, 8, 3, False), (16, 256, 8, 2, False), (16, 32, 2, 6, False),
+                     (16, 128, 4, 3, True), (16, 128, 4, 4, True), (16, 64, 4, 4, True), (16, 256, 8, 2, True)]
 
 
 def timed(fn):
@@ -44,11 +46,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--paged", default="0,64,256", help="page sizes; 0 = contiguous cache")
     parser.add_argument("--sweep", action="store_true", help="also time every DECODE_CANDIDATES config")
+    parser.add_argument("--splits", default="0", help="num_splits values to time (0 = the heuristic)")
     args = parser.parse_args()
     default_config = configs.fwd_config
     base = default_config(configs.arch_class(torch.device("cuda")), DIM, False, 1)
-    candidates = [None] + ([replace(base, block_m=m, block_n=n, num_warps=w, num_stages=s)
-                            for m, n, w, s in DECODE_CANDIDATES] if args.sweep else [])
+    candidates = [None] + ([replace(base, block_m=m, block_n=n, num_warps=w, num_stages=s, use_tma=tma)
+                            for m, n, w, s, tma in DECODE_CANDIDATES] if args.sweep else [])
+    split_counts = [int(s) for s in args.splits.split(",")]
     print(f"device copy: {copy_bandwidth():.2f} TB/s (bytes read + written)")
     print("| batch, seqlen_k | layout | flashtriton TB/s | splits | sdpa-flash TB/s | sdpa-cudnn TB/s | max err |")
     print("|---|---|---|---|---|---|---|")
@@ -75,22 +79,24 @@ def main():
                 table = torch.arange(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
                 k_cache = k.reshape(batch * pages, page, HEADS_K, DIM)
                 v_cache = v.reshape(batch * pages, page, HEADS_K, DIM)
-                call = lambda: flashtriton.flash_attn_with_kvcache(  # noqa: E731
-                    q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)
+                calls = {s: lambda s=s: flashtriton.flash_attn_with_kvcache(
+                    q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, num_splits=s) for s in split_counts}
             else:
-                call = lambda: flashtriton.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths)  # noqa: E731
+                calls = {s: lambda s=s: flashtriton.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths,
+                                                                          num_splits=s) for s in split_counts}
             layout = f"paged {page}" if page else "contiguous"
-            for candidate in candidates:
+            for candidate, (num_splits, call) in ((c, sc) for c in candidates for sc in calls.items()):
                 configs.fwd_config = default_config if candidate is None else (lambda *_, c=candidate: c)
                 label = "" if candidate is None else (f" [{candidate.block_m}x{candidate.block_n} "
-                                                      f"w{candidate.num_warps} s{candidate.num_stages}]")
+                                                      f"w{candidate.num_warps} s{candidate.num_stages}"
+                                                      f"{' tma' if candidate.use_tma else ''}]")
                 try:
                     err = float((call().float() - expected.float()).abs().max()) if expected is not None else float("nan")
                     ms = timed(call)
                 except Exception as exc:  # a candidate that does not compile is reported, not fatal
                     print(f"| {batch}, {seqlen} | {layout}{label} | failed: {type(exc).__name__} |", flush=True)
                     continue
-                splits = splits_for(q, HEADS_K, 1, seqlen, 0)
+                splits = splits_for(q, HEADS_K, 1, seqlen, num_splits)
                 print(f"| {batch}, {seqlen} | {layout}{label} | {kv_bytes / ms * 1e-9:.2f} | {splits} | "
                       f"{peers['flash']:.2f} | {peers['cudnn']:.2f} | {err:.1e} |", flush=True)
             configs.fwd_config = default_config

@@ -96,7 +96,13 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
 
 
 def _check_paged_capacity(cache_seqlens: torch.Tensor, seqlen_new: int, capacity: int) -> None:
-    """flash_attn's paged-capacity check (API.md §5.2); one host synchronization, as upstream."""
+    """flash_attn's paged-capacity check (API.md §5.2); one host synchronization, as upstream.
+
+    Skipped while a CUDA graph is being captured (a capture cannot read device values). The kernels stay
+    in bounds without it: appends past the capacity are not written and reads stop at the capacity.
+    """
+    if cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
     needed = int(cache_seqlens.max()) + seqlen_new
     checks.check(needed <= capacity,
                  f"Paged KV cache: max(seqlens_k) + seqlen_knew (= {needed}) exceeds the capacity addressable by "
