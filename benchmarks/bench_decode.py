@@ -47,6 +47,8 @@ def main():
     parser.add_argument("--paged", default="0,64,256", help="page sizes; 0 = contiguous cache")
     parser.add_argument("--sweep", action="store_true", help="also time every DECODE_CANDIDATES config")
     parser.add_argument("--splits", default="0", help="num_splits values to time (0 = the heuristic)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="time each row this many times; print the median and the range of the TB/s")
     args = parser.parse_args()
     default_config = configs.fwd_config
     base = default_config(configs.arch_class(torch.device("cuda")), DIM, False, 1)
@@ -92,12 +94,15 @@ def main():
                                                       f"{' tma' if candidate.use_tma else ''}]")
                 try:
                     err = float((call().float() - expected.float()).abs().max()) if expected is not None else float("nan")
-                    ms = timed(call)
+                    times = sorted(timed(call) for _ in range(args.repeat))
+                    ms = times[len(times) // 2]
                 except Exception as exc:  # a candidate that does not compile is reported, not fatal
                     print(f"| {batch}, {seqlen} | {layout}{label} | failed: {type(exc).__name__} |", flush=True)
                     continue
                 splits = splits_for(q, HEADS_K, 1, seqlen, num_splits)
-                print(f"| {batch}, {seqlen} | {layout}{label} | {kv_bytes / ms * 1e-9:.2f} | {splits} | "
+                spread = (f" ({kv_bytes / times[-1] * 1e-9:.2f}-{kv_bytes / times[0] * 1e-9:.2f})"
+                          if len(times) > 1 else "")
+                print(f"| {batch}, {seqlen} | {layout}{label} | {kv_bytes / ms * 1e-9:.2f}{spread} | {splits} | "
                       f"{peers['flash']:.2f} | {peers['cudnn']:.2f} | {err:.1e} |", flush=True)
             configs.fwd_config = default_config
 

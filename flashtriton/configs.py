@@ -53,14 +53,17 @@ _INTERPRETER_BWD = BwdConfig(TileConfig(64, 64, 4, 1), TileConfig(64, 64, 4, 1),
 # bf16, shapes (4, 4096, 16, 128), (4, 4096, 32, 64), (4, 4096, 8, 256). Forward: tensor descriptors won
 # on every row (d128: 572 vs 538 TF/s; d128 causal with 64x64 tiles: 489 vs 373). The A-1 rescale skip is
 # off on GPUs: expressed in Triton it needs a tile-wide reduction and branch per key block, which cost 15%
-# at head dim 128 (443 vs 519 TF/s). sm80 entries are conservative guesses, not measured.
+# at head dim 128 (443 vs 519 TF/s). Head dim 256 (sweep of 2026-11-30, commit d8c9095, shape (4, 4096, 8, 256)):
+# forward 128x32 w8 s3 with descriptors 558 / 461 TF/s (causal) vs 401 / 351 for 128x64 w8 s2 (offline compile:
+# 128x32 s3 is the one candidate without spills); backward dQ 128x32 w8 s2 185 / 162 vs 141 / 125 for 64x32 w4.
+# sm80 entries are conservative guesses, not measured.
 _NO_SKIP = 0.0
 _TMA = True
 _FWD_TABLE = {
     ("sm90", False): ((64, FwdConfig(64, 64, 4, 3, _NO_SKIP, _TMA)), (128, FwdConfig(128, 128, 8, 3, _NO_SKIP, _TMA)),
-                      (256, FwdConfig(128, 64, 8, 2, _NO_SKIP, _TMA))),
+                      (256, FwdConfig(128, 32, 8, 3, _NO_SKIP, _TMA))),
     ("sm90", True): ((64, FwdConfig(64, 64, 4, 3, _NO_SKIP, _TMA)), (128, FwdConfig(64, 64, 4, 3, _NO_SKIP, _TMA)),
-                     (256, FwdConfig(128, 64, 8, 2, _NO_SKIP, _TMA))),
+                     (256, FwdConfig(128, 32, 8, 3, _NO_SKIP, _TMA))),
     ("sm80", False): ((64, FwdConfig(128, 64, 4, 3, _NO_SKIP)), (128, FwdConfig(128, 64, 4, 2, _NO_SKIP)),
                       (256, FwdConfig(64, 64, 4, 2, _NO_SKIP))),
 }
@@ -68,7 +71,7 @@ _FWD_TABLE[("sm80", True)] = _FWD_TABLE[("sm80", False)]
 _BWD_TABLE = {
     "sm90": ((64, BwdConfig(TileConfig(32, 64, 4, 3), TileConfig(128, 64, 8, 3))),
              (128, BwdConfig(TileConfig(64, 128, 8, 2), TileConfig(128, 64, 8, 3))),
-             (256, BwdConfig(TileConfig(32, 64, 8, 2), TileConfig(64, 32, 4, 2)))),
+             (256, BwdConfig(TileConfig(32, 64, 8, 2), TileConfig(128, 32, 8, 2)))),
     "sm80": ((64, BwdConfig(TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 2))),
              (128, BwdConfig(TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 2))),
              (256, BwdConfig(TileConfig(32, 64, 4, 1), TileConfig(32, 64, 4, 1)))),

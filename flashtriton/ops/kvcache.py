@@ -36,7 +36,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     checks.check_dtypes(q, k_cache, v_cache)
     checks.check_same_device(q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos,
                              rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                             block_table=block_table)
+                             block_table=block_table, cache_seqlens=cache_seqlens)
     checks.check_device_capability(q)
     checks.check(q.dim() == 4, f"q must have shape (batch_size, seqlen_q, num_heads, head_size), got {tuple(q.shape)}")
     batch, _, num_heads, head_dim = q.shape
