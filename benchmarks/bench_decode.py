@@ -35,6 +35,23 @@ def timed(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def graphed(call):
+    """call captured into a CUDA graph; the returned function replays it and returns its (static) output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+
+    def replay():
+        graph.replay()
+        return out
+    return replay
+
+
 def copy_bandwidth() -> float:
     src = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
@@ -47,6 +64,8 @@ def main():
     parser.add_argument("--paged", default="0,64,256", help="page sizes; 0 = contiguous cache")
     parser.add_argument("--sweep", action="store_true", help="also time every DECODE_CANDIDATES config")
     parser.add_argument("--splits", default="0", help="num_splits values to time (0 = the heuristic)")
+    parser.add_argument("--graph", action="store_true",
+                        help="time the calls replayed from a CUDA graph (no Python launch overhead), as servers run them")
     parser.add_argument("--repeat", type=int, default=1,
                         help="time each row this many times; print the median and the range of the TB/s")
     args = parser.parse_args()
@@ -93,6 +112,8 @@ def main():
                                                       f"w{candidate.num_warps} s{candidate.num_stages}"
                                                       f"{' tma' if candidate.use_tma else ''}]")
                 try:
+                    if args.graph:
+                        call = graphed(call)
                     err = float((call().float() - expected.float()).abs().max()) if expected is not None else float("nan")
                     times = sorted(timed(call) for _ in range(args.repeat))
                     ms = times[len(times) // 2]

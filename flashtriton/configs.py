@@ -120,11 +120,19 @@ def pack_gqa(seqlen_q: int, group_size: int) -> bool:
     return group_size > 1 and seqlen_q <= DECODE_MAX_ROWS
 
 
-def fwd_config(arch: str, head_dim: int, causal: bool = False, seqlen_q: int = 1 << 30) -> FwdConfig:
+# Dropout's in-kernel Philox needs registers: at head dim <= 128 the sm90 forward tiles spill (offline sm_90
+# compile, tools/offline_compile.py --dropout: 128x128 w8 368 B, 64x64 w4 48 B) where 128x64 w8 s3 spills 8 B.
+_DROPOUT_FWD = {"sm90": FwdConfig(128, 64, 8, 3, _NO_SKIP, _TMA)}
+
+
+def fwd_config(arch: str, head_dim: int, causal: bool = False, seqlen_q: int = 1 << 30,
+               dropout: bool = False) -> FwdConfig:
     if arch == "interpreter":
         config = _INTERPRETER_FWD
     elif seqlen_q <= DECODE_MAX_ROWS:
         config = _DECODE if head_dim <= 128 else _DECODE_LARGE
+    elif dropout and head_dim <= 128 and arch in _DROPOUT_FWD:
+        config = _DROPOUT_FWD[arch]
     else:
         config = _lookup(_FWD_TABLE, (arch, causal), head_dim)
     if RESCALE_THRESHOLD_OVERRIDE is not None:

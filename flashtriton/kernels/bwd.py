@@ -47,12 +47,14 @@ def attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_q_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
-                 offs_n, offs_d, m_block_lo, m_block_hi, seqlen_q, seqlen_k,
+                 n_start, offs_n, offs_d, m_block_lo, m_block_hi, seqlen_q, seqlen_k,
                  qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
                  slope_log2, alibi_pure_causal, rng_state, stream, dropout_p, dropout_scale,
-                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, IS_LOCAL: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr):
-    """Accumulate query blocks [m_block_lo, m_block_hi) of one head into the key tile's (dk, dv)."""
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                 IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                 HAS_DROPOUT: tl.constexpr):
+    """Accumulate query blocks [m_block_lo, m_block_hi) of one head into the key tile's (dk, dv)
+    (keys n_start + offs_n)."""
     offs_row = tl.arange(0, BLOCK_M)
     d_in = offs_d < HEAD_DIM
     for m_block in range(m_block_lo, m_block_hi):
@@ -80,7 +82,7 @@ def _dkdv_q_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm,
         # [BLOCK_N, BLOCK_M]
         dp_t = tl.dot(v, tl.trans(do))
         if HAS_DROPOUT:
-            keep_t = dropout_keep(rng_state, stream, offs_m[None, :], offs_n[:, None], dropout_p)
+            keep_t = tl.trans(dropout_keep(rng_state, stream, offs_m, n_start, dropout_p, BLOCK_N))
             dv = tl.dot((tl.where(keep_t, p_t, 0.0) * dropout_scale).to(do.dtype), do, dv)
             dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
         else:
@@ -154,20 +156,20 @@ def attn_bwd_dkdv_kernel(
         if HAS_ALIBI:
             slope_log2 = tl.load(AlibiSlopes + batch * stride_alibi_b + head) * 1.4426950408889634
         dk, dv = _dkdv_q_loop(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, offs_n, offs_d,
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, n_start, offs_n, offs_d,
             m_block_min, m_full_min, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
             window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch * num_heads_k * group_size + head,
-            dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+            dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
         dk, dv = _dkdv_q_loop(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, offs_n, offs_d,
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, n_start, offs_n, offs_d,
             m_full_min, m_full_max, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
             window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch * num_heads_k * group_size + head,
-            dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+            dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
         dk, dv = _dkdv_q_loop(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, offs_n, offs_d,
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, n_start, offs_n, offs_d,
             m_full_max, m_block_max, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
             window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch * num_heads_k * group_size + head,
-            dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+            dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
 
     dk = dk * softmax_scale
     tl.store(DK + batch64 * stride_dkb + rows_k * stride_dkn + head_k.to(tl.int64) * stride_dkh
@@ -205,7 +207,7 @@ def _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn
             p = tl.where(visibility_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, IS_LOCAL), p, 0.0)
         dp = tl.dot(do, v_t)
         if HAS_DROPOUT:
-            keep = dropout_keep(rng_state, stream, offs_m[:, None], offs_n[None, :], dropout_p)
+            keep = dropout_keep(rng_state, stream, offs_m, n_start, dropout_p, BLOCK_N)
             dp = tl.where(keep, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:

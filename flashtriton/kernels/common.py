@@ -185,15 +185,26 @@ def row_offsets(n_start, offs_col, seqlen_k, stride_row, block_table_row, page_s
 
 
 @triton.jit
-def dropout_keep(rng_state, stream, rows, cols, dropout_p):
-    """Bool keep mask (shape of rows + cols) of flash-attention dropout: Bernoulli(1 - dropout_p).
+def dropout_keep(rng_state, stream, offs_m, n_start, dropout_p, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] bool keep mask of flash-attention dropout, Bernoulli(1 - dropout_p), for query rows
+    offs_m [BLOCK_M] and keys n_start + [0, BLOCK_N) (n_start a multiple of 4).
 
-    Counter-based (Philox): element (query row i, key j) of stream (batch * heads + head) draws
-    philox(seed, j, i, stream, offset) with (seed, offset) = rng_state[0:2], so the mask never depends
-    on tile sizes, launch order or splits. `rows` and `cols` broadcast against each other.
+    Counter-based (Philox): one call yields four 32-bit words; key j of query row i in stream
+    (batch * heads + head) takes word j % 4 of philox(seed, j // 4, i, stream, offset), with
+    (seed, offset) = rng_state[0:2]. The mask never depends on tile sizes, launch order or splits.
+    stream is a scalar or a [BLOCK_M, 1] tensor (one stream per row).
     """
     seed = tl.load(rng_state)
     offset = (tl.load(rng_state + 1) & 0x7FFFFFFF).to(tl.int32)
-    zeros = tl.zeros_like(rows + cols)
-    bits, _, _, _ = tl.random.philox(seed, cols + zeros, rows + zeros, stream + zeros, offset + zeros)
-    return tl.random.uint_to_uniform_float(bits) >= dropout_p
+    # [BLOCK_M, BLOCK_N // 4]: the Philox counter of each group of four keys
+    quads = (n_start // 4 + tl.arange(0, BLOCK_N // 4))[None, :]
+    zeros = tl.zeros_like(offs_m[:, None] + quads)
+    word0, word1, word2, word3 = tl.random.philox(seed, quads + zeros, offs_m[:, None] + zeros, stream + zeros,
+                                                  offset + zeros)
+    keep0 = (tl.random.uint_to_uniform_float(word0) >= dropout_p).to(tl.int8)
+    keep1 = (tl.random.uint_to_uniform_float(word1) >= dropout_p).to(tl.int8)
+    keep2 = (tl.random.uint_to_uniform_float(word2) >= dropout_p).to(tl.int8)
+    keep3 = (tl.random.uint_to_uniform_float(word3) >= dropout_p).to(tl.int8)
+    # [BLOCK_M, BLOCK_N // 4, 2, 2] -> [BLOCK_M, BLOCK_N]: element [c, y, x] is word 2y + x of quad c, column 4c + 2y + x
+    keep = tl.join(tl.join(keep0, keep2), tl.join(keep1, keep3))
+    return tl.reshape(keep, [offs_m.shape[0], BLOCK_N]) != 0

@@ -82,7 +82,7 @@ def _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_kv_batch
             l_i = l_i * alpha
         l_i += tl.sum(p, 1)  # the softmax normalizer (and so the LSE) ignores dropout
         if HAS_DROPOUT:
-            p = tl.where(dropout_keep(rng_state, stream, offs_m[:, None], offs_n[None, :], dropout_p), p, 0.0)
+            p = tl.where(dropout_keep(rng_state, stream, offs_m, n_start, dropout_p, BLOCK_N), p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
     return acc, l_i, m_i

@@ -166,7 +166,8 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     """
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k = k.shape[-2]
-    config = configs.fwd_config(configs.arch_class(q.device), head_dim, params.window_right == 0, seqlen_q)
+    config = configs.fwd_config(configs.arch_class(q.device), head_dim, params.window_right == 0, seqlen_q,
+                                dropout_p > 0.0)
     if seqlen_q == 0 or batch == 0:
         return
     is_varlen = cu_seqlens_q is not None
