@@ -119,22 +119,9 @@ def attention_fn(provider: str, causal: bool, dropout_p: float):
 
 def timed_fn(provider: str, mode: str, causal: bool, dropout_p: float, q, k, v):
     """What do_bench times: fwd under no_grad; bwd the backward of a graph built once; fwd+bwd both."""
-    import torch
+    from flashtriton.bench import timed_attention
 
-    from flashtriton.bench import provider_inputs
-
-    attention = attention_fn(provider, causal, dropout_p)
-    q, k, v = provider_inputs(provider, q, k, v, requires_grad=mode != "fwd")
-    if mode == "fwd":
-        def forward():
-            with torch.no_grad():
-                return attention(q, k, v)
-        return forward
-    out = attention(q, k, v)
-    dout = torch.randn_like(out)
-    if mode == "bwd":
-        return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-    return lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), dout)
+    return timed_attention(attention_fn(provider, causal, dropout_p), provider, mode, q, k, v)
 
 
 def unavailable(error: Exception) -> str:

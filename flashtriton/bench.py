@@ -193,7 +193,11 @@ def random_inputs(shape: Shape, dtype: torch.dtype, device="cuda", seed: int = 0
 
 def timed_callable(provider: str, mode: str, causal: bool, q, k, v) -> Callable:
     """The function to time for a mode. bwd times the backward only, on a graph built once."""
-    attention = attention_callable(provider, causal)
+    return timed_attention(attention_callable(provider, causal), provider, mode, q, k, v)
+
+
+def timed_attention(attention: Callable, provider: str, mode: str, q, k, v) -> Callable:
+    """timed_callable for any attention(q, k, v) in the provider's layout (e.g. with dropout)."""
     q, k, v = provider_inputs(provider, q, k, v, requires_grad=mode != "fwd")
     if mode == "fwd":
         def forward():
