@@ -143,13 +143,35 @@ def check_lse(lse: torch.Tensor, ref_lse: torch.Tensor) -> ErrorCheck:
     return ErrorCheck("lse", max_error, 0.0, bound, same_inf)
 
 
+def flash_reference_grads(ref_out: torch.Tensor, ref_lse: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+                          inputs64: Sequence[torch.Tensor]):
+    """Float64 gradients of FlashAttention's backward algorithm, given the output the kernel stored.
+
+    The backward takes delta_i = rowsum(dO_i * O_i) from the stored, rounded O (as FA2 does), so its
+    dS = P * (dP - delta) carries -P_ij * e_i with e_i = rowsum(dO_i * (O_kernel_i - O_i)); since
+    P_ij = dLSE_i / ds_ij, that is exactly the gradient of -sum_i e_i * LSE_i. With a saturated softmax this
+    term dominates dQ and dK (they are tiny there), so gradients are compared with
+    d/d(q, k, v) [sum(dO * O) - sum_i e_i * LSE_i] in float64 rather than with the exact gradient.
+    ref_out/ref_lse come from the float64 reference built on inputs64, out is the kernel's output in
+    ref_out's layout, and ref_lse has out's rows on its last axis ((B, H, Sq) or (H, T)).
+    """
+    dout64 = dout.detach().double()
+    rounding = (dout64 * (out.detach().double() - ref_out.detach())).sum(-1).transpose(-1, -2)
+    lse = ref_lse.double()
+    finite = torch.isfinite(lse)
+    rounding = torch.where(finite, rounding, 0.0)
+    with torch.enable_grad():
+        objective = (ref_out * dout64).sum() - (rounding * torch.where(finite, lse, 0.0)).sum()
+    return torch.autograd.grad(objective, list(inputs64))
+
+
 def compare_with_reference(case: Case, out: torch.Tensor, lse: torch.Tensor, q, k, v, alibi_slopes,
                            grads: Optional[Sequence[torch.Tensor]] = None, dout: Optional[torch.Tensor] = None,
                            grad_factor: float = 3.0):
     """ErrorChecks of out (and, with grads and dout, dq/dk/dv) against float64 and same-dtype references.
 
     LSE (check_lse) must put +inf exactly where the float64 reference does and match it elsewhere
-    within 1e-4 * (1 + max|lse|).
+    within 1e-4 * (1 + max|lse|). Gradients are compared with flash_reference_grads.
     """
     options = (case.softmax_scale, case.causal, case.window_size, case.softcap, alibi_slopes)
     inputs64 = [t.detach().double().requires_grad_(grads is not None) for t in (q, k, v)]
@@ -159,7 +181,7 @@ def compare_with_reference(case: Case, out: torch.Tensor, lse: torch.Tensor, q, 
         pt_out, _ = attention_reference(*inputs_pt, *options, compute_dtype=None)
     checks = [check_error("out", out, ref_out, pt_out, factor=2.0), check_lse(lse, ref_lse)]
     if grads is not None:
-        ref_grads = torch.autograd.grad(ref_out, inputs64, dout.double())
+        ref_grads = flash_reference_grads(ref_out, ref_lse, out, dout, inputs64)
         pt_grads = torch.autograd.grad(pt_out, inputs_pt, dout)
         for name, g, rg, pg in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads):
             checks.append(check_error(name, g, rg, pg, factor=grad_factor, atol=1e-4))

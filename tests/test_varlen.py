@@ -6,7 +6,7 @@ import torch
 import flashtriton
 from flashtriton.flash_attn_interface import _flash_attn_varlen_forward
 from flashtriton.reference import attention_reference_varlen
-from flashtriton.testing import check_error, check_lse, poisoned_outputs
+from flashtriton.testing import check_error, check_lse, flash_reference_grads, poisoned_outputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -38,7 +38,7 @@ def reference_checks(q, k, v, cu_q, cu_k, max_seqlen_k, out, lse, grads, dout, *
     checks = [check_error("out", out[:covered_q], ref_out[:covered_q], pt_out[:covered_q]),
               check_lse(lse[:, :covered_q], ref_lse[:, :covered_q])]
     if grads is not None:
-        ref_grads = torch.autograd.grad(ref_out, inputs64, dout.double())
+        ref_grads = flash_reference_grads(ref_out, ref_lse, out, dout, inputs64)
         pt_grads = torch.autograd.grad(pt_out, inputs_pt, dout)
         for name, g, rg, pg, covered in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads,
                                             (covered_q, covered_k, covered_k)):
