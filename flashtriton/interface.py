@@ -11,7 +11,7 @@ import torch
 
 from .ops.autograd import (FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc, FlashAttnVarlenFunc,
                            FlashAttnVarlenKVPackedFunc, FlashAttnVarlenQKVPackedFunc, maybe_contiguous)
-from .ops.library import fwd_kvcache
+from .ops.library import flash_kvcache
 
 _COMMON_DOC = """
     dropout_p: float, dropout probability (pass 0.0 at evaluation).
@@ -126,8 +126,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_seqlens, cache_batch_idx, block_table = (maybe_contiguous(t) for t in (cache_seqlens, cache_batch_idx,
                                                                                  block_table))
     with torch.no_grad():
-        out, softmax_lse = fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                       cache_batch_idx, cache_leftpad, block_table, float(softmax_scale), bool(causal),
-                                       int(window_size[0]), int(window_size[1]), float(softcap),
-                                       bool(rotary_interleaved), alibi_slopes, int(num_splits))
+        out, softmax_lse = flash_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                         cache_batch_idx, cache_leftpad, block_table, float(softmax_scale),
+                                         bool(causal), int(window_size[0]), int(window_size[1]), float(softcap),
+                                         bool(rotary_interleaved), alibi_slopes, int(num_splits))
     return (out, softmax_lse) if return_softmax_lse else out

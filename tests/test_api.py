@@ -548,3 +548,20 @@ def test_opcheck_backward():
     grads = [torch.empty_like(t) for t in (q, k, v)]
     args = (torch.randn_like(out), q, k, v, out, lse, *grads, 0.0, 0.3, True, -1, -1, 0.0, None, False, rng_state)
     torch.library.opcheck(torch.ops.flashtriton._flash_attn_backward.default, args)
+
+
+def test_public_functions_under_fake_tensors_use_the_ops_fake_implementations():
+    """Eager calls skip torch.library's dispatch; fake tensors (shape propagation, compile tracing) must still
+    reach the fake implementations, which run the same checks and launch nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 5, 4, 64, dtype=torch.float16)
+        k = torch.empty(2, 9, 2, 64, dtype=torch.float16)
+        out, lse, _ = flash_attn.flash_attn_func(q, k, k, causal=True, return_attn_probs=True)
+        assert out.shape == q.shape and lse.shape == (2, 4, 5)
+        cache = torch.empty(2, 32, 2, 64, dtype=torch.float16)
+        out, lse = flash_attn.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=3, return_softmax_lse=True)
+        assert out.shape == q.shape and lse.shape == (2, 4, 5)
+        with pytest.raises(RuntimeError, match="Number of heads in key/value must divide"):
+            flash_attn.flash_attn_func(q, torch.empty(2, 9, 3, 64, dtype=torch.float16), k)

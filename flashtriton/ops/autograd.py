@@ -13,8 +13,7 @@ import torch
 
 from .backend import empty_like, new_empty
 from .checks import has_contiguous_last_dim
-from .library import (_flash_attn_backward, _flash_attn_forward, _flash_attn_varlen_backward,
-                      _flash_attn_varlen_forward)
+from .library import flash_backward, flash_forward, flash_varlen_backward, flash_varlen_forward
 
 
 def maybe_contiguous(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -47,9 +46,9 @@ def _forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softca
                alibi_slopes)
     return_softmax_op = bool(return_softmax and dropout_p > 0)
     if varlen is None:
-        out, softmax_lse, s_dmask, rng_state = _flash_attn_forward(q, k, v, *options, return_softmax_op)
+        out, softmax_lse, s_dmask, rng_state = flash_forward(q, k, v, *options, return_softmax_op)
     else:
-        out, softmax_lse, s_dmask, rng_state = _flash_attn_varlen_forward(
+        out, softmax_lse, s_dmask, rng_state = flash_varlen_forward(
             q, k, v, varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.max_seqlen_q, varlen.max_seqlen_k, *options,
             return_softmax_op, varlen.block_table)
     if needs_grad:
@@ -66,12 +65,12 @@ def _backward(ctx, dout, dq, dk, dv):
     q, k, v, out, softmax_lse, rng_state, *cu_seqlens = ctx.saved_tensors
     dout = maybe_contiguous(dout)
     if ctx.max_seqlens is None:
-        _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, *ctx.options, rng_state)
+        flash_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, *ctx.options, rng_state)
         return
     if ctx.is_paged:
         raise RuntimeError("flash_attn_varlen_func with block_table (paged K/V) has no backward; "
                            "it is meant for inference")
-    _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, *cu_seqlens, *ctx.max_seqlens,
+    flash_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, *cu_seqlens, *ctx.max_seqlens,
                                 *ctx.options, rng_state)
 
 
