@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from .ops import backend
-from .reference import attention_reference
+from .reference import attention_reference, attention_reference_varlen
 
 __all__ = ["Case", "ErrorCheck", "check_error", "check_lse", "make_case_inputs", "poisoned_outputs", "strided_like",
            "compare_with_reference"]
@@ -185,4 +185,30 @@ def compare_with_reference(case: Case, out: torch.Tensor, lse: torch.Tensor, q, 
         pt_grads = torch.autograd.grad(pt_out, inputs_pt, dout)
         for name, g, rg, pg in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads):
             checks.append(check_error(name, g, rg, pg, factor=grad_factor, atol=1e-4))
+    return checks
+
+
+def compare_varlen_with_reference(out: torch.Tensor, lse: torch.Tensor, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                  max_seqlen_k: int, grads: Optional[Sequence[torch.Tensor]] = None,
+                                  dout: Optional[torch.Tensor] = None, out_factor: float = 2.0,
+                                  grad_factor: float = 3.0, **options):
+    """compare_with_reference for the varlen layout: q (Tq, H, D), k/v (Tk, Hk, D), lse (H, Tq); options are
+    attention_reference_varlen's (softmax_scale, causal, window_size, softcap, alibi_slopes).
+
+    Every row counts: the reference gives rows past the last sequence out 0, lse +inf and zero gradients.
+    """
+    with_grad = grads is not None
+    inputs64 = [t.detach().double().requires_grad_(with_grad) for t in (q, k, v)]
+    inputs_pt = [t.detach().clone().requires_grad_(with_grad) for t in (q, k, v)]
+    with torch.enable_grad():
+        ref_out, ref_lse = attention_reference_varlen(*inputs64, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, **options,
+                                                      compute_dtype=torch.float64)
+        pt_out, _ = attention_reference_varlen(*inputs_pt, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, **options,
+                                               compute_dtype=None)
+    checks = [check_error("out", out, ref_out, pt_out, factor=out_factor), check_lse(lse, ref_lse)]
+    if with_grad:
+        ref_grads = flash_reference_grads(ref_out, ref_lse, out, dout, inputs64)
+        pt_grads = torch.autograd.grad(pt_out, inputs_pt, dout)
+        for name, grad, ref_grad, pt_grad in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads):
+            checks.append(check_error(name, grad, ref_grad, pt_grad, factor=grad_factor, atol=1e-4))
     return checks

@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flashtriton
-from flashtriton.reference import attention_reference_varlen, kvcache_reference
-from flashtriton.testing import (Case, check_error, check_lse, compare_with_reference, flash_reference_grads,
+from flashtriton.reference import kvcache_reference
+from flashtriton.testing import (Case, check_error, check_lse, compare_varlen_with_reference, compare_with_reference,
                                  make_case_inputs, poisoned_outputs)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -93,20 +93,11 @@ def test_fuzz_flash_attn_varlen_func(lengths, causal, window, alibi, heads, head
                                                          return_attn_probs=True)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
-    options = dict(causal=causal, window_size=window, alibi_slopes=slopes)
-    inputs64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    inputs_pt = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    with torch.enable_grad():
-        ref, ref_lse = attention_reference_varlen(*inputs64, cu_q.cpu(), cu_k.cpu(), max_k, **options)
-        pt, _ = attention_reference_varlen(*inputs_pt, cu_q.cpu(), cu_k.cpu(), max_k, compute_dtype=None, **options)
     covered_q, covered_k = sum(lens_q), sum(lens_k)
-    checks = [check_error("out", out[:covered_q], ref[:covered_q], pt[:covered_q]),
-              check_lse(lse[:, :covered_q], ref_lse[:, :covered_q])]
-    if covered_q and covered_k:
-        ref_grads = flash_reference_grads(ref, ref_lse, out, dout, inputs64)
-        pt_grads = torch.autograd.grad(pt, inputs_pt, dout)
-        for name, g, rg, pg, n in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads, (covered_q, covered_k, covered_k)):
-            checks.append(check_error(name, g[:n], rg[:n], pg[:n], factor=3.0, atol=1e-4))
+    with_grads = covered_q > 0 and covered_k > 0  # otherwise no output depends on the inputs
+    checks = compare_varlen_with_reference(out, lse, q, k, v, cu_q.cpu(), cu_k.cpu(), max_k,
+                                           grads if with_grads else None, dout, causal=causal, window_size=window,
+                                           alibi_slopes=slopes)
     assert_ok(checks)
     assert torch.all(out[covered_q:] == 0) and all(torch.all(g[n:] == 0) for g, n in
                                                    zip(grads, (covered_q, covered_k, covered_k)))
