@@ -17,13 +17,13 @@ K/V tile is read once per KV head instead of once per query head.
 import triton
 import triton.language as tl
 
+from .common import (alibi_bias_log2, dropout_keep, kv_block_range, row_offsets, scores_log2, sequence_bounds,
+                     split_block_range, tile_and_batch_head, to_int64, visibility_mask)
+
 # TMA_MODE values
 TMA_OFF = tl.constexpr(0)
 TMA_HOST = tl.constexpr(1)
 TMA_DEVICE = tl.constexpr(2)
-
-from .common import (alibi_bias_log2, dropout_keep, kv_block_range, row_offsets, scores_log2, sequence_bounds,
-                     split_block_range, tile_and_batch_head, to_int64, visibility_mask)
 
 
 @triton.jit
