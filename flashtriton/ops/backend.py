@@ -214,7 +214,8 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
             IS_VARLEN=is_varlen, IS_PAGED=is_paged, HAS_SEQUSED_K=seqused_k is not None,
             HAS_LEFTPAD_K=leftpad_k is not None, HAS_BATCH_IDX=cache_batch_idx is not None, IS_SPLIT=is_split,
             HAS_DROPOUT=dropout_p > 0.0, TMA_MODE=tma_mode, PACK_GQA=pack_gqa,
-            TILE_IN_PAGE=is_paged and k.shape[1] % config.block_n == 0, FOLD_SCALE=params.softcap <= 0.0 and alibi_slopes is None and params.softmax_scale > 0.0,
+            TILE_IN_PAGE=is_paged and k.shape[1] % config.block_n == 0,
+            FOLD_SCALE=params.softcap <= 0.0 and alibi_slopes is None and params.softmax_scale > 0.0,
             RESCALE_THRESHOLD=config.rescale_threshold,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
