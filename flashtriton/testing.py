@@ -167,13 +167,15 @@ def flash_reference_grads(ref_out: torch.Tensor, ref_lse: torch.Tensor, out: tor
 
 def compare_with_reference(case: Case, out: torch.Tensor, lse: torch.Tensor, q, k, v, alibi_slopes,
                            grads: Optional[Sequence[torch.Tensor]] = None, dout: Optional[torch.Tensor] = None,
-                           grad_factor: float = 3.0):
+                           grad_factor: float = 3.0, dropout_p: float = 0.0,
+                           dropout_mask: Optional[torch.Tensor] = None):
     """ErrorChecks of out (and, with grads and dout, dq/dk/dv) against float64 and same-dtype references.
 
     LSE (check_lse) must put +inf exactly where the float64 reference does and match it elsewhere
-    within 1e-4 * (1 + max|lse|). Gradients are compared with flash_reference_grads.
+    within 1e-4 * (1 + max|lse|). Gradients are compared with flash_reference_grads. With dropout_p > 0
+    the references drop with dropout_mask (bool (B, H, Sq, Sk), True where kept: the kernel's own mask).
     """
-    options = (case.softmax_scale, case.causal, case.window_size, case.softcap, alibi_slopes)
+    options = (case.softmax_scale, case.causal, case.window_size, case.softcap, alibi_slopes, dropout_p, dropout_mask)
     inputs64 = [t.detach().double().requires_grad_(grads is not None) for t in (q, k, v)]
     inputs_pt = [t.detach().clone().requires_grad_(grads is not None) for t in (q, k, v)]
     with torch.enable_grad():

@@ -578,16 +578,9 @@ class Validator:
         keep = ~torch.signbit(s_dmask[:, :, : case.seqlen_q, : case.seqlen_k])
         visible = s_dmask[:, :, : case.seqlen_q, : case.seqlen_k] != 0
         drop_rate = 1.0 - float((keep & visible).sum()) / max(1, int(visible.sum()))
-        inputs64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        inputs_pt = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        args = (case.softmax_scale, case.causal, (-1, -1), 0.0, None, DROPOUT_P, keep)
-        with torch.enable_grad():
-            ref_out, ref_lse = attention_reference(*inputs64, *args)
-            pt_out, _ = attention_reference(*inputs_pt, *args, compute_dtype=None)
-        checks = [check_error("out", out, ref_out, pt_out), check_lse(lse, ref_lse)]
-        for name, grad, ref, pt in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(ref_out, inputs64, dout.double()),
-                                       torch.autograd.grad(pt_out, inputs_pt, dout)):
-            checks.append(check_error(name, grad, ref, pt, factor=GRAD_FACTOR, atol=1e-4))
+        checks = compare_with_reference(replace(case, window_size=(-1, -1), softcap=0.0, alibi=False), out, lse,
+                                        q, k, v, None, grads, dout, grad_factor=GRAD_FACTOR, dropout_p=DROPOUT_P,
+                                        dropout_mask=keep)
         rate_ok = abs(drop_rate - DROPOUT_P) <= 0.02
         failures = [] if rate_ok else [f"drop rate {drop_rate:.3f}, expected {DROPOUT_P} +- 0.02"]
         extra = [{"name": "drop rate", "max_error": abs(drop_rate - DROPOUT_P), "bound": 0.02, "ok": rate_ok}]

@@ -5,8 +5,8 @@ import torch
 
 import flashtriton
 from flashtriton.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
-from flashtriton.reference import attention_reference, attention_reference_varlen
-from flashtriton.testing import check_error, check_lse, flash_reference_grads, poisoned_outputs
+from flashtriton.reference import attention_reference_varlen
+from flashtriton.testing import Case, check_error, compare_with_reference, poisoned_outputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -37,17 +37,8 @@ def test_output_and_gradients_match_reference_with_the_kernels_mask(options):
         grads = torch.autograd.grad(out, (q, k, v), dout)
     assert s_dmask.shape == (2, 4, 128, 128) and s_dmask.dtype == q.dtype
     keep = keep_mask_of(s_dmask, seqlen_q, 90)
-    inputs64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    inputs_pt = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    ref_args = (None, options.get("causal", False), options.get("window_size", (-1, -1)), 0.0, slopes, p, keep)
-    with torch.enable_grad():
-        ref_out, ref_lse = attention_reference(*inputs64, *ref_args)
-        pt_out, _ = attention_reference(*inputs_pt, *ref_args, compute_dtype=None)
-    checks = [check_error("out", out, ref_out, pt_out), check_lse(lse, ref_lse)]
-    ref_grads = flash_reference_grads(ref_out, ref_lse, out, dout, inputs64)
-    pt_grads = torch.autograd.grad(pt_out, inputs_pt, dout)
-    for name, g, rg, pg in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads):
-        checks.append(check_error(name, g, rg, pg, factor=3.0, atol=1e-4))
+    case = Case(causal=options.get("causal", False), window_size=options.get("window_size", (-1, -1)))
+    checks = compare_with_reference(case, out, lse, q, k, v, slopes, grads, dout, dropout_p=p, dropout_mask=keep)
     failed = [str(c) for c in checks if not c.ok]
     assert not failed, "; ".join(failed)
 
