@@ -33,16 +33,21 @@ _TILES = {
 FWD_CANDIDATES = {size: [FwdConfig(*tile, 0.0, tma) for tma in (True, False) for tile in tiles]
                   for size, tiles in _TILES.items()}
 DKDV_CANDIDATES = {
+    # offline sm_90 compiles with descriptors: 32x64 w8 s3 is the one candidate without spills
     "small": [TileConfig(32, 128, 4, 3), TileConfig(64, 128, 8, 2), TileConfig(64, 64, 4, 3), TileConfig(32, 64, 4, 3),
-              TileConfig(64, 128, 4, 2), TileConfig(64, 128, 8, 3)],
+              TileConfig(64, 128, 8, 3), TileConfig(32, 64, 8, 3), TileConfig(64, 64, 8, 3), TileConfig(32, 128, 8, 2)],
     # head dim 256: 16x64 w8 compiles without spills and keeps wgmma; 32x64 w8 (the current entry) spills 208 B
     "large": [TileConfig(32, 64, 8, 2), TileConfig(16, 64, 8, 2), TileConfig(16, 64, 8, 3), TileConfig(32, 32, 8, 2)],
 }
 DQ_CANDIDATES = {
     "small": [TileConfig(128, 32, 4, 3), TileConfig(128, 64, 8, 2), TileConfig(64, 64, 4, 3), TileConfig(64, 128, 8, 2),
-              TileConfig(128, 64, 8, 3)],
+              TileConfig(128, 64, 8, 3), TileConfig(128, 128, 8, 2)],
     "large": [TileConfig(64, 32, 4, 2), TileConfig(64, 32, 8, 2), TileConfig(128, 32, 8, 2), TileConfig(64, 64, 8, 2)],
 }
+
+
+# Backward candidates are swept with these tensor-descriptor settings (the current table entry runs with both).
+BWD_TMA = (True,)
 
 
 def flops(batch, seqlen, heads, dim, causal, mode):
@@ -72,6 +77,8 @@ def main():
     parser.add_argument("--modes", default="fwd,bwd")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--shapes", default="all", help="'all' or indices into SHAPES, e.g. 1,3")
+    parser.add_argument("--bwd-candidates", default="all", choices=("all", "base"),
+                        help="base: only the current backward entry, with and without tensor descriptors")
     args = parser.parse_args()
     modes = args.modes.split(",")
     shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
@@ -104,8 +111,10 @@ def main():
             if "bwd" in modes:
                 out = flashtriton.flash_attn_func(q, k, v, causal=causal)
                 base = original_bwd(arch, dim)
-                candidates = [replace(base, dkdv=c) for c in DKDV_CANDIDATES[size]]
-                candidates += [replace(base, dq=c) for c in DQ_CANDIDATES[size]]
+                candidates = [replace(base, use_tma=tma) for tma in (False, True)]
+                for tma in BWD_TMA if args.bwd_candidates == "all" else ():
+                    candidates += [replace(base, dkdv=c, use_tma=tma) for c in DKDV_CANDIDATES[size]]
+                    candidates += [replace(base, dq=c, use_tma=tma) for c in DQ_CANDIDATES[size]]
                 for cand in candidates:
                     configs.bwd_config = lambda *_, cand=cand: cand
                     try:

@@ -35,6 +35,7 @@ class BwdConfig:
     dkdv: TileConfig   # one program per key tile, looping over query tiles
     dq: TileConfig     # one program per query tile, looping over key tiles
     preprocess_block: int = 128
+    use_tma: bool = False  # Q/dO (dK/dV) and K/V (dQ) tiles through in-kernel tensor descriptors (sm90+)
 
 
 def _env_float(name: str):
@@ -69,9 +70,9 @@ _FWD_TABLE = {
 }
 _FWD_TABLE[("sm80", True)] = _FWD_TABLE[("sm80", False)]
 _BWD_TABLE = {
-    "sm90": ((64, BwdConfig(TileConfig(32, 64, 4, 3), TileConfig(128, 64, 8, 3))),
-             (128, BwdConfig(TileConfig(64, 128, 8, 2), TileConfig(128, 64, 8, 3))),
-             (256, BwdConfig(TileConfig(32, 64, 8, 2), TileConfig(128, 32, 8, 2)))),
+    "sm90": ((64, BwdConfig(TileConfig(32, 64, 4, 3), TileConfig(128, 64, 8, 3), use_tma=_TMA)),
+             (128, BwdConfig(TileConfig(64, 128, 8, 2), TileConfig(128, 64, 8, 3), use_tma=_TMA)),
+             (256, BwdConfig(TileConfig(32, 64, 8, 2), TileConfig(128, 32, 8, 2), use_tma=_TMA))),
     "sm80": ((64, BwdConfig(TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 2))),
              (128, BwdConfig(TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 2))),
              (256, BwdConfig(TileConfig(32, 64, 4, 1), TileConfig(32, 64, 4, 1)))),

@@ -77,14 +77,18 @@ def _seed():
 
 @pytest.fixture
 def force_tma(monkeypatch):
-    """Forward configs with tensor descriptors on (the interpreter's own config has them off), so CPU runs
-    exercise the TMA code paths: host-built descriptors for dense layouts, in-kernel ones otherwise."""
+    """Forward and backward configs with tensor descriptors on (the interpreter's own configs have them off),
+    so CPU runs exercise the TMA code paths: host-built descriptors for dense forward layouts, in-kernel ones
+    otherwise and in the backward."""
     from dataclasses import replace
 
     from flashtriton import configs
 
-    original = configs.fwd_config
-    monkeypatch.setattr(configs, "fwd_config", lambda *args, **kwargs: replace(original(*args, **kwargs), use_tma=True))
+    original_fwd, original_bwd = configs.fwd_config, configs.bwd_config
+    monkeypatch.setattr(configs, "fwd_config", lambda *args, **kwargs: replace(original_fwd(*args, **kwargs),
+                                                                                 use_tma=True))
+    monkeypatch.setattr(configs, "bwd_config", lambda *args, **kwargs: replace(original_bwd(*args, **kwargs),
+                                                                                 use_tma=True))
 
 
 def pytest_report_header(config):

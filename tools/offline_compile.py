@@ -34,7 +34,7 @@ def compile_kernel(kernel, head_dim, local, block_m, block_n, warps, stages, dty
                       BLOCK_N=block_n, IS_LOCAL=local, HAS_SOFTCAP=False, HAS_ALIBI=False, IS_VARLEN=False,
                       IS_PAGED=paged, HAS_SEQUSED_K=paged, HAS_LEFTPAD_K=False, HAS_BATCH_IDX=False, IS_SPLIT=False,
                       HAS_DROPOUT=dropout, TMA_MODE=2 if tma_device else 0, FOLD_SCALE=not dropout, PACK_GQA=pack_gqa,
-                      TILE_IN_PAGE=paged, RESCALE_THRESHOLD=0.0)
+                      TILE_IN_PAGE=paged, RESCALE_THRESHOLD=0.0, USE_TMA=tma_device)
     pointer_args = {"BlockTable", "SeqUsedK"} if paged else set()
     signature, attrs_16 = {}, []
     for index, name in enumerate(names):
@@ -72,7 +72,8 @@ def main():
     parser.add_argument("--dropout", action="store_true")
     parser.add_argument("--pack-gqa", action="store_true", help="forward only: packed GQA decode tiles")
     parser.add_argument("--paged", action="store_true", help="forward only: paged K/V, one page per key tile")
-    parser.add_argument("--tma-device", action="store_true", help="forward only: in-kernel tensor descriptors")
+    parser.add_argument("--tma-device", action="store_true",
+                        help="in-kernel tensor descriptors (forward TMA_DEVICE, backward USE_TMA)")
     args = parser.parse_args()
     block_m, block_n, warps, stages = (int(x) for x in args.config.split(","))
     compiled = compile_kernel(KERNELS[args.kernel], args.head_dim, args.local, block_m, block_n, warps, stages,

@@ -9,8 +9,9 @@ P = 0). With softcap, dS is multiplied by 1 - tanh^2 before the scale (API.md §
 import triton
 import triton.language as tl
 
-from .common import (alibi_bias_log2, dropout_keep, kv_block_range, q_block_range, row_offsets, scores_log2,
-                     sequence_bounds, tanh, tile_and_batch_head, to_int64, visibility_mask)
+from .common import (alibi_bias_log2, dropout_keep, head_rows_descriptor, kv_block_range, load_head_rows,
+                     q_block_range, row_offsets, scores_log2, sequence_bounds, tanh, tile_and_batch_head, to_int64,
+                     visibility_mask)
 
 
 @triton.jit(do_not_specialize=["stride_delta_b", "stride_delta_h", "seqlen_q"])
@@ -46,27 +47,33 @@ def attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _dkdv_q_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
+def _dkdv_q_loop(dk, dv, k, v, q_base, do_base, q_desc, do_desc, head, lse_base, delta_base, stride_qm, stride_dom,
                  n_start, offs_n, offs_d, m_block_lo, m_block_hi, seqlen_q, seqlen_k,
                  qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
                  slope_log2, alibi_pure_causal, rng_state, stream, dropout_p, dropout_scale,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                  IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                 HAS_DROPOUT: tl.constexpr):
+                 HAS_DROPOUT: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
     """Accumulate query blocks [m_block_lo, m_block_hi) of one head into the key tile's (dk, dv)
-    (keys n_start + offs_n)."""
+    (keys n_start + offs_n). USE_TMA loads Q and dO tiles of `head` through q_desc / do_desc."""
     offs_row = tl.arange(0, BLOCK_M)
     d_in = offs_d < HEAD_DIM
     for m_block in range(m_block_lo, m_block_hi):
         m_start = m_block * BLOCK_M
         offs_m = m_start + offs_row
         row_in = offs_m < seqlen_q
-        q_offs = row_offsets(m_start, offs_row, seqlen_q, stride_qm, None, 1, 0, False)
-        do_offs = row_offsets(m_start, offs_row, seqlen_q, stride_dom, None, 1, 0, False)
-        # [BLOCK_D, BLOCK_M]
-        q_t = tl.load(q_base + q_offs[None, :] + offs_d[:, None], mask=row_in[None, :] & d_in[:, None], other=0.0)
-        # [BLOCK_M, BLOCK_D]
-        do = tl.load(do_base + do_offs[:, None] + offs_d[None, :], mask=row_in[:, None] & d_in[None, :], other=0.0)
+        if USE_TMA:
+            # [BLOCK_D, BLOCK_M], [BLOCK_M, BLOCK_D]
+            q_t = tl.trans(load_head_rows(q_desc, head, m_start, BLOCK_M, BLOCK_D))
+            do = load_head_rows(do_desc, head, m_start, BLOCK_M, BLOCK_D)
+        else:
+            q_offs = row_offsets(m_start, offs_row, seqlen_q, stride_qm, None, 1, 0, False)
+            do_offs = row_offsets(m_start, offs_row, seqlen_q, stride_dom, None, 1, 0, False)
+            # [BLOCK_D, BLOCK_M]
+            q_t = tl.load(q_base + q_offs[None, :] + offs_d[:, None], mask=row_in[None, :] & d_in[:, None], other=0.0)
+            # [BLOCK_M, BLOCK_D]
+            do = tl.load(do_base + do_offs[:, None] + offs_d[None, :], mask=row_in[:, None] & d_in[None, :],
+                         other=0.0)
         # [BLOCK_M]; padded rows get lse = +inf, hence P = 0
         lse_log2 = tl.load(lse_base + offs_m, mask=row_in, other=float("inf")) * 1.4426950408889634
         delta = tl.load(delta_base + offs_m, mask=row_in, other=0.0)
@@ -112,11 +119,12 @@ def attn_bwd_dkdv_kernel(
     window_left, window_right, alibi_pure_causal, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """One program per (key tile, batch * kv head); loops over the group's query heads and query tiles.
 
-    Lse and Delta share one layout (strides stride_lse_b, stride_lse_h; rows contiguous).
+    Lse and Delta share one layout (strides stride_lse_b, stride_lse_h; rows contiguous). USE_TMA loads
+    the Q and dO tiles through in-kernel descriptors bound to the sequence (rows past it read as zeros).
     """
     n_block, batch_head = tile_and_batch_head(tl.cdiv(seqlen_k, BLOCK_N))
     batch = batch_head // num_heads_k
@@ -145,6 +153,14 @@ def attn_bwd_dkdv_kernel(
 
     m_block_min, m_full_min, m_full_max, m_block_max = q_block_range(
         n_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, IS_LOCAL)
+    q_desc = None
+    do_desc = None
+    if USE_TMA:
+        num_heads = num_heads_k * group_size
+        q_desc = head_rows_descriptor(Q + batch64 * stride_qb + to_int64(q_start) * stride_qm, num_heads, seqlen_q,
+                                      stride_qh, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D)
+        do_desc = head_rows_descriptor(DOut + batch64 * stride_dob + to_int64(q_start) * stride_dom, num_heads,
+                                       seqlen_q, stride_doh, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D)
     for group_member in range(group_size):
         head = head_k * group_size + group_member
         head64 = head.to(tl.int64)
@@ -156,20 +172,26 @@ def attn_bwd_dkdv_kernel(
         if HAS_ALIBI:
             slope_log2 = tl.load(AlibiSlopes + batch * stride_alibi_b + head) * 1.4426950408889634
         dk, dv = _dkdv_q_loop(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, n_start, offs_n, offs_d,
+            dk, dv, k, v, q_base, do_base, q_desc, do_desc, head, lse_base, delta_base, stride_qm, stride_dom,
+            n_start, offs_n, offs_d,
             m_block_min, m_full_min, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
             window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch * num_heads_k * group_size + head,
-            dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+            dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+            BLOCK_D, USE_TMA)
         dk, dv = _dkdv_q_loop(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, n_start, offs_n, offs_d,
+            dk, dv, k, v, q_base, do_base, q_desc, do_desc, head, lse_base, delta_base, stride_qm, stride_dom,
+            n_start, offs_n, offs_d,
             m_full_min, m_full_max, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
             window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch * num_heads_k * group_size + head,
-            dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+            dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+            BLOCK_D, USE_TMA)
         dk, dv = _dkdv_q_loop(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, n_start, offs_n, offs_d,
+            dk, dv, k, v, q_base, do_base, q_desc, do_desc, head, lse_base, delta_base, stride_qm, stride_dom,
+            n_start, offs_n, offs_d,
             m_full_max, m_block_max, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
             window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch * num_heads_k * group_size + head,
-            dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+            dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+            BLOCK_D, USE_TMA)
 
     dk = dk * softmax_scale
     tl.store(DK + batch64 * stride_dkb + rows_k * stride_dkn + head_k.to(tl.int64) * stride_dkh
@@ -179,24 +201,31 @@ def attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn,
+def _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, k_desc, v_desc, head_k, stride_kn, stride_vn,
                 offs_m, offs_d, n_block_lo, n_block_hi, seqlen_q, seqlen_k,
                 qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
                 slope_log2, alibi_pure_causal, rng_state, stream, dropout_p, dropout_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_LOCAL: tl.constexpr,
-                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr):
-    """Accumulate key blocks [n_block_lo, n_block_hi) into the query tile's dq (unscaled)."""
+                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """Accumulate key blocks [n_block_lo, n_block_hi) into the query tile's dq (unscaled). USE_TMA loads
+    K and V tiles of head_k through k_desc / v_desc."""
     offs_col = tl.arange(0, BLOCK_N)
     d_in = offs_d < HEAD_DIM
     for n_block in range(n_block_lo, n_block_hi):
         n_start = n_block * BLOCK_N
         offs_n = n_start + offs_col
-        key_in = offs_n < seqlen_k
-        k_offs = row_offsets(n_start, offs_col, seqlen_k, stride_kn, None, 1, 0, False)
-        v_offs = row_offsets(n_start, offs_col, seqlen_k, stride_vn, None, 1, 0, False)
-        # [BLOCK_D, BLOCK_N]
-        k_t = tl.load(k_base + k_offs[None, :] + offs_d[:, None], mask=key_in[None, :] & d_in[:, None], other=0.0)
-        v_t = tl.load(v_base + v_offs[None, :] + offs_d[:, None], mask=key_in[None, :] & d_in[:, None], other=0.0)
+        if USE_TMA:
+            # [BLOCK_D, BLOCK_N]
+            k_t = tl.trans(load_head_rows(k_desc, head_k, n_start, BLOCK_N, BLOCK_D))
+            v_t = tl.trans(load_head_rows(v_desc, head_k, n_start, BLOCK_N, BLOCK_D))
+        else:
+            key_in = offs_n < seqlen_k
+            k_offs = row_offsets(n_start, offs_col, seqlen_k, stride_kn, None, 1, 0, False)
+            v_offs = row_offsets(n_start, offs_col, seqlen_k, stride_vn, None, 1, 0, False)
+            # [BLOCK_D, BLOCK_N]
+            k_t = tl.load(k_base + k_offs[None, :] + offs_d[:, None], mask=key_in[None, :] & d_in[:, None], other=0.0)
+            v_t = tl.load(v_base + v_offs[None, :] + offs_d[:, None], mask=key_in[None, :] & d_in[:, None], other=0.0)
         # [BLOCK_M, BLOCK_N]
         qk = tl.dot(q, k_t)
         s = scores_log2(qk, qk_scale_log2, softcap_in_scale, softcap_out_log2, HAS_SOFTCAP)
@@ -233,9 +262,10 @@ def attn_bwd_dq_kernel(
     window_left, window_right, alibi_pure_causal, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """One program per (query tile, batch * head); loops over the visible key tiles."""
+    """One program per (query tile, batch * head); loops over the visible key tiles (USE_TMA: loaded
+    through in-kernel descriptors bound to the sequence)."""
     m_block, batch_head = tile_and_batch_head(tl.cdiv(seqlen_q, BLOCK_M))
     batch = batch_head // num_heads
     head = batch_head % num_heads
@@ -267,23 +297,37 @@ def attn_bwd_dq_kernel(
         slope_log2 = tl.load(AlibiSlopes + batch * stride_alibi_b + head) * 1.4426950408889634
     k_base = K + batch64 * stride_kb + to_int64(k_start) * stride_kn + head_k.to(tl.int64) * stride_kh
     v_base = V + batch64 * stride_vb + to_int64(k_start) * stride_vn + head_k.to(tl.int64) * stride_vh
+    k_desc = None
+    v_desc = None
+    if USE_TMA:
+        num_heads_k = num_heads // group_size
+        k_desc = head_rows_descriptor(K + batch64 * stride_kb + to_int64(k_start) * stride_kn, num_heads_k, seqlen_k,
+                                      stride_kh, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D)
+        v_desc = head_rows_descriptor(V + batch64 * stride_vb + to_int64(k_start) * stride_vn, num_heads_k, seqlen_k,
+                                      stride_vh, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
     # [BLOCK_M, BLOCK_D]
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     n_block_min, n_full_min, n_full_max, n_block_max = kv_block_range(
         m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, IS_LOCAL)
-    dq = _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d,
+    dq = _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, k_desc, v_desc, head_k, stride_kn, stride_vn,
+                     offs_m, offs_d,
                      n_block_min, n_full_min, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
                      window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch_head, dropout_p,
-                     dropout_scale, HEAD_DIM, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
-    dq = _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d,
+                     dropout_scale, HEAD_DIM, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, BLOCK_D,
+                     USE_TMA)
+    dq = _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, k_desc, v_desc, head_k, stride_kn, stride_vn,
+                     offs_m, offs_d,
                      n_full_min, n_full_max, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
                      window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch_head, dropout_p,
-                     dropout_scale, HEAD_DIM, BLOCK_N, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
-    dq = _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d,
+                     dropout_scale, HEAD_DIM, BLOCK_N, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, BLOCK_D,
+                     USE_TMA)
+    dq = _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, k_desc, v_desc, head_k, stride_kn, stride_vn,
+                     offs_m, offs_d,
                      n_full_max, n_block_max, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
                      window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch_head, dropout_p,
-                     dropout_scale, HEAD_DIM, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT)
+                     dropout_scale, HEAD_DIM, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, BLOCK_D,
+                     USE_TMA)
     dq = dq * softmax_scale
     tl.store(DQ + batch64 * stride_dqb + rows_q * stride_dqm + head64 * stride_dqh
              + offs_row[:, None] * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=q_mask)

@@ -159,6 +159,22 @@ def sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, seqlen_q,
 
 
 @triton.jit
+def head_rows_descriptor(base, num_heads, seqlen, stride_h, stride_row, HEAD_DIM: tl.constexpr,
+                         BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """In-kernel tensor descriptor over rows [0, seqlen) of every head of one sequence, seen as a
+    [num_heads, seqlen, HEAD_DIM] tensor at base; loads [1, BLOCK_ROWS, BLOCK_D] tiles (load_head_rows).
+    Rows past seqlen and features past HEAD_DIM read as zeros."""
+    return tl.make_tensor_descriptor(base, shape=[num_heads, seqlen, HEAD_DIM], strides=[stride_h, stride_row, 1],
+                                     block_shape=[1, BLOCK_ROWS, BLOCK_D])
+
+
+@triton.jit
+def load_head_rows(desc, head, row_start, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[BLOCK_ROWS, BLOCK_D] tile of rows row_start.. of one head through a head_rows_descriptor."""
+    return desc.load([head, row_start, 0]).reshape(BLOCK_ROWS, BLOCK_D)
+
+
+@triton.jit
 def to_int64(x):
     """Widen a scalar (tensor or interpreter int) to int64 before it multiplies a stride."""
     return x + tl.zeros([], tl.int64)

@@ -291,8 +291,11 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
     is_varlen = cu_seqlens_q is not None
     seq_strides = _varlen_strides if is_varlen else _bsh_strides
     block_dim = configs.block_d(head_dim)
+    use_tma = config.use_tma and all(_tma_compatible(t) for t in (q, k, v, dout))
+    if use_tma:
+        _ensure_scratch_allocator()
     flags = dict(IS_LOCAL=params.is_local, HAS_SOFTCAP=params.softcap > 0.0, HAS_ALIBI=alibi_slopes is not None,
-                 IS_VARLEN=is_varlen, HAS_DROPOUT=dropout_p > 0.0)
+                 IS_VARLEN=is_varlen, HAS_DROPOUT=dropout_p > 0.0, USE_TMA=use_tma)
     dropout_args = (dropout_p, 1.0 / (1.0 - dropout_p))
     score_args = params.kernel_args()
     alibi_stride = _alibi_batch_stride(alibi_slopes)

@@ -1,0 +1,45 @@
+"""Where the first flashtriton call of a process spends its time (issue #5 cold start), on CUDA.
+
+    python tools/profile_first_call.py [--head-dim 128] [--top 35]
+
+CUDA is initialised and one unrelated kernel is run first, so the profile holds only what the first
+flash_attn_func call adds: Triton's cache lookup / compilation, launcher loading, our checks. Run it once with
+an empty TRITON_CACHE_DIR and once with a warm one to separate compilation from the rest.
+"""
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--top", type=int, default=35)
+    args = parser.parse_args()
+
+    torch.zeros(1, device="cuda").add_(1)
+    torch.cuda.synchronize()
+    import flashtriton
+
+    q, k, v = (torch.randn(2, 512, 8, args.head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    flashtriton.flash_attn_func(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    profiler.disable()
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    flashtriton.flash_attn_func(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    second = time.perf_counter() - start
+    print(f"first call {first:.3f} s, second call {second * 1e3:.2f} ms")
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()
