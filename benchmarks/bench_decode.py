@@ -120,7 +120,7 @@ def main():
                 except Exception as exc:  # a candidate that does not compile is reported, not fatal
                     print(f"| {batch}, {seqlen} | {layout}{label} | failed: {type(exc).__name__} |", flush=True)
                     continue
-                splits = splits_for(q, HEADS_K, 1, seqlen, num_splits)
+                splits = splits_for(q, HEADS_K, 1, seqlen, num_splits, page_size=page)
                 spread = (f" ({kv_bytes / times[-1] * 1e-9:.2f}-{kv_bytes / times[0] * 1e-9:.2f})"
                           if len(times) > 1 else "")
                 print(f"| {batch}, {seqlen} | {layout}{label} | {kv_bytes / ms * 1e-9:.2f}{spread} | {splits} | "

@@ -57,6 +57,10 @@ _INTERPRETER_BWD = BwdConfig(TileConfig(64, 64, 4, 1), TileConfig(64, 64, 4, 1),
 # at head dim 128 (443 vs 519 TF/s). Head dim 256 (sweep of 2026-11-30, commit d8c9095, shape (4, 4096, 8, 256)):
 # forward 128x32 w8 s3 with descriptors 558 / 461 TF/s (causal) vs 401 / 351 for 128x64 w8 s2 (offline compile:
 # 128x32 s3 is the one candidate without spills); backward dQ 128x32 w8 s2 185 / 162 vs 141 / 125 for 64x32 w4.
+# Backward tensor descriptors (sweep of 2026-11-30, commit 2622019, (4, 4096, 16, 128)): the previous entry
+# (dK/dV 64x128 w8 s2) 331 -> 363 TF/s non-causal, 281 -> 286 causal; with dK/dV 32x64 w4 s3 379 / 330 (the
+# offline compile shows every dK/dV tile with BLOCK_N >= 64 and 8 warps spilling; dQ 128x64 w8 s3 no longer
+# spills). Head dim 64 with descriptors 295 / 256, head dim 256 190 (non-causal; causal 162 either way).
 # sm80 entries are conservative guesses, not measured.
 _NO_SKIP = 0.0
 _TMA = True
@@ -71,7 +75,7 @@ _FWD_TABLE = {
 _FWD_TABLE[("sm80", True)] = _FWD_TABLE[("sm80", False)]
 _BWD_TABLE = {
     "sm90": ((64, BwdConfig(TileConfig(32, 64, 4, 3), TileConfig(128, 64, 8, 3), use_tma=_TMA)),
-             (128, BwdConfig(TileConfig(64, 128, 8, 2), TileConfig(128, 64, 8, 3), use_tma=_TMA)),
+             (128, BwdConfig(TileConfig(32, 64, 4, 3), TileConfig(128, 64, 8, 3), use_tma=_TMA)),
              (256, BwdConfig(TileConfig(32, 64, 8, 2), TileConfig(128, 32, 8, 2), use_tma=_TMA))),
     "sm80": ((64, BwdConfig(TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 2))),
              (128, BwdConfig(TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 2))),
@@ -150,12 +154,21 @@ def block_d(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
+# Paged decode wants about twice the resident programs of a contiguous cache: each key tile's block-table
+# load sits in front of its K/V loads. bench_decode.py --splits 0,1,2,4,8,16,32,64 --graph (H200, commit
+# 2622019, GQA 32/8, d128): with the one-program-per-SM heuristic page 256 reached 2.95 / 3.06 / 2.55 TB/s at
+# (16, 16k) / (4, 64k) / (1, 128k) against 4.08 (2 splits) / 4.05 (8) / 3.48 (32) with twice the programs;
+# page 64 2.48 / 2.43 / 2.03 against 3.71 (2) / 3.67 (8) / 3.24 (32). Copy bandwidth 4.25 TB/s.
+PAGED_PROGRAMS_PER_SM = 2
+
+
 def num_splits_heuristic(num_programs: int, num_key_blocks: int, num_sms: int, max_splits: int = 128) -> int:
     """How many parts to split each row's keys into (split-KV), as a pure function of the launch shape.
 
-    num_programs is the unsplit grid (query tiles x batch x heads). Splitting pays only when that grid
-    leaves SMs idle: below 80% of one wave, pick the smallest split count whose last wave is at least
-    85% as full as the best one, skipping counts that give the same number of key blocks per split.
+    num_programs is the unsplit grid (query tiles x batch x heads); num_sms the programs the GPU should
+    run at once (SM count, times PAGED_PROGRAMS_PER_SM for paged caches). Splitting pays only when the
+    grid leaves them idle: below 80% of one wave, pick the smallest split count whose last wave is at
+    least 85% as full as the best one, skipping counts that give the same number of key blocks per split.
     """
     if num_programs >= 0.8 * num_sms or num_key_blocks <= 1:
         return 1

@@ -1,8 +1,10 @@
 """Pure functions of flashtriton.configs (tile tables, split-KV heuristic), checked on the CPU."""
 
 import pytest
+import torch
 
 from flashtriton import configs
+from flashtriton.ops.kvcache import splits_for
 
 
 def test_num_splits_heuristic_splits_only_small_grids():
@@ -29,3 +31,14 @@ def test_decode_rows_get_small_tiles():
 
 def test_block_d_is_a_power_of_two_at_least_16():
     assert [configs.block_d(d) for d in (1, 16, 17, 40, 128, 129, 256)] == [16, 16, 32, 64, 128, 256, 256]
+
+
+def test_paged_decode_splits_for_more_programs_per_sm():
+    """Paged caches count PAGED_PROGRAMS_PER_SM programs per SM, and key blocks of the page-sized tile."""
+    q = torch.empty(1, 1, 32, 128)
+    block_n = configs.paged_config(configs.fwd_config("interpreter", 128, False, 1), 16).block_n
+    assert block_n == 16
+    paged = splits_for(q, 8, 1, 131072, 0, page_size=16)
+    expected = configs.num_splits_heuristic(8, 131072 // block_n,
+                                            configs.multiprocessor_count(q.device) * configs.PAGED_PROGRAMS_PER_SM)
+    assert paged == expected > splits_for(q, 8, 1, 131072, 0)
