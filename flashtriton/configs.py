@@ -3,7 +3,9 @@
 Each table entry names the measurement that justified it (BENCHMARKS.md / docs/perf-notes.md).
 Entries are keyed by arch class ("interpreter", "sm80", "sm90", ...) and head-dim bucket.
 FLASHTRITON_RESCALE_THRESHOLD (read once) overrides the forward's A-1 rescale threshold;
-0 disables the skip (every tile rescales).
+0 disables the skip (every tile rescales). FLASHTRITON_TMA=0 (read once) turns tensor descriptors off in
+every config (pointer loads only): for debugging, and for tools like compute-sanitizer's initcheck that
+may not see the bulk (TMA) stores as writes.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def _env_float(name: str):
 
 
 RESCALE_THRESHOLD_OVERRIDE = _env_float("FLASHTRITON_RESCALE_THRESHOLD")
+TMA_ALLOWED = os.environ.get("FLASHTRITON_TMA", "1") != "0"
 
 # Interpreter: small tiles so that interpreter-sized tests (seqlens up to ~300) cross many blocks.
 _INTERPRETER_FWD = FwdConfig(block_m=64, block_n=64, num_warps=4, num_stages=1)
@@ -142,11 +145,12 @@ def fwd_config(arch: str, head_dim: int, causal: bool = False, seqlen_q: int = 1
         config = _lookup(_FWD_TABLE, (arch, causal), head_dim)
     if RESCALE_THRESHOLD_OVERRIDE is not None:
         config = replace(config, rescale_threshold=RESCALE_THRESHOLD_OVERRIDE)
-    return config
+    return config if TMA_ALLOWED else replace(config, use_tma=False)
 
 
 def bwd_config(arch: str, head_dim: int) -> BwdConfig:
-    return _INTERPRETER_BWD if arch == "interpreter" else _lookup(_BWD_TABLE, arch, head_dim)
+    config = _INTERPRETER_BWD if arch == "interpreter" else _lookup(_BWD_TABLE, arch, head_dim)
+    return config if TMA_ALLOWED else replace(config, use_tma=False)
 
 
 def block_d(head_dim: int) -> int:

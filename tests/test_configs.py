@@ -42,3 +42,13 @@ def test_paged_decode_splits_for_more_programs_per_sm():
     expected = configs.num_splits_heuristic(8, 131072 // block_n,
                                             configs.multiprocessor_count(q.device) * configs.PAGED_PROGRAMS_PER_SM)
     assert paged == expected > splits_for(q, 8, 1, 131072, 0)
+
+
+def test_tma_off_switch_clears_every_config(monkeypatch):
+    """FLASHTRITON_TMA=0 (configs.TMA_ALLOWED) turns tensor descriptors off in forward and backward configs."""
+    assert configs.fwd_config("sm90", 128).use_tma and configs.bwd_config("sm90", 128).use_tma
+    monkeypatch.setattr(configs, "TMA_ALLOWED", False)
+    for head_dim in (64, 128, 256):
+        assert not configs.fwd_config("sm90", head_dim).use_tma
+        assert not configs.fwd_config("sm90", head_dim, causal=True, dropout=True).use_tma
+        assert not configs.bwd_config("sm90", head_dim).use_tma

@@ -1,6 +1,7 @@
-"""Where the first flashtriton call of a process spends its time (issue #5 cold start), on CUDA.
+"""Where the first flashtriton call of a process spends its time (issue #5 cold start), on CUDA, and with
+--steady N where N later calls spend their host time (eager per-call overhead).
 
-    python tools/profile_first_call.py [--head-dim 128] [--top 35]
+    python tools/profile_first_call.py [--head-dim 128] [--top 35] [--steady 0]
 
 CUDA is initialised and one unrelated kernel is run first, so the profile holds only what the first
 flash_attn_func call adds: Triton's cache lookup / compilation, launcher loading, our checks. Run it once with
@@ -19,6 +20,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--top", type=int, default=35)
+    parser.add_argument("--steady", type=int, default=0, help="also profile this many warm calls (host time)")
     args = parser.parse_args()
 
     torch.zeros(1, device="cuda").add_(1)
@@ -39,6 +41,32 @@ def main() -> None:
     second = time.perf_counter() - start
     print(f"first call {first:.3f} s, second call {second * 1e3:.2f} ms")
     pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.top)
+    if args.steady:
+        profile_steady(flashtriton, q, k, v, args.steady, args.top)
+
+
+def profile_steady(flashtriton, q, k, v, calls: int, top: int) -> None:
+    """Host time per warm call (no synchronization inside the loop), then the profile of the same loop."""
+    for causal in (False, True):
+        flashtriton.flash_attn_func(q, k, v, causal=causal)
+    torch.cuda.synchronize()
+    for label, call in (("forward", lambda: flashtriton.flash_attn_func(q, k, v, causal=True)),
+                        ("decode", lambda: flashtriton.flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=400))):
+        call()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        host = (time.perf_counter() - start) / calls
+        torch.cuda.synchronize()
+        print(f"{label}: host time per call {host * 1e6:.1f} us")
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(calls):
+            call()
+        profiler.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
 
 if __name__ == "__main__":

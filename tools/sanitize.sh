@@ -77,9 +77,13 @@ for tool in $tools; do
       ;;
     initcheck)
       # A block reused by the caching allocator counts as initialized; fresh allocations make unwritten outputs
-      # show up when the case reads them back.
-      env_vars+=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
-      supports "--track-unused-memory" && flags+=(--track-unused-memory no)
+      # show up when the case reads them back. Pointer loads/stores only (FLASHTRITON_TMA=0): with descriptors
+      # on, initcheck 2025.3 reported every read of the forward's output (written by TMA bulk stores) as
+      # uninitialized (commit c4d3995); the likely reading is that TMA writes are invisible to it (not yet
+      # confirmed by a run with this switch on the GPU).
+      env_vars+=(PYTORCH_NO_CUDA_MEMORY_CACHING=1 FLASHTRITON_TMA=0)
+      # (--track-unused-memory is a switch, off by default, in compute-sanitizer 2025: no value may follow it,
+      # or the value is taken for the application to run)
       ;;
     racecheck)
       supports "--racecheck-report" && flags+=(--racecheck-report analysis)
@@ -94,7 +98,10 @@ for tool in $tools; do
     "$python" tools/sanitize_cases.py ${case_args[@]+"${case_args[@]}"} > "$log_dir/$tool.out" 2>&1
   rc=$?
   seconds=$(( $(date +%s) - start ))
-  errors="$(grep -Eo 'ERROR SUMMARY: [0-9]+ error' "$log_dir/$tool.log" 2>/dev/null | grep -Eo '[0-9]+' | tail -n 1)"
+  # racecheck ends with "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)", the others with
+  # "ERROR SUMMARY: N errors"
+  errors="$(grep -Eo 'ERROR SUMMARY: [0-9]+ error|\([0-9]+ errors' "$log_dir/$tool.log" 2>/dev/null | grep -Eo '[0-9]+' \
+            | tail -n 1)"
   cases_ok=$(grep -c '^ok' "$log_dir/$tool.out")
   cases_failed=$(grep -c '^FAIL' "$log_dir/$tool.out")
   if [ -z "$errors" ]; then
