@@ -14,6 +14,9 @@ TRITON_CACHE_DIR (tempfile.mkdtemp, deleted afterwards unless --keep-cache):
                (c) the first call after changing only batch and sequence length (other random inputs): the
                    compiled-kernel count (entries of every flashtriton @triton.jit kernel's `device_caches`, as
                    tests/test_varlen.py counts them) must not grow, nor the kernels on disk in the cache dir;
+               (e) dense configurations: the first call of the same configuration at another head dim
+                   (OTHER_HEAD_DIM), so the compile time of a new configuration without the process's one-time
+                   work (Triton's own cache key, driver, imports);
   warm child   the same up to (d): the first call with the on-disk cache the cold child filled (what
                `flashtriton warmup` buys): no compiler, only cache loads.
 
@@ -56,13 +59,18 @@ HEAD_DIMS = (64, 128, 256)
 # Configurations
 # ----------------------------------------------------------------------------------------------------------------
 
+# (e): the head dim of the configuration compiled next in the same process (kernels not compiled yet there)
+OTHER_HEAD_DIM = {64: 96, 128: 160, 256: 96}
+
+
 def dense_config(head_dim: int, causal: bool, dtype: str, backward: bool) -> dict:
     name = f"d{head_dim}-{'causal' if causal else 'full'}-{dtype}{'-bwd' if backward else ''}"
     heads = max(1, 1024 // head_dim)
     return {"name": name, "kind": "dense", "head_dim": head_dim, "causal": causal, "dtype": dtype,
             "backward": backward, "heads": heads,
             # (a)/(b) shape, then (c): only batch and sequence length change (777: not a multiple of 16).
-            "shape": {"batch": 2, "seqlen": 512}, "shape2": {"batch": 3, "seqlen": 777}}
+            "shape": {"batch": 2, "seqlen": 512}, "shape2": {"batch": 3, "seqlen": 777},
+            "other": {"head_dim": OTHER_HEAD_DIM[head_dim]}}
 
 
 def varlen_config() -> dict:
@@ -294,6 +302,12 @@ class Child:
         second = self.make_inputs(spec["shape2"], seed=1)
         self.sync()
         self.call("changed", second)
+        if "other" in spec:  # (e) a new configuration in this warm process: its compile time alone
+            self.spec = {**spec, **spec["other"]}
+            other = self.make_inputs(self.spec["shape"], seed=2)
+            self.sync()
+            self.call("other", other)
+            self.spec = spec
 
 
 def child_main(spec_json: str) -> int:
@@ -381,6 +395,8 @@ def rows_of(spec: dict, cold: dict, warm: dict) -> list:
             "changed_shape_compiled": deltas(cold, "changed", "compiled"),
             "changed_shape_new_cache_kernels": deltas(cold, "changed", "new_cache_kernels"),
             "changed_shape_new_kernels": deltas(cold, "changed", "kernels"),
+            "new_config_call_s": seconds(cold, "other"),
+            "new_config_compiled": deltas(cold, "other", "compiled"),
             "warm_cache_first_call_s": seconds(warm, "first"),
             "warm_cache_new_cache_kernels": deltas(warm, "first", "new_cache_kernels"),
             "cold_process_s": cold.get("process_wall_s"), "warm_process_s": warm.get("process_wall_s"),
@@ -398,6 +414,7 @@ def summary(rows: list) -> dict:
     both = [r["first_call_s"] for r in rows if r["mode"] == "fwd+bwd" and r["first_call_s"] is not None]
     warm = [r["warm_cache_first_call_s"] for r in rows if r["mode"] == "fwd"
             and r["warm_cache_first_call_s"] is not None]
+    new_config = [r["new_config_call_s"] for r in rows if r["mode"] == "fwd" and r["new_config_call_s"] is not None]
     recompiled = [r["config"] + f" ({r['mode']})" for r in rows
                   if (r["changed_shape_compiled"] or 0) > 0 or (r["changed_shape_new_cache_kernels"] or 0) > 0]
     checked = [r for r in rows if r["changed_shape_compiled"] is not None]
@@ -405,6 +422,8 @@ def summary(rows: list) -> dict:
     return {"median_first_call_fwd_s": median_fwd, "configs_fwd": len(fwd),
             "median_first_call_fwd_bwd_s": statistics.median(both) if both else None, "configs_fwd_bwd": len(both),
             "median_warm_cache_first_call_fwd_s": statistics.median(warm) if warm else None,
+            "median_new_config_fwd_s": statistics.median(new_config) if new_config else None,
+            "configs_new_config": len(new_config),
             "target_s": TARGET_S, "target_met": None if median_fwd is None else median_fwd <= TARGET_S,
             "rows_checked_for_recompiles": len(checked), "recompiled_on_shape_change": recompiled}
 
@@ -416,7 +435,8 @@ def markdown(result: dict) -> str:
     meta = ", ".join(f"{k}: {v}" for k, v in result["metadata"].items() if v is not None and k != "args")
     parts = [meta]
     headers = ["config", "mode", "(a) first call s", "compiled", "host stubs s", "(b) second call ms",
-               "(c) new batch+seqlen ms", "(c) compiled", "(d) warm-cache first call s", "status"]
+               "(c) new batch+seqlen ms", "(c) compiled", "(d) warm-cache first call s",
+               "(e) next config, same process s", "status"]
     table = []
     for r in rows:
         recompiled = r["changed_shape_compiled"]
@@ -427,8 +447,8 @@ def markdown(result: dict) -> str:
                       fmt(r["first_call_stub_build_s"]),
                       fmt(None if r["second_call_s"] is None else r["second_call_s"] * 1e3, ".1f"),
                       fmt(None if r["changed_shape_call_s"] is None else r["changed_shape_call_s"] * 1e3, ".1f"),
-                      cell_c, fmt(r["warm_cache_first_call_s"], ".3f"), r["status"]])
-    parts.append(markdown_table(headers, table, [False, False] + [True] * 7 + [False]))
+                      cell_c, fmt(r["warm_cache_first_call_s"], ".3f"), fmt(r["new_config_call_s"]), r["status"]])
+    parts.append(markdown_table(headers, table, [False, False] + [True] * 8 + [False]))
     process_headers = ["config", "import torch s", "import flashtriton s", "CUDA init s", "Triton driver init s",
                        "cold process s", "warm process s"]
     process_rows = [[r["config"], fmt(r["import_torch_s"]), fmt(r["import_flashtriton_s"]), fmt(r["cuda_init_s"]),
@@ -447,6 +467,9 @@ def markdown(result: dict) -> str:
              f"{fmt(s['median_first_call_fwd_bwd_s'])} s.",
              f"Median (d) first forward call with a warm on-disk cache: "
              f"{fmt(s['median_warm_cache_first_call_fwd_s'], '.3f')} s.",
+             f"Median (e) first forward call of another head dim in the same, already warm process (compilation "
+             f"without the process's one-time work) over {s['configs_new_config']} configurations: "
+             f"{fmt(s['median_new_config_fwd_s'])} s.",
              "(a) excludes importing torch and flashtriton, creating the CUDA context and starting Triton's driver "
              "(second table); it includes compiling, gcc-building the kernels' launchers (host stubs) and running."]
     if s["recompiled_on_shape_change"]:

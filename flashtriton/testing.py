@@ -30,6 +30,25 @@ def poisoned_outputs(enabled: bool = True):
         backend.POISON_OUTPUTS = previous
 
 
+@contextlib.contextmanager
+def forced_tma(enabled: bool = True):
+    """Within this block forward and backward configs use tensor descriptors (as sm90 does), also in the
+    interpreter whose own configs have them off: host-built descriptors for dense forward layouts, in-kernel
+    ones otherwise and in the backward. Tensors that descriptors cannot address still use pointer loads."""
+    from dataclasses import replace
+
+    from . import configs
+
+    original_fwd, original_bwd = configs.fwd_config, configs.bwd_config
+    if enabled:
+        configs.fwd_config = lambda *args, **kwargs: replace(original_fwd(*args, **kwargs), use_tma=True)
+        configs.bwd_config = lambda *args, **kwargs: replace(original_bwd(*args, **kwargs), use_tma=True)
+    try:
+        yield
+    finally:
+        configs.fwd_config, configs.bwd_config = original_fwd, original_bwd
+
+
 @dataclass(frozen=True)
 class Case:
     """One dense attention configuration."""

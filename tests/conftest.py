@@ -76,19 +76,13 @@ def _seed():
 
 
 @pytest.fixture
-def force_tma(monkeypatch):
-    """Forward and backward configs with tensor descriptors on (the interpreter's own configs have them off),
-    so CPU runs exercise the TMA code paths: host-built descriptors for dense forward layouts, in-kernel ones
-    otherwise and in the backward."""
-    from dataclasses import replace
+def force_tma():
+    """Tensor descriptors on in forward and backward configs (flashtriton.testing.forced_tma), so CPU runs
+    exercise the TMA code paths sm90 runs."""
+    from flashtriton.testing import forced_tma
 
-    from flashtriton import configs
-
-    original_fwd, original_bwd = configs.fwd_config, configs.bwd_config
-    monkeypatch.setattr(configs, "fwd_config", lambda *args, **kwargs: replace(original_fwd(*args, **kwargs),
-                                                                                 use_tma=True))
-    monkeypatch.setattr(configs, "bwd_config", lambda *args, **kwargs: replace(original_bwd(*args, **kwargs),
-                                                                                 use_tma=True))
+    with forced_tma():
+        yield
 
 
 def pytest_report_header(config):
