@@ -10,6 +10,7 @@ Where kernels run:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional, Tuple
 
 import torch
@@ -87,6 +88,7 @@ class ScoreParams:
         )
 
 
+@lru_cache(maxsize=1024)  # a pure function of its scalars, called on every launch
 def score_params(softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
                  seqlen_k_star: int) -> ScoreParams:
     window = (window_left, window_right)
@@ -96,17 +98,17 @@ def score_params(softmax_scale: float, causal: bool, window_left: int, window_ri
 
 def _bsh_strides(tensor: torch.Tensor) -> Tuple[int, int, int]:
     """(batch, sequence, head) strides of a (B, S, H, D) tensor."""
-    return tensor.stride(0), tensor.stride(1), tensor.stride(2)
+    return tensor.stride()[:3]
 
 
 def _varlen_strides(tensor: torch.Tensor) -> Tuple[int, int, int]:
     """(batch, token, head) strides of a (T, H, D) tensor: sequences are found through cu_seqlens."""
-    return 0, tensor.stride(0), tensor.stride(1)
+    return (0, *tensor.stride()[:2])
 
 
 def _paged_strides(tensor: torch.Tensor) -> Tuple[int, int, int]:
     """(batch, row-in-page, head) strides of a paged (num_pages, page_size, H, D) cache."""
-    return 0, tensor.stride(1), tensor.stride(2)
+    return (0, *tensor.stride()[1:3])
 
 
 def _tma_compatible(tensor: torch.Tensor) -> bool:
@@ -114,9 +116,9 @@ def _tma_compatible(tensor: torch.Tensor) -> bool:
 
     Every row and head of it then starts 16-byte aligned too, as in-kernel descriptors need.
     """
-    item = tensor.element_size()
-    return (tensor.data_ptr() % 16 == 0 and tensor.stride(-1) == 1
-            and all((stride * item) % 16 == 0 for stride in tensor.stride()[:-1]))
+    *outer, last = tensor.stride()
+    elements_per_16_bytes = 16 // tensor.element_size()
+    return last == 1 and tensor.data_ptr() % 16 == 0 and not any(s % elements_per_16_bytes for s in outer)
 
 
 def _scratch_buffer(size: int, alignment: int, stream) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -32,8 +33,12 @@ def check_same_device(reference: torch.Tensor, **tensors: Optional[torch.Tensor]
 
 def check_device_capability(tensor: torch.Tensor) -> None:
     if tensor.is_cuda and torch.version.cuda is not None:
-        major, _ = torch.cuda.get_device_capability(tensor.device)
-        check(major >= 8, "FlashAttention only supports Ampere GPUs or newer.")
+        check(_major_capability(tensor.device.index) >= 8, "FlashAttention only supports Ampere GPUs or newer.")
+
+
+@lru_cache(maxsize=None)
+def _major_capability(device_index: Optional[int]) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
 
 
 def check_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -43,12 +48,21 @@ def check_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def check_head_dim(head_dim: int, direction: str = "forward") -> None:
-    check(head_dim <= MAX_HEAD_DIM, f"FlashAttention {direction} only supports head dimension at most {MAX_HEAD_DIM}")
-    check(head_dim >= 1, f"head dimension must be at least 1, got {head_dim}")
+    if head_dim > MAX_HEAD_DIM:
+        raise RuntimeError(f"FlashAttention {direction} only supports head dimension at most {MAX_HEAD_DIM}")
+    if head_dim < 1:
+        raise RuntimeError(f"head dimension must be at least 1, got {head_dim}")
 
 
 def check_shape(tensor: torch.Tensor, name: str, names, expected) -> None:
-    check(tuple(tensor.shape) == tuple(expected), f"{name} must have shape {_shape_str(names, tensor.shape)}")
+    if tuple(tensor.shape) != tuple(expected):  # the message is built only on failure (per-call host time)
+        raise RuntimeError(f"{name} must have shape {_shape_str(names, tensor.shape)}")
+
+
+def check_dim(tensor: torch.Tensor, name: str, names) -> None:
+    """tensor has len(names) dimensions; the message names them."""
+    if tensor.dim() != len(names):
+        raise RuntimeError(f"{name} must have shape {_shape_str(names, tensor.shape)}")
 
 
 def check_dense_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, direction: str = "forward") -> None:
@@ -56,11 +70,11 @@ def check_dense_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, direction
     check_dtypes(q, k, v)
     check_same_device(q, k=k, v=v)
     check_device_capability(q)
-    check(q.dim() == 4, f"q must have shape (batch_size, seqlen_q, num_heads, head_size), got {tuple(q.shape)}")
+    check_dim(q, "q", ("batch_size", "seqlen_q", "num_heads", "head_size"))
     batch, _, num_heads, head_dim = q.shape
     check(batch > 0, "batch size must be positive")
     check_head_dim(head_dim, direction)
-    check(k.dim() == 4, f"k must have shape (batch_size, seqlen_k, num_heads_k, head_size), got {tuple(k.shape)}")
+    check_dim(k, "k", ("batch_size", "seqlen_k", "num_heads_k", "head_size"))
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
     check(num_heads_k > 0 and num_heads % num_heads_k == 0,
           "Number of heads in key/value must divide number of heads in query")
@@ -72,8 +86,9 @@ def check_dense_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, direction
 def check_options(dropout_p: float, softcap: float, alibi_slopes: Optional[torch.Tensor], batch: int,
                   num_heads: int, q: torch.Tensor) -> None:
     """dropout range, softcap/dropout exclusion, ALiBi dtype, stride and shape."""
-    check(dropout_p < 1.0, f"dropout_p must be < 1 (failed check p_dropout < 1.f), got {dropout_p}")
-    check(dropout_p >= 0.0, f"dropout_p must be >= 0, got {dropout_p}")
+    if not 0.0 <= dropout_p < 1.0:
+        check(dropout_p < 1.0, f"dropout_p must be < 1 (failed check p_dropout < 1.f), got {dropout_p}")
+        raise RuntimeError(f"dropout_p must be >= 0, got {dropout_p}")
     if softcap > 0.0:
         check(dropout_p == 0.0, "Softcapping does not support dropout for now")
     if alibi_slopes is not None:

@@ -38,11 +38,12 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
                              rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                              block_table=block_table, cache_seqlens=cache_seqlens)
     checks.check_device_capability(q)
-    checks.check(q.dim() == 4, f"q must have shape (batch_size, seqlen_q, num_heads, head_size), got {tuple(q.shape)}")
+    checks.check_dim(q, "q", ("batch_size", "seqlen_q", "num_heads", "head_size"))
     batch, _, num_heads, head_dim = q.shape
     checks.check(batch > 0, "batch size must be positive")
     checks.check_head_dim(head_dim)
-    checks.check(k_cache.dim() == 4, f"k_cache must have 4 dimensions, got {tuple(k_cache.shape)}")
+    if k_cache.dim() != 4:
+        raise RuntimeError(f"k_cache must have 4 dimensions, got {tuple(k_cache.shape)}")
     num_heads_k = k_cache.shape[2]
     checks.check(num_heads_k > 0 and num_heads % num_heads_k == 0,
                  "Number of heads in key/value must divide number of heads in query")
