@@ -3,8 +3,8 @@
 # call ends inside the device tool's 10 minutes; logs go to ${OUT:-gpu-check}/<step>.log and the last lines of each
 # are printed.
 #
-#   bash tools/gpu_check.sh [STEPS]     STEPS: comma list of tests,reliability,sanitize,bench,decode,varlen,dropout,cold
-#                                       (default tests,reliability,decode)
+#   bash tools/gpu_check.sh [STEPS]     STEPS: comma list of tests,reliability,sanitize,bench,decode,varlen,dropout,cold,
+#                                       host,decode-sweep (default tests,reliability,decode)
 # Environment: FLASHTRITON_COMMIT (the device copy has no .git), OUT.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -30,9 +30,12 @@ step tests 300 python -m pytest tests -q -n 12 -p no:cacheprovider -rfE --ignore
 # CUDA-graph tests last: a failed capture leaves the process's RNG in capture state and fails what follows
 step reliability 250 bash -c "python -m pytest tests/test_gpu_reliability.py -q -p no:cacheprovider -rfEs -k 'not cuda_graph' \
   && python -m pytest tests/test_gpu_reliability.py -q -p no:cacheprovider -rfEs -k cuda_graph"
-step sanitize 200 env TOOLS="memcheck racecheck initcheck" bash tools/sanitize.sh "$out/sanitize"
+step sanitize 300 env TOOLS="memcheck racecheck initcheck" bash tools/sanitize.sh "$out/sanitize"
 step bench 240 python -m flashtriton bench --modes fwd,bwd --providers flashtriton,sdpa-flash,sdpa-cudnn --out "$out/bench"
 step decode 90 python benchmarks/bench_decode.py --paged 0,64,256 --graph --repeat 2
 step varlen 60 python benchmarks/bench_varlen.py --causal
 step dropout 110 python benchmarks/bench_dropout.py --out "$out/dropout"
 step cold 130 python benchmarks/bench_cold_start.py --quick --out "$out/cold"
+# host time per eager call (profile of 300 warm calls) and the decode tile sweep, paged caches included
+step host 60 python tools/profile_first_call.py --top 25 --steady 300
+step decode-sweep 200 python benchmarks/bench_decode.py --paged 0,64,256 --graph --sweep
