@@ -121,6 +121,18 @@ def test_saturated_softmax_gradients_follow_the_flash_algorithm():
         assert_all_ok(run_case(case, scale=4.0))
 
 
+def test_rows_with_a_single_visible_key_have_fp32_level_gradients():
+    """Found by the long fuzz run: when every row sees one key the exact dQ and dK are 0, PyTorch's fp16 gradient
+    is exactly 0 too, and the kernel's dS = P * (dP - delta) keeps fp32 rounding (~1e-4 with inputs x4).
+    The tolerance allows what PyTorch's own fp32 evaluation of that formula leaves
+    (flashtriton.testing.fp32_backward_floor), nothing more."""
+    case = Case(batch=1, seqlen_q=27, seqlen_k=85, num_heads=6, num_heads_k=2, head_dim=80, causal=True,
+                window_size=(0, 27), alibi=True, softmax_scale=0.3)
+    for seed in (0, 9):
+        torch.manual_seed(seed)
+        assert_all_ok(run_case(case, scale=4.0))
+
+
 def test_window_quirk_query_longer_than_keys():
     """FA2's §4.2.3 rewrite: with Sq >= Sk + 2 a finite left window turns an unbounded right into Sk."""
     assert_all_ok(run_case(Case(seqlen_q=200, seqlen_k=30, window_size=(5, -1))))
