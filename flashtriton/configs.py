@@ -148,6 +148,14 @@ def fwd_config(arch: str, head_dim: int, causal: bool = False, seqlen_q: int = 1
     return config if TMA_ALLOWED else replace(config, use_tma=False)
 
 
+def forward_launch_config(arch: str, head_dim: int, causal: bool, seqlen_q: int, dropout: bool = False,
+                          page_size: int = 0) -> FwdConfig:
+    """The config the forward launches with (and the split-KV heuristic counts key blocks by): fwd_config,
+    fitted to the page of a paged K/V cache when page_size > 0."""
+    config = fwd_config(arch, head_dim, causal, seqlen_q, dropout)
+    return paged_config(config, page_size) if page_size else config
+
+
 def bwd_config(arch: str, head_dim: int) -> BwdConfig:
     config = _INTERPRETER_BWD if arch == "interpreter" else _lookup(_BWD_TABLE, arch, head_dim)
     return config if TMA_ALLOWED else replace(config, use_tma=False)

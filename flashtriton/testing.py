@@ -217,11 +217,24 @@ def fp32_backward_floor(q, k, v, out, dout, softmax_scale=None, causal=False, wi
     return (float(dq.max()) if dq.numel() else 0.0), (float(dk.max()) if dk.numel() else 0.0)
 
 
-def _gradient_checks(grads, ref_grads, pt_grads, grad_factor: float, floors: Tuple[float, float]):
-    """dq/dk/dv ErrorChecks: the tolerance rule with atol 1e-4, plus the fp32 floor for dq and dk."""
-    return [check_error(name, grad, ref_grad, pt_grad, factor=grad_factor, atol=1e-4 + floor)
-            for name, grad, ref_grad, pt_grad, floor in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads,
-                                                             (*floors, 0.0))]
+def _compare(reference, fp32_floors, out, lse, inputs, grads, dout, out_factor: float, grad_factor: float):
+    """The checks both layouts share. reference(q, k, v, compute_dtype) -> (out, lse) is the float64 oracle
+    and, with compute_dtype None, PyTorch's same-dtype math; fp32_floors() -> fp32_backward_floor's (dq, dk)."""
+    with_grad = grads is not None
+    inputs64 = [t.detach().double().requires_grad_(with_grad) for t in inputs]
+    inputs_pt = [t.detach().clone().requires_grad_(with_grad) for t in inputs]
+    with torch.enable_grad():
+        ref_out, ref_lse = reference(*inputs64, compute_dtype=torch.float64)
+        pt_out, _ = reference(*inputs_pt, compute_dtype=None)
+    checks = [check_error("out", out, ref_out, pt_out, factor=out_factor), check_lse(lse, ref_lse)]
+    if with_grad:
+        ref_grads = flash_reference_grads(ref_out, ref_lse, out, dout, inputs64)
+        pt_grads = torch.autograd.grad(pt_out, inputs_pt, dout)
+        # the tolerance rule with atol 1e-4, plus the fp32 floor for dq and dk
+        checks += [check_error(name, grad, ref_grad, pt_grad, factor=grad_factor, atol=1e-4 + floor)
+                   for name, grad, ref_grad, pt_grad, floor in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads,
+                                                                    (*fp32_floors(), 0.0))]
+    return checks
 
 
 def compare_with_reference(case: Case, out: torch.Tensor, lse: torch.Tensor, q, k, v, alibi_slopes,
@@ -234,19 +247,13 @@ def compare_with_reference(case: Case, out: torch.Tensor, lse: torch.Tensor, q, 
     within 1e-4 * (1 + max|lse|). Gradients are compared with flash_reference_grads. With dropout_p > 0
     the references drop with dropout_mask (bool (B, H, Sq, Sk), True where kept: the kernel's own mask).
     """
-    options = (case.softmax_scale, case.causal, case.window_size, case.softcap, alibi_slopes, dropout_p, dropout_mask)
-    inputs64 = [t.detach().double().requires_grad_(grads is not None) for t in (q, k, v)]
-    inputs_pt = [t.detach().clone().requires_grad_(grads is not None) for t in (q, k, v)]
-    with torch.enable_grad():
-        ref_out, ref_lse = attention_reference(*inputs64, *options, compute_dtype=torch.float64)
-        pt_out, _ = attention_reference(*inputs_pt, *options, compute_dtype=None)
-    checks = [check_error("out", out, ref_out, pt_out, factor=2.0), check_lse(lse, ref_lse)]
-    if grads is not None:
-        ref_grads = flash_reference_grads(ref_out, ref_lse, out, dout, inputs64)
-        pt_grads = torch.autograd.grad(pt_out, inputs_pt, dout)
-        floors = fp32_backward_floor(q, k, v, out, dout, *options[:5], dropout_p=dropout_p)
-        checks += _gradient_checks(grads, ref_grads, pt_grads, grad_factor, floors)
-    return checks
+    scores = (case.softmax_scale, case.causal, case.window_size, case.softcap, alibi_slopes)
+
+    def reference(q_, k_, v_, compute_dtype):
+        return attention_reference(q_, k_, v_, *scores, dropout_p, dropout_mask, compute_dtype=compute_dtype)
+
+    return _compare(reference, lambda: fp32_backward_floor(q, k, v, out, dout, *scores, dropout_p=dropout_p),
+                    out, lse, (q, k, v), grads, dout, 2.0, grad_factor)
 
 
 def compare_varlen_with_reference(out: torch.Tensor, lse: torch.Tensor, q, k, v, cu_seqlens_q, cu_seqlens_k,
@@ -258,22 +265,14 @@ def compare_varlen_with_reference(out: torch.Tensor, lse: torch.Tensor, q, k, v,
 
     Every row counts: the reference gives rows past the last sequence out 0, lse +inf and zero gradients.
     """
-    with_grad = grads is not None
-    inputs64 = [t.detach().double().requires_grad_(with_grad) for t in (q, k, v)]
-    inputs_pt = [t.detach().clone().requires_grad_(with_grad) for t in (q, k, v)]
-    with torch.enable_grad():
-        ref_out, ref_lse = attention_reference_varlen(*inputs64, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, **options,
-                                                      compute_dtype=torch.float64)
-        pt_out, _ = attention_reference_varlen(*inputs_pt, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, **options,
-                                               compute_dtype=None)
-    checks = [check_error("out", out, ref_out, pt_out, factor=out_factor), check_lse(lse, ref_lse)]
-    if with_grad:
-        ref_grads = flash_reference_grads(ref_out, ref_lse, out, dout, inputs64)
-        pt_grads = torch.autograd.grad(pt_out, inputs_pt, dout)
-        checks += _gradient_checks(grads, ref_grads, pt_grads, grad_factor,
-                                   _varlen_fp32_backward_floor(q, k, v, out, dout, cu_seqlens_q, cu_seqlens_k,
-                                                               max_seqlen_k, **options))
-    return checks
+    def reference(q_, k_, v_, compute_dtype):
+        return attention_reference_varlen(q_, k_, v_, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, **options,
+                                          compute_dtype=compute_dtype)
+
+    def fp32_floors():
+        return _varlen_fp32_backward_floor(q, k, v, out, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, **options)
+
+    return _compare(reference, fp32_floors, out, lse, (q, k, v), grads, dout, out_factor, grad_factor)
 
 
 def _varlen_fp32_backward_floor(q, k, v, out, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int,

@@ -71,7 +71,7 @@ def _backward(ctx, dout, dq, dk, dv):
         raise RuntimeError("flash_attn_varlen_func with block_table (paged K/V) has no backward; "
                            "it is meant for inference")
     flash_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, *cu_seqlens, *ctx.max_seqlens,
-                                *ctx.options, rng_state)
+                          *ctx.options, rng_state)
 
 
 def _needs_grad(is_grad_enabled, *tensors) -> bool:

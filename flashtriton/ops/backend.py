@@ -168,14 +168,12 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     """
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k = k.shape[-2]
-    config = configs.fwd_config(configs.arch_class(q.device), head_dim, params.window_right == 0, seqlen_q,
-                                dropout_p > 0.0)
-    if seqlen_q == 0 or batch == 0:
-        return
     is_varlen = cu_seqlens_q is not None
     is_paged = block_table is not None
-    if is_paged:
-        config = configs.paged_config(config, k.shape[1])
+    config = configs.forward_launch_config(configs.arch_class(q.device), head_dim, params.window_right == 0, seqlen_q,
+                                           dropout_p > 0.0, k.shape[1] if is_paged else 0)
+    if seqlen_q == 0 or batch == 0:
+        return
     q_strides = _varlen_strides if is_varlen else _bsh_strides
     kv_strides = _paged_strides if is_paged else q_strides
     page_args = (block_table.stride(0), k.shape[1], k.stride(0), v.stride(0)) if is_paged else (0, 1, 0, 0)
@@ -420,15 +418,15 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, direction: s
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         checks.check(cu.dtype == torch.int32, f"{name} must have dtype int32")
         checks.check(cu.is_contiguous(), f"{name} must be contiguous")
-        checks.check(cu.dim() == 1, f"{name} must have shape (batch_size + 1), got {tuple(cu.shape)}")
+        checks.check_dim(cu, name, ("batch_size + 1",))
     batch = cu_seqlens_q.numel() - 1
     checks.check(batch > 0, "batch size must be positive")
     checks.check(cu_seqlens_k.numel() == batch + 1, "cu_seqlens_k must have shape (batch_size + 1)")
-    checks.check(q.dim() == 3, f"q must have shape (total_q, num_heads, head_size), got {tuple(q.shape)}")
+    checks.check_dim(q, "q", ("total_q", "num_heads", "head_size"))
     _, num_heads, head_dim = q.shape
     checks.check_head_dim(head_dim, direction)
     if block_table is None:
-        checks.check(k.dim() == 3, f"k must have shape (total_k, num_heads_k, head_size), got {tuple(k.shape)}")
+        checks.check_dim(k, "k", ("total_k", "num_heads_k", "head_size"))
         num_heads_k = k.shape[1]
         names = ("total_k", "num_heads_k", "head_size")
     else:

@@ -196,14 +196,15 @@ def splits_for(q: torch.Tensor, num_heads_k: int, seqlen_q: int, capacity: int, 
     """The caller's num_splits, or the heuristic's choice for <= 0 (from shapes only: no host sync).
 
     causal_like must be what launch_fwd keys its tile config on (window_right == 0), and page_size the
-    paged cache's page (0: contiguous), so the key-block count matches the launch.
+    paged cache's page (0: contiguous), so the key-block count matches the launch
+    (configs.forward_launch_config serves both).
     """
     if num_splits > 0:
         return min(num_splits, 128)
-    config = configs.fwd_config(configs.arch_class(q.device), q.shape[-1], causal_like, seqlen_q)
+    config = configs.forward_launch_config(configs.arch_class(q.device), q.shape[-1], causal_like, seqlen_q,
+                                           page_size=page_size)
     slots = configs.multiprocessor_count(q.device)
     if page_size:
-        config = configs.paged_config(config, page_size)
         slots *= configs.PAGED_PROGRAMS_PER_SM
     query_tiles, batch_heads = fwd_tile_grid(seqlen_q, q.shape[0], q.shape[2], num_heads_k, config.block_m)
     programs = query_tiles * batch_heads
