@@ -103,20 +103,34 @@ def _lookup(table, key, head_dim: int):
 
 
 # Few query rows (decoding, speculative verification): 16-row tiles instead of 64/128, so a one-token query
-# does not pay for 128 rows of tensor-core work. Not measured yet (the decode benchmark of issue #4 will).
+# does not pay for 128 rows of tensor-core work. bench_decode.py --sweep (H200, commit 08441d7, contiguous cache):
+# 16x128 w4 s3 4.18 / 4.28 / 4.20 / 3.77 TB/s at (64, 4k) / (16, 16k) / (4, 64k) / (1, 128k), within 1% of the
+# best candidate on every row (16x128 s5 does not fit in shared memory).
 DECODE_MAX_ROWS = 16
 _DECODE = FwdConfig(16, 128, 4, 3, _NO_SKIP)
 _DECODE_LARGE = FwdConfig(16, 64, 4, 3, _NO_SKIP)
 
 
+# Decode tiles whose key tile shrank to a page pipeline deeper: the block-table load takes a stage of its own
+# ahead of the K/V loads it addresses, so at num_stages 3-4 the loop keeps one K/V buffer in flight and at 5
+# two (offline sm_90 compile, docs/perf-notes.md). bench_decode.py --paged 0,64,256 --graph --sweep (H200,
+# commit 08441d7, GQA 32/8, d128 bf16, copy 4.25 TB/s), page 64, 16x64 tiles: s5 3.64 / 4.13 / 3.99 / 3.47 TB/s
+# at (64, 4k) / (16, 16k) / (4, 64k) / (1, 128k) against s3 3.34 / 3.73 / 3.35 / 3.09. Page 256 keeps its
+# 16x128 s3 tile (3.72 / 4.17 / 4.05 / 3.53; s5 there: 4.04 / 4.07 / 3.86 / 3.25).
+PAGED_DECODE_STAGES = 5
+
+
 def paged_config(config: FwdConfig, page_size: int) -> FwdConfig:
     """The config for a paged K/V cache: key tiles shrink to the largest power of two dividing page_size
-    (at least 16), so each tile lies in one page and needs one block-table lookup; otherwise unchanged
-    (keys are gathered row by row)."""
+    (at least 16), so each tile lies in one page and needs one block-table lookup, and such decode tiles
+    take PAGED_DECODE_STAGES; otherwise unchanged (keys are gathered row by row)."""
     largest_divisor = page_size & -page_size
     if page_size % config.block_n == 0 or largest_divisor < 16:
         return config
-    return replace(config, block_n=largest_divisor)
+    stages = config.num_stages
+    if config.block_m <= DECODE_MAX_ROWS:
+        stages = max(stages, PAGED_DECODE_STAGES)
+    return replace(config, block_n=largest_divisor, num_stages=stages)
 
 
 def pack_gqa(seqlen_q: int, group_size: int) -> bool:

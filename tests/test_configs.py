@@ -44,6 +44,18 @@ def test_paged_decode_splits_for_more_programs_per_sm():
     assert paged == expected > splits_for(q, 8, 1, 131072, 0)
 
 
+def test_paged_decode_tiles_pipeline_deeper_when_the_tile_shrinks_to_the_page():
+    """A decode tile cut to a 64-token page takes PAGED_DECODE_STAGES; pages holding whole tiles and
+    prefill tiles keep their stages."""
+    decode = configs.fwd_config("sm90", 128, False, 1)
+    shrunk = configs.forward_launch_config("sm90", 128, False, 1, page_size=64)
+    assert (shrunk.block_n, shrunk.num_stages) == (64, configs.PAGED_DECODE_STAGES) != (decode.block_n,
+                                                                                        decode.num_stages)
+    assert configs.forward_launch_config("sm90", 128, False, 1, page_size=256) == decode
+    prefill = configs.fwd_config("sm90", 128, False, 4096)
+    assert configs.forward_launch_config("sm90", 128, False, 4096, page_size=64).num_stages == prefill.num_stages
+
+
 def test_tma_off_switch_clears_every_config(monkeypatch):
     """FLASHTRITON_TMA=0 (configs.TMA_ALLOWED) turns tensor descriptors off in forward and backward configs."""
     assert configs.fwd_config("sm90", 128).use_tma and configs.bwd_config("sm90", 128).use_tma

@@ -60,6 +60,8 @@ def profile_steady(flashtriton, q, k, v, calls: int, top: int) -> None:
         host = (time.perf_counter() - start) / calls
         torch.cuda.synchronize()
         print(f"{label}: host time per call {host * 1e6:.1f} us")
+        if label == "forward":
+            print_forward_breakdown(flashtriton, q, k, v, calls)
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(calls):
@@ -67,6 +69,52 @@ def profile_steady(flashtriton, q, k, v, calls: int, top: int) -> None:
         profiler.disable()
         torch.cuda.synchronize()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+
+
+def host_time(call, calls: int) -> float:
+    """Microseconds of host time per call of call() (warm, no synchronization inside the loop)."""
+    call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    host = (time.perf_counter() - start) / calls
+    torch.cuda.synchronize()
+    return host * 1e6
+
+
+def print_forward_breakdown(flashtriton, q, k, v, calls: int) -> None:
+    """The causal forward's host time by layer: public function, op without autograd, the bare Triton launch
+    (arguments captured from one call and replayed), and the launch with its tensor descriptors rebuilt."""
+    from flashtriton.ops import backend
+
+    captured = {}
+    kernel = backend.attn_fwd_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                captured.update(grid=grid, args=args, kwargs=kwargs)
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    backend.attn_fwd_kernel = Recorder()
+    try:
+        flashtriton.flash_attn_func(q, k, v, causal=True)
+    finally:
+        backend.attn_fwd_kernel = kernel
+    grid, args, kwargs = captured["grid"], captured["args"], captured["kwargs"]
+    scale = q.shape[-1] ** -0.5
+    rows = {
+        "flash_attn_func": lambda: flashtriton.flash_attn_func(q, k, v, causal=True),
+        "backend.mha_fwd (no autograd)": lambda: backend.mha_fwd(q, k, v, 0.0, scale, True, -1, 0, 0.0, None, False),
+        "Triton launch, captured args": lambda: kernel[grid](*args, **kwargs),
+        "4 host tensor descriptors": lambda: [backend._row_descriptor(t, 64, 128) for t in (q, k, v, q)],
+        "torch.empty x2 + torch.zeros": lambda: (torch.empty_like(q), torch.empty(2, 8, 512, device=q.device),
+                                                 torch.zeros(2, dtype=torch.int64, device=q.device)),
+    }
+    for name, call in rows.items():
+        print(f"  {name}: {host_time(call, calls):.1f} us")
 
 
 if __name__ == "__main__":
