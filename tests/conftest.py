@@ -62,11 +62,12 @@ if INTERPRETED:
 
 # Fuzzing profiles (tests/test_fuzz.py): `ci` keeps the interpreter run to a few minutes; `long` is for a GPU
 # or a patient CPU (`pytest --hypothesis-profile=long`).
-# `ci` is derandomized (the same examples every run, so CI is reproducible); `long` draws new ones each run.
+# `ci` is derandomized (the same examples every run, so CI is reproducible); `long` draws new ones each run,
+# FLASHTRITON_FUZZ_EXAMPLES per test (default 400; fewer to fit a time-limited GPU call).
 _FUZZ_SETTINGS = dict(deadline=None, print_blob=True,
                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("ci", max_examples=25, derandomize=True, **_FUZZ_SETTINGS)
-settings.register_profile("long", max_examples=400, derandomize=False, **_FUZZ_SETTINGS)
+settings.register_profile("long", max_examples=int(os.environ.get("FLASHTRITON_FUZZ_EXAMPLES", "400")), derandomize=False, **_FUZZ_SETTINGS)
 settings.load_profile("ci")
 
 
