@@ -52,14 +52,7 @@ def profile_steady(flashtriton, q, k, v, calls: int, top: int) -> None:
     torch.cuda.synchronize()
     for label, call in (("forward", lambda: flashtriton.flash_attn_func(q, k, v, causal=True)),
                         ("decode", lambda: flashtriton.flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=400))):
-        call()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        host = (time.perf_counter() - start) / calls
-        torch.cuda.synchronize()
-        print(f"{label}: host time per call {host * 1e6:.1f} us")
+        print(f"{label}: host time per call {host_time(call, calls):.1f} us")
         if label == "forward":
             print_forward_breakdown(flashtriton, q, k, v, calls)
         profiler = cProfile.Profile()
@@ -85,7 +78,8 @@ def host_time(call, calls: int) -> float:
 
 def print_forward_breakdown(flashtriton, q, k, v, calls: int) -> None:
     """The causal forward's host time by layer: public function, op without autograd, the bare Triton launch
-    (arguments captured from one call and replayed), and the launch with its tensor descriptors rebuilt."""
+    (arguments captured from one call and replayed), building the four host tensor descriptors, and the
+    three allocations of a call."""
     from flashtriton.ops import backend
 
     captured = {}
