@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .ops.autograd import (FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc, FlashAttnVarlenFunc,
-                           FlashAttnVarlenKVPackedFunc, FlashAttnVarlenQKVPackedFunc, maybe_contiguous)
+                           FlashAttnVarlenKVPackedFunc, FlashAttnVarlenQKVPackedFunc, apply, maybe_contiguous)
 from .ops.library import flash_kvcache
 
 _COMMON_DOC = """
@@ -29,20 +29,20 @@ Return:
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    return FlashAttnQKVPackedFunc.apply(qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                        deterministic, return_attn_probs, torch.is_grad_enabled())
+    return apply(FlashAttnQKVPackedFunc, (qkv,), qkv, dropout_p, softmax_scale, causal, window_size, softcap,
+                 alibi_slopes, deterministic, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    return FlashAttnKVPackedFunc.apply(q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                       deterministic, return_attn_probs, torch.is_grad_enabled())
+    return apply(FlashAttnKVPackedFunc, (q, kv), q, kv, dropout_p, softmax_scale, causal, window_size, softcap,
+                 alibi_slopes, deterministic, return_attn_probs)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    return FlashAttnFunc.apply(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                               deterministic, return_attn_probs, torch.is_grad_enabled())
+    return apply(FlashAttnFunc, (q, k, v), q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                 alibi_slopes, deterministic, return_attn_probs)
 
 
 flash_attn_qkvpacked_func.__doc__ = """Attention on packed qkv (batch_size, seqlen, 3, nheads, headdim).
@@ -60,25 +60,24 @@ Arguments:""" + _COMMON_DOC
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False):
-    return FlashAttnVarlenQKVPackedFunc.apply(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
-                                              window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-                                              torch.is_grad_enabled())
+    return apply(FlashAttnVarlenQKVPackedFunc, (qkv,), qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
+                 window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    return FlashAttnVarlenKVPackedFunc.apply(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                             dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                             deterministic, return_attn_probs, torch.is_grad_enabled())
+    return apply(FlashAttnVarlenKVPackedFunc, (q, kv), q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                 max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                 return_attn_probs)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None):
-    return FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                     softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                     return_attn_probs, block_table, torch.is_grad_enabled())
+    return apply(FlashAttnVarlenFunc, (q, k, v), q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                 return_attn_probs, block_table)
 
 
 _VARLEN_DOC = """

@@ -346,6 +346,17 @@ def test_tensors_are_saved_only_when_needed(entry, requires_grad, grad_enabled, 
     assert out.requires_grad == saves
 
 
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_inference_calls_give_the_training_calls_results(entry):
+    """Calls where nothing needs a gradient skip autograd.Function (host time) and return the same tensors."""
+    q, k, v = _inputs()
+    training = ENTRIES[entry].fn(*ENTRIES[entry].leaves(q, k, v), return_attn_probs=True)
+    inference = ENTRIES[entry].fn(*ENTRIES[entry].leaves(q, k, v, requires_grad=False), return_attn_probs=True)
+    assert training[0].grad_fn is not None and inference[0].grad_fn is None
+    for a, b in zip(training, inference):
+        assert torch.equal(a.detach(), b)
+
+
 @pytest.mark.parametrize("window", [
     pytest.param(torch.tensor([3, 1]), id="tensor-of-2"),
     pytest.param((torch.tensor(3), torch.tensor([1])), id="0d-and-1-element-tensors"),
