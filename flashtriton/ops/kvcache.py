@@ -154,7 +154,8 @@ def mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     seqlen_new = 0 if k is None else k.shape[1]
     q, k, v = (t if t is None or checks.has_contiguous_last_dim(t) else t.contiguous() for t in (q, k, v))
     if cache_seqlens is not None:
-        cache_seqlens = cache_seqlens.to(torch.int32)
+        if cache_seqlens.dtype != torch.int32:
+            cache_seqlens = cache_seqlens.to(torch.int32)
         if block_table is not None:
             _check_paged_capacity(cache_seqlens, seqlen_new, capacity)
     window = (window_size_left, window_size_right)
@@ -179,7 +180,7 @@ def mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         q = _rotate_queries(q, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved,
                             per_row_positions=causal or params.is_local)
     # Keys past the capacity were not written, so they are never read either.
-    seqused = torch.clamp(cache_seqlens + seqlen_new if seqlen_new else cache_seqlens, max=capacity).to(torch.int32)
+    seqused = torch.clamp(cache_seqlens + seqlen_new if seqlen_new else cache_seqlens, max=capacity)  # int32
     leftpad = None if cache_leftpad is None else torch.clamp(cache_leftpad, min=0)
     out = new_empty((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
     lse = new_empty((batch, num_heads, seqlen_q), torch.float32, q.device)
