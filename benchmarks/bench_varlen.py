@@ -26,6 +26,9 @@ def attention_flops(lengths, heads, dim, causal, mode):
     return per_seq * (2.5 if mode == "bwd" else 1.0)
 
 
+SAME_LENGTH_TOKENS = 131072  # tokens per timed dense batch of the "same lengths" rows
+
+
 def timed(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
@@ -68,15 +71,17 @@ def main():
     rows.append(("varlen", "bwd", ms, attention_flops(lengths, args.heads, args.head_dim, args.causal, "bwd")))
 
     # Dense rows for flashtriton and the SDPA peers: `dense` is tokens / 4096 sequences of 4096 (issue #3's
-    # comparison); `dense, same lengths` times each varlen length as a full batch of ~tokens / n sequences and
-    # adds the per-sequence times: a provider's own rate on this workload, without any varlen machinery.
-    # Short causal sequences run at a lower rate on every kernel; the peers' rows show by how much.
+    # comparison); `dense, same lengths` times each varlen length as a full batch of ~SAME_LENGTH_TOKENS / n
+    # sequences and adds the per-sequence times: a provider's own rate on this workload, without any varlen
+    # machinery. The batches are larger than the varlen call so that even the shortest length keeps the GPU
+    # busier than the host (an eager call costs 0.15-0.35 ms of host time); at 16k tokens the 293-token batch
+    # was host-bound. Short causal sequences run at a lower rate on every kernel; the peers' rows show how much.
     dense_lengths = [4096] * (args.tokens // 4096)
     for provider in args.providers.split(","):
         for mode in ("fwd", "bwd"):
             rows.append((f"{provider} dense", mode, dense_ms(provider, mode, len(dense_lengths), 4096, args),
                          attention_flops(dense_lengths, args.heads, args.head_dim, args.causal, mode)))
-            copies = [max(1, args.tokens // n) for n in lengths]
+            copies = [max(1, max(args.tokens, SAME_LENGTH_TOKENS) // n) for n in lengths]
             ms = sum(dense_ms(provider, mode, c, n, args) / c for n, c in zip(lengths, copies))
             rows.append((f"{provider} dense, same lengths", mode, ms,
                          attention_flops(lengths, args.heads, args.head_dim, args.causal, mode)))
