@@ -28,7 +28,7 @@ HEADS, HEADS_K, DIM = 32, 8, 128
 # query heads of a KV head. Paged caches never use descriptors.
 # Paged loops need two more stages than contiguous ones for the same K/V double buffering (offline sm_90
 # compile: 16x128 w4 paged s3/s4 74 KB of shared memory = one K/V buffer, s5 139 KB = two, as contiguous s3),
-# hence the s5/s6 candidates; not yet timed.
+# hence the s5/s6 candidates (timed at commit 08441d7: s5 chosen for page-sized tiles, configs.PAGED_DECODE_STAGES).
 DECODE_CANDIDATES = [(16, 128, 4, 3, False), (16, 128, 4, 2, False), (16, 64, 4, 3, False), (16, 64, 4, 4, False),
                      (16, 64, 2, 4, False), (16, 128, 8, 3, False), (16, 256, 8, 2, False), (16, 32, 2, 6, False),
                      (16, 128, 4, 5, False), (16, 64, 4, 5, False), (16, 64, 4, 6, False),

@@ -67,7 +67,8 @@ if INTERPRETED:
 _FUZZ_SETTINGS = dict(deadline=None, print_blob=True,
                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("ci", max_examples=25, derandomize=True, **_FUZZ_SETTINGS)
-settings.register_profile("long", max_examples=int(os.environ.get("FLASHTRITON_FUZZ_EXAMPLES", "400")), derandomize=False, **_FUZZ_SETTINGS)
+settings.register_profile("long", max_examples=int(os.environ.get("FLASHTRITON_FUZZ_EXAMPLES", "400")),
+                          derandomize=False, **_FUZZ_SETTINGS)
 settings.load_profile("ci")
 
 
