@@ -26,13 +26,14 @@ def make_varlen(lens_q, lens_k, num_heads=4, num_heads_k=2, head_dim=32, dtype=t
 
 def reference_checks(q, k, v, cu_q, cu_k, max_seqlen_k, out, lse, grads, dout, **options):
     """Tolerance-rule checks of out, lse and (dq, dk, dv unless grads is None) on every row; rows past the
-    last sequence must be exactly 0."""
+    last sequence must be exactly 0 (lse +inf)."""
     checks = compare_varlen_with_reference(out, lse, q, k, v, cu_q.cpu(), cu_k.cpu(), max_seqlen_k, grads, dout,
                                            **options)
     covered_q, covered_k = int(cu_q[-1]), int(cu_k[-1])
     for name, tensor, covered in zip(("out", "dq", "dk", "dv"), (out, *(grads or ())),
                                      (covered_q, covered_q, covered_k, covered_k)):
         assert torch.all(tensor[covered:] == 0), f"{name}: uncovered rows must be zero"
+    assert torch.all(lse[:, covered_q:] == float("inf")), "lse: uncovered rows must be +inf"
     failed = [str(c) for c in checks if not c.ok]
     assert not failed, "; ".join(failed)
 
@@ -81,6 +82,40 @@ def test_varlen_matches_reference(mix, option):
 def test_varlen_through_tensor_descriptors(force_tma, mix, option):
     """In-kernel descriptors bound to each sequence: rows past it read as zeros and are never written."""
     test_varlen_matches_reference(mix, option)
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_nan_in_neighbouring_sequences_stays_there(tma, causal):
+    """Sequences are independent: NaN in every row of the sequences before and after one (and in the uncovered
+    tail) leaves its output, LSE and gradients bitwise unchanged. Tiles read past their sequence's end into
+    the next one (packed descriptors do), so this is what keeps 0 * NaN out of P.V."""
+    from flashtriton.testing import forced_tma
+
+    lens_q, lens_k = [20, 70, 9], [33, 80, 17]
+    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k)
+    middle_q = slice(lens_q[0], lens_q[0] + lens_q[1])
+    middle_k = slice(lens_k[0], lens_k[0] + lens_k[1])
+    dout = torch.randn_like(q)
+
+    def run(q, k, v):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        with forced_tma(tma):
+            out, lse, _ = flashtriton.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                             causal=causal, return_attn_probs=True)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+        return out[middle_q], lse[:, middle_q], grads[0][middle_q], grads[1][middle_k], grads[2][middle_k]
+
+    clean = run(q, k, v)
+    poisoned = []
+    for t, middle in ((q, middle_q), (k, middle_k), (v, middle_k)):
+        t = t.detach().clone()
+        keep = t[middle].clone()
+        t.fill_(float("nan"))
+        t[middle] = keep
+        poisoned.append(t)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), clean, run(*poisoned)):
+        assert torch.equal(a, b), f"{name} of the middle sequence changed with NaN in its neighbours"
 
 
 def test_varlen_equals_dense_on_equal_lengths():
@@ -158,6 +193,10 @@ def test_seqused_and_leftpad_low_level():
                                                               cu_kept, max(lens_q), max(slots), 0.0, 0.125, True)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     torch.testing.assert_close(lse, expected_lse, rtol=0, atol=0)
+
+
+def test_seqused_and_leftpad_through_tensor_descriptors(force_tma):
+    test_seqused_and_leftpad_low_level()
 
 
 @pytest.mark.gpu

@@ -28,18 +28,27 @@ FLOAT_ARGS = {"qk_scale_log2", "softcap_in_scale", "softcap_out_log2", "softmax_
 
 
 def compile_kernel(kernel, head_dim, local, block_m, block_n, warps, stages, dtype="bf16", dropout=False,
-                   pack_gqa=False, paged=False, tma_device=False):
+                   pack_gqa=False, paged=False, tma_device=False, packed=False):
     names = list(inspect.signature(kernel.fn).parameters)
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()), BLOCK_M=block_m,
-                      BLOCK_N=block_n, IS_LOCAL=local, HAS_SOFTCAP=False, HAS_ALIBI=False, IS_VARLEN=False,
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    tma_mode = 3 if packed else 2 if tma_device else 0
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
+                      BLOCK_N=block_n, IS_LOCAL=local, HAS_SOFTCAP=False, HAS_ALIBI=False, IS_VARLEN=packed,
                       IS_PAGED=paged, HAS_SEQUSED_K=paged, HAS_LEFTPAD_K=False, HAS_BATCH_IDX=False, IS_SPLIT=False,
-                      HAS_DROPOUT=dropout, TMA_MODE=2 if tma_device else 0, FOLD_SCALE=not dropout, PACK_GQA=pack_gqa,
+                      HAS_DROPOUT=dropout, TMA_MODE=tma_mode, FOLD_SCALE=not dropout, PACK_GQA=pack_gqa,
                       TILE_IN_PAGE=paged, RESCALE_THRESHOLD=0.0, USE_TMA=tma_device)
     pointer_args = {"BlockTable", "SeqUsedK"} if paged else set()
+    if packed:
+        pointer_args |= {"CuSeqlensQ", "CuSeqlensK"}
+    # host descriptors of a packed varlen launch (TMA_PACKED): Q, K, V; O is stored by pointer
+    descriptor_args = {name: f"tensordesc<{dtype}[1,{rows},1,{block_d}]>"
+                       for name, rows in (("q_desc", block_m), ("k_desc", block_n), ("v_desc", block_n))} if packed else {}
     signature, attrs_16 = {}, []
     for index, name in enumerate(names):
         if name in pointer_args:
             signature[name] = "*i32"
+        elif name in descriptor_args:
+            signature[name] = descriptor_args[name]
         elif name in constexprs or name in NONE_ARGS:
             signature[name] = "constexpr"
             constexprs.setdefault(name, None)
@@ -74,13 +83,15 @@ def main():
     parser.add_argument("--paged", action="store_true", help="forward only: paged K/V, one page per key tile")
     parser.add_argument("--tma-device", action="store_true",
                         help="in-kernel tensor descriptors (forward TMA_DEVICE, backward USE_TMA)")
+    parser.add_argument("--packed", action="store_true",
+                        help="forward only: varlen with host descriptors over the packed tensors (TMA_PACKED)")
     args = parser.parse_args()
     block_m, block_n, warps, stages = (int(x) for x in args.config.split(","))
     compiled = compile_kernel(KERNELS[args.kernel], args.head_dim, args.local, block_m, block_n, warps, stages,
                               dropout=args.dropout, pack_gqa=args.pack_gqa, paged=args.paged,
-                              tma_device=args.tma_device)
+                              tma_device=args.tma_device, packed=args.packed)
     print(f"{args.kernel} d{args.head_dim} local={args.local} dropout={args.dropout} pack_gqa={args.pack_gqa} "
-          f"paged={args.paged} tma_device={args.tma_device} {args.config}: "
+          f"paged={args.paged} tma_device={args.tma_device} packed={args.packed} {args.config}: "
           f"{resource_usage(compiled)} "
           f"shared {compiled.metadata.shared} wgmma {compiled.asm['ptx'].count('wgmma.mma_async')}")
 

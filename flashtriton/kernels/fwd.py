@@ -7,8 +7,12 @@ RESCALE_THRESHOLD (log2 units) so most tiles skip the O / row-sum rescale; P the
 
 Variants (constexpr): TMA_MODE loads Q/K/V and stores O through 4-D tensor descriptors, built on the host
 over whole (B, S, H, D) tensors (TMA_HOST: dense layouts, tiles addressed by batch, row and head) or in the
-kernel over one sequence of one head (TMA_DEVICE: varlen, kv-cache, split-KV; tiles addressed by row).
-Either way rows past a sequence are out of bounds: they read as zeros and are never stored. FOLD_SCALE
+kernel over one sequence of one head (TMA_DEVICE: kv-cache, split-KV; tiles addressed by row). Either way
+rows past a sequence are out of bounds: they read as zeros and are never stored. TMA_PACKED (varlen) loads
+Q/K/V through host descriptors over the packed (1, total, H, D) tensors, tiles addressed by the sequence's
+first row plus the tile's; rows past a sequence there belong to the next one, so they are zeroed (Q rows;
+V rows in the masked key blocks, the only ones that reach past seqlen_k, so 0 * NaN cannot leak in), their
+scores are masked, and O is stored by pointer. FOLD_SCALE
 (no softcap, no ALiBi, positive scale) keeps raw q.k and folds the scale into the exp2 FMA;
 PACK_GQA (decoding with GQA) puts the query heads that share a KV head into one tile, so each
 K/V tile is read once per KV head instead of once per query head.
@@ -24,10 +28,12 @@ from .common import (alibi_bias_log2, dropout_keep, kv_block_range, row_offsets,
 TMA_OFF = tl.constexpr(0)
 TMA_HOST = tl.constexpr(1)
 TMA_DEVICE = tl.constexpr(2)
+TMA_PACKED = tl.constexpr(3)
 
 
 @triton.jit
-def _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_kv_batch, desc_head_k, stride_kn, stride_vn,
+def _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_kv_batch, desc_k_row0, desc_head_k,
+                 stride_kn, stride_vn,
                  block_table_row, page_size, stride_kpage, stride_vpage,
                  offs_m, offs_d, n_block_lo, n_block_hi, seqlen_q, seqlen_k,
                  qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
@@ -44,8 +50,11 @@ def _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_kv_batch
         offs_n = n_start + offs_col
         if TMA_MODE != TMA_OFF:
             # [BLOCK_D, BLOCK_N], [BLOCK_N, BLOCK_D]
-            k_t = tl.trans(k_desc.load([desc_kv_batch, n_start, desc_head_k, 0]).reshape(BLOCK_N, BLOCK_D))
-            v = v_desc.load([desc_kv_batch, n_start, desc_head_k, 0]).reshape(BLOCK_N, BLOCK_D)
+            k_t = tl.trans(k_desc.load([desc_kv_batch, desc_k_row0 + n_start, desc_head_k, 0]).reshape(BLOCK_N,
+                                                                                                        BLOCK_D))
+            v = v_desc.load([desc_kv_batch, desc_k_row0 + n_start, desc_head_k, 0]).reshape(BLOCK_N, BLOCK_D)
+            if TMA_MODE == TMA_PACKED and MASKED:
+                v = tl.where((offs_n < seqlen_k)[:, None], v, 0.0)
         else:
             key_in = offs_n < seqlen_k
             k_offs = row_offsets(n_start, offs_col, seqlen_k, stride_kn, block_table_row, page_size, stride_kpage,
@@ -176,8 +185,12 @@ def attn_fwd_kernel(
     q_row_offs = offs_m.to(tl.int64) * stride_qm + head_in_tile * stride_qh
     o_row_offs = offs_m.to(tl.int64) * stride_om + head_in_tile * stride_oh
     lse_row_offs = head_in_tile * stride_lse_h + offs_m
-    # descriptor coordinates (batch, head, kv batch, kv head) of this program's tiles
+    # descriptor coordinates (batch, head, kv batch, kv head) of this program's tiles, and the rows its
+    # sequence starts at (packed varlen tensors)
     desc_batch, desc_head, desc_kv_batch, desc_head_k = batch, batch_head % num_heads, kv_batch, head_k
+    desc_q_row0, desc_k_row0 = 0, 0
+    if TMA_MODE == TMA_PACKED:
+        desc_batch, desc_kv_batch, desc_q_row0, desc_k_row0 = 0, 0, q_start, k_start
     if TMA_MODE == TMA_DEVICE:
         desc_batch, desc_head, desc_kv_batch, desc_head_k = 0, 0, 0, 0
         k_desc = tl.make_tensor_descriptor(k_base, shape=[1, seqlen_k, 1, HEAD_DIM],
@@ -196,7 +209,9 @@ def attn_fwd_kernel(
                                                block_shape=[1, BLOCK_M, 1, BLOCK_D])
     # [BLOCK_M, BLOCK_D]
     if TMA_MODE != TMA_OFF and not PACK_GQA:
-        q = q_desc.load([desc_batch, m_start, desc_head, 0]).reshape(BLOCK_M, BLOCK_D)
+        q = q_desc.load([desc_batch, desc_q_row0 + m_start, desc_head, 0]).reshape(BLOCK_M, BLOCK_D)
+        if TMA_MODE == TMA_PACKED:
+            q = tl.where(row_in[:, None], q, 0.0)
     else:
         q = tl.load(q_base + q_row_offs[:, None] + offs_d[None, :], mask=row_in[:, None] & d_in[None, :], other=0.0)
 
@@ -220,19 +235,22 @@ def attn_fwd_kernel(
         n_full_max = tl.minimum(tl.maximum(n_full_max, n_full_min), split_hi)
         n_block_max = split_hi
     acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_kv_batch, desc_head_k, stride_kn, stride_vn, block_table_row,
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_kv_batch, desc_k_row0, desc_head_k, stride_kn, stride_vn,
+        block_table_row,
         page_size, stride_kpage, stride_vpage, offs_m, offs_d, n_block_min, n_full_min,
         seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
         slope_log2, alibi_pure_causal, RngState, stream, dropout_p, HEAD_DIM, BLOCK_N, BLOCK_D, True, IS_LOCAL,
         HAS_SOFTCAP, HAS_ALIBI, IS_PAGED, HAS_DROPOUT, TMA_MODE, FOLD_SCALE, TILE_IN_PAGE, RESCALE_THRESHOLD)
     acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_kv_batch, desc_head_k, stride_kn, stride_vn, block_table_row,
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_kv_batch, desc_k_row0, desc_head_k, stride_kn, stride_vn,
+        block_table_row,
         page_size, stride_kpage, stride_vpage, offs_m, offs_d, n_full_min, n_full_max,
         seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
         slope_log2, alibi_pure_causal, RngState, stream, dropout_p, HEAD_DIM, BLOCK_N, BLOCK_D, False, IS_LOCAL,
         HAS_SOFTCAP, HAS_ALIBI, IS_PAGED, HAS_DROPOUT, TMA_MODE, FOLD_SCALE, TILE_IN_PAGE, RESCALE_THRESHOLD)
     acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_kv_batch, desc_head_k, stride_kn, stride_vn, block_table_row,
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_kv_batch, desc_k_row0, desc_head_k, stride_kn, stride_vn,
+        block_table_row,
         page_size, stride_kpage, stride_vpage, offs_m, offs_d, n_full_max, n_block_max,
         seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
         slope_log2, alibi_pure_causal, RngState, stream, dropout_p, HEAD_DIM, BLOCK_N, BLOCK_D, True, IS_LOCAL,
@@ -246,7 +264,7 @@ def attn_fwd_kernel(
     # rows that saw no key: +inf as flash_attn returns it, -inf inside a split so the combine weighs it 0
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf") if IS_SPLIT else float("inf"))
-    if TMA_MODE != TMA_OFF and not PACK_GQA:
+    if (TMA_MODE == TMA_HOST or TMA_MODE == TMA_DEVICE) and not PACK_GQA:
         o_desc.store([desc_batch, m_start, desc_head, 0],
                      out.to(Out.dtype.element_ty).reshape(1, BLOCK_M, 1, BLOCK_D))
     else:

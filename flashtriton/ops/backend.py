@@ -18,6 +18,7 @@ import torch
 from .. import configs
 from ..kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from ..kernels.combine import attn_combine_kernel
+from ..kernels.fill import fill_uncovered_rows_kernel
 from ..kernels import fwd as fwd_kernel_module
 from ..kernels.fwd import attn_fwd_kernel
 from ..reference import (attention_reference, attention_reference_backward, attention_reference_varlen,
@@ -27,8 +28,8 @@ from .launching import device_guard, triton_cdiv
 
 LOG2E = 1.4426950408889634
 
-TMA_OFF, TMA_HOST, TMA_DEVICE = (mode.value for mode in (fwd_kernel_module.TMA_OFF, fwd_kernel_module.TMA_HOST,
-                                                         fwd_kernel_module.TMA_DEVICE))
+TMA_OFF, TMA_HOST, TMA_DEVICE, TMA_PACKED = (mode.value for mode in (
+    fwd_kernel_module.TMA_OFF, fwd_kernel_module.TMA_HOST, fwd_kernel_module.TMA_DEVICE, fwd_kernel_module.TMA_PACKED))
 
 # TRITON_INTERPRET is read when @triton.jit runs, so the kernel objects themselves say how they run.
 KERNELS_INTERPRETED = type(attn_fwd_kernel).__name__ == "InterpretedFunction"
@@ -188,10 +189,14 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     lse_strides = (lse.stride(1), lse.stride(2)) if is_split else lse_strides
     pack_gqa = configs.pack_gqa(seqlen_q, num_heads // num_heads_k)
     tma_mode = TMA_OFF
-    if config.use_tma and not is_paged and k.shape[1] > 0 and all(_tma_compatible(t) for t in (q, k, v, out)):
-        whole_tensors = not (is_varlen or is_split or pack_gqa or seqused_k is not None or leftpad_k is not None
-                             or cache_batch_idx is not None)
-        tma_mode = TMA_HOST if whole_tensors else TMA_DEVICE
+    if (config.use_tma and not is_paged and q.shape[-3] > 0 and k.shape[-3] > 0
+            and all(_tma_compatible(t) for t in (q, k, v, out))):
+        per_sequence = (is_split or pack_gqa or seqused_k is not None or leftpad_k is not None
+                        or cache_batch_idx is not None)
+        if is_varlen:
+            tma_mode = TMA_DEVICE if pack_gqa else TMA_PACKED
+        else:
+            tma_mode = TMA_DEVICE if per_sequence else TMA_HOST
     if tma_mode == TMA_DEVICE:
         _ensure_scratch_allocator()
     descriptors = (None,) * 4
@@ -199,6 +204,9 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
         descriptors = tuple(_row_descriptor(t, rows, block_dim)
                             for t, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n),
                                             (out, config.block_m)))
+    elif tma_mode == TMA_PACKED:  # (total, H, D) viewed as one (1, total, H, D) sequence; O is stored by pointer
+        descriptors = (*(_row_descriptor(t.unsqueeze(0), rows, block_dim)
+                         for t, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n))), None)
     query_tiles, batch_heads = fwd_tile_grid(seqlen_q, batch, num_heads, num_heads_k, config.block_m)
     grid = (query_tiles * batch_heads, num_splits)
     with device_guard(q):
@@ -387,15 +395,25 @@ def mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softm
 # Variable length
 # ----------------------------------------------------------------------------------------------------------------
 
+FILL_ROWS_BLOCK = 32  # rows per program of fill_uncovered_rows_kernel
+
+
 def _zero_uncovered_rows(tensor: torch.Tensor, cu_seqlens: torch.Tensor, fill: float = 0.0, dim: int = 0) -> None:
-    """Fill rows t >= cu_seqlens[-1] along `dim` with `fill`, on the device and without a host sync."""
+    """Fill rows t >= cu_seqlens[-1] along `dim` with `fill`, on the device, without a host sync and without
+    reading them (they are uninitialized)."""
     if tensor.numel() == 0:
         return
-    rows = torch.arange(tensor.shape[dim], device=tensor.device)
-    uncovered = rows >= cu_seqlens[-1]
-    shape = [1] * tensor.dim()
-    shape[dim] = -1
-    tensor.masked_fill_(uncovered.view(shape), fill)
+    # [rows, A, B] view: (T, H, D) outputs and gradients with dim 0, (H, T) LSEs with dim 1
+    view = tensor.movedim(dim, 0)
+    if view.dim() == 2:
+        view = view.unsqueeze(-1)
+    rows, num_a, num_b = view.shape
+    grid = (triton_cdiv(rows, FILL_ROWS_BLOCK), num_a)
+    with device_guard(tensor):
+        fill_uncovered_rows_kernel[grid](
+            view, cu_seqlens, cu_seqlens.shape[0] - 1, rows, num_b, *view.stride(), float(fill),
+            BLOCK_R=FILL_ROWS_BLOCK, BLOCK_B=min(128, configs.block_d(num_b)),
+        )
 
 
 def _gather_paged(cache: torch.Tensor, block_table: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
