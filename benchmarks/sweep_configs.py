@@ -77,8 +77,9 @@ def main():
     parser.add_argument("--modes", default="fwd,bwd")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--shapes", default="all", help="'all' or indices into SHAPES, e.g. 1,3")
-    parser.add_argument("--bwd-candidates", default="all", choices=("all", "base"),
-                        help="base: only the current backward entry, with and without tensor descriptors")
+    parser.add_argument("--bwd-candidates", default="all", choices=("all", "base", "atomic"),
+                        help="base: only the current backward entry, with and without tensor descriptors; "
+                             "atomic: the current entry, and every dK/dV candidate, with dQ by atomics")
     args = parser.parse_args()
     modes = args.modes.split(",")
     shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
@@ -112,6 +113,9 @@ def main():
                 out = flashtriton.flash_attn_func(q, k, v, causal=causal)
                 base = original_bwd(arch, dim)
                 candidates = [replace(base, use_tma=tma) for tma in (False, True)]
+                if args.bwd_candidates == "atomic":
+                    candidates = [base] + [replace(base, dkdv=c, dq_atomic=True)
+                                           for c in [base.dkdv] + DKDV_CANDIDATES[size]]
                 for tma in BWD_TMA if args.bwd_candidates == "all" else ():
                     candidates += [replace(base, dkdv=c, use_tma=tma) for c in DKDV_CANDIDATES[size]]
                     candidates += [replace(base, dq=c, use_tma=tma) for c in DQ_CANDIDATES[size]]

@@ -38,6 +38,7 @@ class BwdConfig:
     dq: TileConfig     # one program per query tile, looping over key tiles
     preprocess_block: int = 128
     use_tma: bool = False  # Q/dO (dK/dV) and K/V (dQ) tiles through in-kernel tensor descriptors (sm90+)
+    dq_atomic: bool = False  # dQ added with atomics by the dK/dV kernel, no dQ pass (not with deterministic=True)
 
 
 def _env_float(name: str):

@@ -32,22 +32,36 @@ def poisoned_outputs(enabled: bool = True):
 
 
 @contextlib.contextmanager
-def forced_tma(enabled: bool = True):
-    """Within this block forward and backward configs use tensor descriptors (as sm90 does), also in the
-    interpreter whose own configs have them off: host-built descriptors for dense forward layouts, in-kernel
-    ones otherwise and in the backward. Tensors that descriptors cannot address still use pointer loads."""
+def _forced_config_fields(fwd_fields: dict, bwd_fields: dict):
+    """Within this block configs.fwd_config / bwd_config return their configs with these fields replaced."""
     from dataclasses import replace
 
     from . import configs
 
     original_fwd, original_bwd = configs.fwd_config, configs.bwd_config
-    if enabled:
-        configs.fwd_config = lambda *args, **kwargs: replace(original_fwd(*args, **kwargs), use_tma=True)
-        configs.bwd_config = lambda *args, **kwargs: replace(original_bwd(*args, **kwargs), use_tma=True)
+    if fwd_fields:
+        configs.fwd_config = lambda *args, **kwargs: replace(original_fwd(*args, **kwargs), **fwd_fields)
+    if bwd_fields:
+        configs.bwd_config = lambda *args, **kwargs: replace(original_bwd(*args, **kwargs), **bwd_fields)
     try:
         yield
     finally:
         configs.fwd_config, configs.bwd_config = original_fwd, original_bwd
+
+
+def forced_tma(enabled: bool = True):
+    """Within this block forward and backward configs use tensor descriptors (as sm90 does), also in the
+    interpreter whose own configs have them off: host-built descriptors for dense forward layouts, in-kernel
+    ones otherwise and in the backward. Tensors that descriptors cannot address still use pointer loads."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return _forced_config_fields(dict(use_tma=True), dict(use_tma=True))
+
+
+def forced_dq_atomic():
+    """Within this block backward configs add dQ with atomics inside the dK/dV kernel (BwdConfig.dq_atomic)
+    unless deterministic=True, as the configs that enable it do on a GPU."""
+    return _forced_config_fields({}, dict(dq_atomic=True))
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,15 @@ def force_tma():
         yield
 
 
+@pytest.fixture
+def force_dq_atomic():
+    """dQ by atomics in the dK/dV kernel (flashtriton.testing.forced_dq_atomic)."""
+    from flashtriton.testing import forced_dq_atomic
+
+    with forced_dq_atomic():
+        yield
+
+
 def pytest_report_header(config):
     mode = "Triton interpreter" if INTERPRETED else "compiled Triton on CUDA / reference on CPU"
     cuda = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"

@@ -110,6 +110,35 @@ def test_dense_through_tensor_descriptors(force_tma, feature):
     assert_all_ok(run_case(replace(Case(seqlen_q=150, seqlen_k=83), **FEATURES[feature])))
 
 
+@pytest.mark.parametrize("feature", ["causal-window", "gqa", "alibi-causal-quirk", "all-combined"])
+def test_backward_with_atomic_dq(force_dq_atomic, feature):
+    """dQ added with atomics by the dK/dV kernel (no dQ pass) meets the same tolerance rule."""
+    assert_all_ok(run_case(replace(Case(seqlen_q=150, seqlen_k=83), **FEATURES[feature])))
+
+
+def test_deterministic_backward_skips_atomic_dq(force_dq_atomic, monkeypatch):
+    """deterministic=True never launches the atomic variant, even where the config asks for it."""
+    from flashtriton.ops import backend
+
+    launched = []
+    kernel = backend.attn_bwd_dkdv_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs["DQ_ATOMIC"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(backend, "attn_bwd_dkdv_kernel", Recorder())
+    case = Case(seqlen_q=70, seqlen_k=90)
+    q, k, v, _ = make_case_inputs(case, DEVICE, requires_grad=True)
+    for deterministic in (True, False):
+        out = flashtriton.flash_attn_func(q, k, v, deterministic=deterministic)
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert launched == [False, True]
+
+
 def test_saturated_softmax_gradients_follow_the_flash_algorithm():
     """Found by fuzzing: with inputs x4 the softmax is nearly one-hot, the true dQ/dK are tiny, and the
     rounding of O in delta = rowsum(dO * O) puts them at ~5x PyTorch's fp16 error. The kernel matches the

@@ -118,6 +118,11 @@ def test_nan_in_neighbouring_sequences_stays_there(tma, causal):
         assert torch.equal(a, b), f"{name} of the middle sequence changed with NaN in its neighbours"
 
 
+def test_varlen_backward_with_atomic_dq(force_dq_atomic):
+    """dQ by atomics into the packed (total, H, D) accumulator: per-sequence rows, uncovered rows 0."""
+    test_varlen_matches_reference("with-empty-and-one", "causal-window-alibi")
+
+
 def test_varlen_equals_dense_on_equal_lengths():
     batch, seqlen = 3, 75
     q = torch.randn(batch, seqlen, 4, 64, device=DEVICE, dtype=torch.float16)

@@ -28,7 +28,7 @@ FLOAT_ARGS = {"qk_scale_log2", "softcap_in_scale", "softcap_out_log2", "softmax_
 
 
 def compile_kernel(kernel, head_dim, local, block_m, block_n, warps, stages, dtype="bf16", dropout=False,
-                   pack_gqa=False, paged=False, tma_device=False, packed=False):
+                   pack_gqa=False, paged=False, tma_device=False, packed=False, dq_atomic=False):
     names = list(inspect.signature(kernel.fn).parameters)
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     tma_mode = 3 if packed else 2 if tma_device else 0
@@ -36,7 +36,7 @@ def compile_kernel(kernel, head_dim, local, block_m, block_n, warps, stages, dty
                       BLOCK_N=block_n, IS_LOCAL=local, HAS_SOFTCAP=False, HAS_ALIBI=False, IS_VARLEN=packed,
                       IS_PAGED=paged, HAS_SEQUSED_K=paged, HAS_LEFTPAD_K=False, HAS_BATCH_IDX=False, IS_SPLIT=False,
                       HAS_DROPOUT=dropout, TMA_MODE=tma_mode, FOLD_SCALE=not dropout, PACK_GQA=pack_gqa,
-                      TILE_IN_PAGE=paged, RESCALE_THRESHOLD=0.0, USE_TMA=tma_device)
+                      TILE_IN_PAGE=paged, RESCALE_THRESHOLD=0.0, USE_TMA=tma_device, DQ_ATOMIC=dq_atomic)
     pointer_args = {"BlockTable", "SeqUsedK"} if paged else set()
     if packed:
         pointer_args |= {"CuSeqlensQ", "CuSeqlensK"}
@@ -56,8 +56,11 @@ def compile_kernel(kernel, head_dim, local, block_m, block_n, warps, stages, dty
             signature[name] = "*i64" if dropout else "constexpr"
             if not dropout:
                 constexprs[name] = None
+        elif name == "DQAccum" and not dq_atomic:
+            signature[name] = "constexpr"
+            constexprs[name] = None
         elif name[0].isupper():
-            signature[name] = "*fp32" if name in ("Lse", "Delta") else f"*{dtype}"
+            signature[name] = "*fp32" if name in ("Lse", "Delta", "DQAccum") else f"*{dtype}"
             attrs_16.append((index,))
         elif name in FLOAT_ARGS:
             signature[name] = "fp32"
@@ -85,13 +88,15 @@ def main():
                         help="in-kernel tensor descriptors (forward TMA_DEVICE, backward USE_TMA)")
     parser.add_argument("--packed", action="store_true",
                         help="forward only: varlen with host descriptors over the packed tensors (TMA_PACKED)")
+    parser.add_argument("--dq-atomic", action="store_true", help="dkdv only: dQ added with atomics (DQ_ATOMIC)")
     args = parser.parse_args()
     block_m, block_n, warps, stages = (int(x) for x in args.config.split(","))
     compiled = compile_kernel(KERNELS[args.kernel], args.head_dim, args.local, block_m, block_n, warps, stages,
                               dropout=args.dropout, pack_gqa=args.pack_gqa, paged=args.paged,
-                              tma_device=args.tma_device, packed=args.packed)
+                              tma_device=args.tma_device, packed=args.packed, dq_atomic=args.dq_atomic)
     print(f"{args.kernel} d{args.head_dim} local={args.local} dropout={args.dropout} pack_gqa={args.pack_gqa} "
-          f"paged={args.paged} tma_device={args.tma_device} packed={args.packed} {args.config}: "
+          f"paged={args.paged} tma_device={args.tma_device} packed={args.packed} dq_atomic={args.dq_atomic} "
+          f"{args.config}: "
           f"{resource_usage(compiled)} "
           f"shared {compiled.metadata.shared} wgmma {compiled.asm['ptx'].count('wgmma.mma_async')}")
 

@@ -1,7 +1,9 @@
 """Backward: preprocess (delta = rowsum(dO * O)), dK/dV per key tile, dQ per query tile.
 
-No atomics: every output element is written by exactly one program, so gradients are bitwise
-reproducible (deterministic=True costs nothing). GQA reduces dK/dV over the query heads of a
+By default every output element is written by exactly one program, so gradients are bitwise
+reproducible. DQ_ATOMIC (configs that ask for it, never with deterministic=True): the dK/dV program also
+adds each key tile's share of dQ (dS K, unscaled, fp32) into DQAccum with atomics, and the dQ kernel does
+not run; the launcher scales and converts DQAccum. GQA reduces dK/dV over the query heads of a
 group inside the dK/dV program. P is recomputed from the saved natural-log LSE (+inf rows give
 P = 0). With softcap, dS is multiplied by 1 - tanh^2 before the scale (API.md §4.10).
 USE_TMA (the sm90 configs): the Q and dO tiles of the dK/dV kernel and the K and V tiles of the dQ kernel
@@ -51,14 +53,15 @@ def attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_q_loop(dk, dv, k, v, q_base, do_base, q_desc, do_desc, head, lse_base, delta_base, stride_qm, stride_dom,
-                 n_start, offs_n, offs_d, m_block_lo, m_block_hi, seqlen_q, seqlen_k,
+                 dqa_base, stride_dqa_m, n_start, offs_n, offs_d, m_block_lo, m_block_hi, seqlen_q, seqlen_k,
                  qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
                  slope_log2, alibi_pure_causal, rng_state, stream, dropout_p, dropout_scale,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                  IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                 HAS_DROPOUT: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
+                 HAS_DROPOUT: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr):
     """Accumulate query blocks [m_block_lo, m_block_hi) of one head into the key tile's (dk, dv)
-    (keys n_start + offs_n). USE_TMA loads Q and dO tiles of `head` through q_desc / do_desc."""
+    (keys n_start + offs_n). USE_TMA loads Q and dO tiles of `head` through q_desc / do_desc; DQ_ATOMIC adds
+    each query block's dS K into the fp32 rows at dqa_base."""
     offs_row = tl.arange(0, BLOCK_M)
     d_in = offs_d < HEAD_DIM
     for m_block in range(m_block_lo, m_block_hi):
@@ -102,13 +105,18 @@ def _dkdv_q_loop(dk, dv, k, v, q_base, do_base, q_desc, do_desc, head, lse_base,
             cap_t = tanh(qk_t * softcap_in_scale)
             ds_t = ds_t * (1.0 - cap_t * cap_t)
         dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk)
+        if DQ_ATOMIC:
+            # [BLOCK_M, BLOCK_D] this key tile's part of the query block's dQ (unscaled)
+            dq_part = tl.dot(tl.trans(ds_t.to(k.dtype)), k)
+            tl.atomic_add(dqa_base + offs_m.to(tl.int64)[:, None] * stride_dqa_m + offs_d[None, :], dq_part,
+                          mask=row_in[:, None] & d_in[None, :], sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "seqlen_q", "seqlen_k", "window_left",
                                "window_right"])
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV, AlibiSlopes, CuSeqlensQ, CuSeqlensK, RngState,
+    Q, K, V, DOut, Lse, Delta, DK, DV, DQAccum, AlibiSlopes, CuSeqlensQ, CuSeqlensK, RngState,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -116,13 +124,14 @@ def attn_bwd_dkdv_kernel(
     stride_lse_b, stride_lse_h,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
+    stride_dqa_b, stride_dqa_m, stride_dqa_h,
     stride_alibi_b,
     num_heads_k, group_size, seqlen_q, seqlen_k,
     softmax_scale, qk_scale_log2, softcap_in_scale, softcap_out_log2,
     window_left, window_right, alibi_pure_causal, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
     """One program per (key tile, batch * kv head); loops over the group's query heads and query tiles.
 
@@ -171,30 +180,33 @@ def attn_bwd_dkdv_kernel(
         do_base = DOut + batch64 * stride_dob + to_int64(q_start) * stride_dom + head64 * stride_doh
         lse_base = Lse + batch64 * stride_lse_b + head64 * stride_lse_h + q_start
         delta_base = Delta + batch64 * stride_lse_b + head64 * stride_lse_h + q_start
+        dqa_base = DQAccum
+        if DQ_ATOMIC:
+            dqa_base = DQAccum + batch64 * stride_dqa_b + to_int64(q_start) * stride_dqa_m + head64 * stride_dqa_h
         slope_log2 = 0.0
         if HAS_ALIBI:
             slope_log2 = tl.load(AlibiSlopes + batch * stride_alibi_b + head) * 1.4426950408889634
         dk, dv = _dkdv_q_loop(
             dk, dv, k, v, q_base, do_base, q_desc, do_desc, head, lse_base, delta_base, stride_qm, stride_dom,
-            n_start, offs_n, offs_d,
+            dqa_base, stride_dqa_m, n_start, offs_n, offs_d,
             m_block_min, m_full_min, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
             window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch * num_heads_k * group_size + head,
             dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-            BLOCK_D, USE_TMA)
+            BLOCK_D, USE_TMA, DQ_ATOMIC)
         dk, dv = _dkdv_q_loop(
             dk, dv, k, v, q_base, do_base, q_desc, do_desc, head, lse_base, delta_base, stride_qm, stride_dom,
-            n_start, offs_n, offs_d,
+            dqa_base, stride_dqa_m, n_start, offs_n, offs_d,
             m_full_min, m_full_max, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
             window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch * num_heads_k * group_size + head,
             dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-            BLOCK_D, USE_TMA)
+            BLOCK_D, USE_TMA, DQ_ATOMIC)
         dk, dv = _dkdv_q_loop(
             dk, dv, k, v, q_base, do_base, q_desc, do_desc, head, lse_base, delta_base, stride_qm, stride_dom,
-            n_start, offs_n, offs_d,
+            dqa_base, stride_dqa_m, n_start, offs_n, offs_d,
             m_full_max, m_block_max, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
             window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch * num_heads_k * group_size + head,
             dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-            BLOCK_D, USE_TMA)
+            BLOCK_D, USE_TMA, DQ_ATOMIC)
 
     dk = dk * softmax_scale
     tl.store(DK + batch64 * stride_dkb + rows_k * stride_dkn + head_k.to(tl.int64) * stride_dkh

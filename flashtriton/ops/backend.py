@@ -287,10 +287,12 @@ def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, windo
 
 def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, alibi_slopes,
                lse_strides: Tuple[int, int], seqlen_q: int, seqlen_k: int, batch: int,
-               cu_seqlens_q=None, cu_seqlens_k=None, dropout_p: float = 0.0, rng_state=None) -> None:
+               cu_seqlens_q=None, cu_seqlens_k=None, dropout_p: float = 0.0, rng_state=None,
+               deterministic: bool = False) -> None:
     """Run preprocess, dK/dV and dQ into preallocated dq/dk/dv (any strides, last dim contiguous).
 
-    delta has lse's layout (lse_strides) and receives rowsum(dout * out).
+    delta has lse's layout (lse_strides) and receives rowsum(dout * out). Configs with dq_atomic add dQ
+    with atomics in the dK/dV kernel (into an fp32 buffer, then scaled into dq) unless deterministic.
     """
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k = k.shape[-2]
@@ -304,6 +306,9 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
         _ensure_scratch_allocator()
     flags = dict(IS_LOCAL=params.is_local, HAS_SOFTCAP=params.softcap > 0.0, HAS_ALIBI=alibi_slopes is not None,
                  IS_VARLEN=is_varlen, HAS_DROPOUT=dropout_p > 0.0, USE_TMA=use_tma)
+    dq_atomic = config.dq_atomic and not deterministic and seqlen_q > 0
+    # fp32 dQ accumulator in q's (B, S, H, D) / (T, H, D) shape, contiguous
+    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq_atomic else None
     dropout_args = (dropout_p, 1.0 / (1.0 - dropout_p))
     score_args = params.kernel_args()
     alibi_stride = _alibi_batch_stride(alibi_slopes)
@@ -318,14 +323,17 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
         if seqlen_k > 0:
             dkdv_grid = (triton_cdiv(seqlen_k, config.dkdv.block_n) * batch * num_heads_k,)
             attn_bwd_dkdv_kernel[dkdv_grid](
-                q, k, v, dout, lse, delta, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
+                q, k, v, dout, lse, delta, dk, dv, dq_accum, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
                 *seq_strides(q), *seq_strides(k), *seq_strides(v), *seq_strides(dout), *lse_strides,
-                *seq_strides(dk), *seq_strides(dv), alibi_stride,
+                *seq_strides(dk), *seq_strides(dv), *(seq_strides(dq_accum) if dq_atomic else (0, 0, 0)),
+                alibi_stride,
                 num_heads_k, group_size, seqlen_q, seqlen_k, params.softmax_scale, *score_args, *dropout_args,
                 HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.dkdv.block_m, BLOCK_N=config.dkdv.block_n,
-                **flags, num_warps=config.dkdv.num_warps, num_stages=config.dkdv.num_stages,
+                **flags, DQ_ATOMIC=dq_atomic, num_warps=config.dkdv.num_warps, num_stages=config.dkdv.num_stages,
             )
-        if seqlen_q > 0:
+        if dq_atomic:
+            dq.copy_(dq_accum.mul_(params.softmax_scale))
+        elif seqlen_q > 0:
             dq_grid = (triton_cdiv(seqlen_q, config.dq.block_m) * batch * num_heads,)
             attn_bwd_dq_kernel[dq_grid](
                 q, k, v, dout, lse, delta, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
@@ -361,7 +369,8 @@ def mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softm
             deterministic: bool, rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Dense backward into preallocated dq, dk, dv. Returns softmax_d (B, H, R(Sq)) = rowsum(dout * out).
 
-    The kernels never use atomics, so the result is bitwise reproducible whatever `deterministic` says.
+    With deterministic=True (or a config without dq_atomic) no atomics are used and the result is bitwise
+    reproducible.
     """
     check_bwd(dout, q, k, v, out, dq, dk, dv, dropout_p, softcap, alibi_slopes)
     dropout.require_rng_state(rng_state, dropout_p)
@@ -386,7 +395,8 @@ def mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softm
     lse = softmax_lse.contiguous()
     delta = empty_like(lse)
     launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params, alibi_slopes,
-               (lse.stride(0), lse.stride(1)), seqlen_q, seqlen_k, batch, dropout_p=dropout_p, rng_state=rng_state)
+               (lse.stride(0), lse.stride(1)), seqlen_q, seqlen_k, batch, dropout_p=dropout_p, rng_state=rng_state,
+               deterministic=deterministic)
     softmax_d[:, :, :seqlen_q] = delta
     return softmax_d
 
@@ -587,7 +597,8 @@ def mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu
     lse = softmax_lse.contiguous()
     delta = empty_like(lse)
     launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params, alibi_slopes, (0, lse.stride(0)),
-               max_seqlen_q, max_seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, dropout_p=dropout_p, rng_state=rng_state)
+               max_seqlen_q, max_seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, dropout_p=dropout_p, rng_state=rng_state,
+               deterministic=deterministic)
     for grad, cu in ((dq, cu_seqlens_q), (dk, cu_seqlens_k), (dv, cu_seqlens_k)):
         _zero_uncovered_rows(grad, cu)
     softmax_d[:, :total_q] = delta
