@@ -5,6 +5,8 @@ Profiles (tests/conftest.py): `ci` (default, a few minutes through the interpret
 NaN-poisoned outputs and applies the tolerance rule of API.md §4.10.
 """
 
+import contextlib
+
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -12,7 +14,7 @@ from hypothesis import strategies as st
 import flashtriton
 from flashtriton.reference import kvcache_reference
 from flashtriton.testing import (Case, check_error, check_lse, compare_varlen_with_reference, compare_with_reference,
-                                 forced_tma, make_case_inputs, poisoned_outputs)
+                                 forced_dq_atomic, forced_tma, make_case_inputs, poisoned_outputs)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = DEVICE == "cpu"  # the interpreter is slow: keep CPU shapes small
@@ -57,14 +59,24 @@ def dense_cases(draw):
     )
 
 
-# On the CPU, half the cases force the tensor-descriptor (TMA) paths that sm90 runs by default.
+# On the CPU, half the cases force the tensor-descriptor (TMA) paths that sm90 runs by default, and half of
+# the backward cases the atomic-dQ variant (on a GPU the configs decide both).
 TMA_CHOICES = st.booleans() if SMALL else st.just(False)
+ATOMIC_CHOICES = st.booleans() if SMALL else st.just(False)
 
 
-@given(case=dense_cases(), input_scale=st.sampled_from([1.0, 4.0]), tma=TMA_CHOICES)
-def test_fuzz_flash_attn_func(case, input_scale, tma):
+def forced_paths(tma: bool, dq_atomic: bool = False):
+    stack = contextlib.ExitStack()
+    stack.enter_context(forced_tma(tma))
+    if dq_atomic:
+        stack.enter_context(forced_dq_atomic())
+    return stack
+
+
+@given(case=dense_cases(), input_scale=st.sampled_from([1.0, 4.0]), tma=TMA_CHOICES, dq_atomic=ATOMIC_CHOICES)
+def test_fuzz_flash_attn_func(case, input_scale, tma, dq_atomic):
     q, k, v, slopes = make_case_inputs(case, DEVICE, requires_grad=True, scale=input_scale)
-    with poisoned_outputs(), forced_tma(tma):
+    with poisoned_outputs(), forced_paths(tma, dq_atomic):
         out, lse, _ = flashtriton.flash_attn_func(q, k, v, 0.0, case.softmax_scale, case.causal, case.window_size,
                                                   case.softcap, slopes, return_attn_probs=True)
         dout = torch.randn_like(out)
@@ -80,8 +92,9 @@ def varlen_batches(draw):
 
 
 @given(lengths=varlen_batches(), causal=st.booleans(), window=windows(), alibi=st.booleans(),
-       heads=st.sampled_from([(2, 2), (4, 2), (3, 1)]), head_dim=st.sampled_from([16, 40, 64]), tma=TMA_CHOICES)
-def test_fuzz_flash_attn_varlen_func(lengths, causal, window, alibi, heads, head_dim, tma):
+       heads=st.sampled_from([(2, 2), (4, 2), (3, 1)]), head_dim=st.sampled_from([16, 40, 64]), tma=TMA_CHOICES,
+       dq_atomic=ATOMIC_CHOICES)
+def test_fuzz_flash_attn_varlen_func(lengths, causal, window, alibi, heads, head_dim, tma, dq_atomic):
     lens_q, lens_k, tail = lengths
     num_heads, num_heads_k = heads
     cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
@@ -91,7 +104,7 @@ def test_fuzz_flash_attn_varlen_func(lengths, causal, window, alibi, heads, head
     v = torch.randn_like(k).requires_grad_()
     slopes = torch.rand(len(lens_q), num_heads, device=DEVICE) * 0.3 if alibi else None
     max_q, max_k = max(lens_q) + 1, max(lens_k) + 1
-    with poisoned_outputs(), forced_tma(tma):
+    with poisoned_outputs(), forced_paths(tma, dq_atomic):
         out, lse, _ = flashtriton.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
                                                          window_size=window, alibi_slopes=slopes,
                                                          return_attn_probs=True)
