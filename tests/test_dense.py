@@ -116,6 +116,19 @@ def test_backward_with_atomic_dq(force_dq_atomic, feature):
     assert_all_ok(run_case(replace(Case(seqlen_q=150, seqlen_k=83), **FEATURES[feature])))
 
 
+def test_atomic_dq_ignores_keys_past_the_sequence(force_dq_atomic):
+    """Found by the long fuzz run: keys past seqlen_k in an unmasked block got P = exp2(0 - lse), inf for a
+    very negative LSE, and 0 * inf reached dQ as NaN. One key with q.k = -128: the exact dQ and dK are 0."""
+    q = torch.full((1, 1, 1, 8), 4.0, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    k = torch.full((1, 1, 1, 8), -4.0, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    v = torch.randn(1, 1, 1, 8, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    out = flashtriton.flash_attn_func(q, k, v)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
+    # dS = P (dP - delta) is fp32 rounding here (dP and delta are the same sum in another order)
+    assert dq.abs().max() < 1e-3 and dk.abs().max() < 1e-3
+
+
 def test_deterministic_backward_skips_atomic_dq(force_dq_atomic, monkeypatch):
     """deterministic=True never launches the atomic variant, even where the config asks for it."""
     from flashtriton.ops import backend

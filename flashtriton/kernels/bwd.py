@@ -106,6 +106,9 @@ def _dkdv_q_loop(dk, dv, k, v, q_base, do_base, q_desc, do_desc, head, lse_base,
             ds_t = ds_t * (1.0 - cap_t * cap_t)
         dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk)
         if DQ_ATOMIC:
+            # Unmasked blocks leave keys past seqlen_k unmasked (their dK/dV rows are never stored); their dS
+            # must not reach dQ, where exp2(0 - lse) may be inf and k's row is 0.
+            ds_t = tl.where((offs_n < seqlen_k)[:, None], ds_t, 0.0)
             # [BLOCK_M, BLOCK_D] this key tile's part of the query block's dQ (unscaled)
             dq_part = tl.dot(tl.trans(ds_t.to(k.dtype)), k)
             tl.atomic_add(dqa_base + offs_m.to(tl.int64)[:, None] * stride_dqa_m + offs_d[None, :], dq_part,
