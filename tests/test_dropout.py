@@ -43,6 +43,13 @@ def test_output_and_gradients_match_reference_with_the_kernels_mask(options):
     assert not failed, "; ".join(failed)
 
 
+@pytest.mark.parametrize("options", [dict(causal=True), dict(window_size=(20, 5), alibi=True)],
+                         ids=["causal", "local-alibi"])
+def test_gradients_with_atomic_dq_match_reference(force_dq_atomic, options):
+    """The atomic-dQ backward drops the same elements of dS as the dK/dV it shares them with."""
+    test_output_and_gradients_match_reference_with_the_kernels_mask(options)
+
+
 def test_drop_rate_lse_and_s_dmask_contents():
     q, k, v = make_qkv(batch=2, seqlen_q=128, seqlen_k=128, heads=4, heads_k=4)
     p = 0.3
