@@ -46,6 +46,14 @@ DQ_CANDIDATES = {
 }
 
 
+# dK/dV tiles for the atomic-dQ backward: offline sm_90 compiles with descriptors (docs/perf-notes.md) spill at
+# most 64 B in these; 128-key tiles halve the dQ atomics per FLOP.
+ATOMIC_DKDV_CANDIDATES = {
+    "small": [TileConfig(32, 64, 4, 3), TileConfig(32, 128, 8, 2), TileConfig(64, 128, 8, 2)],
+    "large": [TileConfig(16, 64, 8, 2), TileConfig(32, 64, 8, 2)],
+}
+
+
 # Backward candidates are swept with these tensor-descriptor settings (the current table entry runs with both).
 BWD_TMA = (True,)
 
@@ -79,7 +87,7 @@ def main():
     parser.add_argument("--shapes", default="all", help="'all' or indices into SHAPES, e.g. 1,3")
     parser.add_argument("--bwd-candidates", default="all", choices=("all", "base", "atomic"),
                         help="base: only the current backward entry, with and without tensor descriptors; "
-                             "atomic: the current entry, and every dK/dV candidate, with dQ by atomics")
+                             "atomic: the current entry, then it and ATOMIC_DKDV_CANDIDATES with dQ by atomics")
     args = parser.parse_args()
     modes = args.modes.split(",")
     shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
@@ -115,7 +123,7 @@ def main():
                 candidates = [replace(base, use_tma=tma) for tma in (False, True)]
                 if args.bwd_candidates == "atomic":
                     candidates = [base] + [replace(base, dkdv=c, dq_atomic=True)
-                                           for c in [base.dkdv] + DKDV_CANDIDATES[size]]
+                                           for c in [base.dkdv] + ATOMIC_DKDV_CANDIDATES[size]]
                 for tma in BWD_TMA if args.bwd_candidates == "all" else ():
                     candidates += [replace(base, dkdv=c, use_tma=tma) for c in DKDV_CANDIDATES[size]]
                     candidates += [replace(base, dq=c, use_tma=tma) for c in DQ_CANDIDATES[size]]

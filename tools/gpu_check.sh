@@ -4,7 +4,7 @@
 # are printed.
 #
 #   bash tools/gpu_check.sh [STEPS]     STEPS: comma list of tests,reliability,sanitize,bench,decode,varlen,dropout,cold,
-#                                       host,decode-sweep (default tests,reliability,decode)
+#                                       host,decode-sweep,bwd-atomic (default tests,reliability,decode)
 # Environment: FLASHTRITON_COMMIT (the device copy has no .git), OUT.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -39,3 +39,5 @@ step cold 130 python benchmarks/bench_cold_start.py --quick --out "$out/cold"
 # host time per eager call (profile of 300 warm calls) and the decode tile sweep, paged caches included
 step host 60 python tools/profile_first_call.py --top 25 --steady 300
 step decode-sweep 200 python benchmarks/bench_decode.py --paged 0,64,256 --graph --sweep
+# backward with dQ by atomics against the current entry: d128 (4, 4096, 16) and d256 (4, 4096, 8)
+step bwd-atomic 300 python benchmarks/sweep_configs.py --modes bwd --shapes 1,4 --bwd-candidates atomic --out "$out/bwd-atomic"
