@@ -136,6 +136,7 @@ def main():
                         print("bwd candidate failed", cand, type(exc).__name__, str(exc)[:200])
                     rows.append(dict(tag, provider="flashtriton", mode="bwd", config=asdict(cand), ms=ms,
                                      tflops=flops(batch, seqlen, heads, dim, causal, "bwd") / ms * 1e-9))
+                    print(f"  bwd {rows[-1]['tflops']:.0f} TF/s {asdict(cand)}", flush=True)
                 configs.bwd_config = original_bwd
             summary = [r for r in rows if all(r[key] == tag[key] for key in tag)]
             for mode in modes:
@@ -144,6 +145,7 @@ def main():
                 peers = {r["provider"]: r["tflops"] for r in summary if r["provider"] != "flashtriton" and r["mode"] == mode}
                 print(f"{tag} {mode}: best {best['tflops'] if best else float('nan'):.0f} TF/s {best['config'] if best else ''} "
                       f"| flash {peers.get('sdpa_flash', 0):.0f} cudnn {peers.get('sdpa_cudnn', 0):.0f}", flush=True)
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "sweep.json"), "w") as handle:
         json.dump(rows, handle, indent=1)
 
