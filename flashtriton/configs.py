@@ -176,6 +176,18 @@ def bwd_config(arch: str, head_dim: int) -> BwdConfig:
     return config if TMA_ALLOWED else replace(config, use_tma=False)
 
 
+# Launch order of the forward and backward grids (kernels' grouped_tile_and_batch_head): programs run in groups
+# of (batch, head) pairs whose shared operands (K and V for the forward and the dQ pass, Q and dO for the dK/dV
+# pass) take at most L2_GROUP_BYTES, all tiles of a group longest first, so a grid never ends on one head's
+# longest tile; 0 gives one head per group. Provisional until benchmarks/sweep_l2_groups.py has run.
+L2_GROUP_BYTES = 16 << 20
+
+
+def heads_per_l2_group(bytes_per_head: int, batch_heads: int) -> int:
+    """(batch, head) pairs per launch-order group: as many as fit L2_GROUP_BYTES, at least 1."""
+    return max(1, min(batch_heads, L2_GROUP_BYTES // max(1, bytes_per_head)))
+
+
 def block_d(head_dim: int) -> int:
     """Head dim rounded up to a power of two, at least 16 (the smallest tl.dot operand)."""
     return max(16, 1 << (head_dim - 1).bit_length())

@@ -116,6 +116,25 @@ def test_backward_with_atomic_dq(force_dq_atomic, feature):
     assert_all_ok(run_case(replace(Case(seqlen_q=150, seqlen_k=83), **FEATURES[feature])))
 
 
+@pytest.mark.parametrize("heads_per_group", [2, 4])
+@pytest.mark.parametrize("num_heads,num_heads_k", [(5, 5), (6, 3)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_grids_run_in_groups_of_heads(monkeypatch, heads_per_group, num_heads, num_heads_k, causal):
+    """Launch order in groups of (batch, head) pairs, the last group smaller: every tile still runs once."""
+    monkeypatch.setattr(configs, "heads_per_l2_group", lambda _bytes, batch_heads: min(heads_per_group, batch_heads))
+    case = Case(batch=3, seqlen_q=150, seqlen_k=130, num_heads=num_heads, num_heads_k=num_heads_k, causal=causal)
+    assert_all_ok(run_case(case))
+
+
+def test_heads_per_l2_group_fits_the_budget(monkeypatch):
+    monkeypatch.setattr(configs, "L2_GROUP_BYTES", 10 << 20)
+    assert configs.heads_per_l2_group(3 << 20, 64) == 3
+    assert configs.heads_per_l2_group(3 << 20, 2) == 2
+    assert configs.heads_per_l2_group(20 << 20, 64) == 1
+    monkeypatch.setattr(configs, "L2_GROUP_BYTES", 0)
+    assert configs.heads_per_l2_group(1, 64) == 1
+
+
 def test_atomic_dq_ignores_keys_past_the_sequence(force_dq_atomic):
     """Found by the long fuzz run: keys past seqlen_k in an unmasked block got P = exp2(0 - lse), inf for a
     very negative LSE, and 0 * inf reached dQ as NaN. One key with q.k = -128: the exact dQ and dK are 0."""

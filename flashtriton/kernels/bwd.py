@@ -14,9 +14,9 @@ come through in-kernel tensor descriptors over one sequence's rows of every head
 import triton
 import triton.language as tl
 
-from .common import (alibi_bias_log2, dropout_keep, head_rows_descriptor, kv_block_range, load_head_rows,
-                     q_block_range, row_offsets, scores_log2, sequence_bounds, tanh, tile_and_batch_head, to_int64,
-                     visibility_mask)
+from .common import (alibi_bias_log2, dropout_keep, grouped_tile_and_batch_head, head_rows_descriptor,
+                     kv_block_range, load_head_rows, q_block_range, row_offsets, scores_log2, sequence_bounds, tanh,
+                     tile_and_batch_head, to_int64, visibility_mask)
 
 
 @triton.jit(do_not_specialize=["stride_delta_b", "stride_delta_h", "seqlen_q"])
@@ -117,7 +117,7 @@ def _dkdv_q_loop(dk, dv, k, v, q_base, do_base, q_desc, do_desc, head, lse_base,
 
 
 @triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "seqlen_q", "seqlen_k", "window_left",
-                               "window_right"])
+                               "window_right", "heads_per_group"])
 def attn_bwd_dkdv_kernel(
     Q, K, V, DOut, Lse, Delta, DK, DV, DQAccum, AlibiSlopes, CuSeqlensQ, CuSeqlensK, RngState,
     stride_qb, stride_qm, stride_qh,
@@ -129,7 +129,7 @@ def attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvn, stride_dvh,
     stride_dqa_b, stride_dqa_m, stride_dqa_h,
     stride_alibi_b,
-    num_heads_k, group_size, seqlen_q, seqlen_k,
+    num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group,
     softmax_scale, qk_scale_log2, softcap_in_scale, softcap_out_log2,
     window_left, window_right, alibi_pure_causal, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -140,8 +140,10 @@ def attn_bwd_dkdv_kernel(
 
     Lse and Delta share one layout (strides stride_lse_b, stride_lse_h; rows contiguous). USE_TMA loads
     the Q and dO tiles through in-kernel descriptors bound to the sequence (rows past it read as zeros).
+    Key tiles run in order, so under a causal mask the tiles seen by the most query rows start first; programs
+    run in groups of heads_per_group (batch, kv head) pairs (grouped_tile_and_batch_head).
     """
-    n_block, batch_head = tile_and_batch_head(tl.cdiv(seqlen_k, BLOCK_N))
+    n_block, batch_head = grouped_tile_and_batch_head(tl.cdiv(seqlen_k, BLOCK_N), heads_per_group)
     batch = batch_head // num_heads_k
     head_k = batch_head % num_heads_k
     q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, None, None, seqlen_q,
@@ -265,7 +267,7 @@ def _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, k_desc, v_desc, head
 
 
 @triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "seqlen_q", "seqlen_k", "window_left",
-                               "window_right"])
+                               "window_right", "heads_per_group"])
 def attn_bwd_dq_kernel(
     Q, K, V, DOut, Lse, Delta, DQ, AlibiSlopes, CuSeqlensQ, CuSeqlensK, RngState,
     stride_qb, stride_qm, stride_qh,
@@ -275,7 +277,7 @@ def attn_bwd_dq_kernel(
     stride_lse_b, stride_lse_h,
     stride_dqb, stride_dqm, stride_dqh,
     stride_alibi_b,
-    num_heads, group_size, seqlen_q, seqlen_k,
+    num_heads, group_size, seqlen_q, seqlen_k, heads_per_group,
     softmax_scale, qk_scale_log2, softcap_in_scale, softcap_out_log2,
     window_left, window_right, alibi_pure_causal, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -283,8 +285,12 @@ def attn_bwd_dq_kernel(
     HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """One program per (query tile, batch * head); loops over the visible key tiles (USE_TMA: loaded
-    through in-kernel descriptors bound to the sequence)."""
-    m_block, batch_head = tile_and_batch_head(tl.cdiv(seqlen_q, BLOCK_M))
+    through in-kernel descriptors bound to the sequence). Query tiles run in reverse order, so under a causal
+    mask the longest rows start first; programs run in groups of heads_per_group (batch, head) pairs
+    (grouped_tile_and_batch_head)."""
+    num_tiles = tl.cdiv(seqlen_q, BLOCK_M)
+    tile, batch_head = grouped_tile_and_batch_head(num_tiles, heads_per_group)
+    m_block = num_tiles - 1 - tile
     batch = batch_head // num_heads
     head = batch_head % num_heads
     head_k = head // group_size

@@ -26,6 +26,24 @@ def tile_and_batch_head(num_tiles):
 
 
 @triton.jit
+def grouped_tile_and_batch_head(num_tiles, heads_per_group):
+    """(tile, batch * heads index) of this program when the 1-D grid (num_tiles * batch * heads programs) runs
+    group by group: batch * heads is cut into groups of heads_per_group consecutive indices (the last group may
+    be smaller); inside a group the tile is slowest and the head fastest, so tile 0 of every head in the group
+    starts before tile 1 of any. Kernels number their tiles longest first, so the last programs of the grid are
+    short ones (no long tail); launchers size groups so that the K/V the group's programs share stays in L2
+    (configs.heads_per_l2_group). heads_per_group = 1 is tile_and_batch_head's order."""
+    pid = tl.program_id(0)
+    num_batch_heads = tl.num_programs(0) // num_tiles
+    group_programs = num_tiles * heads_per_group
+    group = pid // group_programs
+    first_head = group * heads_per_group
+    heads_in_group = tl.minimum(heads_per_group, num_batch_heads - first_head)
+    within = pid - group * group_programs
+    return within // heads_in_group, first_head + within % heads_in_group
+
+
+@triton.jit
 def kv_block_range(m_start, seqlen_q, seqlen_k, window_left, window_right,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_LOCAL: tl.constexpr):
     """Key blocks visible to query rows [m_start, m_start + BLOCK_M).

@@ -21,8 +21,8 @@ K/V tile is read once per KV head instead of once per query head.
 import triton
 import triton.language as tl
 
-from .common import (alibi_bias_log2, dropout_keep, kv_block_range, row_offsets, scores_log2, sequence_bounds,
-                     split_block_range, tile_and_batch_head, to_int64, visibility_mask)
+from .common import (alibi_bias_log2, dropout_keep, grouped_tile_and_batch_head, kv_block_range, row_offsets,
+                     scores_log2, sequence_bounds, split_block_range, to_int64, visibility_mask)
 
 # TMA_MODE values
 TMA_OFF = tl.constexpr(0)
@@ -98,7 +98,7 @@ def _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_kv_batch
 
 
 @triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "page_size", "seqlen_q", "seqlen_k", "window_left",
-                               "window_right"])
+                               "window_right", "heads_per_group"])
 def attn_fwd_kernel(
     Q, K, V, Out, Lse, AlibiSlopes, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, BlockTable, CacheBatchIdx, RngState,
     q_desc, k_desc, v_desc, o_desc,
@@ -108,7 +108,7 @@ def attn_fwd_kernel(
     stride_ob, stride_om, stride_oh,
     stride_lse_b, stride_lse_h,
     stride_alibi_b, stride_block_table_b, page_size, stride_kpage, stride_vpage, stride_o_split, stride_lse_split,
-    num_heads, group_size, seqlen_q, seqlen_k,
+    num_heads, group_size, seqlen_q, seqlen_k, heads_per_group,
     qk_scale_log2, softcap_in_scale, softcap_out_log2,
     window_left, window_right, alibi_pure_causal, dropout_p, dropout_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -121,7 +121,8 @@ def attn_fwd_kernel(
     Paged K/V (IS_PAGED) address keys through BlockTable, one lookup per key tile with TILE_IN_PAGE;
     HAS_BATCH_IDX reads K/V from row CacheBatchIdx[batch] (the kv-cache's cache_batch_idx).
 
-    Query tiles run in reverse order, so under a causal mask the longest rows start first.
+    Query tiles run in reverse order, so under a causal mask the longest rows start first; programs run in
+    groups of heads_per_group (batch, head) pairs (grouped_tile_and_batch_head).
     HAS_DROPOUT drops P elements by dropout_keep (seeded from RngState) after the row sum, so the LSE
     ignores dropout, and scales the output by dropout_scale = 1 / (1 - dropout_p).
     IS_SPLIT (split-KV, grid axis 1 = split): each split attends to its share of the visible key blocks and
@@ -132,7 +133,7 @@ def attn_fwd_kernel(
         num_tiles = tl.cdiv(seqlen_q * group_size, BLOCK_M)
     else:
         num_tiles = tl.cdiv(seqlen_q, BLOCK_M)
-    tile, batch_head = tile_and_batch_head(num_tiles)
+    tile, batch_head = grouped_tile_and_batch_head(num_tiles, heads_per_group)
     m_block = num_tiles - 1 - tile
     if PACK_GQA:
         batch = batch_head // num_heads_k

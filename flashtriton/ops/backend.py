@@ -155,6 +155,12 @@ def fwd_tile_grid(seqlen_q: int, batch: int, num_heads: int, num_heads_k: int, b
     return triton_cdiv(seqlen_q, block_m), batch * num_heads
 
 
+def _operand_bytes(operand: torch.Tensor, rows: int, operands_per_head: float) -> int:
+    """Bytes one grid head reads from `operands_per_head` operands of `rows` rows like `operand` (a fraction when
+    query heads share a KV head): what a launch-order group keeps in L2 per (batch, head) pair."""
+    return int(rows * operand.shape[-1] * operand.element_size() * operands_per_head)
+
+
 def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides: Tuple[int, int],
                seqlen_q: int, seqlen_k: int, batch: int, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
                leftpad_k=None, block_table=None, cache_batch_idx=None, num_splits: int = 1, dropout_p: float = 0.0,
@@ -209,13 +215,15 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
                          for t, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n))), None)
     query_tiles, batch_heads = fwd_tile_grid(seqlen_q, batch, num_heads, num_heads_k, config.block_m)
     grid = (query_tiles * batch_heads, num_splits)
+    heads_per_group = configs.heads_per_l2_group(
+        _operand_bytes(k, seqlen_k, 2 if pack_gqa else 2 * num_heads_k / num_heads), batch_heads)
     with device_guard(q):
         attn_fwd_kernel[grid](
             q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table,
             cache_batch_idx, rng_state, *descriptors,
             *q_strides(q), *kv_strides(k), *kv_strides(v), *q_strides(out[0] if is_split else out),
             *lse_strides, _alibi_batch_stride(alibi_slopes), *page_args, *split_strides,
-            num_heads, num_heads // num_heads_k, seqlen_q, seqlen_k,
+            num_heads, num_heads // num_heads_k, seqlen_q, seqlen_k, heads_per_group,
             *params.kernel_args(), dropout_p, 1.0 / (1.0 - dropout_p),
             HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             IS_LOCAL=params.is_local, HAS_SOFTCAP=params.softcap > 0.0, HAS_ALIBI=alibi_slopes is not None,
@@ -322,12 +330,15 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
             )
         if seqlen_k > 0:
             dkdv_grid = (triton_cdiv(seqlen_k, config.dkdv.block_n) * batch * num_heads_k,)
+            dkdv_heads_per_group = configs.heads_per_l2_group(_operand_bytes(q, seqlen_q, 2 * group_size),
+                                                              batch * num_heads_k)
             attn_bwd_dkdv_kernel[dkdv_grid](
                 q, k, v, dout, lse, delta, dk, dv, dq_accum, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
                 *seq_strides(q), *seq_strides(k), *seq_strides(v), *seq_strides(dout), *lse_strides,
                 *seq_strides(dk), *seq_strides(dv), *(seq_strides(dq_accum) if dq_atomic else (0, 0, 0)),
                 alibi_stride,
-                num_heads_k, group_size, seqlen_q, seqlen_k, params.softmax_scale, *score_args, *dropout_args,
+                num_heads_k, group_size, seqlen_q, seqlen_k, dkdv_heads_per_group, params.softmax_scale, *score_args,
+                *dropout_args,
                 HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.dkdv.block_m, BLOCK_N=config.dkdv.block_n,
                 **flags, DQ_ATOMIC=dq_atomic, num_warps=config.dkdv.num_warps, num_stages=config.dkdv.num_stages,
             )
@@ -335,11 +346,14 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
             dq.copy_(dq_accum.mul_(params.softmax_scale))
         elif seqlen_q > 0:
             dq_grid = (triton_cdiv(seqlen_q, config.dq.block_m) * batch * num_heads,)
+            dq_heads_per_group = configs.heads_per_l2_group(_operand_bytes(k, seqlen_k, 2 / group_size),
+                                                            batch * num_heads)
             attn_bwd_dq_kernel[dq_grid](
                 q, k, v, dout, lse, delta, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
                 *seq_strides(q), *seq_strides(k), *seq_strides(v), *seq_strides(dout), *lse_strides,
                 *seq_strides(dq), alibi_stride,
-                num_heads, group_size, seqlen_q, seqlen_k, params.softmax_scale, *score_args, *dropout_args,
+                num_heads, group_size, seqlen_q, seqlen_k, dq_heads_per_group, params.softmax_scale, *score_args,
+                *dropout_args,
                 HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.dq.block_m, BLOCK_N=config.dq.block_n, **flags,
                 num_warps=config.dq.num_warps, num_stages=config.dq.num_stages,
             )

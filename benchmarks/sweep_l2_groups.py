@@ -1,0 +1,96 @@
+"""Sweep configs.L2_GROUP_BYTES (launch order in groups of heads) on the GPU: TF/s per budget.
+
+    python benchmarks/sweep_l2_groups.py [--budgets-mib 0,4,8,16,32,1048576] [--out DIR]
+
+Times flashtriton's forward and backward on the bench's baseline shapes (causal on and off, bf16) and on
+bench_varlen's causal length mix (16k tokens, lengths 128..4096), each budget in turn for every
+configuration so that drift between budgets stays small. Budget 0 is one head per group (each head's
+tiles in turn); a huge budget puts every (batch, head) pair in one group. Writes DIR/l2_groups.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+
+import torch
+
+import flashtriton
+from flashtriton import bench, configs
+
+
+def varlen_case(tokens: int = 16384, heads: int = 16, head_dim: int = 128):
+    """bench_varlen.py's length mix (seed 0): (lengths, cu_seqlens, q, k, v)."""
+    rng = random.Random(0)
+    lengths = []
+    while sum(lengths) < tokens:
+        lengths.append(min(rng.randint(128, 4096), tokens - sum(lengths)))
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(tokens, heads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    return lengths, cu, q, k, v
+
+
+def varlen_callables(causal: bool):
+    lengths, cu, q, k, v = varlen_case()
+    longest = max(lengths)
+
+    def forward():
+        return flashtriton.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal)
+
+    def forward_no_grad():
+        with torch.no_grad():
+            return forward()
+
+    out = forward()
+    dout = torch.randn_like(out)
+    def flops(mode):
+        return sum(bench.attention_flops(1, q.shape[1], n, n, q.shape[2], causal, mode) for n in lengths)
+
+    return {"fwd": forward_no_grad,
+            "bwd": lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)}, flops
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budgets-mib", default="0,4,8,16,32,1048576")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    budgets = [int(b) << 20 for b in args.budgets_mib.split(",")]
+    original = configs.L2_GROUP_BYTES
+    rows = []
+    cases = []
+    for shape in bench.BASELINE_SHAPES:
+        for causal in (False, True):
+            q, k, v = bench.random_inputs(shape, torch.bfloat16)
+            def flops(mode, shape=shape, causal=causal):
+                return bench.attention_flops(shape.batch, shape.heads, shape.seqlen, shape.seqlen, shape.head_dim,
+                                             causal, mode)
+            fns = {mode: bench.timed_callable("flashtriton", mode, causal, q, k, v) for mode in ("fwd", "bwd")}
+            cases.append((shape.label(), causal, fns, flops))
+    for causal in (False, True):
+        fns, flops = varlen_callables(causal)
+        cases.append(("varlen 16k mix x16x128", causal, fns, flops))
+    print("| shape | causal | mode | " + " | ".join(f"{b >> 20} MiB" for b in budgets) + " |")
+    print("|---|---|---|" + "---:|" * len(budgets))
+    for name, causal, fns, flops in cases:
+        for mode, fn in fns.items():
+            rates = []
+            for budget in budgets:
+                configs.L2_GROUP_BYTES = budget
+                ms = bench.median_ms(fn)
+                rate = bench.tflops_per_second(flops(mode), ms)
+                rates.append(rate)
+                rows.append(dict(shape=name, causal=causal, mode=mode, budget_bytes=budget, ms=ms, tflops=rate))
+            print(f"| {name} | {'yes' if causal else 'no'} | {mode} | " + " | ".join(f"{r:.0f}" for r in rates) + " |",
+                  flush=True)
+    configs.L2_GROUP_BYTES = original
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "l2_groups.json"), "w") as handle:
+        json.dump(dict(bench.run_metadata(), rows=rows), handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
