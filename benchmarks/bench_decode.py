@@ -19,7 +19,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtriton
-from flashtriton import configs
+from flashtriton import bench, configs
 from flashtriton.ops.kvcache import splits_for
 
 ROWS = [(64, 4096), (16, 16384), (4, 65536), (1, 131072)]
@@ -37,23 +37,6 @@ DECODE_CANDIDATES = [(16, 128, 4, 3, False), (16, 128, 4, 2, False), (16, 64, 4,
 
 def timed(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def graphed(call):
-    """call captured into a CUDA graph; the returned function replays it and returns its (static) output."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
-
-    def replay():
-        graph.replay()
-        return out
-    return replay
 
 
 def copy_bandwidth() -> float:
@@ -117,7 +100,7 @@ def main():
                                                       f"{' tma' if candidate.use_tma else ''}]")
                 try:
                     if args.graph:
-                        call = graphed(call)
+                        call = bench.graphed(call)
                     err = float((call().float() - expected.float()).abs().max()) if expected is not None else float("nan")
                     times = sorted(timed(call) for _ in range(args.repeat))
                     ms = times[len(times) // 2]

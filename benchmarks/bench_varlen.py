@@ -18,7 +18,7 @@ import torch
 import triton
 
 import flashtriton
-from flashtriton.bench import timed_callable
+from flashtriton.bench import graphed, host_us_per_call, timed_callable
 
 
 def attention_flops(lengths, heads, dim, causal, mode):
@@ -64,9 +64,15 @@ def main():
         single = flashtriton.flash_attn_func(q[None, s], k[None, s], v[None, s], causal=args.causal)[0]
         worst = max(worst, float((single - out[s]).abs().max().detach()))
     rows = []
-    ms = timed(lambda: flashtriton.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths),
-                                                          causal=args.causal))
-    rows.append(("varlen", "fwd", ms, attention_flops(lengths, args.heads, args.head_dim, args.causal, "fwd")))
+
+    def forward():  # timed without autograd, as the dense rows' forward (flashtriton.bench.timed_callable)
+        with torch.no_grad():
+            return flashtriton.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=args.causal)
+
+    fwd_flops = attention_flops(lengths, args.heads, args.head_dim, args.causal, "fwd")
+    rows.append(("varlen", "fwd", timed(forward), fwd_flops))
+    # the same call replayed from a CUDA graph: GPU time only, whatever the host costs
+    rows.append(("varlen, CUDA graph", "fwd", timed(graphed(forward)), fwd_flops))
     ms = timed(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
     rows.append(("varlen", "bwd", ms, attention_flops(lengths, args.heads, args.head_dim, args.causal, "bwd")))
 
@@ -86,8 +92,11 @@ def main():
             rows.append((f"{provider} dense, same lengths", mode, ms,
                          attention_flops(lengths, args.heads, args.head_dim, args.causal, mode)))
 
+    host_us = host_us_per_call(forward), host_us_per_call(
+        lambda: flashtriton.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=args.causal))
     print(f"{len(lengths)} sequences, lengths {min(lengths)}..{max(lengths)}, {args.tokens} tokens, "
-          f"H={args.heads} D={args.head_dim} causal={args.causal}; varlen vs per-sequence max err {worst:.2e}")
+          f"H={args.heads} D={args.head_dim} causal={args.causal}; varlen vs per-sequence max err {worst:.2e}; "
+          f"host time per varlen forward call {host_us[0]:.0f} us (no_grad), {host_us[1]:.0f} us (grad)")
     print("| layout | mode | ms | TF/s |")
     print("|---|---|---|---|")
     for layout, mode, ms, flop in rows:

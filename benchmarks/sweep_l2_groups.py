@@ -1,11 +1,12 @@
 """Sweep configs.L2_GROUP_BYTES (launch order in groups of heads) on the GPU: TF/s per budget.
 
-    python benchmarks/sweep_l2_groups.py [--budgets-mib 0,4,8,16,32,1048576] [--out DIR]
+    python benchmarks/sweep_l2_groups.py [--budgets-mib 0,4,8,16,32,1048576] [--graph] [--out DIR]
 
 Times flashtriton's forward and backward on the bench's baseline shapes (causal on and off, bf16) and on
 bench_varlen's causal length mix (16k tokens, lengths 128..4096), each budget in turn for every
 configuration so that drift between budgets stays small. Budget 0 is one head per group (each head's
-tiles in turn); a huge budget puts every (batch, head) pair in one group. Writes DIR/l2_groups.json.
+tiles in turn); a huge budget puts every (batch, head) pair in one group. --graph times the forward
+replayed from a CUDA graph (captured per budget), so short calls are not host-bound. Writes DIR/l2_groups.json.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def varlen_callables(causal: bool):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budgets-mib", default="0,4,8,16,32,1048576")
+    parser.add_argument("--modes", default="fwd,bwd")
+    parser.add_argument("--graph", action="store_true", help="time the forward from CUDA graphs")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     budgets = [int(b) << 20 for b in args.budgets_mib.split(",")]
@@ -77,13 +80,16 @@ def main():
     print("|---|---|---|" + "---:|" * len(budgets))
     for name, causal, fns, flops in cases:
         for mode, fn in fns.items():
+            if mode not in args.modes.split(","):
+                continue
             rates = []
             for budget in budgets:
-                configs.L2_GROUP_BYTES = budget
-                ms = bench.median_ms(fn)
+                configs.L2_GROUP_BYTES = {False: budget, True: budget}
+                ms = bench.median_ms(bench.graphed(fn) if args.graph and mode == "fwd" else fn)
                 rate = bench.tflops_per_second(flops(mode), ms)
                 rates.append(rate)
-                rows.append(dict(shape=name, causal=causal, mode=mode, budget_bytes=budget, ms=ms, tflops=rate))
+                rows.append(dict(shape=name, causal=causal, mode=mode, budget_bytes=budget, ms=ms, tflops=rate,
+                                 graph=args.graph and mode == "fwd"))
             print(f"| {name} | {'yes' if causal else 'no'} | {mode} | " + " | ".join(f"{r:.0f}" for r in rates) + " |",
                   flush=True)
     configs.L2_GROUP_BYTES = original

@@ -220,6 +220,38 @@ def median_ms(fn: Callable, warmup: int = 25, rep: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def graphed(call: Callable) -> Callable:
+    """call captured into a CUDA graph; the returned function replays it and returns its (static) output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+
+    def replay():
+        graph.replay()
+        return out
+    return replay
+
+
+def host_us_per_call(fn: Callable, calls: int = 100) -> float:
+    """Host time of one call in microseconds: wall time of `calls` calls enqueued back to back after a sync
+    (the GPU's queue absorbs them, so this is the host's cost even when the GPU is slower)."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
 def peak_memory_mib(fn: Callable) -> float:
     """Peak CUDA memory allocated by one call of fn above what was allocated before it, in MiB."""
     torch.cuda.synchronize()

@@ -178,14 +178,20 @@ def bwd_config(arch: str, head_dim: int) -> BwdConfig:
 
 # Launch order of the forward and backward grids (kernels' grouped_tile_and_batch_head): programs run in groups
 # of (batch, head) pairs whose shared operands (K and V for the forward and the dQ pass, Q and dO for the dK/dV
-# pass) take at most L2_GROUP_BYTES, all tiles of a group longest first, so a grid never ends on one head's
-# longest tile; 0 gives one head per group. Provisional until benchmarks/sweep_l2_groups.py has run.
-L2_GROUP_BYTES = 16 << 20
+# pass) take at most L2_GROUP_BYTES[causal], all tiles of a group longest first, so a grid does not end on one
+# head's longest tile; 0 gives one head per group (each head's tiles in turn). benchmarks/sweep_l2_groups.py
+# (H200, commit fedaf69, bf16, TF/s at 0 / 4 / 8 / 16 / 32 MiB / one group): causal forward 4x4096x16x128
+# 413 / 429 / 449 / 449 / 445 / 390, 1x16384 479 / 479 / 487 / 488 / 489 / 458, d64 349 / 352 / 374 / 373 /
+# 373 / 310, d256 449 / 451 / 462 / 487 / 482 / 460, varlen 16k-token mix 338 / 386 / 389 / 397 / 399 / 359;
+# causal backward 317 -> 326 (d128), 231 -> 238 (d64), 160 -> 166 (d256) at 16 MiB. Without a causal mask every
+# tile costs the same and the order only moves L2 traffic: 0 to 8 MiB are within 1%, 16 MiB loses up to 5%
+# (4x4096 d128 forward 534 / 539 / 521 / 515), one group 5-30%.
+L2_GROUP_BYTES = {False: 0, True: 16 << 20}
 
 
-def heads_per_l2_group(bytes_per_head: int, batch_heads: int) -> int:
-    """(batch, head) pairs per launch-order group: as many as fit L2_GROUP_BYTES, at least 1."""
-    return max(1, min(batch_heads, L2_GROUP_BYTES // max(1, bytes_per_head)))
+def heads_per_l2_group(bytes_per_head: int, batch_heads: int, causal: bool) -> int:
+    """(batch, head) pairs per launch-order group: as many as fit L2_GROUP_BYTES[causal], at least 1."""
+    return max(1, min(batch_heads, L2_GROUP_BYTES[causal] // max(1, bytes_per_head)))
 
 
 def block_d(head_dim: int) -> int:

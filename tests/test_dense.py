@@ -121,18 +121,18 @@ def test_backward_with_atomic_dq(force_dq_atomic, feature):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_grids_run_in_groups_of_heads(monkeypatch, heads_per_group, num_heads, num_heads_k, causal):
     """Launch order in groups of (batch, head) pairs, the last group smaller: every tile still runs once."""
-    monkeypatch.setattr(configs, "heads_per_l2_group", lambda _bytes, batch_heads: min(heads_per_group, batch_heads))
+    monkeypatch.setattr(configs, "heads_per_l2_group",
+                        lambda _bytes, batch_heads, _causal: min(heads_per_group, batch_heads))
     case = Case(batch=3, seqlen_q=150, seqlen_k=130, num_heads=num_heads, num_heads_k=num_heads_k, causal=causal)
     assert_all_ok(run_case(case))
 
 
 def test_heads_per_l2_group_fits_the_budget(monkeypatch):
-    monkeypatch.setattr(configs, "L2_GROUP_BYTES", 10 << 20)
-    assert configs.heads_per_l2_group(3 << 20, 64) == 3
-    assert configs.heads_per_l2_group(3 << 20, 2) == 2
-    assert configs.heads_per_l2_group(20 << 20, 64) == 1
-    monkeypatch.setattr(configs, "L2_GROUP_BYTES", 0)
-    assert configs.heads_per_l2_group(1, 64) == 1
+    monkeypatch.setattr(configs, "L2_GROUP_BYTES", {False: 0, True: 10 << 20})
+    assert configs.heads_per_l2_group(3 << 20, 64, True) == 3
+    assert configs.heads_per_l2_group(3 << 20, 2, True) == 2
+    assert configs.heads_per_l2_group(20 << 20, 64, True) == 1
+    assert configs.heads_per_l2_group(1, 64, False) == 1
 
 
 def test_atomic_dq_ignores_keys_past_the_sequence(force_dq_atomic):

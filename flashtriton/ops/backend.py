@@ -177,7 +177,8 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     num_heads_k = k.shape[-2]
     is_varlen = cu_seqlens_q is not None
     is_paged = block_table is not None
-    config = configs.forward_launch_config(configs.arch_class(q.device), head_dim, params.window_right == 0, seqlen_q,
+    causal = params.window_right == 0
+    config = configs.forward_launch_config(configs.arch_class(q.device), head_dim, causal, seqlen_q,
                                            dropout_p > 0.0, k.shape[1] if is_paged else 0)
     if seqlen_q == 0 or batch == 0:
         return
@@ -216,7 +217,7 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     query_tiles, batch_heads = fwd_tile_grid(seqlen_q, batch, num_heads, num_heads_k, config.block_m)
     grid = (query_tiles * batch_heads, num_splits)
     heads_per_group = configs.heads_per_l2_group(
-        _operand_bytes(k, seqlen_k, 2 if pack_gqa else 2 * num_heads_k / num_heads), batch_heads)
+        _operand_bytes(k, seqlen_k, 2 if pack_gqa else 2 * num_heads_k / num_heads), batch_heads, causal)
     with device_guard(q):
         attn_fwd_kernel[grid](
             q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table,
@@ -306,6 +307,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
     num_heads_k = k.shape[-2]
     group_size = num_heads // num_heads_k
     config = configs.bwd_config(configs.arch_class(q.device), head_dim)
+    causal = params.window_right == 0
     is_varlen = cu_seqlens_q is not None
     seq_strides = _varlen_strides if is_varlen else _bsh_strides
     block_dim = configs.block_d(head_dim)
@@ -331,7 +333,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
         if seqlen_k > 0:
             dkdv_grid = (triton_cdiv(seqlen_k, config.dkdv.block_n) * batch * num_heads_k,)
             dkdv_heads_per_group = configs.heads_per_l2_group(_operand_bytes(q, seqlen_q, 2 * group_size),
-                                                              batch * num_heads_k)
+                                                              batch * num_heads_k, causal)
             attn_bwd_dkdv_kernel[dkdv_grid](
                 q, k, v, dout, lse, delta, dk, dv, dq_accum, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
                 *seq_strides(q), *seq_strides(k), *seq_strides(v), *seq_strides(dout), *lse_strides,
@@ -347,7 +349,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
         elif seqlen_q > 0:
             dq_grid = (triton_cdiv(seqlen_q, config.dq.block_m) * batch * num_heads,)
             dq_heads_per_group = configs.heads_per_l2_group(_operand_bytes(k, seqlen_k, 2 / group_size),
-                                                            batch * num_heads)
+                                                            batch * num_heads, causal)
             attn_bwd_dq_kernel[dq_grid](
                 q, k, v, dout, lse, delta, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
                 *seq_strides(q), *seq_strides(k), *seq_strides(v), *seq_strides(dout), *lse_strides,
