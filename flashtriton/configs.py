@@ -185,7 +185,10 @@ def bwd_config(arch: str, head_dim: int) -> BwdConfig:
 # 373 / 310, d256 449 / 451 / 462 / 487 / 482 / 460, varlen 16k-token mix 338 / 386 / 389 / 397 / 399 / 359;
 # causal backward 317 -> 326 (d128), 231 -> 238 (d64), 160 -> 166 (d256) at 16 MiB. Without a causal mask every
 # tile costs the same and the order only moves L2 traffic: 0 to 8 MiB are within 1%, 16 MiB loses up to 5%
-# (4x4096 d128 forward 534 / 539 / 521 / 515), one group 5-30%.
+# (4x4096 d128 forward 534 / 539 / 521 / 515), one group 5-30%. The same forward sweep from CUDA graphs (commit
+# 61dcdf5, 0 / 4 / 8 / 16 MiB) agrees at 1x16384 (452 -> 470), d64 (341 -> 362), d256 (429 -> 463) and varlen
+# (374 -> 390) but not at 4x4096 d128 (435 / 426 / 408 / 416) or 16x1024 (315 / 328 / 323 / 292): on those two
+# rows the order is worth +-5%, about the noise between runs.
 L2_GROUP_BYTES = {False: 0, True: 16 << 20}
 
 

@@ -12,6 +12,7 @@
 #   TOOLS            tools to run, default "memcheck racecheck initcheck synccheck"
 #   PYTHON           interpreter (default: python)
 #   SANITIZER_FLAGS  extra flags for every tool, e.g. "--kernel-name kns=attn_" to check only our kernels
+#   PRINT_LIMIT      reports printed per tool (default 200; raise it to classify every report)
 #   LAUNCH_TIMEOUT   seconds one kernel may run under a tool before it is reported as hung (default 600)
 set -uo pipefail
 
@@ -62,7 +63,7 @@ supports() { grep -q -- "$1" <<< "$help_text"; }
 
 status=0
 for tool in $tools; do
-  flags=(--tool "$tool" --error-exitcode 1 --log-file "$log_dir/$tool.log" --print-limit 200)
+  flags=(--tool "$tool" --error-exitcode 1 --log-file "$log_dir/$tool.log" --print-limit "${PRINT_LIMIT:-200}")
   supports "--launch-timeout" && flags+=(--launch-timeout "${LAUNCH_TIMEOUT:-600}")
   # API errors that PyTorch and Triton raise and handle themselves (probing, peer access) are not kernel bugs.
   supports "--report-api-errors" && flags+=(--report-api-errors no)
