@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import flashtriton
-from flashtriton.flash_attn_interface import _flash_attn_varlen_forward
+from flashtriton.flash_attn_interface import _flash_attn_varlen_backward, _flash_attn_varlen_forward
 from flashtriton.testing import compare_varlen_with_reference, poisoned_outputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -198,6 +198,26 @@ def test_seqused_and_leftpad_low_level():
                                                               cu_kept, max(lens_q), max(slots), 0.0, 0.125, True)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     torch.testing.assert_close(lse, expected_lse, rtol=0, atol=0)
+
+
+def test_low_level_backward_softmax_d():
+    """softmax_d (H, Tq + 128 B): rowsum(dout * out) on covered rows, 0 on the rows past the last sequence and
+    on the padding. Found by initcheck: the rows past the last sequence were copied from unwritten memory."""
+    lens_q, lens_k = [5, 0, 70], [9, 4, 66]
+    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, tail=3)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    with poisoned_outputs():
+        out, lse, _, _ = _flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), 0.0, 0.2, True)
+        dout = torch.randn_like(out)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        softmax_d = _flash_attn_varlen_backward(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max(lens_q),
+                                                max(lens_k), 0.0, 0.2, True, -1, 0, 0.0, None, False)
+    covered = int(cu_q[-1])
+    total_q = q.shape[0]
+    assert softmax_d.shape == (q.shape[1], total_q + 128 * len(lens_q))
+    rowsum = (dout.float() * out.float()).sum(-1).t()
+    torch.testing.assert_close(softmax_d[:, :covered], rowsum[:, :covered])
+    assert torch.equal(softmax_d[:, covered:], torch.zeros_like(softmax_d[:, covered:]))
 
 
 def test_seqused_and_leftpad_through_tensor_descriptors(force_tma):

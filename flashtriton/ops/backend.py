@@ -617,5 +617,6 @@ def mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu
                deterministic=deterministic)
     for grad, cu in ((dq, cu_seqlens_q), (dk, cu_seqlens_k), (dv, cu_seqlens_k)):
         _zero_uncovered_rows(grad, cu)
+    _zero_uncovered_rows(delta, cu_seqlens_q, dim=1)  # the preprocess writes covered rows only
     softmax_d[:, :total_q] = delta
     return softmax_d
