@@ -64,6 +64,21 @@ def forced_dq_atomic():
     return _forced_config_fields({}, dict(dq_atomic=True))
 
 
+@contextlib.contextmanager
+def forced_heads_per_group(heads_per_group: Optional[int]):
+    """Within this block launch-order groups (configs.heads_per_l2_group) hold heads_per_group (batch, head) pairs,
+    the last group fewer, whatever L2 budget the configs give; None keeps the configs' choice."""
+    from . import configs
+
+    original = configs.heads_per_l2_group
+    if heads_per_group is not None:
+        configs.heads_per_l2_group = lambda _bytes, batch_heads, _causal: min(heads_per_group, batch_heads)
+    try:
+        yield
+    finally:
+        configs.heads_per_l2_group = original
+
+
 @dataclass(frozen=True)
 class Case:
     """One dense attention configuration."""

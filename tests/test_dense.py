@@ -13,7 +13,8 @@ import torch
 
 import flashtriton
 from flashtriton import configs
-from flashtriton.testing import Case, compare_with_reference, make_case_inputs, poisoned_outputs
+from flashtriton.testing import (Case, compare_with_reference, forced_heads_per_group, make_case_inputs,
+                                 poisoned_outputs)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -119,12 +120,11 @@ def test_backward_with_atomic_dq(force_dq_atomic, feature):
 @pytest.mark.parametrize("heads_per_group", [2, 4])
 @pytest.mark.parametrize("num_heads,num_heads_k", [(5, 5), (6, 3)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_grids_run_in_groups_of_heads(monkeypatch, heads_per_group, num_heads, num_heads_k, causal):
+def test_grids_run_in_groups_of_heads(heads_per_group, num_heads, num_heads_k, causal):
     """Launch order in groups of (batch, head) pairs, the last group smaller: every tile still runs once."""
-    monkeypatch.setattr(configs, "heads_per_l2_group",
-                        lambda _bytes, batch_heads, _causal: min(heads_per_group, batch_heads))
     case = Case(batch=3, seqlen_q=150, seqlen_k=130, num_heads=num_heads, num_heads_k=num_heads_k, causal=causal)
-    assert_all_ok(run_case(case))
+    with forced_heads_per_group(heads_per_group):
+        assert_all_ok(run_case(case))
 
 
 def test_heads_per_l2_group_fits_the_budget(monkeypatch):

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 import flashtriton
 from flashtriton.reference import kvcache_reference
 from flashtriton.testing import (Case, check_error, check_lse, compare_varlen_with_reference, compare_with_reference,
-                                 forced_dq_atomic, forced_tma, make_case_inputs, poisoned_outputs)
+                                 forced_dq_atomic, forced_heads_per_group, forced_tma, make_case_inputs,
+                                 poisoned_outputs)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = DEVICE == "cpu"  # the interpreter is slow: keep CPU shapes small
@@ -63,20 +64,24 @@ def dense_cases(draw):
 # the backward cases the atomic-dQ variant (on a GPU the configs decide both).
 TMA_CHOICES = st.booleans() if SMALL else st.just(False)
 ATOMIC_CHOICES = st.booleans() if SMALL else st.just(False)
+# Launch order: the configs' groups of heads (None), or groups of 1-3 (batch, head) pairs, on every device.
+GROUP_CHOICES = st.sampled_from([None, None, 1, 2, 3])
 
 
-def forced_paths(tma: bool, dq_atomic: bool = False):
+def forced_paths(tma: bool, dq_atomic: bool = False, heads_per_group=None):
     stack = contextlib.ExitStack()
     stack.enter_context(forced_tma(tma))
     if dq_atomic:
         stack.enter_context(forced_dq_atomic())
+    stack.enter_context(forced_heads_per_group(heads_per_group))
     return stack
 
 
-@given(case=dense_cases(), input_scale=st.sampled_from([1.0, 4.0]), tma=TMA_CHOICES, dq_atomic=ATOMIC_CHOICES)
-def test_fuzz_flash_attn_func(case, input_scale, tma, dq_atomic):
+@given(case=dense_cases(), input_scale=st.sampled_from([1.0, 4.0]), tma=TMA_CHOICES, dq_atomic=ATOMIC_CHOICES,
+       heads_per_group=GROUP_CHOICES)
+def test_fuzz_flash_attn_func(case, input_scale, tma, dq_atomic, heads_per_group):
     q, k, v, slopes = make_case_inputs(case, DEVICE, requires_grad=True, scale=input_scale)
-    with poisoned_outputs(), forced_paths(tma, dq_atomic):
+    with poisoned_outputs(), forced_paths(tma, dq_atomic, heads_per_group):
         out, lse, _ = flashtriton.flash_attn_func(q, k, v, 0.0, case.softmax_scale, case.causal, case.window_size,
                                                   case.softcap, slopes, return_attn_probs=True)
         dout = torch.randn_like(out)
@@ -93,8 +98,8 @@ def varlen_batches(draw):
 
 @given(lengths=varlen_batches(), causal=st.booleans(), window=windows(), alibi=st.booleans(),
        heads=st.sampled_from([(2, 2), (4, 2), (3, 1)]), head_dim=st.sampled_from([16, 40, 64]), tma=TMA_CHOICES,
-       dq_atomic=ATOMIC_CHOICES)
-def test_fuzz_flash_attn_varlen_func(lengths, causal, window, alibi, heads, head_dim, tma, dq_atomic):
+       dq_atomic=ATOMIC_CHOICES, heads_per_group=GROUP_CHOICES)
+def test_fuzz_flash_attn_varlen_func(lengths, causal, window, alibi, heads, head_dim, tma, dq_atomic, heads_per_group):
     lens_q, lens_k, tail = lengths
     num_heads, num_heads_k = heads
     cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
@@ -104,7 +109,7 @@ def test_fuzz_flash_attn_varlen_func(lengths, causal, window, alibi, heads, head
     v = torch.randn_like(k).requires_grad_()
     slopes = torch.rand(len(lens_q), num_heads, device=DEVICE) * 0.3 if alibi else None
     max_q, max_k = max(lens_q) + 1, max(lens_k) + 1
-    with poisoned_outputs(), forced_paths(tma, dq_atomic):
+    with poisoned_outputs(), forced_paths(tma, dq_atomic, heads_per_group):
         out, lse, _ = flashtriton.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
                                                          window_size=window, alibi_slopes=slopes,
                                                          return_attn_probs=True)
@@ -123,9 +128,9 @@ def test_fuzz_flash_attn_varlen_func(lengths, causal, window, alibi, heads, head
 @given(batch=st.integers(1, 3), seqlen_q=st.integers(1, 6), seqlen_new=st.integers(0, 4),
        capacity=st.integers(8, 120), page_size=st.sampled_from([0, 0, 7, 16, 33]), causal=st.booleans(),
        window=windows(), splits=st.sampled_from([0, 1, 2, 5]), rotary=st.booleans(), leftpad=st.booleans(),
-       tma=TMA_CHOICES)
+       tma=TMA_CHOICES, heads_per_group=GROUP_CHOICES)
 def test_fuzz_flash_attn_with_kvcache(batch, seqlen_q, seqlen_new, capacity, page_size, causal, window, splits,
-                                      rotary, leftpad, tma):
+                                      rotary, leftpad, tma, heads_per_group):
     capacity = max(capacity, seqlen_new)
     if page_size:  # the block table addresses whole pages
         capacity = -(-capacity // page_size) * page_size
@@ -152,7 +157,7 @@ def test_fuzz_flash_attn_with_kvcache(batch, seqlen_q, seqlen_new, capacity, pag
     options = dict(causal=causal, window_size=window)
     ref, ref_lse, ref_k, ref_v = kvcache_reference(q, k_cache, v_cache, **inputs, **options)
     pt = kvcache_reference(q, k_cache, v_cache, **inputs, **options, compute_dtype=None)[0]
-    with poisoned_outputs(), forced_tma(tma):
+    with poisoned_outputs(), forced_paths(tma, heads_per_group=heads_per_group):
         out, lse = flashtriton.flash_attn_with_kvcache(q, k_cache, v_cache, **inputs, **options, num_splits=splits,
                                                        return_softmax_lse=True)
     assert_ok([check_error("out", out, ref, pt, factor=3.0), check_lse(lse, ref_lse)])
