@@ -4,8 +4,8 @@
 # are printed.
 #
 #   bash tools/gpu_check.sh [STEPS]     STEPS: comma list of tests,reliability,sanitize,bench,decode,varlen,dropout,cold,
-#                                       host,decode-sweep,bwd-atomic (default tests,reliability,decode)
-# Environment: FLASHTRITON_COMMIT (the device copy has no .git), OUT.
+#                                       host,decode-sweep,bwd-atomic,l2-groups,fuzz (default tests,reliability,decode)
+# Environment: FLASHTRITON_COMMIT (the device copy has no .git), OUT, FUZZ_EXAMPLES (fuzz step, default 120).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -41,3 +41,11 @@ step host 60 python tools/profile_first_call.py --top 25 --steady 300
 step decode-sweep 200 python benchmarks/bench_decode.py --paged 0,64,256 --graph --sweep
 # backward with dQ by atomics against the current entry: d128 (4, 4096, 16) and d256 (4, 4096, 8)
 step bwd-atomic 300 python benchmarks/sweep_configs.py --modes bwd --shapes 1,4 --bwd-candidates atomic --out "$out/bwd-atomic"
+# launch-order budgets (configs.L2_GROUP_BYTES), forward from CUDA graphs
+step l2-groups 120 python benchmarks/sweep_l2_groups.py --graph --budgets-mib 0,4,8,16 --out "$out/l2-groups"
+# the long fuzz on the GPU: the three fuzz tests side by side (one process each, logs fuzz-<test>.log), new random
+# cases each run; hypothesis' statistics at the end of each log count the cases that ran
+step fuzz 330 bash -c 'for t in func varlen_func with_kvcache; do
+    FLASHTRITON_FUZZ_EXAMPLES="${FUZZ_EXAMPLES:-120}" timeout 320 python -m pytest tests/test_fuzz.py -q -p no:cacheprovider \
+      --hypothesis-profile=long --hypothesis-show-statistics -k "test_fuzz_flash_attn_${t}" > "'"$out"'/fuzz-${t}.log" 2>&1 &
+  done; wait; tail -n 15 "'"$out"'"/fuzz-*.log'
