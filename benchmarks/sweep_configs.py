@@ -108,14 +108,16 @@ def main():
                 for cand in FWD_CANDIDATES[size]:
                     configs.fwd_config = lambda *_, cand=cand: cand
                     try:
-                        out = flashtriton.flash_attn_func(q, k, v, causal=causal)
-                        err = float((out.float() - expected.float()).abs().max())
-                        ms = bench(lambda: flashtriton.flash_attn_func(q, k, v, causal=causal))
+                        with torch.no_grad():  # as flashtriton.bench times the forward: no autograd host work
+                            out = flashtriton.flash_attn_func(q, k, v, causal=causal)
+                            err = float((out.float() - expected.float()).abs().max())
+                            ms = bench(lambda: flashtriton.flash_attn_func(q, k, v, causal=causal))
                     except Exception as exc:  # a candidate that does not compile is recorded, not fatal
                         err, ms = float("nan"), float("nan")
                         print("fwd candidate failed", cand, type(exc).__name__, str(exc)[:200])
                     rows.append(dict(tag, provider="flashtriton", mode="fwd", config=asdict(cand), ms=ms, max_err=err,
                                      tflops=flops(batch, seqlen, heads, dim, causal, "fwd") / ms * 1e-9))
+                    print(f"  fwd {rows[-1]['tflops']:.0f} TF/s {asdict(cand)}", flush=True)
                 configs.fwd_config = original_fwd
             if "bwd" in modes:
                 out = flashtriton.flash_attn_func(q, k, v, causal=causal)

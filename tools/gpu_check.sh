@@ -4,7 +4,7 @@
 # are printed.
 #
 #   bash tools/gpu_check.sh [STEPS]     STEPS: comma list of tests,reliability,sanitize,bench,decode,varlen,dropout,cold,
-#                                       host,decode-sweep,bwd-atomic,l2-groups,fuzz (default tests,reliability,decode)
+#                                       host,decode-sweep,bwd-atomic,fwd-short,l2-groups,fuzz (default tests,reliability,decode)
 # Environment: FLASHTRITON_COMMIT (the device copy has no .git), OUT, FUZZ_EXAMPLES (fuzz step, default 120).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -41,6 +41,8 @@ step host 60 python tools/profile_first_call.py --top 25 --steady 300
 step decode-sweep 200 python benchmarks/bench_decode.py --paged 0,64,256 --graph --sweep
 # backward with dQ by atomics against the current entry: d128 (4, 4096, 16) and d256 (4, 4096, 8)
 step bwd-atomic 300 python benchmarks/sweep_configs.py --modes bwd --shapes 1,4 --bwd-candidates atomic --out "$out/bwd-atomic"
+# forward tiles at 16x1024 (d128; never swept before: the short rows' config is the 4096 one) and 4x4096 for reference
+step fwd-short 200 python benchmarks/sweep_configs.py --modes fwd --shapes 0,1 --out "$out/fwd-short"
 # launch-order budgets (configs.L2_GROUP_BYTES), forward from CUDA graphs
 step l2-groups 120 python benchmarks/sweep_l2_groups.py --graph --budgets-mib 0,4,8,16 --out "$out/l2-groups"
 # the long fuzz on the GPU: the three fuzz tests side by side (one process each, logs fuzz-<test>.log), new random
