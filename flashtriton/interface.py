@@ -64,9 +64,16 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                  window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
+def _distinct_inputs(cu_seqlens_q, cu_seqlens_k):
+    """cu_seqlens_k as a separate tensor object when it is cu_seqlens_q (self-attention passes one tensor twice):
+    torch.compile cannot trace an autograd.Function that receives one tensor in two inputs."""
+    return cu_seqlens_q.view(cu_seqlens_q.shape) if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k
+
+
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    cu_seqlens_k = _distinct_inputs(cu_seqlens_q, cu_seqlens_k)
     return apply(FlashAttnVarlenKVPackedFunc, (q, kv), q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                  return_attn_probs)
@@ -75,6 +82,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None):
+    cu_seqlens_k = _distinct_inputs(cu_seqlens_q, cu_seqlens_k)
     return apply(FlashAttnVarlenFunc, (q, k, v), q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                  return_attn_probs, block_table)

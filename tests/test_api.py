@@ -561,6 +561,57 @@ def test_opcheck_backward():
     torch.library.opcheck(torch.ops.flashtriton._flash_attn_backward.default, args)
 
 
+def _varlen_inputs(lengths=(5, 0, 17), num_heads=4, num_heads_k=2, head_dim=32, tail=2):
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    total = sum(lengths) + tail
+    q = torch.randn(total, num_heads, head_dim).half()
+    k, v = (torch.randn(total, num_heads_k, head_dim).half() for _ in range(2))
+    return q, k, v, cu, max(lengths)
+
+
+VARLEN_ENTRIES = {
+    "varlen": (flash_attn.flash_attn_varlen_func, lambda q, k, v: (q, k, v)),
+    "varlen-kvpacked": (flash_attn.flash_attn_varlen_kvpacked_func, lambda q, k, v: (q, torch.stack((k, v), dim=1))),
+}
+
+
+@pytest.mark.parametrize("entry", VARLEN_ENTRIES)
+def test_torch_compile_fullgraph_varlen_matches_eager(entry):
+    """Varlen through torch.compile(fullgraph=True): cu_seqlens are graph inputs, the ops' fake impls trace."""
+    torch.compiler.reset()
+    fn, pack = VARLEN_ENTRIES[entry]
+    q, k, v, cu, max_seqlen = _varlen_inputs()
+    dout = torch.randn_like(q)
+
+    def attention(*tensors):
+        out, lse, _ = fn(*tensors, cu, cu, max_seqlen, max_seqlen, causal=True, return_attn_probs=True)
+        return out, lse
+
+    results = []
+    for run in (attention, torch.compile(attention, fullgraph=True, backend="aot_eager")):
+        leaves = [t.detach().clone().requires_grad_() for t in pack(q, k, v)]
+        out, lse = run(*leaves)
+        out.backward(dout)
+        results.append((out, lse, *(leaf.grad for leaf in leaves)))
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled)
+
+
+def test_opcheck_varlen_forward():
+    q, k, v, cu, max_seqlen = _varlen_inputs()
+    args = (q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, 0.3, True)
+    torch.library.opcheck(torch.ops.flashtriton._flash_attn_varlen_forward.default, args)
+
+
+def test_opcheck_varlen_backward():
+    q, k, v, cu, max_seqlen = _varlen_inputs()
+    out, lse, _, rng_state = fai._flash_attn_varlen_forward(q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, 0.3, True)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    args = (torch.randn_like(out), q, k, v, out, lse, *grads, cu, cu, max_seqlen, max_seqlen, 0.0, 0.3, True, -1, -1,
+            0.0, None, False, rng_state)
+    torch.library.opcheck(torch.ops.flashtriton._flash_attn_varlen_backward.default, args)
+
+
 def test_public_functions_under_fake_tensors_use_the_ops_fake_implementations():
     """Eager calls skip torch.library's dispatch; fake tensors (shape propagation, compile tracing) must still
     reach the fake implementations, which run the same checks and launch nothing."""

@@ -212,3 +212,93 @@ def test_low_level_backward_rejects_inputs(dtype, dim, message):
     q, k, v = _q(dim=dim, dtype=dtype)(), _kv(dim=dim, dtype=dtype)(), _kv(dim=dim, dtype=dtype)()
     with pytest.raises(RuntimeError, match=re.escape(message)):
         fai._flash_attn_backward(*_backward_args(q, k, v))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Varlen (API.md §6 rows for cu_seqlens and block_table), through flash_attn_varlen_func and the low-level op
+# ------------------------------------------------------------------------------------------------------------
+
+LENS = (3, 5)
+T = sum(LENS)
+
+
+def _cu(dtype=torch.int32, lengths=LENS, device="cpu"):
+    return lambda: torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=dtype, device=device)
+
+
+def _strided_cu():
+    return torch.tensor([0, 0, LENS[0], 0, T, 0], dtype=torch.int32)[::2]
+
+
+def _table(dtype=torch.int32, rows=len(LENS), strided=False):
+    def make():
+        table = torch.arange(rows * 2 * (2 if strided else 1), dtype=dtype).view(rows, -1)
+        return table[:, ::2] if strided else table
+    return make
+
+
+PAGED_KV = lambda: _tensor(4, 16, HK, D)  # noqa: E731  (num_pages, page_size, heads_k, head_dim)
+
+
+@dataclass(frozen=True)
+class BadVarlen:
+    """flash_attn_varlen_func(q(), k(), v(), cu_q(), cu_k(), max, max, **options) must raise `message`."""
+
+    q: Callable = lambda: _tensor(T, H, D)
+    k: Callable = lambda: _tensor(T, HK, D)
+    v: Callable = lambda: _tensor(T, HK, D)
+    cu_q: Callable = _cu()
+    cu_k: Callable = _cu()
+    block_table: Optional[Callable] = None
+    message: Optional[str] = None
+
+
+VARLEN_CASES = {
+    "cu-q-int64": BadVarlen(cu_q=_cu(torch.int64), message="cu_seqlens_q must have dtype int32"),
+    "cu-k-int64": BadVarlen(cu_k=_cu(torch.int64), message="cu_seqlens_k must have dtype int32"),
+    "cu-q-strided": BadVarlen(cu_q=_strided_cu, message="cu_seqlens_q must be contiguous"),
+    "cu-k-strided": BadVarlen(cu_k=_strided_cu, message="cu_seqlens_k must be contiguous"),
+    "cu-k-length": BadVarlen(cu_k=_cu(lengths=(3, 2, 3)), message="cu_seqlens_k must have shape (batch_size + 1)"),
+    "cu-q-other-device": BadVarlen(cu_q=_cu(device="meta"), message="cu_seqlens_q must be on"),
+    "q-fp32": BadVarlen(q=lambda: _tensor(T, H, D, dtype=torch.float32),
+                        k=lambda: _tensor(T, HK, D, dtype=torch.float32),
+                        v=lambda: _tensor(T, HK, D, dtype=torch.float32),
+                        message="FlashAttention only support fp16 and bf16 data type"),
+    "heads-4-over-3": BadVarlen(k=lambda: _tensor(T, 3, D), v=lambda: _tensor(T, 3, D),
+                                message="Number of heads in key/value must divide number of heads in query"),
+    "head-dim-257": BadVarlen(q=lambda: _tensor(T, H, 257), k=lambda: _tensor(T, HK, 257),
+                              v=lambda: _tensor(T, HK, 257),
+                              message="FlashAttention forward only supports head dimension at most 256"),
+    "block-table-int64": BadVarlen(k=PAGED_KV, v=PAGED_KV, block_table=_table(torch.int64),
+                                   message="block_table must have dtype torch.int32"),
+    "block-table-strided": BadVarlen(k=PAGED_KV, v=PAGED_KV, block_table=_table(strided=True),
+                                     message="block_table must have contiguous last dimension"),
+    "block-table-rows": BadVarlen(k=PAGED_KV, v=PAGED_KV, block_table=_table(rows=len(LENS) + 1),
+                                  message="block_table must have shape (batch_size, max_num_blocks_per_seq)"),
+}
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES.values(), ids=VARLEN_CASES.keys())
+def test_flash_attn_varlen_func_rejects(case):
+    block_table = None if case.block_table is None else case.block_table()
+    with _raises(case.message) as excinfo:
+        flash_attn.flash_attn_varlen_func(case.q(), case.k(), case.v(), case.cu_q(), case.cu_k(), max(LENS),
+                                          max(LENS), block_table=block_table)
+    assert not isinstance(excinfo.value, NotImplementedError)
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES.values(), ids=VARLEN_CASES.keys())
+def test_low_level_varlen_forward_rejects(case):
+    block_table = None if case.block_table is None else case.block_table()
+    with _raises(case.message) as excinfo:
+        fai._flash_attn_varlen_forward(case.q(), case.k(), case.v(), case.cu_q(), case.cu_k(), max(LENS),
+                                       max(LENS), 0.0, 0.25, False, block_table=block_table)
+    assert not isinstance(excinfo.value, NotImplementedError)
+
+
+def test_valid_varlen_forward_reaches_the_patched_launcher():
+    """The cases above fail on their own argument: the same call with good arguments gets to the launch."""
+    case = BadVarlen()
+    with pytest.raises(AssertionError, match="launched"):
+        flash_attn.flash_attn_varlen_func(case.q(), case.k(), case.v(), case.cu_q(), case.cu_k(), max(LENS),
+                                          max(LENS))
