@@ -200,6 +200,21 @@ def test_seqused_and_leftpad_low_level():
     torch.testing.assert_close(lse, expected_lse, rtol=0, atol=0)
 
 
+def test_varlen_deterministic_repeats_are_bitwise_equal(force_dq_atomic):
+    """deterministic=True gives bitwise-equal outputs and gradients, even where the config asks for atomic dQ."""
+    lens_q, lens_k = [40, 0, 75], [30, 9, 75]
+    q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k)
+    dout = torch.randn(q.shape, device=DEVICE, dtype=q.dtype)
+    results = []
+    for _ in range(3):
+        out, lse, _ = flashtriton.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                                         deterministic=True, return_attn_probs=True)
+        results.append((out, lse, *torch.autograd.grad(out, (q, k, v), dout)))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
 def test_low_level_backward_softmax_d():
     """softmax_d (H, Tq + 128 B): rowsum(dout * out) on covered rows, 0 on the rows past the last sequence and
     on the padding. Found by initcheck: the rows past the last sequence were copied from unwritten memory."""
