@@ -165,8 +165,13 @@ def test_paged_capacity_error_mentions_block_table():
 
 @pytest.mark.parametrize("bad", ["k_cache-stride", "v_cache-stride", "k-without-v", "k-without-seqlens",
                                  "rotary-without-k", "cos-without-sin", "rotary-dim-15", "rotary-short-table",
-                                 "num-splits", "paged-batch-idx", "paged-leftpad", "seqlens-shape"])
+                                 "num-splits", "paged-batch-idx", "paged-leftpad", "seqlens-shape",
+                                 "seqlens-int16", "k-longer-than-cache", "k-dtype", "v-dtype",
+                                 "leftpad-int64", "batch-idx-int64", "rotary-dim-above-head-dim", "rotary-dtype",
+                                 "paged-table-int64", "paged-table-rows"])
 def test_kvcache_errors(bad):
+    """API.md §6 rows of flash_attn_with_kvcache (seqlens_k contiguity is not reachable: the Python layer makes
+    cache_seqlens contiguous first, as flash_attn's does)."""
     case = KVCase(seqlen_new=1, rotary_dim=32, page_size=16 if bad.startswith("paged") else 0)
     q, k_cache, v_cache, inputs, _ = make_inputs(case)
     expected = {
@@ -182,6 +187,16 @@ def test_kvcache_errors(bad):
         "paged-batch-idx": (RuntimeError, "Paged KVcache does not support cache_batch_idx"),
         "paged-leftpad": (RuntimeError, "We don't support Paged KV and leftpad_k running at the same time yet"),
         "seqlens-shape": (RuntimeError, "seqlens_k must have shape (batch_size)"),
+        "seqlens-int16": (RuntimeError, "seqlens_k must have dtype int32"),
+        "k-longer-than-cache": (RuntimeError, "If key is supplied, it must have seqlen <= the seqlen of the KV cache"),
+        "k-dtype": (RuntimeError, "Key must have the same dtype as query"),
+        "v-dtype": (RuntimeError, "Value must have the same dtype as query"),
+        "leftpad-int64": (RuntimeError, "leftpad_k must have dtype int32"),
+        "batch-idx-int64": (RuntimeError, "cache_batch_idx must have dtype int32"),
+        "rotary-dim-above-head-dim": (RuntimeError, "rotary_dim must be <= headdim"),
+        "rotary-dtype": (RuntimeError, "rotary_cos must have the same dtype as query"),
+        "paged-table-int64": (RuntimeError, "block_table must have dtype torch.int32"),
+        "paged-table-rows": (RuntimeError, "block_table must have shape (batch_size, max_num_blocks_per_seq)"),
     }[bad]
     if bad == "k_cache-stride":
         k_cache = k_cache.transpose(-1, -2).contiguous().transpose(-1, -2)
@@ -207,6 +222,30 @@ def test_kvcache_errors(bad):
         inputs["cache_leftpad"] = torch.zeros(case.batch, dtype=torch.int32, device=DEVICE)
     elif bad == "seqlens-shape":
         inputs["cache_seqlens"] = inputs["cache_seqlens"][:2]
+    elif bad == "seqlens-int16":
+        inputs["cache_seqlens"] = inputs["cache_seqlens"].to(torch.int16)
+    elif bad == "k-longer-than-cache":
+        longer = k_cache.shape[1] + 1
+        inputs["k"] = torch.randn(case.batch, longer, *inputs["k"].shape[2:], device=DEVICE).to(q.dtype)
+        inputs["v"] = torch.randn_like(inputs["k"])
+        inputs.pop("rotary_cos"), inputs.pop("rotary_sin")
+    elif bad == "k-dtype":
+        inputs["k"] = inputs["k"].float()
+    elif bad == "v-dtype":
+        inputs["v"] = inputs["v"].float()
+    elif bad == "leftpad-int64":
+        inputs["cache_leftpad"] = torch.zeros(case.batch, dtype=torch.int64, device=DEVICE)
+    elif bad == "batch-idx-int64":
+        inputs["cache_batch_idx"] = torch.arange(case.batch, dtype=torch.int64, device=DEVICE)
+    elif bad == "rotary-dim-above-head-dim":
+        wide = torch.rand(inputs["rotary_cos"].shape[0], q.shape[-1], device=DEVICE).to(q.dtype)
+        inputs["rotary_cos"], inputs["rotary_sin"] = wide, wide
+    elif bad == "rotary-dtype":
+        inputs["rotary_cos"], inputs["rotary_sin"] = inputs["rotary_cos"].float(), inputs["rotary_sin"].float()
+    elif bad == "paged-table-int64":
+        inputs["block_table"] = inputs["block_table"].long()
+    elif bad == "paged-table-rows":
+        inputs["block_table"] = torch.cat([inputs["block_table"], inputs["block_table"][:1]])
     before = (k_cache.clone(), v_cache.clone())
     with pytest.raises(expected[0], match=expected[1].replace("(", r"\(").replace(")", r"\)")):
         flashtriton.flash_attn_with_kvcache(q, k_cache, v_cache, **inputs)
