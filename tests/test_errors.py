@@ -302,3 +302,13 @@ def test_valid_varlen_forward_reaches_the_patched_launcher():
     with pytest.raises(AssertionError, match="launched"):
         flash_attn.flash_attn_varlen_func(case.q(), case.k(), case.v(), case.cu_q(), case.cu_k(), max(LENS),
                                           max(LENS))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the capability check applies to CUDA tensors")
+def test_gpus_older_than_sm80_are_rejected(monkeypatch):
+    from flashtriton.ops import checks
+
+    monkeypatch.setattr(checks, "_major_capability", lambda device_index: 7)
+    q, k, v = _q(device="cuda")(), _kv(device="cuda")(), _kv(device="cuda")()
+    with _raises("FlashAttention only supports Ampere GPUs or newer."):
+        flash_attn.flash_attn_func(q, k, v)
