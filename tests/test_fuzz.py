@@ -6,6 +6,7 @@ NaN-poisoned outputs and applies the tolerance rule of API.md §4.10.
 """
 
 import contextlib
+import dataclasses
 
 import torch
 from hypothesis import given
@@ -162,3 +163,65 @@ def test_fuzz_flash_attn_with_kvcache(batch, seqlen_q, seqlen_new, capacity, pag
                                                        return_softmax_lse=True)
     assert_ok([check_error("out", out, ref, pt, factor=3.0), check_lse(lse, ref_lse)])
     assert torch.equal(v_cache, ref_v)
+
+
+def _assert_same(results, expected):
+    for got, want in zip(results, expected):
+        assert torch.equal(got, want)
+
+
+def _attention_with_grads(fn, leaves, dout, **options):
+    out, lse, _ = fn(*leaves, return_attn_probs=True, **options)
+    return (out, lse, *torch.autograd.grad(out, leaves, dout))
+
+
+@given(case=dense_cases(), self_attention=st.booleans(), deterministic=st.booleans())
+def test_fuzz_packed_variants_match_separate(case, self_attention, deterministic):
+    """flash_attn_kvpacked_func (and qkvpacked_func for self-attention shapes) on packed views give the separate
+    call's outputs and gradients bitwise: the packed wrappers pass every option through and pack the gradients."""
+    if self_attention:
+        case = dataclasses.replace(case, seqlen_k=case.seqlen_q, num_heads_k=case.num_heads)
+    q, k, v, slopes = make_case_inputs(case, DEVICE)
+    options = dict(softmax_scale=case.softmax_scale, causal=case.causal, window_size=case.window_size,
+                   softcap=case.softcap, alibi_slopes=slopes, deterministic=deterministic)
+    dout = torch.randn_like(q)
+    kv = torch.stack((k, v), dim=2).requires_grad_()
+    separate = [t.detach().requires_grad_() for t in (q, kv[:, :, 0], kv[:, :, 1])]
+    expected = _attention_with_grads(flashtriton.flash_attn_func, separate, dout, **options)
+    q_leaf = q.detach().requires_grad_()
+    out, lse, dq, dkv = _attention_with_grads(flashtriton.flash_attn_kvpacked_func, (q_leaf, kv), dout, **options)
+    _assert_same((out, lse, dq, dkv), (*expected[:3], torch.stack(expected[3:], dim=2)))
+    if self_attention:
+        qkv = torch.stack((q, k, v), dim=2).requires_grad_()
+        out, lse, dqkv = _attention_with_grads(flashtriton.flash_attn_qkvpacked_func, (qkv,), dout, **options)
+        _assert_same((out, lse, dqkv), (*expected[:2], torch.stack(expected[2:], dim=2)))
+
+
+@given(lengths=varlen_batches(), causal=st.booleans(), window=windows(), heads_k=st.sampled_from([1, 2]),
+       self_attention=st.booleans())
+def test_fuzz_varlen_packed_variants_match_separate(lengths, causal, window, heads_k, self_attention):
+    """The varlen kvpacked / qkvpacked forms against flash_attn_varlen_func on the same views, bitwise."""
+    lens_q, lens_k, tail = lengths
+    if self_attention:
+        lens_k = lens_q
+    num_heads = heads_k if self_attention else 2 * heads_k
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    cu_k = cu_q if self_attention else torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(),
+                                                    dtype=torch.int32, device=DEVICE)
+    max_q, max_k = max(lens_q) + 1, max(lens_k) + 1
+    q = torch.randn(sum(lens_q) + tail, num_heads, 32, device=DEVICE).half()
+    kv = torch.randn(sum(lens_k) + tail, 2, heads_k, 32, device=DEVICE).half().requires_grad_()
+    dout = torch.randn_like(q)
+    options = dict(causal=causal, window_size=window)
+    seqlens = (cu_q, cu_k, max_q, max_k)
+    separate = [t.detach().requires_grad_() for t in (q, kv[:, 0], kv[:, 1])]
+    expected = _attention_with_grads(lambda *t, **o: flashtriton.flash_attn_varlen_func(*t, *seqlens, **o),
+                                     separate, dout, **options)
+    packed = _attention_with_grads(lambda *t, **o: flashtriton.flash_attn_varlen_kvpacked_func(*t, *seqlens, **o),
+                                   (q.detach().requires_grad_(), kv), dout, **options)
+    _assert_same(packed, (*expected[:3], torch.stack(expected[3:], dim=1)))
+    if self_attention:
+        qkv = torch.stack((q, kv[:, 0].detach(), kv[:, 1].detach()), dim=1).requires_grad_()
+        packed = _attention_with_grads(lambda t, **o: flashtriton.flash_attn_varlen_qkvpacked_func(t, cu_q, max_q, **o),
+                                       (qkv,), dout, **options)
+        _assert_same(packed, (*expected[:2], torch.stack(expected[2:], dim=1)))
