@@ -12,13 +12,13 @@ run per sequence.
 from __future__ import annotations
 
 import argparse
-import random
 
 import torch
 import triton
 
 import flashtriton
-from flashtriton.bench import graphed, host_us_per_call, timed_callable
+from flashtriton.bench import graphed, host_us_per_call, mixed_lengths, timed_callable
+from flashtriton.testing import cu_seqlens
 
 
 def attention_flops(lengths, heads, dim, causal, mode):
@@ -49,11 +49,8 @@ def main():
     parser.add_argument("--providers", default="flashtriton,sdpa-flash,sdpa-cudnn",
                         help="dense rows for these providers (flashtriton.bench names)")
     args = parser.parse_args()
-    rng = random.Random(0)
-    lengths = []
-    while sum(lengths) < args.tokens:
-        lengths.append(min(rng.randint(128, 4096), args.tokens - sum(lengths)))
-    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
+    lengths = mixed_lengths(args.tokens)
+    cu = cu_seqlens(lengths, "cuda")
     shape = (args.tokens, args.heads, args.head_dim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     out = flashtriton.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=args.causal)

@@ -14,21 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 
 import torch
 
 import flashtriton
 from flashtriton import bench, configs
+from flashtriton.testing import cu_seqlens
 
 
 def varlen_case(tokens: int = 16384, heads: int = 16, head_dim: int = 128):
     """bench_varlen.py's length mix (seed 0): (lengths, cu_seqlens, q, k, v)."""
-    rng = random.Random(0)
-    lengths = []
-    while sum(lengths) < tokens:
-        lengths.append(min(rng.randint(128, 4096), tokens - sum(lengths)))
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    lengths = bench.mixed_lengths(tokens)
+    cu = cu_seqlens(lengths, "cuda")
     q, k, v = (torch.randn(tokens, heads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     return lengths, cu, q, k, v

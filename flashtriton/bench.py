@@ -213,6 +213,18 @@ def timed_attention(attention: Callable, provider: str, mode: str, q, k, v) -> C
     return lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), dout)
 
 
+def mixed_lengths(tokens: int, low: int = 128, high: int = 4096, seed: int = 0) -> list:
+    """Varlen benchmark lengths: drawn uniformly from [low, high] (seeded) until `tokens` are filled, the last
+    one cut to fit."""
+    import random
+
+    rng = random.Random(seed)
+    lengths = []
+    while sum(lengths) < tokens:
+        lengths.append(min(rng.randint(low, high), tokens - sum(lengths)))
+    return lengths
+
+
 def median_ms(fn: Callable, warmup: int = 25, rep: int = 100) -> float:
     """Median CUDA time of fn in milliseconds (triton.testing.do_bench)."""
     import triton.testing

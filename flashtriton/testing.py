@@ -7,6 +7,7 @@ in the input dtype, a kernel result passes when max|kernel - ref| <= factor * ma
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
@@ -77,6 +78,11 @@ def forced_heads_per_group(heads_per_group: Optional[int]):
         yield
     finally:
         configs.heads_per_l2_group = original
+
+
+def cu_seqlens(lengths: Sequence[int], device="cpu", dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """flash_attn's cu_seqlens for these sequence lengths: cumulative starts (0, l0, l0 + l1, ...), int32."""
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from .interface import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qk
 from .ops import backend
 from .reference import attention_reference, kvcache_reference
 from .testing import (Case, ErrorCheck, check_error, check_lse, compare_varlen_with_reference,
-                      compare_with_reference, make_case_inputs, poisoned_outputs)
+                      compare_with_reference, cu_seqlens, make_case_inputs, poisoned_outputs)
 
 COSINE_GATE = 0.9995
 OUT_FACTOR = 2.0
@@ -228,8 +228,7 @@ class VarlenBatch:
 
     def cu_seqlens(self, device) -> tuple:
         """(cu_seqlens_q, cu_seqlens_k), int32 cumulative starts."""
-        return tuple(torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-                     for lens in (self.lens_q, self.lens_k))
+        return tuple(cu_seqlens(lens, device) for lens in (self.lens_q, self.lens_k))
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch
 
 import flashtriton as flash_attn
 import flashtriton.flash_attn_interface as fai
-from flashtriton.testing import Case, compare_with_reference, make_case_inputs
+from flashtriton.testing import Case, compare_with_reference, cu_seqlens, make_case_inputs
 
 # ------------------------------------------------------------------------------------------------------------
 # Signature parity. Each entry is the parameter list copied verbatim from API.md; add rows as functions land.
@@ -562,7 +562,7 @@ def test_opcheck_backward():
 
 
 def _varlen_inputs(lengths=(5, 0, 17), num_heads=4, num_heads_k=2, head_dim=32, tail=2):
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu = cu_seqlens(lengths)
     total = sum(lengths) + tail
     q = torch.randn(total, num_heads, head_dim).half()
     k, v = (torch.randn(total, num_heads_k, head_dim).half() for _ in range(2))

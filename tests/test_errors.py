@@ -13,6 +13,7 @@ import torch
 import flashtriton as flash_attn
 import flashtriton.flash_attn_interface as fai
 from flashtriton.ops import backend
+from flashtriton.testing import cu_seqlens
 
 B, S, H, HK, D = 2, 8, 4, 2, 16
 FP16 = torch.float16
@@ -223,7 +224,7 @@ T = sum(LENS)
 
 
 def _cu(dtype=torch.int32, lengths=LENS, device="cpu"):
-    return lambda: torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=dtype, device=device)
+    return lambda: cu_seqlens(lengths, device, dtype)
 
 
 def _strided_cu():

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import flashtriton
 from flashtriton.reference import kvcache_reference
 from flashtriton.testing import (Case, check_error, check_lse, compare_varlen_with_reference, compare_with_reference,
-                                 forced_dq_atomic, forced_heads_per_group, forced_tma, make_case_inputs,
+                                 cu_seqlens, forced_dq_atomic, forced_heads_per_group, forced_tma, make_case_inputs,
                                  poisoned_outputs)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -103,8 +103,7 @@ def varlen_batches(draw):
 def test_fuzz_flash_attn_varlen_func(lengths, causal, window, alibi, heads, head_dim, tma, dq_atomic, heads_per_group):
     lens_q, lens_k, tail = lengths
     num_heads, num_heads_k = heads
-    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    cu_q, cu_k = cu_seqlens(lens_q, DEVICE), cu_seqlens(lens_k, DEVICE)
     q = torch.randn(sum(lens_q) + tail, num_heads, head_dim, device=DEVICE).half().requires_grad_()
     k = torch.randn(sum(lens_k) + tail, num_heads_k, head_dim, device=DEVICE).half().requires_grad_()
     v = torch.randn_like(k).requires_grad_()
@@ -205,9 +204,8 @@ def test_fuzz_varlen_packed_variants_match_separate(lengths, causal, window, hea
     if self_attention:
         lens_k = lens_q
     num_heads = heads_k if self_attention else 2 * heads_k
-    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-    cu_k = cu_q if self_attention else torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(),
-                                                    dtype=torch.int32, device=DEVICE)
+    cu_q = cu_seqlens(lens_q, DEVICE)
+    cu_k = cu_q if self_attention else cu_seqlens(lens_k, DEVICE)
     max_q, max_k = max(lens_q) + 1, max(lens_k) + 1
     q = torch.randn(sum(lens_q) + tail, num_heads, 32, device=DEVICE).half()
     kv = torch.randn(sum(lens_k) + tail, 2, heads_k, 32, device=DEVICE).half().requires_grad_()

@@ -21,7 +21,7 @@ import torch
 import flashtriton
 from flashtriton.ops import backend
 from flashtriton.reference import attention_reference, attention_reference_varlen, kvcache_reference
-from flashtriton.testing import Case, check_error, check_lse, compare_with_reference, poisoned_outputs
+from flashtriton.testing import Case, check_error, check_lse, compare_with_reference, cu_seqlens, poisoned_outputs
 from flashtriton.validate import rotated_key_tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # edge tests (section e)
@@ -612,7 +612,7 @@ def test_repeated_dense_fwd_bwd_is_bitwise_identical(causal, heads_k):
 def test_repeated_varlen_fwd_bwd_is_bitwise_identical():
     """Varlen (lengths 1024, 77, 513, 0, 300, 1; causal; GQA 8/2; d128; bf16; deterministic): 100 equal repeats."""
     lens = [RACE_SEQLEN, 77, 513, 0, 300, 1]
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=GPU)
+    cu = cu_seqlens(lens, GPU)
     q = torch.randn(sum(lens), 8, 128, device=GPU, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(sum(lens), 2, 128, device=GPU, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(sum(lens), 2, 128, device=GPU, dtype=torch.bfloat16, requires_grad=True)
@@ -817,8 +817,7 @@ def test_nan_in_varlen_padding_is_never_read():
     """Rows past cu_seqlens[-1] of q, k and v (padding of a packed batch) hold NaN: covered outputs and gradients
     are finite and match the per-sequence reference."""
     lens_q, lens_k, tail = [5, 40, 0, 17], [30, 0, 45, 64], 7
-    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
-    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    cu_q, cu_k = cu_seqlens(lens_q, DEVICE), cu_seqlens(lens_k, DEVICE)
     covered_q, covered_k = sum(lens_q), sum(lens_k)
     q = torch.randn(covered_q + tail, 4, 32, device=DEVICE).half()
     k, v = (torch.randn(covered_k + tail, 2, 32, device=DEVICE).half() for _ in range(2))

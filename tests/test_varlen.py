@@ -5,14 +5,14 @@ import torch
 
 import flashtriton
 from flashtriton.flash_attn_interface import _flash_attn_varlen_backward, _flash_attn_varlen_forward
-from flashtriton.testing import compare_varlen_with_reference, poisoned_outputs
+from flashtriton.testing import compare_varlen_with_reference, cu_seqlens, poisoned_outputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
 
 
 def cumulative(lengths):
-    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    return cu_seqlens(lengths, DEVICE)
 
 
 def make_varlen(lens_q, lens_k, num_heads=4, num_heads_k=2, head_dim=32, dtype=torch.float16, tail=3):

@@ -76,6 +76,11 @@ class ScoreParams:
     def is_local(self) -> bool:
         return self.window_left >= 0
 
+    @property
+    def causal_like(self) -> bool:
+        """No row sees keys after its own position (window_right == 0): tile configs and launch order key on it."""
+        return self.window_right == 0
+
     def kernel_args(self):
         """(qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right, alibi_pure_causal)."""
         has_softcap = self.softcap > 0.0
@@ -177,8 +182,7 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     num_heads_k = k.shape[-2]
     is_varlen = cu_seqlens_q is not None
     is_paged = block_table is not None
-    causal = params.window_right == 0
-    config = configs.forward_launch_config(configs.arch_class(q.device), head_dim, causal, seqlen_q,
+    config = configs.forward_launch_config(configs.arch_class(q.device), head_dim, params.causal_like, seqlen_q,
                                            dropout_p > 0.0, k.shape[1] if is_paged else 0)
     if seqlen_q == 0 or batch == 0:
         return
@@ -217,7 +221,7 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     query_tiles, batch_heads = fwd_tile_grid(seqlen_q, batch, num_heads, num_heads_k, config.block_m)
     grid = (query_tiles * batch_heads, num_splits)
     heads_per_group = configs.heads_per_l2_group(
-        _operand_bytes(k, seqlen_k, 2 if pack_gqa else 2 * num_heads_k / num_heads), batch_heads, causal)
+        _operand_bytes(k, seqlen_k, 2 if pack_gqa else 2 * num_heads_k / num_heads), batch_heads, params.causal_like)
     with device_guard(q):
         attn_fwd_kernel[grid](
             q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table,
@@ -307,7 +311,6 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
     num_heads_k = k.shape[-2]
     group_size = num_heads // num_heads_k
     config = configs.bwd_config(configs.arch_class(q.device), head_dim)
-    causal = params.window_right == 0
     is_varlen = cu_seqlens_q is not None
     seq_strides = _varlen_strides if is_varlen else _bsh_strides
     block_dim = configs.block_d(head_dim)
@@ -333,7 +336,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
         if seqlen_k > 0:
             dkdv_grid = (triton_cdiv(seqlen_k, config.dkdv.block_n) * batch * num_heads_k,)
             dkdv_heads_per_group = configs.heads_per_l2_group(_operand_bytes(q, seqlen_q, 2 * group_size),
-                                                              batch * num_heads_k, causal)
+                                                              batch * num_heads_k, params.causal_like)
             attn_bwd_dkdv_kernel[dkdv_grid](
                 q, k, v, dout, lse, delta, dk, dv, dq_accum, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
                 *seq_strides(q), *seq_strides(k), *seq_strides(v), *seq_strides(dout), *lse_strides,
@@ -349,7 +352,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
         elif seqlen_q > 0:
             dq_grid = (triton_cdiv(seqlen_q, config.dq.block_m) * batch * num_heads,)
             dq_heads_per_group = configs.heads_per_l2_group(_operand_bytes(k, seqlen_k, 2 / group_size),
-                                                            batch * num_heads, causal)
+                                                            batch * num_heads, params.causal_like)
             attn_bwd_dq_kernel[dq_grid](
                 q, k, v, dout, lse, delta, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
                 *seq_strides(q), *seq_strides(k), *seq_strides(v), *seq_strides(dout), *lse_strides,

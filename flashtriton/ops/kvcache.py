@@ -188,7 +188,7 @@ def mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
                capacity, batch, seqused_k=seqused, leftpad_k=leftpad, block_table=block_table,
                cache_batch_idx=cache_batch_idx,
                num_splits=splits_for(q, k_cache.shape[-2], seqlen_q, capacity, num_splits,
-                                     params.window_right == 0, 0 if block_table is None else k_cache.shape[1]))
+                                     params.causal_like, 0 if block_table is None else k_cache.shape[1]))
     return out, lse
 
 
@@ -196,7 +196,7 @@ def splits_for(q: torch.Tensor, num_heads_k: int, seqlen_q: int, capacity: int, 
                causal_like: bool = False, page_size: int = 0) -> int:
     """The caller's num_splits, or the heuristic's choice for <= 0 (from shapes only: no host sync).
 
-    causal_like must be what launch_fwd keys its tile config on (window_right == 0), and page_size the
+    causal_like must be what launch_fwd keys its tile config on (ScoreParams.causal_like), and page_size the
     paged cache's page (0: contiguous), so the key-block count matches the launch
     (configs.forward_launch_config serves both).
     """
