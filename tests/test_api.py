@@ -537,9 +537,15 @@ def test_torch_compile_fullgraph_matches_eager(entry):
         out, lse, _ = ENTRIES[entry].fn(*tensors, causal=True, return_attn_probs=True)
         return out, lse
 
+    _assert_compiled_matches_eager(attention, lambda: ENTRIES[entry].leaves(q, k, v), dout)
+
+
+def _assert_compiled_matches_eager(attention, make_leaves, dout):
+    """attention(*leaves) -> (out, lse) eager and under torch.compile(fullgraph=True): outputs and the leaves'
+    gradients bitwise equal."""
     results = []
     for fn in (attention, torch.compile(attention, fullgraph=True, backend="aot_eager")):
-        leaves = ENTRIES[entry].leaves(q, k, v)
+        leaves = make_leaves()
         out, lse = fn(*leaves)
         out.backward(dout)
         results.append((out, lse, *(leaf.grad for leaf in leaves)))
@@ -587,14 +593,8 @@ def test_torch_compile_fullgraph_varlen_matches_eager(entry):
         out, lse, _ = fn(*tensors, cu, cu, max_seqlen, max_seqlen, causal=True, return_attn_probs=True)
         return out, lse
 
-    results = []
-    for run in (attention, torch.compile(attention, fullgraph=True, backend="aot_eager")):
-        leaves = [t.detach().clone().requires_grad_() for t in pack(q, k, v)]
-        out, lse = run(*leaves)
-        out.backward(dout)
-        results.append((out, lse, *(leaf.grad for leaf in leaves)))
-    for eager, compiled in zip(*results):
-        assert torch.equal(eager, compiled)
+    _assert_compiled_matches_eager(attention, lambda: [t.detach().clone().requires_grad_() for t in pack(q, k, v)],
+                                   dout)
 
 
 def test_opcheck_varlen_forward():
