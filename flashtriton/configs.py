@@ -192,6 +192,24 @@ def bwd_config(arch: str, head_dim: int) -> BwdConfig:
 L2_GROUP_BYTES = {False: 0, True: 16 << 20}
 
 
+# Hopper forward in Gluon (kernels/fwd_hopper.py, warp-specialized: two consumer warpgroups of 64 query rows and
+# a TMA producer warp), keyed by head dim: key tile, K/V stages, consumer registers (setmaxnreg). Probe on the H200
+# (2026-11-30, bf16, same run as the Triton kernel, TF/s non-causal / causal): d128 key tiles 128 s2 r232 at
+# 4x4096x16 547 / 482 (Triton 528 / 440), 1x16384 565 / 550 (546 / 483), 16x1024 483 / 359 (443 / 282 host-bound);
+# 128 s3 r240 507 / 467, 64 s3 556 / 523 at 1x16384; d64 (4x4096x32) 128 s2 416 / 382 (398 / 369), 64 s3 357 / 321;
+# d256 (4x4096x8) 64 s2 597 / 523 (515 / 484), 32 s3 483 / 425. r240 within 1% of r232 everywhere.
+# FLASHTRITON_GLUON=0 (read once) keeps every forward on the Triton kernel.
+@dataclass(frozen=True)
+class HopperFwdConfig:
+    block_n: int         # keys per K/V stage
+    stages: int          # K/V stages in shared memory
+    consumer_regs: int   # registers per thread of the second consumer warpgroup
+
+
+HOPPER_FWD = {64: HopperFwdConfig(128, 2, 232), 128: HopperFwdConfig(128, 2, 232), 256: HopperFwdConfig(64, 2, 232)}
+GLUON_ALLOWED = os.environ.get("FLASHTRITON_GLUON", "1") != "0"
+
+
 def heads_per_l2_group(bytes_per_head: int, batch_heads: int, causal: bool) -> int:
     """(batch, head) pairs per launch-order group: as many as fit L2_GROUP_BYTES[causal], at least 1."""
     return max(1, min(batch_heads, L2_GROUP_BYTES[causal] // max(1, bytes_per_head)))

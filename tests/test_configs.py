@@ -67,12 +67,12 @@ def test_tma_off_switch_clears_every_config(monkeypatch):
 
 
 def test_tma_compatible_needs_16_byte_strides_and_a_contiguous_last_dim():
-    from flashtriton.ops.backend import _tma_compatible
+    from flashtriton.ops.launching import tma_compatible
 
     base = torch.empty(2, 64, 4, 64, dtype=torch.float16)
-    assert _tma_compatible(base)
-    assert _tma_compatible(base[:, 3:])                       # row offset of 3 * 256 elements: aligned
-    assert not _tma_compatible(base[..., 1:33])               # base pointer 2 bytes past alignment
-    assert not _tma_compatible(base.transpose(1, 3))          # last dim not contiguous
-    assert not _tma_compatible(torch.empty(2, 8, 4, 20, dtype=torch.float16)[..., :12])  # head stride 40 bytes
-    assert _tma_compatible(torch.empty(2, 8, 4, 12, dtype=torch.float32))            # head stride 48 bytes
+    assert tma_compatible(base)
+    assert tma_compatible(base[:, 3:])                       # row offset of 3 * 256 elements: aligned
+    assert not tma_compatible(base[..., 1:33])               # base pointer 2 bytes past alignment
+    assert not tma_compatible(base.transpose(1, 3))          # last dim not contiguous
+    assert not tma_compatible(torch.empty(2, 8, 4, 20, dtype=torch.float16)[..., :12])  # head stride 40 bytes
+    assert tma_compatible(torch.empty(2, 8, 4, 12, dtype=torch.float32))            # head stride 48 bytes

@@ -47,6 +47,8 @@ def main() -> None:
 
 def profile_steady(flashtriton, q, k, v, calls: int, top: int) -> None:
     """Host time per warm call (no synchronization inside the loop), then the profile of the same loop."""
+    from flashtriton import configs
+
     for causal in (False, True):
         flashtriton.flash_attn_func(q, k, v, causal=causal)
     torch.cuda.synchronize()
@@ -54,7 +56,9 @@ def profile_steady(flashtriton, q, k, v, calls: int, top: int) -> None:
                         ("decode", lambda: flashtriton.flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=400))):
         print(f"{label}: host time per call {host_time(call, calls):.1f} us")
         if label == "forward":
+            gluon_allowed, configs.GLUON_ALLOWED = configs.GLUON_ALLOWED, False
             print_forward_breakdown(flashtriton, q, k, v, calls)
+            configs.GLUON_ALLOWED = gluon_allowed
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(calls):
@@ -79,7 +83,8 @@ def host_time(call, calls: int) -> float:
 def print_forward_breakdown(flashtriton, q, k, v, calls: int) -> None:
     """The causal forward's host time by layer: public function, op without autograd, the bare Triton launch
     (arguments captured from one call and replayed), building the four host tensor descriptors, and the
-    three allocations of a call."""
+    three allocations of a call. Measures the Triton kernel's path (the Gluon Hopper forward is switched off
+    for it: its launch is not the one replayed here)."""
     from flashtriton.ops import backend
 
     captured = {}

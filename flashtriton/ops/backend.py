@@ -23,8 +23,8 @@ from ..kernels import fwd as fwd_kernel_module
 from ..kernels.fwd import attn_fwd_kernel
 from ..reference import (attention_reference, attention_reference_backward, attention_reference_varlen,
                          attention_reference_varlen_backward, is_pure_causal, normalize_window)
-from . import checks, dropout
-from .launching import device_guard, triton_cdiv
+from . import checks, dropout, hopper_fwd
+from .launching import device_guard, tma_compatible, triton_cdiv
 
 LOG2E = 1.4426950408889634
 
@@ -117,16 +117,6 @@ def _paged_strides(tensor: torch.Tensor) -> Tuple[int, int, int]:
     return (0, *tensor.stride()[1:3])
 
 
-def _tma_compatible(tensor: torch.Tensor) -> bool:
-    """A tensor TMA descriptors can address: 16-byte aligned base and strides, contiguous last dim.
-
-    Every row and head of it then starts 16-byte aligned too, as in-kernel descriptors need.
-    """
-    *outer, last = tensor.stride()
-    elements_per_16_bytes = 16 // tensor.element_size()
-    return last == 1 and tensor.data_ptr() % 16 == 0 and not any(s % elements_per_16_bytes for s in outer)
-
-
 def _scratch_buffer(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
@@ -186,6 +176,14 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
                                            dropout_p > 0.0, k.shape[1] if is_paged else 0)
     if seqlen_q == 0 or batch == 0:
         return
+    plain = not (is_varlen or is_paged or num_splits > 1 or dropout_p > 0.0 or alibi_slopes is not None
+                 or seqused_k is not None or leftpad_k is not None or cache_batch_idx is not None)
+    if hopper_fwd.runs_on(q, k, v, out, params, seqlen_q, seqlen_k, plain):
+        heads_per_group = configs.heads_per_l2_group(_operand_bytes(k, seqlen_k, 2 * num_heads_k / num_heads),
+                                                     batch * num_heads, params.causal_like)
+        with device_guard(q):
+            hopper_fwd.launch(q, k, v, out, lse, lse_strides, params, seqlen_q, seqlen_k, batch, heads_per_group)
+        return
     q_strides = _varlen_strides if is_varlen else _bsh_strides
     kv_strides = _paged_strides if is_paged else q_strides
     page_args = (block_table.stride(0), k.shape[1], k.stride(0), v.stride(0)) if is_paged else (0, 1, 0, 0)
@@ -201,7 +199,7 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     pack_gqa = configs.pack_gqa(seqlen_q, num_heads // num_heads_k)
     tma_mode = TMA_OFF
     if (config.use_tma and not is_paged and q.shape[-3] > 0 and k.shape[-3] > 0
-            and all(_tma_compatible(t) for t in (q, k, v, out))):
+            and all(tma_compatible(t) for t in (q, k, v, out))):
         per_sequence = (is_split or pack_gqa or seqused_k is not None or leftpad_k is not None
                         or cache_batch_idx is not None)
         if is_varlen:
@@ -314,7 +312,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
     is_varlen = cu_seqlens_q is not None
     seq_strides = _varlen_strides if is_varlen else _bsh_strides
     block_dim = configs.block_d(head_dim)
-    use_tma = config.use_tma and all(_tma_compatible(t) for t in (q, k, v, dout))
+    use_tma = config.use_tma and all(tma_compatible(t) for t in (q, k, v, dout))
     if use_tma:
         _ensure_scratch_allocator()
     flags = dict(IS_LOCAL=params.is_local, HAS_SOFTCAP=params.softcap > 0.0, HAS_ALIBI=alibi_slopes is not None,

@@ -1,0 +1,75 @@
+"""Launcher of the warp-specialized Hopper forward (kernels/fwd_hopper.py) and the rule for when it runs.
+
+backend.launch_fwd asks `runs_on` first and falls back to the Triton kernel (kernels/fwd.py) for everything the
+Gluon kernel does not cover. Gluon has no interpreter: CPU tensors never get here, and the GPU test suite
+(tests/test_hopper_fwd.py, plus every dense test whose case is eligible) is what checks this kernel.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Tuple
+
+import torch
+
+from .. import configs
+from .launching import tma_compatible, triton_cdiv
+
+try:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ..kernels.fwd_hopper import CONSUMER_ROWS, attn_fwd_hopper_kernel
+    TILE_ROWS = 2 * CONSUMER_ROWS.value
+except Exception:  # Triton without Gluon's Hopper API, or its interpreter: the Triton kernel runs everything
+    attn_fwd_hopper_kernel = None
+    TILE_ROWS = 128
+
+# Launches of this kernel since import; tests read it to know that the path they check ran.
+launch_count = 0
+
+
+def _is_hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9  # wgmma and setmaxnreg: sm_90 only
+
+
+def runs_on(q, k, v, out, params, seqlen_q: int, seqlen_k: int, plain: bool) -> bool:
+    """Whether this forward runs the Gluon kernel. `plain`: dense (B, S, H, D) layout with no varlen, paged
+    cache, seqused_k / leftpad_k / cache_batch_idx, split-KV, dropout or ALiBi (the caller knows those)."""
+    if not (plain and attn_fwd_hopper_kernel is not None and configs.GLUON_ALLOWED and q.is_cuda):
+        return False
+    no_window = params.window_left < 0 and params.window_right < 0
+    causal = params.window_right == 0 and params.window_left >= seqlen_k
+    return (q.shape[-1] in configs.HOPPER_FWD and q.dtype in (torch.float16, torch.bfloat16)
+            and seqlen_q > configs.DECODE_MAX_ROWS and seqlen_k > 0
+            and params.softcap == 0.0 and params.softmax_scale > 0.0 and (no_window or causal)
+            and all(tma_compatible(t) for t in (q, k, v, out)) and _is_hopper(q.device))
+
+
+@lru_cache(maxsize=None)
+def _shared_layout(rows: int, head_dim: int, dtype: torch.dtype):
+    block = [1, rows, 1, head_dim]
+    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+def _descriptor(tensor: torch.Tensor, rows: int):
+    """Host descriptor of a (B, S, H, D) tensor loading [1, rows, 1, D] tiles; out-of-bounds rows read 0 and
+    are never stored."""
+    head_dim = tensor.shape[-1]
+    return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), [1, rows, 1, head_dim],
+                            _shared_layout(rows, head_dim, tensor.dtype))
+
+
+def launch(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
+           heads_per_group: int) -> None:
+    """Run the Gluon forward into out (B, Sq, H, D) and lse (fp32, rows contiguous, strides lse_strides)."""
+    global launch_count
+    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    config = configs.HOPPER_FWD[head_dim]
+    grid = (triton_cdiv(seqlen_q, TILE_ROWS) * batch * num_heads,)
+    attn_fwd_hopper_kernel[grid](
+        _descriptor(q, CONSUMER_ROWS.value), _descriptor(k, config.block_n), _descriptor(v, config.block_n),
+        _descriptor(out, CONSUMER_ROWS.value), lse, *lse_strides, num_heads, num_heads // k.shape[-2],
+        seqlen_q, seqlen_k, heads_per_group, params.softmax_scale * 1.4426950408889634,
+        CAUSAL=params.window_right == 0, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4)
+    launch_count += 1

@@ -1,0 +1,128 @@
+"""The warp-specialized Gluon forward (kernels/fwd_hopper.py) against the float64 reference.
+
+It runs only on sm_90 GPUs (Gluon has no interpreter), so most of this file is skipped elsewhere; the CPU part
+checks the routing rule and the configs. Every GPU case asserts that the Gluon kernel actually ran (or, for the
+cases it does not cover, that it did not), NaN-poisons the outputs and applies the tolerance rule of API.md §4.10.
+"""
+
+import pytest
+import torch
+
+import flashtriton
+from flashtriton import configs
+from flashtriton.ops import hopper_fwd
+from flashtriton.ops.backend import score_params
+from flashtriton.testing import Case, compare_with_reference, forced_heads_per_group, make_case_inputs, \
+    poisoned_outputs
+
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+needs_hopper = pytest.mark.skipif(not ON_HOPPER or hopper_fwd.attn_fwd_hopper_kernel is None,
+                                  reason="the Gluon forward runs on sm_90 only")
+# shared memory per program on sm_90 (227 KiB opt-in) minus what the kernel's barriers take
+SM90_SHARED_BYTES = 227 * 1024 - 1024
+
+
+def test_cpu_tensors_never_take_the_gluon_path():
+    q = torch.randn(1, 64, 2, 128, dtype=torch.bfloat16)
+    params = score_params(0.1, False, -1, -1, 0.0, 64)
+    assert not hopper_fwd.runs_on(q, q, q, q, params, 64, 64, plain=True)
+
+
+@pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_FWD))
+def test_hopper_configs_fit_shared_memory(head_dim):
+    """Two 64-row Q tiles plus `stages` K and V tiles of block_n rows (16-bit elements) fit one program."""
+    config = configs.HOPPER_FWD[head_dim]
+    tile_bytes = 2 * head_dim
+    assert hopper_fwd.TILE_ROWS * tile_bytes + 2 * config.stages * config.block_n * tile_bytes <= SM90_SHARED_BYTES
+
+
+def run_forward(case: Case, grads: bool = False):
+    """Forward (and backward) of one case; returns (tolerance checks, whether the Gluon kernel ran)."""
+    q, k, v, slopes = make_case_inputs(case, "cuda", requires_grad=grads)
+    before = hopper_fwd.launch_count
+    with poisoned_outputs():
+        out, lse, _ = flashtriton.flash_attn_func(q, k, v, 0.0, case.softmax_scale, case.causal, case.window_size,
+                                                  case.softcap, slopes, return_attn_probs=True)
+        dout = torch.randn_like(out) if grads else None
+        grad_values = torch.autograd.grad(out, (q, k, v), dout) if grads else None
+    ran = hopper_fwd.launch_count > before
+    return compare_with_reference(case, out, lse, q, k, v, slopes, grad_values, dout), ran
+
+
+def assert_ok(checks):
+    failed = [str(c) for c in checks if not c.ok]
+    assert not failed, "; ".join(failed)
+
+
+SHAPES = [(17, 17), (128, 128), (300, 700), (700, 300), (1000, 1000), (129, 4100)]
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_FWD), ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("seqlen_q,seqlen_k", SHAPES, ids=[f"sq{a}-sk{b}" for a, b in SHAPES])
+def test_gluon_forward_matches_reference(seqlen_q, seqlen_k, head_dim, dtype, causal):
+    """Odd lengths (partial query and key tiles), sq > sk under the causal mask (rows that see no key: out 0,
+    LSE +inf), both 16-bit dtypes, every head dim the kernel takes."""
+    checks, ran = run_forward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
+                                   head_dim=head_dim, dtype=dtype, causal=causal))
+    assert ran, "the Gluon forward did not run"
+    assert_ok(checks)
+
+
+FEATURES = {
+    "gqa": dict(num_heads=6, num_heads_k=2),
+    "mqa": dict(num_heads=4, num_heads_k=1, causal=True),
+    "bhsd-layout": dict(layout="bhsd", causal=True),
+    "scale": dict(softmax_scale=0.05),
+    "window-minus1-0-is-causal": dict(window_size=(-1, 0)),
+}
+
+
+@needs_hopper
+@pytest.mark.parametrize("feature", list(FEATURES), ids=list(FEATURES))
+def test_gluon_forward_features(feature):
+    case = Case(batch=2, seqlen_q=333, seqlen_k=333, head_dim=128, dtype=torch.bfloat16, **FEATURES[feature])
+    checks, ran = run_forward(case, grads=True)
+    assert ran, "the Gluon forward did not run"
+    assert_ok(checks)
+
+
+@needs_hopper
+@pytest.mark.parametrize("heads_per_group", [1, 3], ids=["group-1", "group-3"])
+def test_gluon_forward_launch_order_groups(heads_per_group):
+    """Launch-order groups of 1 and 3 (batch, head) pairs over 2 x 4 pairs (a partial last group), causal."""
+    with forced_heads_per_group(heads_per_group):
+        checks, ran = run_forward(Case(batch=2, seqlen_q=1000, seqlen_k=1000, num_heads=4, num_heads_k=2,
+                                       head_dim=64, dtype=torch.bfloat16, causal=True))
+    assert ran
+    assert_ok(checks)
+
+
+@needs_hopper
+def test_gluon_forward_long_sequence():
+    checks, ran = run_forward(Case(batch=1, seqlen_q=4096, seqlen_k=4096, num_heads=4, num_heads_k=4, head_dim=128,
+                                   dtype=torch.bfloat16, causal=True))
+    assert ran
+    assert_ok(checks)
+
+
+NOT_COVERED = {
+    "softcap": dict(softcap=5.0),
+    "alibi": dict(alibi=True),
+    "local-window": dict(window_size=(50, 10)),
+    "head-dim-96": dict(head_dim=96),
+    "sliced-layout": dict(layout="sliced"),  # views 6 bytes past 16-byte alignment: no TMA
+    "decode-rows": dict(seqlen_q=16),
+}
+
+
+@needs_hopper
+@pytest.mark.parametrize("feature", list(NOT_COVERED), ids=list(NOT_COVERED))
+def test_features_it_does_not_cover_take_the_triton_kernel(feature):
+    options = dict(batch=2, seqlen_q=200, seqlen_k=200, head_dim=128, dtype=torch.bfloat16)
+    options.update(NOT_COVERED[feature])
+    checks, ran = run_forward(Case(**options))
+    assert not ran, "the Gluon forward ran on a case it does not cover"
+    assert_ok(checks)
