@@ -80,6 +80,20 @@ def forced_heads_per_group(heads_per_group: Optional[int]):
         configs.heads_per_l2_group = original
 
 
+@contextlib.contextmanager
+def forced_gluon_forward(enabled: bool):
+    """Within this block the Gluon Hopper forward (ops/hopper_fwd) may run (True, where it covers the call) or
+    never runs (False: every forward takes the Triton kernel), whatever FLASHTRITON_GLUON says."""
+    from . import configs
+
+    original = configs.GLUON_ALLOWED
+    configs.GLUON_ALLOWED = enabled
+    try:
+        yield
+    finally:
+        configs.GLUON_ALLOWED = original
+
+
 def cu_seqlens(lengths: Sequence[int], device="cpu", dtype: torch.dtype = torch.int32) -> torch.Tensor:
     """flash_attn's cu_seqlens for these sequence lengths: cumulative starts (0, l0, l0 + l1, ...), int32."""
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=dtype, device=device)
