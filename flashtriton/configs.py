@@ -4,8 +4,9 @@ Each table entry names the measurement that justified it (BENCHMARKS.md / docs/p
 Entries are keyed by arch class ("interpreter", "sm80", "sm90", ...) and head-dim bucket.
 FLASHTRITON_RESCALE_THRESHOLD (read once) overrides the forward's A-1 rescale threshold;
 0 disables the skip (every tile rescales). FLASHTRITON_TMA=0 (read once) turns tensor descriptors off in
-every config (pointer loads only): for debugging, and for tools like compute-sanitizer's initcheck that
-may not see the bulk (TMA) stores as writes.
+every config (pointer loads only; the Gluon Hopper forward, which needs them, is off then too): for debugging,
+and for tools like compute-sanitizer's initcheck that may not see the bulk (TMA) stores as writes.
+FLASHTRITON_GLUON=0 (read once) keeps every forward on the Triton kernel.
 """
 
 from __future__ import annotations

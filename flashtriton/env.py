@@ -99,6 +99,16 @@ def device_info(index: int) -> DeviceInfo:
                       props.multi_processor_count, round(props.total_memory / 2**30, 1))
     if capability >= MIN_CAPABILITY:
         info.supported = list(DENSE_FEATURES) + implemented_optional_features()
+        if props.major == 9:
+            from . import configs
+            from .ops import hopper_fwd
+
+            if hopper_fwd.attn_fwd_hopper_kernel is None:
+                info.unsupported["Gluon forward"] = "this Triton has no Gluon Hopper API; the Triton kernel runs"
+            elif not (configs.GLUON_ALLOWED and configs.TMA_ALLOWED):
+                info.unsupported["Gluon forward"] = "switched off (FLASHTRITON_GLUON=0 or FLASHTRITON_TMA=0)"
+            else:
+                info.supported.append("Gluon forward (dense, no window but causal, d64/128/256)")
     else:
         info.unsupported = {"every feature": OLD_GPU_REASON}
     return info
@@ -128,7 +138,7 @@ def collect_environment() -> Environment:
     }
     devices = [device_info(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     variables = {name: os.environ.get(name) for name in ("TRITON_INTERPRET", "TRITON_CACHE_DIR",
-                                                         "FLASHTRITON_RESCALE_THRESHOLD", "FLASHTRITON_TMA",
+                                                         "FLASHTRITON_RESCALE_THRESHOLD", "FLASHTRITON_TMA", "FLASHTRITON_GLUON",
                                                          "CUDA_VISIBLE_DEVICES")}
     return Environment(versions, backend.KERNELS_INTERPRETED, cpu_path_description(backend.KERNELS_INTERPRETED),
                        triton_cache_dir(), variables, devices, library_gaps())

@@ -4,7 +4,8 @@
 # are printed.
 #
 #   bash tools/gpu_check.sh [STEPS]     STEPS: comma list of tests,reliability,sanitize,bench,decode,varlen,dropout,cold,
-#                                       host,decode-sweep,bwd-atomic,fwd-short,l2-groups,fuzz (default tests,reliability,decode)
+#                                       host,decode-sweep,bwd-atomic,fwd-short,l2-groups,fuzz,fwd-triton
+#                                       (default tests,reliability,decode)
 # Environment: FLASHTRITON_COMMIT (the device copy has no .git), OUT, FUZZ_EXAMPLES (fuzz step, default 120),
 # TESTS_LIMIT (tests step seconds, default 300; a fresh machine compiles every kernel and needs ~400).
 set -uo pipefail
@@ -33,6 +34,9 @@ step reliability 250 bash -c "python -m pytest tests/test_gpu_reliability.py -q 
   && python -m pytest tests/test_gpu_reliability.py -q -p no:cacheprovider -rfEs -k cuda_graph"
 step sanitize 300 env TOOLS="memcheck racecheck initcheck" bash tools/sanitize.sh "$out/sanitize"
 step bench 240 python -m flashtriton bench --modes fwd,bwd --providers flashtriton,sdpa-flash,sdpa-cudnn --out "$out/bench"
+# the forward bench with the Gluon Hopper kernel off (every forward on the Triton kernel), to compare with `bench`
+step fwd-triton 150 env FLASHTRITON_GLUON=0 python -m flashtriton bench --modes fwd --providers flashtriton,sdpa-flash,sdpa-cudnn \
+  --out "$out/bench-triton"
 step decode 90 python benchmarks/bench_decode.py --paged 0,64,256 --graph --repeat 2
 step varlen 60 python benchmarks/bench_varlen.py --causal
 step dropout 110 python benchmarks/bench_dropout.py --out "$out/dropout"

@@ -1,6 +1,7 @@
 """Compile flashtriton kernels for sm_90 on a machine without a GPU; print registers, spills, shared memory.
 
     python tools/offline_compile.py [--head-dim 128] [--local] [--kernel fwd|dkdv|dq] [--config M,N,WARPS,STAGES]
+    python tools/offline_compile.py --kernel fwd-hopper [--head-dim 128] [--causal]   # the Gluon forward, its config
 
 Uses Triton's bundled ptxas. Integer arguments are compiled as plain i32 with the pointer/stride
 divisibility hints a contiguous (B, S, H, D) launch would get, so the numbers approximate the real compile.
@@ -75,11 +76,39 @@ def compile_kernel(kernel, head_dim, local, block_m, block_n, warps, stages, dty
                           options=dict(num_warps=warps, num_stages=stages))
 
 
+def compile_hopper_fwd(head_dim: int, causal: bool, dtype: str = "bf16"):
+    """The Gluon Hopper forward (kernels/fwd_hopper.py) with configs.HOPPER_FWD[head_dim], as a dense launch."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from flashtriton import configs
+    from flashtriton.kernels.fwd_hopper import CONSUMER_ROWS, attn_fwd_hopper_kernel
+
+    config = configs.HOPPER_FWD[head_dim]
+    element = gl.bfloat16 if dtype == "bf16" else gl.float16
+
+    def descriptor(rows):
+        layout = gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], element)
+        return f"tensordesc<{dtype}[1,{rows},1,{head_dim}],{layout!r}>"
+
+    rows = CONSUMER_ROWS.value
+    signature = {"q_desc": descriptor(rows), "k_desc": descriptor(config.block_n), "v_desc": descriptor(config.block_n),
+                 "o_desc": descriptor(rows), "Lse": "*fp32"}
+    signature.update({name: "i32" for name in ("stride_lse_b", "stride_lse_h", "num_heads", "group_size", "seqlen_q",
+                                               "seqlen_k", "heads_per_group")})
+    signature["qk_scale_log2"] = "fp32"
+    constexprs = dict(CAUSAL=causal, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4)
+    signature.update({name: "constexpr" for name in constexprs})
+    src = GluonASTSource(fn=attn_fwd_hopper_kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--local", action="store_true")
-    parser.add_argument("--kernel", default="fwd", choices=list(KERNELS))
+    parser.add_argument("--kernel", default="fwd", choices=[*KERNELS, "fwd-hopper"])
+    parser.add_argument("--causal", action="store_true", help="fwd-hopper only: the causal variant")
     parser.add_argument("--config", default="128,128,8,3")
     parser.add_argument("--dropout", action="store_true")
     parser.add_argument("--pack-gqa", action="store_true", help="forward only: packed GQA decode tiles")
@@ -90,6 +119,12 @@ def main():
                         help="forward only: varlen with host descriptors over the packed tensors (TMA_PACKED)")
     parser.add_argument("--dq-atomic", action="store_true", help="dkdv only: dQ added with atomics (DQ_ATOMIC)")
     args = parser.parse_args()
+    if args.kernel == "fwd-hopper":
+        compiled = compile_hopper_fwd(args.head_dim, args.causal)
+        print(f"fwd-hopper d{args.head_dim} causal={args.causal}: {resource_usage(compiled)} "
+              f"shared {compiled.metadata.shared} wgmma {compiled.asm['ptx'].count('wgmma.mma_async')} "
+              f"setmaxnreg {compiled.asm['ptx'].count('setmaxnreg')}")
+        return
     block_m, block_n, warps, stages = (int(x) for x in args.config.split(","))
     compiled = compile_kernel(KERNELS[args.kernel], args.head_dim, args.local, block_m, block_n, warps, stages,
                               dropout=args.dropout, pack_gqa=args.pack_gqa, paged=args.paged,

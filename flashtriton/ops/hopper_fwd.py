@@ -35,8 +35,10 @@ def _is_hopper(device: torch.device) -> bool:
 
 def runs_on(q, k, v, out, params, seqlen_q: int, seqlen_k: int, plain: bool) -> bool:
     """Whether this forward runs the Gluon kernel. `plain`: dense (B, S, H, D) layout with no varlen, paged
-    cache, seqused_k / leftpad_k / cache_batch_idx, split-KV, dropout or ALiBi (the caller knows those)."""
-    if not (plain and attn_fwd_hopper_kernel is not None and configs.GLUON_ALLOWED and q.is_cuda):
+    cache, seqused_k / leftpad_k / cache_batch_idx, split-KV, dropout or ALiBi (the caller knows those).
+    The kernel loads and stores only through tensor descriptors, so FLASHTRITON_TMA=0 turns it off too."""
+    if not (plain and attn_fwd_hopper_kernel is not None and configs.GLUON_ALLOWED and configs.TMA_ALLOWED
+            and q.is_cuda):
         return False
     no_window = params.window_left < 0 and params.window_right < 0
     causal = params.window_right == 0 and params.window_left >= seqlen_k
