@@ -28,6 +28,30 @@ def test_cpu_tensors_never_take_the_gluon_path():
     assert not hopper_fwd.runs_on(q, q, q, q, params, 64, 64, plain=True)
 
 
+COVERS = {  # name: (head_dim, dtype, seqlen_q, seqlen_k, causal, window, softcap, scale, plain, covered)
+    "d128-bf16": (128, torch.bfloat16, 1000, 1000, False, (-1, -1), 0.0, 0.1, True, True),
+    "d64-fp16-causal-sq>sk": (64, torch.float16, 700, 300, True, (-1, -1), 0.0, 0.1, True, True),
+    "d256-window-wider-than-keys": (256, torch.bfloat16, 100, 100, False, (500, 500), 0.0, 0.1, True, True),
+    "fp32": (128, torch.float32, 1000, 1000, False, (-1, -1), 0.0, 0.1, True, False),
+    "d96": (96, torch.bfloat16, 1000, 1000, False, (-1, -1), 0.0, 0.1, True, False),
+    "decode-rows": (128, torch.bfloat16, 16, 1000, False, (-1, -1), 0.0, 0.1, True, False),
+    "no-keys": (128, torch.bfloat16, 100, 0, False, (-1, -1), 0.0, 0.1, True, False),
+    "local-window": (128, torch.bfloat16, 1000, 1000, False, (64, 0), 0.0, 0.1, True, False),
+    "causal-local": (128, torch.bfloat16, 1000, 1000, True, (64, -1), 0.0, 0.1, True, False),
+    "softcap": (128, torch.bfloat16, 1000, 1000, False, (-1, -1), 5.0, 0.1, True, False),
+    "negative-scale": (128, torch.bfloat16, 1000, 1000, False, (-1, -1), 0.0, -0.1, True, False),
+    "not-plain": (128, torch.bfloat16, 1000, 1000, False, (-1, -1), 0.0, 0.1, False, False),
+}
+
+
+@pytest.mark.parametrize("name", list(COVERS))
+def test_gluon_forward_coverage_rule(name):
+    """What the Gluon kernel takes; everything else must stay on the Triton kernel (checked on CPU: pure rule)."""
+    head_dim, dtype, seqlen_q, seqlen_k, causal, window, softcap, scale, plain, covered = COVERS[name]
+    params = score_params(scale, causal, *window, softcap, seqlen_k)
+    assert hopper_fwd.covers(head_dim, dtype, seqlen_q, seqlen_k, params, plain) == covered
+
+
 @pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_FWD))
 def test_hopper_configs_fit_shared_memory(head_dim):
     """Two 64-row Q tiles plus `stages` K and V tiles of block_n rows (16-bit elements) fit one program."""

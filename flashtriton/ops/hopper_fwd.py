@@ -33,18 +33,23 @@ def _is_hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9  # wgmma and setmaxnreg: sm_90 only
 
 
-def runs_on(q, k, v, out, params, seqlen_q: int, seqlen_k: int, plain: bool) -> bool:
-    """Whether this forward runs the Gluon kernel. `plain`: dense (B, S, H, D) layout with no varlen, paged
-    cache, seqused_k / leftpad_k / cache_batch_idx, split-KV, dropout or ALiBi (the caller knows those).
-    The kernel loads and stores only through tensor descriptors, so FLASHTRITON_TMA=0 turns it off too."""
-    if not (plain and attn_fwd_hopper_kernel is not None and configs.GLUON_ALLOWED and configs.TMA_ALLOWED
-            and q.is_cuda):
-        return False
+def covers(head_dim: int, dtype: torch.dtype, seqlen_q: int, seqlen_k: int, params, plain: bool) -> bool:
+    """Whether the Gluon kernel computes this forward (the device and the layout aside). `plain`: dense
+    (B, S, H, D) layout with no varlen, paged cache, seqused_k / leftpad_k / cache_batch_idx, split-KV, dropout or
+    ALiBi (the caller knows those). Windows: none, or the causal one (window_right 0, left never binding)."""
     no_window = params.window_left < 0 and params.window_right < 0
     causal = params.window_right == 0 and params.window_left >= seqlen_k
-    return (q.shape[-1] in configs.HOPPER_FWD and q.dtype in (torch.float16, torch.bfloat16)
-            and seqlen_q > configs.DECODE_MAX_ROWS and seqlen_k > 0
-            and params.softcap == 0.0 and params.softmax_scale > 0.0 and (no_window or causal)
+    return (plain and head_dim in configs.HOPPER_FWD and dtype in (torch.float16, torch.bfloat16)
+            and seqlen_q > configs.DECODE_MAX_ROWS and seqlen_k > 0 and params.softcap == 0.0
+            and params.softmax_scale > 0.0 and (no_window or causal))
+
+
+def runs_on(q, k, v, out, params, seqlen_q: int, seqlen_k: int, plain: bool) -> bool:
+    """Whether this forward runs the Gluon kernel: it covers the call (`covers`), Triton has the kernel, it is
+    switched on, and the tensors are on an sm_90 GPU in layouts tensor descriptors can address. The kernel loads
+    and stores only through descriptors, so FLASHTRITON_TMA=0 turns it off too."""
+    return (attn_fwd_hopper_kernel is not None and configs.GLUON_ALLOWED and configs.TMA_ALLOWED and q.is_cuda
+            and covers(q.shape[-1], q.dtype, seqlen_q, seqlen_k, params, plain)
             and all(tma_compatible(t) for t in (q, k, v, out)) and _is_hopper(q.device))
 
 
