@@ -29,6 +29,7 @@ except Exception:  # Triton without Gluon's Hopper API, or its interpreter: the 
 launch_count = 0
 
 
+@lru_cache(maxsize=None)  # called on every eligible forward
 def _is_hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9  # wgmma and setmaxnreg: sm_90 only
 
