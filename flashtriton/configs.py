@@ -199,7 +199,6 @@ L2_GROUP_BYTES = {False: 0, True: 16 << 20}
 # 4x4096x16 547 / 482 (Triton 528 / 440), 1x16384 565 / 550 (546 / 483), 16x1024 483 / 359 (443 / 282 host-bound);
 # 128 s3 r240 507 / 467, 64 s3 556 / 523 at 1x16384; d64 (4x4096x32) 128 s2 416 / 382 (398 / 369), 64 s3 357 / 321;
 # d256 (4x4096x8) 64 s2 597 / 523 (515 / 484), 32 s3 483 / 425. r240 within 1% of r232 everywhere.
-# FLASHTRITON_GLUON=0 (read once) keeps every forward on the Triton kernel.
 @dataclass(frozen=True)
 class HopperFwdConfig:
     block_n: int         # keys per K/V stage

@@ -176,11 +176,14 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
                                            dropout_p > 0.0, k.shape[1] if is_paged else 0)
     if seqlen_q == 0 or batch == 0:
         return
+    pack_gqa = configs.pack_gqa(seqlen_q, num_heads // num_heads_k)
+    query_tiles, batch_heads = fwd_tile_grid(seqlen_q, batch, num_heads, num_heads_k, config.block_m)
+    # launch-order groups (both kernels): K and V are what a group's programs share (a packed GQA tile: one KV head's)
+    heads_per_group = configs.heads_per_l2_group(
+        _operand_bytes(k, seqlen_k, 2 if pack_gqa else 2 * num_heads_k / num_heads), batch_heads, params.causal_like)
     plain = not (is_varlen or is_paged or num_splits > 1 or dropout_p > 0.0 or alibi_slopes is not None
                  or seqused_k is not None or leftpad_k is not None or cache_batch_idx is not None)
     if hopper_fwd.runs_on(q, k, v, out, params, seqlen_q, seqlen_k, plain):
-        heads_per_group = configs.heads_per_l2_group(_operand_bytes(k, seqlen_k, 2 * num_heads_k / num_heads),
-                                                     batch * num_heads, params.causal_like)
         with device_guard(q):
             hopper_fwd.launch(q, k, v, out, lse, lse_strides, params, seqlen_q, seqlen_k, batch, heads_per_group)
         return
@@ -196,7 +199,6 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
         lse = new_empty((num_splits, *lse.shape), torch.float32, q.device)
     split_strides = (out.stride(0), lse.stride(0)) if is_split else (0, 0)
     lse_strides = (lse.stride(1), lse.stride(2)) if is_split else lse_strides
-    pack_gqa = configs.pack_gqa(seqlen_q, num_heads // num_heads_k)
     tma_mode = TMA_OFF
     if (config.use_tma and not is_paged and q.shape[-3] > 0 and k.shape[-3] > 0
             and all(tma_compatible(t) for t in (q, k, v, out))):
@@ -216,10 +218,7 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     elif tma_mode == TMA_PACKED:  # (total, H, D) viewed as one (1, total, H, D) sequence; O is stored by pointer
         descriptors = (*(_row_descriptor(t.unsqueeze(0), rows, block_dim)
                          for t, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n))), None)
-    query_tiles, batch_heads = fwd_tile_grid(seqlen_q, batch, num_heads, num_heads_k, config.block_m)
     grid = (query_tiles * batch_heads, num_splits)
-    heads_per_group = configs.heads_per_l2_group(
-        _operand_bytes(k, seqlen_k, 2 if pack_gqa else 2 * num_heads_k / num_heads), batch_heads, params.causal_like)
     with device_guard(q):
         attn_fwd_kernel[grid](
             q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table,
