@@ -194,19 +194,26 @@ L2_GROUP_BYTES = {False: 0, True: 16 << 20}
 
 
 # Hopper forward in Gluon (kernels/fwd_hopper.py, warp-specialized: two consumer warpgroups of 64 query rows and
-# a TMA producer warp), keyed by head dim: key tile, K/V stages, consumer registers (setmaxnreg). Probe on the H200
-# (2026-11-30, bf16, same run as the Triton kernel, TF/s non-causal / causal): d128 key tiles 128 s2 r232 at
-# 4x4096x16 547 / 482 (Triton 528 / 440), 1x16384 565 / 550 (546 / 483), 16x1024 483 / 359 (443 / 282 host-bound);
-# 128 s3 r240 507 / 467, 64 s3 556 / 523 at 1x16384; d64 (4x4096x32) 128 s2 416 / 382 (398 / 369), 64 s3 357 / 321;
-# d256 (4x4096x8) 64 s2 597 / 523 (515 / 484), 32 s3 483 / 425. r240 within 1% of r232 everywhere.
+# a TMA producer warp), keyed by head dim: key tile, K/V stages, consumer registers (setmaxnreg), consumer schedule.
+# benchmarks/sweep_hopper_fwd.py on the H200 (2026-11-30, seventh session, bf16, TF/s non-causal / causal, SDPA
+# cuDNN of the same run in brackets): in-order r232 -> overlapped r232 / overlapped r240:
+#   d128 16x1024x16   473 / 346 -> 516 / 247 / 489 / 369   (576 / 426)
+#   d128 4x4096x16    536 / 490 -> 586 / 517 / 587 / 537   (611 / 538)
+#   d128 1x16384x16   551 / 557 -> 618 / 594 / 618 / 613   (582 / 572)
+#   d64  4x4096x32    435 / 388 -> 447 / 396 (r232 only)   (452 / 413)
+#   d256 4x4096x8     605 / 558 -> 651 / 613 / 641 / 607   (659 / 567)
+# 3 stages: no better (d128 585 / 519 at 4x4096); d64 key tiles 64: 381 / 349. The d128 causal overlapped kernel
+# spills at r232 (tools/offline_compile.py: 24 B of stack; none at r240): the 16x1024 causal collapse.
 @dataclass(frozen=True)
 class HopperFwdConfig:
     block_n: int         # keys per K/V stage
     stages: int          # K/V stages in shared memory
     consumer_regs: int   # registers per thread of the second consumer warpgroup
+    overlap: bool = False  # each consumer issues S_j with P_{j-1} V_{j-1} (kernels/fwd_hopper.py's docstring)
 
 
-HOPPER_FWD = {64: HopperFwdConfig(128, 2, 232), 128: HopperFwdConfig(128, 2, 232), 256: HopperFwdConfig(64, 2, 232)}
+HOPPER_FWD = {64: HopperFwdConfig(128, 2, 232, overlap=True), 128: HopperFwdConfig(128, 2, 240, overlap=True),
+              256: HopperFwdConfig(64, 2, 232, overlap=True)}
 GLUON_ALLOWED = os.environ.get("FLASHTRITON_GLUON", "1") != "0"
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -92,6 +92,20 @@ def forced_gluon_forward(enabled: bool):
         yield
     finally:
         configs.GLUON_ALLOWED = original
+
+
+@contextlib.contextmanager
+def forced_hopper_schedule(overlap: bool):
+    """Within this block every head dim's Gluon Hopper forward config uses the overlapped (True) or in-order (False)
+    consumer schedule (configs.HopperFwdConfig.overlap), the rest of the entry unchanged."""
+    from . import configs
+
+    original = dict(configs.HOPPER_FWD)
+    configs.HOPPER_FWD.update({dim: replace(config, overlap=overlap) for dim, config in original.items()})
+    try:
+        yield
+    finally:
+        configs.HOPPER_FWD.update(original)
 
 
 def cu_seqlens(lengths: Sequence[int], device="cpu", dtype: torch.dtype = torch.int32) -> torch.Tensor:

@@ -12,8 +12,8 @@ import flashtriton
 from flashtriton import configs
 from flashtriton.ops import hopper_fwd
 from flashtriton.ops.backend import score_params
-from flashtriton.testing import Case, compare_with_reference, forced_heads_per_group, make_case_inputs, \
-    poisoned_outputs
+from flashtriton.testing import Case, compare_with_reference, forced_heads_per_group, forced_hopper_schedule, \
+    make_case_inputs, poisoned_outputs
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 needs_hopper = pytest.mark.skipif(not ON_HOPPER or hopper_fwd.attn_fwd_hopper_kernel is None,
@@ -78,19 +78,22 @@ def assert_ok(checks):
     assert not failed, "; ".join(failed)
 
 
-SHAPES = [(17, 17), (128, 128), (300, 700), (700, 300), (1000, 1000), (129, 4100)]
+SHAPES = [(17, 17), (33, 1), (128, 128), (300, 700), (700, 300), (1000, 1000), (129, 4100)]
 
 
 @needs_hopper
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-order", "overlapped"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_FWD), ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("seqlen_q,seqlen_k", SHAPES, ids=[f"sq{a}-sk{b}" for a, b in SHAPES])
-def test_gluon_forward_matches_reference(seqlen_q, seqlen_k, head_dim, dtype, causal):
-    """Odd lengths (partial query and key tiles), sq > sk under the causal mask (rows that see no key: out 0,
-    LSE +inf), both 16-bit dtypes, every head dim the kernel takes."""
-    checks, ran = run_forward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
-                                   head_dim=head_dim, dtype=dtype, causal=causal))
+def test_gluon_forward_matches_reference(seqlen_q, seqlen_k, head_dim, dtype, causal, overlap):
+    """Odd lengths (partial query and key tiles, a single key block), sq > sk under the causal mask (rows that see
+    no key: out 0, LSE +inf; tiles whose rows all precede the first key), both 16-bit dtypes, every head dim the
+    kernel takes, both consumer schedules."""
+    with forced_hopper_schedule(overlap):
+        checks, ran = run_forward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
+                                       head_dim=head_dim, dtype=dtype, causal=causal))
     assert ran, "the Gluon forward did not run"
     assert_ok(checks)
 

@@ -4,7 +4,8 @@
 # are printed.
 #
 #   bash tools/gpu_check.sh [STEPS]     STEPS: comma list of tests,reliability,sanitize,bench,decode,varlen,dropout,cold,
-#                                       host,decode-sweep,bwd-atomic,fwd-short,l2-groups,fuzz,fwd-triton
+#                                       host,decode-sweep,bwd-atomic,fwd-short,l2-groups,fuzz,fwd-triton,
+#                                       hopper-sweep
 #                                       (default tests,reliability,decode)
 # Environment: FLASHTRITON_COMMIT (the device copy has no .git), OUT, FUZZ_EXAMPLES (fuzz step, default 120),
 # TESTS_LIMIT (tests step seconds, default 300; a fresh machine compiles every kernel and needs ~400).
@@ -37,6 +38,8 @@ step bench 240 python -m flashtriton bench --modes fwd,bwd --providers flashtrit
 # the forward bench with the Gluon Hopper kernel off (every forward on the Triton kernel), to compare with `bench`
 step fwd-triton 150 env FLASHTRITON_GLUON=0 python -m flashtriton bench --modes fwd --providers flashtriton,sdpa-flash,sdpa-cudnn \
   --out "$out/bench-triton"
+# the Gluon Hopper forward's configs (schedule, registers, stages) on the BASELINES.md shapes
+step hopper-sweep 240 python benchmarks/sweep_hopper_fwd.py --out "$out/hopper-sweep"
 step decode 90 python benchmarks/bench_decode.py --paged 0,64,256 --graph --repeat 2
 step varlen 60 python benchmarks/bench_varlen.py --causal
 step dropout 110 python benchmarks/bench_dropout.py --out "$out/dropout"

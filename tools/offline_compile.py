@@ -1,7 +1,8 @@
 """Compile flashtriton kernels for sm_90 on a machine without a GPU; print registers, spills, shared memory.
 
     python tools/offline_compile.py [--head-dim 128] [--local] [--kernel fwd|dkdv|dq] [--config M,N,WARPS,STAGES]
-    python tools/offline_compile.py --kernel fwd-hopper [--head-dim 128] [--causal]   # the Gluon forward, its config
+    python tools/offline_compile.py --kernel fwd-hopper [--head-dim 128] [--causal] [--hopper-config N,STAGES,REGS,OVERLAP]
+                                                       # the Gluon forward; default: its configs.HOPPER_FWD entry
 
 Uses Triton's bundled ptxas. Integer arguments are compiled as plain i32 with the pointer/stride
 divisibility hints a contiguous (B, S, H, D) launch would get, so the numbers approximate the real compile.
@@ -76,15 +77,16 @@ def compile_kernel(kernel, head_dim, local, block_m, block_n, warps, stages, dty
                           options=dict(num_warps=warps, num_stages=stages))
 
 
-def compile_hopper_fwd(head_dim: int, causal: bool, dtype: str = "bf16"):
-    """The Gluon Hopper forward (kernels/fwd_hopper.py) with configs.HOPPER_FWD[head_dim], as a dense launch."""
+def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16"):
+    """The Gluon Hopper forward (kernels/fwd_hopper.py) with `config` (default configs.HOPPER_FWD[head_dim]), as a
+    dense launch."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from flashtriton import configs
     from flashtriton.kernels.fwd_hopper import CONSUMER_ROWS, attn_fwd_hopper_kernel
 
-    config = configs.HOPPER_FWD[head_dim]
+    config = config or configs.HOPPER_FWD[head_dim]
     element = gl.bfloat16 if dtype == "bf16" else gl.float16
 
     def descriptor(rows):
@@ -97,7 +99,8 @@ def compile_hopper_fwd(head_dim: int, causal: bool, dtype: str = "bf16"):
     signature.update({name: "i32" for name in ("stride_lse_b", "stride_lse_h", "num_heads", "group_size", "seqlen_q",
                                                "seqlen_k", "heads_per_group")})
     signature["qk_scale_log2"] = "fp32"
-    constexprs = dict(CAUSAL=causal, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4)
+    constexprs = dict(CAUSAL=causal, STAGES=config.stages, OVERLAP=config.overlap, CONSUMER_REGS=config.consumer_regs,
+                      num_warps=4)
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(fn=attn_fwd_hopper_kernel, signature=signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
@@ -109,6 +112,8 @@ def main():
     parser.add_argument("--local", action="store_true")
     parser.add_argument("--kernel", default="fwd", choices=[*KERNELS, "fwd-hopper"])
     parser.add_argument("--causal", action="store_true", help="fwd-hopper only: the causal variant")
+    parser.add_argument("--hopper-config", help="fwd-hopper only: BLOCK_N,STAGES,REGS,OVERLAP(0/1) instead of the "
+                                                "configs.HOPPER_FWD entry")
     parser.add_argument("--config", default="128,128,8,3")
     parser.add_argument("--dropout", action="store_true")
     parser.add_argument("--pack-gqa", action="store_true", help="forward only: packed GQA decode tiles")
@@ -120,8 +125,15 @@ def main():
     parser.add_argument("--dq-atomic", action="store_true", help="dkdv only: dQ added with atomics (DQ_ATOMIC)")
     args = parser.parse_args()
     if args.kernel == "fwd-hopper":
-        compiled = compile_hopper_fwd(args.head_dim, args.causal)
-        print(f"fwd-hopper d{args.head_dim} causal={args.causal}: {resource_usage(compiled)} "
+        config = None
+        if args.hopper_config:
+            from flashtriton.configs import HopperFwdConfig
+
+            block_n, stages, regs, overlap = (int(x) for x in args.hopper_config.split(","))
+            config = HopperFwdConfig(block_n, stages, regs, bool(overlap))
+        compiled = compile_hopper_fwd(args.head_dim, args.causal, config)
+        print(f"fwd-hopper d{args.head_dim} causal={args.causal} {args.hopper_config or 'table'}: "
+              f"{resource_usage(compiled)} "
               f"shared {compiled.metadata.shared} wgmma {compiled.asm['ptx'].count('wgmma.mma_async')} "
               f"setmaxnreg {compiled.asm['ptx'].count('setmaxnreg')}")
         return

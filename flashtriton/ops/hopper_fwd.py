@@ -79,5 +79,6 @@ def launch(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: in
         _descriptor(q, CONSUMER_ROWS.value), _descriptor(k, config.block_n), _descriptor(v, config.block_n),
         _descriptor(out, CONSUMER_ROWS.value), lse, *lse_strides, num_heads, num_heads // k.shape[-2],
         seqlen_q, seqlen_k, heads_per_group, params.kernel_args()[0],
-        CAUSAL=params.causal_like, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4)
+        CAUSAL=params.causal_like, STAGES=config.stages, OVERLAP=config.overlap,
+        CONSUMER_REGS=config.consumer_regs, num_warps=4)
     launch_count += 1

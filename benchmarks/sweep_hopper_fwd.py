@@ -1,0 +1,85 @@
+"""Sweep the Gluon Hopper forward's configurations (configs.HopperFwdConfig: key tile, stages, consumer registers,
+in-consumer overlap) on the BASELINES.md shapes, with SDPA FLASH and CUDNN timed in the same process.
+
+    python benchmarks/sweep_hopper_fwd.py [--shapes 0,1] [--out DIR]
+
+Every candidate's output is compared with SDPA FLASH's before it is timed (max abs error printed); a candidate
+that fails to compile is recorded with NaN. Results go to DIR/hopper-sweep.json; configs.HOPPER_FWD cites the run
+that chose its entries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashtriton
+from flashtriton import configs
+from flashtriton.bench import attention_flops, median_ms
+from flashtriton.configs import HopperFwdConfig
+from flashtriton.ops import hopper_fwd
+
+SHAPES = [(16, 1024, 16, 128), (4, 4096, 16, 128), (1, 16384, 16, 128), (4, 4096, 32, 64), (4, 4096, 8, 256)]
+# shared memory: Q 2 x 64 rows, K and V `stages` x block_n rows (227 KiB per block on sm_90)
+CANDIDATES = {
+    64: [HopperFwdConfig(128, 2, 232), HopperFwdConfig(128, 2, 232, True), HopperFwdConfig(128, 3, 232, True),
+         HopperFwdConfig(64, 3, 232, True)],
+    128: [HopperFwdConfig(128, 2, 232), HopperFwdConfig(128, 2, 232, True), HopperFwdConfig(128, 2, 240, True),
+          HopperFwdConfig(128, 3, 232, True)],
+    256: [HopperFwdConfig(64, 2, 232), HopperFwdConfig(64, 2, 232, True), HopperFwdConfig(64, 2, 240, True)],
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="all", help="'all' or indices into SHAPES, e.g. 1,3")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    original = dict(configs.HOPPER_FWD)
+    rows = []
+    for batch, seqlen, heads, dim in shapes:
+        for causal in (False, True):
+            q, k, v = (torch.randn(batch, seqlen, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            flops = attention_flops(batch, heads, seqlen, seqlen, dim, causal, "fwd")
+            tag = dict(batch=batch, seqlen=seqlen, heads=heads, dim=dim, causal=causal)
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+            peers = {}
+            with torch.no_grad():
+                for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION),
+                                      ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
+                    with sdpa_kernel(backend):
+                        expected = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+                        ms = median_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+                    peers[name] = flops / ms * 1e-9
+                    rows.append(dict(tag, provider=name, ms=ms, tflops=peers[name]))
+                for candidate in CANDIDATES[dim]:
+                    configs.HOPPER_FWD[dim] = candidate
+                    launches = hopper_fwd.launch_count
+                    try:
+                        out = flashtriton.flash_attn_func(q, k, v, causal=causal)
+                        error = float((out.float() - expected.float()).abs().max())
+                        ms = median_ms(lambda: flashtriton.flash_attn_func(q, k, v, causal=causal))
+                    except Exception as exc:  # a candidate that does not compile is recorded, not fatal
+                        error, ms = float("nan"), float("nan")
+                        print("candidate failed", candidate, type(exc).__name__, str(exc)[:300], flush=True)
+                    ran_gluon = hopper_fwd.launch_count > launches
+                    rows.append(dict(tag, provider="flashtriton", config=asdict(candidate), ms=ms, max_err=error,
+                                     ran_gluon=ran_gluon, tflops=flops / ms * 1e-9))
+                    print(f"{tag} {asdict(candidate)}: {rows[-1]['tflops']:.1f} TF/s err {error:.1e} "
+                          f"gluon {ran_gluon} | flash {peers['sdpa-flash']:.1f} cudnn {peers['sdpa-cudnn']:.1f}"
+                          f" | x cudnn {rows[-1]['tflops'] / peers['sdpa-cudnn']:.3f}", flush=True)
+                configs.HOPPER_FWD[dim] = original[dim]
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "hopper-sweep.json"), "w") as handle:
+        json.dump(rows, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
