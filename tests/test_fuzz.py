@@ -13,10 +13,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flashtriton
+from flashtriton import configs
+from flashtriton.ops import hopper_fwd
 from flashtriton.reference import kvcache_reference
 from flashtriton.testing import (Case, check_error, check_lse, compare_varlen_with_reference, compare_with_reference,
-                                 cu_seqlens, forced_dq_atomic, forced_heads_per_group, forced_tma, make_case_inputs,
-                                 poisoned_outputs)
+                                 cu_seqlens, forced_dq_atomic, forced_heads_per_group, forced_hopper_schedule,
+                                 forced_tma, make_case_inputs, poisoned_outputs)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = DEVICE == "cpu"  # the interpreter is slow: keep CPU shapes small
@@ -88,6 +90,47 @@ def test_fuzz_flash_attn_func(case, input_scale, tma, dq_atomic, heads_per_group
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
     assert_ok(compare_with_reference(case, out, lse, q, k, v, slopes, grads, dout))
+
+
+@st.composite
+def hopper_forward_cases(draw):
+    """Cases in the domain of the Gluon Hopper forward (ops/hopper_fwd.covers): head dim 64 / 128 / 256, 16-bit,
+    no window but the causal one (also spelled (-1, 0)), no softcap or ALiBi, TMA-addressable layouts, more than
+    DECODE_MAX_ROWS query rows."""
+    heads_k = draw(st.sampled_from([1, 2]))
+    causal = draw(st.booleans())
+    return Case(
+        batch=draw(st.integers(1, 2)),
+        seqlen_q=draw(st.integers(configs.DECODE_MAX_ROWS + 1, MAX_SEQLEN)),
+        seqlen_k=draw(st.integers(1, MAX_SEQLEN)),
+        num_heads=heads_k * draw(st.sampled_from([1, 2, 3])),
+        num_heads_k=heads_k,
+        head_dim=draw(st.sampled_from([64] if SMALL else sorted(configs.HOPPER_FWD))),
+        dtype=draw(st.sampled_from([torch.float16] if SMALL else [torch.float16, torch.bfloat16])),
+        causal=causal and draw(st.booleans()),
+        window_size=(-1, 0) if causal else (-1, -1),
+        softmax_scale=draw(st.sampled_from([None, None, 0.3])),
+        layout=draw(st.sampled_from(["contiguous", "bhsd"])),
+    )
+
+
+ON_HOPPER = (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
+             and hopper_fwd.attn_fwd_hopper_kernel is not None and configs.GLUON_ALLOWED and configs.TMA_ALLOWED)
+
+
+@given(case=hopper_forward_cases(), input_scale=st.sampled_from([1.0, 4.0]), overlap=st.booleans())
+def test_fuzz_hopper_forward_domain(case, input_scale, overlap):
+    """On sm_90 these all run the Gluon forward (asserted), under either consumer schedule; elsewhere the same
+    cases check the Triton kernels."""
+    q, k, v, _ = make_case_inputs(case, DEVICE, requires_grad=True, scale=input_scale)
+    launches = hopper_fwd.launch_count
+    with poisoned_outputs(), forced_hopper_schedule(overlap):
+        out, lse, _ = flashtriton.flash_attn_func(q, k, v, 0.0, case.softmax_scale, case.causal, case.window_size,
+                                                  return_attn_probs=True)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert (hopper_fwd.launch_count > launches) == ON_HOPPER
+    assert_ok(compare_with_reference(case, out, lse, q, k, v, None, grads, dout))
 
 
 @st.composite

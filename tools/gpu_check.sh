@@ -53,9 +53,10 @@ step bwd-atomic 300 python benchmarks/sweep_configs.py --modes bwd --shapes 1,4 
 step fwd-short 200 python benchmarks/sweep_configs.py --modes fwd --shapes 0,1 --out "$out/fwd-short"
 # launch-order budgets (configs.L2_GROUP_BYTES), forward from CUDA graphs
 step l2-groups 120 python benchmarks/sweep_l2_groups.py --graph --budgets-mib 0,4,8,16 --out "$out/l2-groups"
-# the long fuzz on the GPU: the three fuzz tests side by side (one process each, logs fuzz-<test>.log), new random
-# cases each run; hypothesis' statistics at the end of each log count the cases that ran
-step fuzz 330 bash -c 'for t in func varlen_func with_kvcache; do
-    FLASHTRITON_FUZZ_EXAMPLES="${FUZZ_EXAMPLES:-120}" timeout 320 python -m pytest tests/test_fuzz.py -q -p no:cacheprovider \
-      --hypothesis-profile=long --hypothesis-show-statistics -k "test_fuzz_flash_attn_${t}" > "'"$out"'/fuzz-${t}.log" 2>&1 &
+# the long fuzz on the GPU: the four fuzz tests side by side (one process each, logs fuzz-<test>.log; hopper_forward_domain
+# draws only cases the Gluon forward covers), new random cases each run; hypothesis' statistics at the end of each
+# log count the cases that ran
+step fuzz 330 bash -c 'for t in flash_attn_func flash_attn_varlen_func flash_attn_with_kvcache hopper_forward_domain; do
+    FLASHTRITON_FUZZ_EXAMPLES="${FUZZ_EXAMPLES:-120}" timeout 320 python -m pytest "tests/test_fuzz.py::test_fuzz_${t}" -q \
+      -p no:cacheprovider --hypothesis-profile=long --hypothesis-show-statistics > "'"$out"'/fuzz-${t}.log" 2>&1 &
   done; wait; tail -n 15 "'"$out"'"/fuzz-*.log'
