@@ -217,6 +217,21 @@ HOPPER_FWD = {64: HopperFwdConfig(128, 2, 232, overlap=True), 128: HopperFwdConf
 GLUON_ALLOWED = os.environ.get("FLASHTRITON_GLUON", "1") != "0"
 
 
+# Hopper backward in Gluon (kernels/bwd_hopper.py: two consumer warpgroups of 64 keys, dQ by atomics), keyed by head
+# dim: query rows per Q / dO block, Q / dO stages, consumer registers (setmaxnreg). Offline sm_90 compiles
+# (2026-11-30): 32-row blocks spill 184-224 B at d128 and nothing at d64; 64-row blocks spill 688 B at d128. Not
+# yet run or timed on a GPU: off unless FLASHTRITON_GLUON_BWD=1.
+@dataclass(frozen=True)
+class HopperBwdConfig:
+    query_rows: int      # rows per Q / dO block (the N of the S^T and dP^T wgmmas)
+    stages: int          # Q / dO stages in shared memory
+    consumer_regs: int   # registers per thread of the second consumer warpgroup
+
+
+HOPPER_BWD = {64: HopperBwdConfig(32, 2, 240), 128: HopperBwdConfig(32, 2, 240)}
+HOPPER_BWD_ALLOWED = os.environ.get("FLASHTRITON_GLUON_BWD", "0") == "1"
+
+
 def heads_per_l2_group(bytes_per_head: int, batch_heads: int, causal: bool) -> int:
     """(batch, head) pairs per launch-order group: as many as fit L2_GROUP_BYTES[causal], at least 1."""
     return max(1, min(batch_heads, L2_GROUP_BYTES[causal] // max(1, bytes_per_head)))

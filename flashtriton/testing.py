@@ -95,6 +95,20 @@ def forced_gluon_forward(enabled: bool):
 
 
 @contextlib.contextmanager
+def forced_gluon_backward(enabled: bool = True):
+    """Within this block the Gluon Hopper backward (ops/hopper_bwd) may run where it covers the call (True) or never
+    runs (False), whatever FLASHTRITON_GLUON_BWD says."""
+    from . import configs
+
+    original = configs.HOPPER_BWD_ALLOWED
+    configs.HOPPER_BWD_ALLOWED = enabled
+    try:
+        yield
+    finally:
+        configs.HOPPER_BWD_ALLOWED = original
+
+
+@contextlib.contextmanager
 def forced_hopper_schedule(overlap: bool):
     """Within this block every head dim's Gluon Hopper forward config uses the overlapped (True) or in-order (False)
     consumer schedule (configs.HopperFwdConfig.overlap), the rest of the entry unchanged."""

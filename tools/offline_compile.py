@@ -3,6 +3,8 @@
     python tools/offline_compile.py [--head-dim 128] [--local] [--kernel fwd|dkdv|dq] [--config M,N,WARPS,STAGES]
     python tools/offline_compile.py --kernel fwd-hopper [--head-dim 128] [--causal] [--hopper-config N,STAGES,REGS,OVERLAP]
                                                        # the Gluon forward; default: its configs.HOPPER_FWD entry
+    python tools/offline_compile.py --kernel bwd-hopper [--head-dim 128] [--causal] [--hopper-config ROWS,STAGES,REGS]
+                                                       # the Gluon backward; default: its configs.HOPPER_BWD entry
 
 Uses Triton's bundled ptxas. Integer arguments are compiled as plain i32 with the pointer/stride
 divisibility hints a contiguous (B, S, H, D) launch would get, so the numbers approximate the real compile.
@@ -106,14 +108,43 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
+def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16"):
+    """The Gluon Hopper backward (kernels/bwd_hopper.py) with `config` (default configs.HOPPER_BWD[head_dim])."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from flashtriton import configs
+    from flashtriton.kernels.bwd_hopper import KEYS_PER_CONSUMER, attn_bwd_hopper_kernel
+
+    config = config or configs.HOPPER_BWD[head_dim]
+    element = gl.bfloat16 if dtype == "bf16" else gl.float16
+
+    def descriptor(rows):
+        layout = gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], element)
+        return f"tensordesc<{dtype}[1,{rows},1,{head_dim}],{layout!r}>"
+
+    keys = 2 * KEYS_PER_CONSUMER.value
+    signature = {"k_desc": descriptor(keys), "v_desc": descriptor(keys), "q_desc": descriptor(config.query_rows),
+                 "do_desc": descriptor(config.query_rows), "Lse": "*fp32", "Delta": "*fp32", "DQAccum": "*fp32",
+                 "DK": f"*{dtype}", "DV": f"*{dtype}"}
+    names = list(inspect.signature(attn_bwd_hopper_kernel.fn).parameters)
+    signature.update({name: "i32" for name in names[len(signature):] if name.startswith("stride") or name in (
+        "num_heads_k", "group_size", "seqlen_q", "seqlen_k", "heads_per_group")})
+    signature.update(softmax_scale="fp32", qk_scale_log2="fp32")
+    constexprs = dict(CAUSAL=causal, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4)
+    signature.update({name: "constexpr" for name in constexprs})
+    src = GluonASTSource(fn=attn_bwd_hopper_kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--local", action="store_true")
-    parser.add_argument("--kernel", default="fwd", choices=[*KERNELS, "fwd-hopper"])
+    parser.add_argument("--kernel", default="fwd", choices=[*KERNELS, "fwd-hopper", "bwd-hopper"])
     parser.add_argument("--causal", action="store_true", help="fwd-hopper only: the causal variant")
-    parser.add_argument("--hopper-config", help="fwd-hopper only: BLOCK_N,STAGES,REGS,OVERLAP(0/1) instead of the "
-                                                "configs.HOPPER_FWD entry")
+    parser.add_argument("--hopper-config", help="fwd-hopper: BLOCK_N,STAGES,REGS,OVERLAP(0/1), bwd-hopper: "
+                                                "ROWS,STAGES,REGS instead of the configs.HOPPER_FWD / HOPPER_BWD entry")
     parser.add_argument("--config", default="128,128,8,3")
     parser.add_argument("--dropout", action="store_true")
     parser.add_argument("--pack-gqa", action="store_true", help="forward only: packed GQA decode tiles")
@@ -124,6 +155,18 @@ def main():
                         help="forward only: varlen with host descriptors over the packed tensors (TMA_PACKED)")
     parser.add_argument("--dq-atomic", action="store_true", help="dkdv only: dQ added with atomics (DQ_ATOMIC)")
     args = parser.parse_args()
+    if args.kernel == "bwd-hopper":
+        config = None
+        if args.hopper_config:
+            from flashtriton.configs import HopperBwdConfig
+
+            config = HopperBwdConfig(*(int(x) for x in args.hopper_config.split(",")))
+        compiled = compile_hopper_bwd(args.head_dim, args.causal, config)
+        ptx = compiled.asm["ptx"]
+        print(f"bwd-hopper d{args.head_dim} causal={args.causal} {args.hopper_config or 'table'}: "
+              f"{resource_usage(compiled)} shared {compiled.metadata.shared} wgmma {ptx.count('wgmma.mma_async')} "
+              f"atomics {ptx.count('atom.global')}")
+        return
     if args.kernel == "fwd-hopper":
         config = None
         if args.hopper_config:

@@ -23,7 +23,7 @@ from ..kernels import fwd as fwd_kernel_module
 from ..kernels.fwd import attn_fwd_kernel
 from ..reference import (attention_reference, attention_reference_backward, attention_reference_varlen,
                          attention_reference_varlen_backward, is_pure_causal, normalize_window)
-from . import checks, dropout, hopper_fwd
+from . import checks, dropout, hopper_bwd, hopper_fwd
 from .launching import device_guard, tma_compatible, triton_cdiv
 
 LOG2E = 1.4426950408889634
@@ -330,10 +330,15 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
                 num_heads, seqlen_q,
                 HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.preprocess_block, IS_VARLEN=is_varlen,
             )
+        dkdv_heads_per_group = configs.heads_per_l2_group(_operand_bytes(q, seqlen_q, 2 * group_size),
+                                                          batch * num_heads_k, params.causal_like)
+        plain = not (is_varlen or dropout_p > 0.0 or alibi_slopes is not None)
+        if hopper_bwd.runs_on(q, k, v, dout, params, seqlen_q, seqlen_k, plain, deterministic):
+            hopper_bwd.launch(q, k, v, dout, lse, delta, dq, dk, dv, lse_strides, params, seqlen_q, seqlen_k, batch,
+                              dkdv_heads_per_group)
+            return
         if seqlen_k > 0:
             dkdv_grid = (triton_cdiv(seqlen_k, config.dkdv.block_n) * batch * num_heads_k,)
-            dkdv_heads_per_group = configs.heads_per_l2_group(_operand_bytes(q, seqlen_q, 2 * group_size),
-                                                              batch * num_heads_k, params.causal_like)
             attn_bwd_dkdv_kernel[dkdv_grid](
                 q, k, v, dout, lse, delta, dk, dv, dq_accum, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
                 *seq_strides(q), *seq_strides(k), *seq_strides(v), *seq_strides(dout), *lse_strides,

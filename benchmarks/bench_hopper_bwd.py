@@ -1,0 +1,70 @@
+"""The Gluon Hopper backward (kernels/bwd_hopper.py) against the Triton backward and SDPA FLASH / CUDNN, same process.
+
+    python benchmarks/bench_hopper_bwd.py [--shapes 1,3] [--out DIR]
+
+Times the backward only (torch.autograd.grad on a graph built once), bf16, causal and not; every Gluon result is
+compared with the Triton backward's gradients (max abs difference printed). Results go to DIR/hopper-bwd.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashtriton
+from flashtriton.bench import attention_flops, median_ms
+from flashtriton.ops import hopper_bwd
+from flashtriton.testing import forced_gluon_backward
+
+SHAPES = [(16, 1024, 16, 128), (4, 4096, 16, 128), (1, 16384, 16, 128), (4, 4096, 32, 64)]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="all", help="'all' or indices into SHAPES, e.g. 1,3")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    rows = []
+    for batch, seqlen, heads, dim in shapes:
+        for causal in (False, True):
+            q, k, v = (torch.randn(batch, seqlen, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+            dout = torch.randn_like(q)
+            flops = attention_flops(batch, heads, seqlen, seqlen, dim, causal, "bwd")
+            tag = dict(batch=batch, seqlen=seqlen, heads=heads, dim=dim, causal=causal)
+            times, grads, ran_gluon = {}, {}, {}
+            for name, gluon in (("triton", False), ("gluon", True)):
+                with forced_gluon_backward(gluon):
+                    out = flashtriton.flash_attn_func(q, k, v, causal=causal)
+                    launches = hopper_bwd.launch_count
+                    grads[name] = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+                    ran_gluon[name] = hopper_bwd.launch_count > launches
+                    times[name] = median_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+                rows.append(dict(tag, provider=f"flashtriton-{name}", ran_gluon=ran_gluon[name], ms=times[name],
+                                 tflops=flops / times[name] * 1e-9))
+            qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+            for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
+                with sdpa_kernel(backend):
+                    out_t = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                    times[name] = median_ms(lambda: torch.autograd.grad(out_t, (qt, kt, vt), dout.transpose(1, 2),
+                                                                        retain_graph=True))
+                rows.append(dict(tag, provider=name, ms=times[name], tflops=flops / times[name] * 1e-9))
+            difference = max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads["gluon"], grads["triton"]))
+            tf = {name: flops / ms * 1e-9 for name, ms in times.items()}
+            print(f"{tag} bwd TF/s: gluon {tf['gluon']:.1f} (ran {ran_gluon['gluon']}, triton row {ran_gluon['triton']}) "
+                  f"triton {tf['triton']:.1f} flash {tf['sdpa-flash']:.1f} cudnn {tf['sdpa-cudnn']:.1f} | "
+                  f"gluon/flash {tf['gluon'] / tf['sdpa-flash']:.2f}x | max |gluon - triton| {difference:.2e}",
+                  flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "hopper-bwd.json"), "w") as handle:
+        json.dump(rows, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Launcher of the warp-specialized Hopper backward (kernels/bwd_hopper.py: dK, dV and dQ in one kernel) and the rule
+for when it runs.
+
+backend.launch_bwd asks `runs_on` after the preprocess (delta) and falls back to the Triton kernels (kernels/bwd.py)
+for everything else. The kernel is off unless configs.HOPPER_BWD_ALLOWED (FLASHTRITON_GLUON_BWD=1, or
+testing.forced_gluon_backward): it has not yet been measured against the Triton backward. It adds dQ with atomics,
+so deterministic=True never takes it.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from .. import configs
+from .hopper_fwd import _descriptor, _is_hopper, covers as forward_covers
+from .launching import tma_compatible, triton_cdiv
+
+try:
+    from ..kernels.bwd_hopper import KEYS_PER_CONSUMER, attn_bwd_hopper_kernel
+    KEY_BLOCK = 2 * KEYS_PER_CONSUMER.value
+except Exception:  # Triton without Gluon's Hopper API, or its interpreter: the Triton kernels run everything
+    attn_bwd_hopper_kernel = None
+    KEY_BLOCK = 128
+
+# Launches of this kernel since import; tests read it to know that the path they check ran.
+launch_count = 0
+
+
+def covers(head_dim: int, dtype: torch.dtype, seqlen_q: int, seqlen_k: int, params, plain: bool,
+           deterministic: bool) -> bool:
+    """Whether the Gluon backward computes this call (device and layouts aside): the forward's rule (dense, no
+    window but the causal one, no softcap, ALiBi or dropout), a head dim with a configs.HOPPER_BWD entry, and not
+    deterministic (dQ is added with atomics)."""
+    return (head_dim in configs.HOPPER_BWD and not deterministic
+            and forward_covers(head_dim, dtype, seqlen_q, seqlen_k, params, plain))
+
+
+def runs_on(q, k, v, dout, params, seqlen_q: int, seqlen_k: int, plain: bool, deterministic: bool) -> bool:
+    return (attn_bwd_hopper_kernel is not None and configs.HOPPER_BWD_ALLOWED and configs.TMA_ALLOWED and q.is_cuda
+            and covers(q.shape[-1], q.dtype, seqlen_q, seqlen_k, params, plain, deterministic)
+            and all(tma_compatible(t) for t in (q, k, v, dout)) and _is_hopper(q.device))
+
+
+def launch(q, k, v, dout, lse, delta, dq, dk, dv, lse_strides: Tuple[int, int], params, seqlen_q: int,
+           seqlen_k: int, batch: int, heads_per_group: int) -> None:
+    """dK, dV into dk, dv and dQ into dq (B, S, H, D each) from lse and delta (fp32, rows contiguous, strides
+    lse_strides). dQ accumulates in an fp32 buffer whose rows are padded to whole query blocks (the kernel's
+    atomics need no mask), then is scaled into dq."""
+    global launch_count
+    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    num_heads_k = k.shape[-2]
+    config = configs.HOPPER_BWD[head_dim]
+    padded_rows = triton_cdiv(seqlen_q, config.query_rows) * config.query_rows
+    dq_accum = torch.zeros(batch, padded_rows, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    grid = (triton_cdiv(seqlen_k, KEY_BLOCK) * batch * num_heads_k,)
+    attn_bwd_hopper_kernel[grid](
+        _descriptor(k, KEY_BLOCK), _descriptor(v, KEY_BLOCK), _descriptor(q, config.query_rows),
+        _descriptor(dout, config.query_rows), lse, delta, dq_accum, dk, dv, *lse_strides,
+        dq_accum.stride(0), dq_accum.stride(1), dq_accum.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2), num_heads_k, num_heads // num_heads_k, seqlen_q, seqlen_k,
+        heads_per_group, params.softmax_scale, params.kernel_args()[0],
+        CAUSAL=params.causal_like, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4)
+    dq.copy_(dq_accum[:, :seqlen_q].mul_(params.softmax_scale))
+    launch_count += 1

@@ -1,0 +1,98 @@
+"""The warp-specialized Gluon backward (kernels/bwd_hopper.py, off unless FLASHTRITON_GLUON_BWD=1) against the float64
+reference.
+
+It runs only on sm_90 GPUs (Gluon has no interpreter); the CPU part checks the routing rule. Every GPU case forces
+the kernel on (testing.forced_gluon_backward), asserts that it ran, NaN-poisons the outputs and applies the tolerance
+rule of API.md §4.10 to dq, dk and dv.
+"""
+
+import pytest
+import torch
+
+import flashtriton
+from flashtriton import configs
+from flashtriton.ops import hopper_bwd
+from flashtriton.ops.backend import score_params
+from flashtriton.testing import Case, compare_with_reference, forced_gluon_backward, make_case_inputs, \
+    poisoned_outputs
+
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+needs_hopper = pytest.mark.skipif(not ON_HOPPER or hopper_bwd.attn_bwd_hopper_kernel is None,
+                                  reason="the Gluon backward runs on sm_90 only")
+
+
+def _params(causal=False, window=(-1, -1), softcap=0.0, seqlen_k=100):
+    return score_params(0.125, causal, window[0], window[1], softcap, seqlen_k)
+
+
+COVERS = {
+    "plain-d128": (dict(), True),
+    "causal-d64": (dict(params=_params(causal=True), head_dim=64), True),
+    "head-dim-256": (dict(head_dim=256), False),
+    "deterministic": (dict(deterministic=True), False),
+    "not-plain": (dict(plain=False), False),
+    "softcap": (dict(params=_params(softcap=3.0)), False),
+    "local-window": (dict(params=_params(window=(10, 0))), False),
+    "fp32": (dict(dtype=torch.float32), False),
+}
+
+
+@pytest.mark.parametrize("name", list(COVERS))
+def test_gluon_backward_coverage_rule(name):
+    options, expected = COVERS[name]
+    call = dict(head_dim=128, dtype=torch.bfloat16, seqlen_q=100, seqlen_k=100, params=_params(), plain=True,
+                deterministic=False)
+    call.update(options)
+    assert hopper_bwd.covers(**call) == expected
+
+
+def run_backward(case: Case):
+    """Forward (whichever kernel) and the backward forced onto the Gluon kernel; (tolerance checks, whether it ran)."""
+    q, k, v, _ = make_case_inputs(case, "cuda", requires_grad=True)
+    before = hopper_bwd.launch_count
+    with poisoned_outputs(), forced_gluon_backward():
+        out, lse, _ = flashtriton.flash_attn_func(q, k, v, 0.0, case.softmax_scale, case.causal, case.window_size,
+                                                  return_attn_probs=True)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    ran = hopper_bwd.launch_count > before
+    return compare_with_reference(case, out, lse, q, k, v, None, grads, dout), ran
+
+
+def assert_ok(checks):
+    failed = [str(c) for c in checks if not c.ok]
+    assert not failed, "; ".join(failed)
+
+
+SHAPES = [(17, 17), (128, 128), (200, 333), (333, 200), (1000, 1000)]
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_BWD), ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("seqlen_q,seqlen_k", SHAPES, ids=[f"sq{a}-sk{b}" for a, b in SHAPES])
+def test_gluon_backward_matches_reference(seqlen_q, seqlen_k, head_dim, dtype, causal):
+    """Odd lengths (partial key blocks and query blocks), sq > sk under the causal mask (rows that see no key),
+    both 16-bit dtypes, every head dim the kernel takes."""
+    checks, ran = run_backward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
+                                    head_dim=head_dim, dtype=dtype, causal=causal))
+    assert ran, "the Gluon backward did not run"
+    assert_ok(checks)
+
+
+FEATURES = {
+    "gqa": dict(num_heads=6, num_heads_k=2),
+    "mqa-causal": dict(num_heads=4, num_heads_k=1, causal=True),
+    "bhsd-layout": dict(layout="bhsd", causal=True),
+    "scale": dict(softmax_scale=0.05),
+}
+
+
+@needs_hopper
+@pytest.mark.parametrize("feature", list(FEATURES), ids=list(FEATURES))
+def test_gluon_backward_features(feature):
+    checks, ran = run_backward(Case(batch=2, seqlen_q=300, seqlen_k=300, head_dim=128, dtype=torch.bfloat16,
+                                    **FEATURES[feature]))
+    assert ran, "the Gluon backward did not run"
+    assert_ok(checks)
