@@ -147,12 +147,12 @@ def _consumer(k_own, v_own, k_features, q_smem, do_smem, ds_smem, ds_own, kv_rea
         # [OWN, ROWS] dQ_i^T's features [key0, key0 + OWN) from every key of the block (unscaled)
         dq = warpgroup_mma(k_features.permute((1, 0)), ds_smem, zero_dq, use_acc=False)
         mbarrier.arrive(ds_free)
-        # one 64-bit base per block, 32-bit offsets inside it (a block spans ROWS rows of one head); DQAccum has
-        # its rows padded to whole blocks, so no mask (rows past seqlen_q add zeros: their P is 0)
-        dq_block = DQAccum + (batch.to(gl.int64) * stride_dqa_b + head.to(gl.int64) * stride_dqa_h
-                              + m_start.to(gl.int64) * stride_dqa_m)
-        dq_offsets = gl.expand_dims(dq_features, 1) + gl.expand_dims(dq_rows * stride_dqa_m, 0)
-        gl.atomic_add(dq_block + dq_offsets, dq, sem="relaxed")
+        # a 64-bit base per (batch, head), 32-bit offsets inside it (ops/hopper_bwd.covers keeps a batch's rows
+        # below 2^31 elements), computed here so that they are not hoisted out of the loop as 64-bit registers;
+        # DQAccum has its rows padded to whole blocks, so no mask (rows past seqlen_q add zeros: their P is 0)
+        dq_head = DQAccum + (batch.to(gl.int64) * stride_dqa_b + head.to(gl.int64) * stride_dqa_h)
+        dq_offsets = gl.expand_dims(dq_features, 1) + gl.expand_dims((m_start + dq_rows) * stride_dqa_m, 0)
+        gl.atomic_add(dq_head + dq_offsets, dq, sem="relaxed")
     # [OWN, HEAD_DIM] stores of this consumer's key rows below seqlen_k
     rows = n_start + key0 + gl.arange(0, OWN, gl.SliceLayout(1, dkv_layout))
     features = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, dkv_layout))

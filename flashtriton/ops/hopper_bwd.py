@@ -37,9 +37,17 @@ def covers(head_dim: int, dtype: torch.dtype, seqlen_q: int, seqlen_k: int, para
             and forward_covers(head_dim, dtype, seqlen_q, seqlen_k, params, plain))
 
 
+def _padded_rows(seqlen_q: int, head_dim: int) -> int:
+    rows = configs.HOPPER_BWD[head_dim].query_rows
+    return triton_cdiv(seqlen_q, rows) * rows
+
+
 def runs_on(q, k, v, dout, params, seqlen_q: int, seqlen_k: int, plain: bool, deterministic: bool) -> bool:
+    """`covers`, the kernel switched on and present, sm_90, layouts tensor descriptors can address, and one batch's
+    dQ accumulator rows addressable with 32-bit offsets (the kernel's atomics use them)."""
     return (attn_bwd_hopper_kernel is not None and configs.HOPPER_BWD_ALLOWED and configs.TMA_ALLOWED and q.is_cuda
             and covers(q.shape[-1], q.dtype, seqlen_q, seqlen_k, params, plain, deterministic)
+            and _padded_rows(seqlen_q, q.shape[-1]) * q.shape[-2] * q.shape[-1] < 2**31
             and all(tma_compatible(t) for t in (q, k, v, dout)) and _is_hopper(q.device))
 
 
@@ -52,8 +60,8 @@ def launch(q, k, v, dout, lse, delta, dq, dk, dv, lse_strides: Tuple[int, int], 
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k = k.shape[-2]
     config = configs.HOPPER_BWD[head_dim]
-    padded_rows = triton_cdiv(seqlen_q, config.query_rows) * config.query_rows
-    dq_accum = torch.zeros(batch, padded_rows, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    dq_accum = torch.zeros(batch, _padded_rows(seqlen_q, head_dim), num_heads, head_dim, dtype=torch.float32,
+                           device=q.device)
     grid = (triton_cdiv(seqlen_k, KEY_BLOCK) * batch * num_heads_k,)
     attn_bwd_hopper_kernel[grid](
         _descriptor(k, KEY_BLOCK), _descriptor(v, KEY_BLOCK), _descriptor(q, config.query_rows),
