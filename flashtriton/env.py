@@ -109,6 +109,10 @@ def device_info(index: int) -> DeviceInfo:
                 info.unsupported["Gluon forward"] = "switched off (FLASHTRITON_GLUON=0 or FLASHTRITON_TMA=0)"
             else:
                 info.supported.append("Gluon forward (dense, no window but causal, d64/128/256)")
+            if configs.HOPPER_BWD_ALLOWED and hopper_fwd.attn_fwd_hopper_kernel is not None and configs.TMA_ALLOWED:
+                info.supported.append("Gluon backward (experimental, FLASHTRITON_GLUON_BWD=1: dense, d64/128)")
+            else:
+                info.unsupported["Gluon backward"] = "experimental, off (FLASHTRITON_GLUON_BWD=1 turns it on)"
     else:
         info.unsupported = {"every feature": OLD_GPU_REASON}
     return info
@@ -139,7 +143,7 @@ def collect_environment() -> Environment:
     devices = [device_info(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     variables = {name: os.environ.get(name) for name in ("TRITON_INTERPRET", "TRITON_CACHE_DIR",
                                                          "FLASHTRITON_RESCALE_THRESHOLD", "FLASHTRITON_TMA", "FLASHTRITON_GLUON",
-                                                         "CUDA_VISIBLE_DEVICES")}
+                                                         "FLASHTRITON_GLUON_BWD", "CUDA_VISIBLE_DEVICES")}
     return Environment(versions, backend.KERNELS_INTERPRETED, cpu_path_description(backend.KERNELS_INTERPRETED),
                        triton_cache_dir(), variables, devices, library_gaps())
 
