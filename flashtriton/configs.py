@@ -220,8 +220,9 @@ GLUON_ALLOWED = os.environ.get("FLASHTRITON_GLUON", "1") != "0"
 # Hopper backward in Gluon (kernels/bwd_hopper.py: two consumer warpgroups of 64 keys, dQ by atomics), keyed by head
 # dim: query rows per Q / dO block, Q / dO stages, consumer registers (setmaxnreg). Offline sm_90 compiles
 # (tools/offline_compile.py --kernel bwd-hopper, 2026-11-30): 32-row blocks spill 56 / 96 B at d128 (non-causal /
-# causal; 9 local loads per iteration in the second consumer's loop, none in the first's) and nothing at d64; 64-row
-# blocks spill 496 B at d128, 64 B at d64. Not yet run or timed on a GPU: off unless FLASHTRITON_GLUON_BWD=1.
+# causal; 9 local loads per iteration in the second consumer's loop, none in the first's); 64-row blocks spill 496 B.
+# Head dim 128 only: each consumer computes half of dQ's features as an M = 64 wgmma (d64 needs another split).
+# Not yet run or timed on a GPU: off unless FLASHTRITON_GLUON_BWD=1.
 @dataclass(frozen=True)
 class HopperBwdConfig:
     query_rows: int      # rows per Q / dO block (the N of the S^T and dP^T wgmmas)
@@ -229,7 +230,7 @@ class HopperBwdConfig:
     consumer_regs: int   # registers per thread of the second consumer warpgroup
 
 
-HOPPER_BWD = {64: HopperBwdConfig(32, 2, 240), 128: HopperBwdConfig(32, 2, 240)}
+HOPPER_BWD = {128: HopperBwdConfig(32, 2, 240)}
 HOPPER_BWD_ALLOWED = os.environ.get("FLASHTRITON_GLUON_BWD", "0") == "1"
 
 

@@ -158,6 +158,8 @@ case("dense-decode-rows", "Sq3 Sk300 (decode tiles) d128 MQA")(lambda: _dense(3,
 case("dense-mqa-bf16-d128", "H8/Hk1 S129 bf16 causal")(lambda: _dense(2, 129, 129, 8, 1, 128, dtype=_bf16(), causal=True))
 case("dense-d256-gqa-bhsd", "d256 H4/Hk2 Sq200 Sk300 (B, H, S, D) memory, several K/V stages")(
     lambda: _dense(1, 200, 300, 4, 2, 256, layout="bhsd"))
+case("dense-gluon-bwd", "Gluon backward forced on (experimental), GQA causal Sq150 Sk170 d128 bf16")(
+    lambda: _with_gluon_backward(lambda: _dense(2, 150, 170, 4, 2, 128, dtype=_bf16(), causal=True)))
 case("dense-dq-atomic", "dQ added by the dK/dV kernel with atomics (BwdConfig.dq_atomic), GQA causal")(
     lambda: _with_dq_atomic(lambda: _dense(2, 150, 170, 4, 2, 128, causal=True)))
 # Varlen: fwd + bwd
@@ -191,6 +193,13 @@ case("dropout-varlen", "p=0.1, varlen")(lambda: _varlen([30, 0, 45], [20, 10, 60
 case("rotary-emb-fwd-bwd", "apply_rotary_emb, tensor offsets, partial, fwd+bwd")(lambda: _rotary_emb())
 case("rotary-varlen-inplace", "apply_rotary varlen, in place, conjugate")(lambda: _rotary_varlen())
 case("rotary-qkv-inplace", "apply_rotary_emb_qkv_ (GQA layout), fwd+bwd")(lambda: _rotary_qkv())
+
+
+def _with_gluon_backward(body):
+    from flashtriton.testing import forced_gluon_backward
+
+    with forced_gluon_backward():
+        return body()
 
 
 def _with_dq_atomic(body):
@@ -311,7 +320,7 @@ def main(argv=None) -> int:
         return 2
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from flashtriton.ops import hopper_fwd
+    from flashtriton.ops import hopper_bwd, hopper_fwd
     from flashtriton.testing import poisoned_outputs
 
     failures = 0
@@ -319,7 +328,7 @@ def main(argv=None) -> int:
         what, body = CASES[name]
         torch.manual_seed(args.seed)
         start = time.perf_counter()
-        gluon_launches = hopper_fwd.launch_count
+        gluon_launches = (hopper_fwd.launch_count, hopper_bwd.launch_count)
         try:
             with poisoned_outputs(args.poison):
                 tensors = body()
@@ -334,7 +343,9 @@ def main(argv=None) -> int:
             print(f"FAIL {name:28s} {time.perf_counter() - start:7.2f}s  {type(error).__name__}: {message[:200]}",
                   flush=True)
             continue
-        ran_gluon = "  [Gluon Hopper forward]" if hopper_fwd.launch_count > gluon_launches else ""
+        ran_gluon = "".join(f"  [Gluon Hopper {kind}]" for kind, before, module in (
+            ("forward", gluon_launches[0], hopper_fwd), ("backward", gluon_launches[1], hopper_bwd))
+            if module.launch_count > before)
         print(f"ok   {name:28s} {time.perf_counter() - start:7.2f}s  {what}{ran_gluon}", flush=True)
     print(f"{len(names) - failures} ok, {failures} failed", flush=True)
     return 1 if failures else 0

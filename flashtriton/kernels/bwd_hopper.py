@@ -10,13 +10,13 @@ S^T, P^T, dS^T of shape [64 keys, rows]:
   dV_w += P^T dO_i, dK_w += dS^T Q_i
   dS^T goes to shared memory, both consumers' key rows stacked: [128 keys, rows]; once both halves are there
   (ds_ready), consumer w computes dQ_i^T[64w:64w+64, :] = K[:, 64w:64w+64]^T dS^T (wgmma needs 64 rows in M: the
-  head-dim features, so the query block may be 32 rows) and adds it into the fp32 dQ accumulator with (vectorized)
-  atomics.
+  head-dim features, so the query block may be 32 rows, and each consumer's half of the features must be 64: head
+  dim 128 only) and adds it into the fp32 dQ accumulator with (vectorized) atomics.
 The launcher scales the accumulator by the softmax scale into dq (as kernels/bwd.py's DQ_ATOMIC path), dK is
 scaled here. GQA: the loop runs over the group's query heads too (dK/dV summed in registers).
 
 Scope (ops/hopper_bwd.covers): what ops/hopper_fwd covers (dense bf16/fp16, no window or the causal one, bottom-right
-aligned, no softcap, ALiBi or dropout), head dim 64 / 128. Keys past seqlen_k are masked out of dS (their dK/dV rows
+aligned, no softcap, ALiBi or dropout), head dim 128. Keys past seqlen_k are masked out of dS (their dK/dV rows
 are never stored; their K rows read as zeros, but P would not be 0); query rows past seqlen_q get lse +inf, hence P = 0.
 
 Synchronisation: kv_ready (K and V landed), q_ready[s] (Q_i and dO_i of stage s landed), q_empty[s] (both consumers
@@ -73,17 +73,18 @@ def _consumer(k_own, v_own, k_features, q_smem, do_smem, ds_smem, ds_own, kv_rea
               ds_free, Lse,
               Delta, DQAccum, DK, DV, stride_lse_b, stride_lse_h, stride_dqa_b, stride_dqa_m, stride_dqa_h, stride_dk_b,
               stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, key0,
-              group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
+              feature0, group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
               causal):
     """One warpgroup: keys [n_start + key0, + OWN) of the block (k_own, v_own: their K and V rows [OWN, HEAD_DIM];
-    k_features: K's columns [key0, key0 + OWN) of every key, [KEYS, OWN]; ds_own: its key rows of the dS^T buffer,
-    [OWN, ROWS]); dK / dV over every query block, and its features of each block's dQ."""
+    ds_own: its key rows of the dS^T buffer, [OWN, ROWS]); dK / dV over every query block, and the dQ features
+    [feature0, feature0 + FEATURES) of each block (k_features: those columns of K for every key, [KEYS, FEATURES])."""
     STAGES: gl.constexpr = q_smem.shape[0]
     ROWS: gl.constexpr = q_smem.shape[2]
     HEAD_DIM: gl.constexpr = q_smem.shape[4]
     OWN: gl.constexpr = k_own.shape[0]
+    FEATURES: gl.constexpr = k_features.shape[1]
     dtype: gl.constexpr = k_own.dtype
-    # [OWN keys, ROWS] transposed scores; [OWN, HEAD_DIM] dK / dV; [OWN features, ROWS] of dQ^T
+    # [OWN keys, ROWS] transposed scores; [OWN, HEAD_DIM] dK / dV; [FEATURES, ROWS] of dQ^T
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, ROWS, 16])
     dkv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -94,15 +95,15 @@ def _consumer(k_own, v_own, k_features, q_smem, do_smem, ds_smem, ds_own, kv_rea
     key_of_st: gl.constexpr = gl.SliceLayout(1, st_layout)
     row_of_st: gl.constexpr = gl.SliceLayout(0, st_layout)
     zero_st = gl.zeros([OWN, ROWS], gl.float32, st_layout)
-    zero_dq = gl.zeros([OWN, ROWS], gl.float32, dq_layout)
+    zero_dq = gl.zeros([FEATURES, ROWS], gl.float32, dq_layout)
     dk = gl.zeros([OWN, HEAD_DIM], gl.float32, dkv_layout)
     dv = gl.zeros([OWN, HEAD_DIM], gl.float32, dkv_layout)
     # [OWN] this consumer's keys
     offs_n = n_start + key0 + gl.arange(0, OWN, key_of_st)
     key_in = offs_n < seqlen_k
     last_key = n_start + key0 + OWN - 1
-    # [OWN, ROWS] dQ^T tile coordinates: features, query rows
-    dq_features = key0 + gl.arange(0, OWN, gl.SliceLayout(1, dq_layout))
+    # [FEATURES, ROWS] dQ^T tile coordinates: features, query rows
+    dq_features = feature0 + gl.arange(0, FEATURES, gl.SliceLayout(1, dq_layout))
     dq_rows = gl.arange(0, ROWS, gl.SliceLayout(0, dq_layout))
     mbarrier.wait(kv_ready, 0)
     for i in range(n_iterations):
@@ -144,7 +145,7 @@ def _consumer(k_own, v_own, k_features, q_smem, do_smem, ds_smem, ds_own, kv_rea
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         mbarrier.arrive(q_empty.index(stage))
         mbarrier.wait(ds_ready, i & 1)
-        # [OWN, ROWS] dQ_i^T's features [key0, key0 + OWN) from every key of the block (unscaled)
+        # [FEATURES, ROWS] dQ_i^T's features [feature0, + FEATURES) from every key of the block (unscaled)
         dq = warpgroup_mma(k_features.permute((1, 0)), ds_smem, zero_dq, use_acc=False)
         mbarrier.arrive(ds_free)
         # a 64-bit base per (batch, head), 32-bit offsets inside it (ops/hopper_bwd.covers keeps a batch's rows
@@ -211,6 +212,9 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, Lse, Delta, DQAccum,
     # constexprs arrive in partitions as plain ints (Triton 3.6): the flag and key offsets travel as tensors
     causal = gl.to_tensor(CAUSAL).to(gl.int32)
     OWN: gl.constexpr = KEYS // 2
+    # each consumer computes half of dQ's features, an M = 64 wgmma
+    FEATURES: gl.constexpr = HEAD_DIM // 2
+    gl.static_assert(FEATURES == 64, "the Gluon backward takes head dim 128")
     # [KEYS, HEAD_DIM] K and V of the block
     k_flat = k_smem.reshape([KEYS, HEAD_DIM])
     v_flat = v_smem.reshape([KEYS, HEAD_DIM])
@@ -219,13 +223,13 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, Lse, Delta, DQAccum,
     loop = (group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
             causal)
     barriers = (kv_ready, q_ready, q_empty, ds_ready, ds_free)
-    first = (k_flat.slice(0, OWN, dim=0), v_flat.slice(0, OWN, dim=0), k_flat.slice(0, OWN, dim=1), q_smem, do_smem,
-             ds_smem, ds_smem.slice(0, OWN, dim=0))
-    second = (k_flat.slice(OWN, OWN, dim=0), v_flat.slice(OWN, OWN, dim=0), k_flat.slice(OWN, OWN, dim=1), q_smem,
-              do_smem, ds_smem, ds_smem.slice(OWN, OWN, dim=0))
+    first = (k_flat.slice(0, OWN, dim=0), v_flat.slice(0, OWN, dim=0), k_flat.slice(0, FEATURES, dim=1), q_smem,
+             do_smem, ds_smem, ds_smem.slice(0, OWN, dim=0))
+    second = (k_flat.slice(OWN, OWN, dim=0), v_flat.slice(OWN, OWN, dim=0), k_flat.slice(FEATURES, FEATURES, dim=1),
+              q_smem, do_smem, ds_smem, ds_smem.slice(OWN, OWN, dim=0))
     gl.warp_specialize([
-        (_consumer, first + barriers + pointers + (gl.to_tensor(0), ) + loop),
-        (_consumer, second + barriers + pointers + (gl.to_tensor(OWN), ) + loop),
+        (_consumer, first + barriers + pointers + (gl.to_tensor(0), gl.to_tensor(0)) + loop),
+        (_consumer, second + barriers + pointers + (gl.to_tensor(OWN), gl.to_tensor(FEATURES)) + loop),
         (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, q_empty,
                      batch, head_k, n_start, group_size, m_block_lo, blocks_per_head, n_iterations)),
     ], [4, 1], [CONSUMER_REGS, 24])
