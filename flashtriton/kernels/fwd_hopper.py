@@ -2,7 +2,7 @@
 consumer warpgroups, each owning 64 query rows of a 128-row tile. The consumers share the stages and run out of
 phase with each other, so one's softmax overlaps the other's wgmma (what the Triton kernel cannot schedule).
 
-Scope (ops/hopper_fwd.eligible decides): dense (B, S, H, D) bf16/fp16 tensors addressed by host tensor descriptors,
+Scope (ops/hopper_fwd.covers and runs_on decide): dense (B, S, H, D) bf16/fp16 tensors addressed by host tensor descriptors,
 head dim 64 / 128 / 256, GQA, no window or the causal one (bottom-right aligned), positive softmax scale, no
 softcap, ALiBi or dropout; everything else runs kernels/fwd.py. Numerics are those of kernels/fwd.py without the
 rescale skip: fp32 scores and accumulators, P rounded to V's dtype, natural-log LSE, +inf for rows that see no key.
