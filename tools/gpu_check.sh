@@ -5,7 +5,7 @@
 #
 #   bash tools/gpu_check.sh [STEPS]     STEPS: comma list of tests,reliability,sanitize,bench,decode,varlen,dropout,cold,
 #                                       host,decode-sweep,bwd-atomic,fwd-short,l2-groups,fuzz,fwd-triton,
-#                                       hopper-sweep
+#                                       hopper-sweep,hopper-bwd
 #                                       (default tests,reliability,decode)
 # Environment: FLASHTRITON_COMMIT (the device copy has no .git), OUT, FUZZ_EXAMPLES (fuzz step, default 120),
 # TESTS_LIMIT (tests step seconds, default 300; a fresh machine compiles every kernel and needs ~400).
@@ -40,6 +40,9 @@ step fwd-triton 150 env FLASHTRITON_GLUON=0 python -m flashtriton bench --modes 
   --out "$out/bench-triton"
 # the Gluon Hopper forward's configs (schedule, registers, stages) on the BASELINES.md shapes
 step hopper-sweep 240 python benchmarks/sweep_hopper_fwd.py --out "$out/hopper-sweep"
+# the experimental Gluon backward (off by default; its tests force it on), then Gluon vs Triton vs SDPA backward timing
+step hopper-bwd 300 bash -c "python -m pytest tests/test_hopper_bwd.py -q -n 8 -p no:cacheprovider -rfE --maxfail=6 \
+  && python benchmarks/bench_hopper_bwd.py --out '$out/hopper-bwd'"
 step decode 90 python benchmarks/bench_decode.py --paged 0,64,256 --graph --repeat 2
 step varlen 60 python benchmarks/bench_varlen.py --causal
 step dropout 110 python benchmarks/bench_dropout.py --out "$out/dropout"
