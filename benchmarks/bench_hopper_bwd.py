@@ -21,7 +21,7 @@ from flashtriton.bench import attention_flops, median_ms
 from flashtriton.ops import hopper_bwd
 from flashtriton.testing import forced_gluon_backward
 
-SHAPES = [(16, 1024, 16, 128), (4, 4096, 16, 128), (1, 16384, 16, 128)]
+SHAPES = [(16, 1024, 16, 128), (4, 4096, 16, 128), (1, 16384, 16, 128), (4, 4096, 32, 64)]
 
 
 def main():

@@ -221,7 +221,7 @@ GLUON_ALLOWED = os.environ.get("FLASHTRITON_GLUON", "1") != "0"
 # dim: query rows per Q / dO block, Q / dO stages, consumer registers (setmaxnreg). Offline sm_90 compiles
 # (tools/offline_compile.py --kernel bwd-hopper, 2026-11-30): 32-row blocks spill 56 / 96 B at d128 (non-causal /
 # causal; 9 local loads per iteration in the second consumer's loop, none in the first's); 64-row blocks spill 496 B.
-# Head dim 128 only: each consumer computes half of dQ's features as an M = 64 wgmma (d64 needs another split).
+# d64 (dQ split by keys, not features): no spills.
 # Not yet run or timed on a GPU: off unless FLASHTRITON_GLUON_BWD=1.
 @dataclass(frozen=True)
 class HopperBwdConfig:
@@ -230,7 +230,7 @@ class HopperBwdConfig:
     consumer_regs: int   # registers per thread of the second consumer warpgroup
 
 
-HOPPER_BWD = {128: HopperBwdConfig(32, 2, 240)}
+HOPPER_BWD = {64: HopperBwdConfig(32, 2, 240), 128: HopperBwdConfig(32, 2, 240)}
 HOPPER_BWD_ALLOWED = os.environ.get("FLASHTRITON_GLUON_BWD", "0") == "1"
 
 

@@ -110,7 +110,7 @@ def device_info(index: int) -> DeviceInfo:
             else:
                 info.supported.append("Gluon forward (dense, no window but causal, d64/128/256)")
             if configs.HOPPER_BWD_ALLOWED and hopper_fwd.attn_fwd_hopper_kernel is not None and configs.TMA_ALLOWED:
-                info.supported.append("Gluon backward (experimental, FLASHTRITON_GLUON_BWD=1: dense, d128)")
+                info.supported.append("Gluon backward (experimental, FLASHTRITON_GLUON_BWD=1: dense, d64/128)")
             else:
                 info.unsupported["Gluon backward"] = "experimental, off (FLASHTRITON_GLUON_BWD=1 turns it on)"
     else:

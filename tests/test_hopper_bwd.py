@@ -28,7 +28,8 @@ def _params(causal=False, window=(-1, -1), softcap=0.0, seqlen_k=100):
 COVERS = {
     "plain-d128": (dict(), True),
     "causal": (dict(params=_params(causal=True)), True),
-    "head-dim-64": (dict(head_dim=64), False),
+    "head-dim-64": (dict(head_dim=64), True),
+    "head-dim-96": (dict(head_dim=96), False),
     "head-dim-256": (dict(head_dim=256), False),
     "deterministic": (dict(deterministic=True), False),
     "not-plain": (dict(plain=False), False),

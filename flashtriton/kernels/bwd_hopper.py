@@ -8,19 +8,23 @@ S^T, P^T, dS^T of shape [64 keys, rows]:
   S^T = K_w Q_i^T, dP^T = V_w dO_i^T          (both issued async, then waited)
   P^T = exp2(S^T * scale * log2 e - lse_i * log2 e), dS^T = P^T (dP^T - delta_i)
   dV_w += P^T dO_i, dK_w += dS^T Q_i
-  dS^T goes to shared memory, both consumers' key rows stacked: [128 keys, rows]; once both halves are there
-  (ds_ready), consumer w computes dQ_i^T[64w:64w+64, :] = K[:, 64w:64w+64]^T dS^T (wgmma needs 64 rows in M: the
-  head-dim features, so the query block may be 32 rows, and each consumer's half of the features must be 64: head
-  dim 128 only) and adds it into the fp32 dQ accumulator with (vectorized) atomics.
+  dS^T goes to shared memory, both consumers' key rows stacked: [128 keys, rows]. dQ^T (wgmma needs 64 rows in M:
+  the head-dim features, so the query block may be 32 rows), added into the fp32 dQ accumulator with (vectorized)
+  atomics, is split one of two ways:
+  - head dim 128, by features: once both halves of dS^T are there (ds_ready), consumer w computes
+    dQ_i^T[64w:64w+64, :] = K[:, 64w:64w+64]^T dS^T over every key of the block;
+  - head dim 64, by keys: consumer w computes all 64 features over its own keys, K_w^T dS_w^T, with no barrier
+    between the consumers but twice the atomics.
 The launcher scales the accumulator by the softmax scale into dq (as kernels/bwd.py's DQ_ATOMIC path), dK is
 scaled here. GQA: the loop runs over the group's query heads too (dK/dV summed in registers).
 
 Scope (ops/hopper_bwd.covers): what ops/hopper_fwd covers (dense bf16/fp16, no window or the causal one, bottom-right
-aligned, no softcap, ALiBi or dropout), head dim 128. Keys past seqlen_k are masked out of dS (their dK/dV rows
+aligned, no softcap, ALiBi or dropout), head dim 64 / 128. Keys past seqlen_k are masked out of dS (their dK/dV rows
 are never stored; their K rows read as zeros, but P would not be 0); query rows past seqlen_q get lse +inf, hence P = 0.
 
 Synchronisation: kv_ready (K and V landed), q_ready[s] (Q_i and dO_i of stage s landed), q_empty[s] (both consumers
-are done with stage s, count 2), ds_ready (both halves of dS^T written, count 2), ds_free (both consumers' dQ
+are done with stage s, count 2), with the feature split ds_ready (both halves of dS^T written, count 2), ds_free
+(both consumers' dQ
 products of the iteration completed, count 2: the next iteration may overwrite dS^T). One dS^T buffer: Triton 3.6
 fails to slice a 3-D shared allocation (two buffers) along its second dimension.
 
@@ -77,12 +81,15 @@ def _consumer(k_own, v_own, k_features, q_smem, do_smem, ds_smem, ds_own, kv_rea
               causal):
     """One warpgroup: keys [n_start + key0, + OWN) of the block (k_own, v_own: their K and V rows [OWN, HEAD_DIM];
     ds_own: its key rows of the dS^T buffer, [OWN, ROWS]); dK / dV over every query block, and the dQ features
-    [feature0, feature0 + FEATURES) of each block (k_features: those columns of K for every key, [KEYS, FEATURES])."""
+    [feature0, feature0 + FEATURES) of each block (k_features: those columns of K for every key, [KEYS, FEATURES],
+    or for the split by keys this consumer's K rows, [OWN, HEAD_DIM])."""
     STAGES: gl.constexpr = q_smem.shape[0]
     ROWS: gl.constexpr = q_smem.shape[2]
     HEAD_DIM: gl.constexpr = q_smem.shape[4]
     OWN: gl.constexpr = k_own.shape[0]
     FEATURES: gl.constexpr = k_features.shape[1]
+    # dQ^T over every key of the block (features split between the consumers), or over this consumer's keys
+    OVER_ALL_KEYS: gl.constexpr = k_features.shape[0] == ds_smem.shape[0]
     dtype: gl.constexpr = k_own.dtype
     # [OWN keys, ROWS] transposed scores; [OWN, HEAD_DIM] dK / dV; [FEATURES, ROWS] of dQ^T
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -134,20 +141,30 @@ def _consumer(k_own, v_own, k_features, q_smem, do_smem, ds_smem, ds_own, kv_rea
         dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_tile, dv, is_async=True)
         dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_tile, dk, is_async=True)
-        # dS^T [KEYS, ROWS]: once both consumers' dQ products of the previous block are done, this consumer's key
-        # rows, then both halves' arrival
-        mbarrier.wait(ds_free, (i - 1) & 1, pred=i > 0)
-        ds_own.store(dst)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(ds_ready)
-        # dK / dV of this block done (their register operands free) while the other consumer writes its half
-        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-        mbarrier.arrive(q_empty.index(stage))
-        mbarrier.wait(ds_ready, i & 1)
-        # [FEATURES, ROWS] dQ_i^T's features [feature0, + FEATURES) from every key of the block (unscaled)
-        dq = warpgroup_mma(k_features.permute((1, 0)), ds_smem, zero_dq, use_acc=False)
-        mbarrier.arrive(ds_free)
+        if OVER_ALL_KEYS:
+            # dS^T [KEYS, ROWS]: once both consumers' dQ products of the previous block are done, this consumer's key
+            # rows, then both halves' arrival
+            mbarrier.wait(ds_free, (i - 1) & 1, pred=i > 0)
+            ds_own.store(dst)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(ds_ready)
+            # dK / dV of this block done (their register operands free) while the other consumer writes its half
+            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+            mbarrier.arrive(q_empty.index(stage))
+            mbarrier.wait(ds_ready, i & 1)
+            # [FEATURES, ROWS] dQ_i^T's features [feature0, + FEATURES) from every key of the block (unscaled)
+            dq = warpgroup_mma(k_features.permute((1, 0)), ds_smem, zero_dq, use_acc=False)
+            mbarrier.arrive(ds_free)
+        else:
+            # dS^T [OWN, ROWS] of this consumer's keys (its previous dQ product, synchronous, is done)
+            ds_own.store(dst)
+            fence_async_shared()
+            gl.thread_barrier()
+            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+            mbarrier.arrive(q_empty.index(stage))
+            # [FEATURES, ROWS] every feature of dQ_i^T from this consumer's keys (unscaled)
+            dq = warpgroup_mma(k_features.permute((1, 0)), ds_own, zero_dq, use_acc=False)
         # a 64-bit base per (batch, head), 32-bit offsets inside it (ops/hopper_bwd.covers keeps a batch's rows
         # below 2^31 elements), computed here so that they are not hoisted out of the loop as 64-bit registers;
         # DQAccum has its rows padded to whole blocks, so no mask (rows past seqlen_q add zeros: their P is 0)
@@ -212,9 +229,10 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, Lse, Delta, DQAccum,
     # constexprs arrive in partitions as plain ints (Triton 3.6): the flag and key offsets travel as tensors
     causal = gl.to_tensor(CAUSAL).to(gl.int32)
     OWN: gl.constexpr = KEYS // 2
-    # each consumer computes half of dQ's features, an M = 64 wgmma
-    FEATURES: gl.constexpr = HEAD_DIM // 2
-    gl.static_assert(FEATURES == 64, "the Gluon backward takes head dim 128")
+    # dQ^T as M = 64 wgmmas: head dim 128 split by features (64 each), head dim 64 split by keys
+    gl.static_assert((HEAD_DIM == 64) | (HEAD_DIM == 128), "the Gluon backward takes head dim 64 or 128")
+    SPLIT_FEATURES: gl.constexpr = HEAD_DIM == 128
+    FEATURES: gl.constexpr = HEAD_DIM // 2 if SPLIT_FEATURES else HEAD_DIM
     # [KEYS, HEAD_DIM] K and V of the block
     k_flat = k_smem.reshape([KEYS, HEAD_DIM])
     v_flat = v_smem.reshape([KEYS, HEAD_DIM])
@@ -223,13 +241,19 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, Lse, Delta, DQAccum,
     loop = (group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
             causal)
     barriers = (kv_ready, q_ready, q_empty, ds_ready, ds_free)
-    first = (k_flat.slice(0, OWN, dim=0), v_flat.slice(0, OWN, dim=0), k_flat.slice(0, FEATURES, dim=1), q_smem,
-             do_smem, ds_smem, ds_smem.slice(0, OWN, dim=0))
-    second = (k_flat.slice(OWN, OWN, dim=0), v_flat.slice(OWN, OWN, dim=0), k_flat.slice(FEATURES, FEATURES, dim=1),
-              q_smem, do_smem, ds_smem, ds_smem.slice(OWN, OWN, dim=0))
+    if SPLIT_FEATURES:
+        features = (k_flat.slice(0, FEATURES, dim=1), k_flat.slice(FEATURES, FEATURES, dim=1))
+        second_feature = FEATURES
+    else:
+        features = (k_flat.slice(0, OWN, dim=0), k_flat.slice(OWN, OWN, dim=0))
+        second_feature = 0
+    first = (k_flat.slice(0, OWN, dim=0), v_flat.slice(0, OWN, dim=0), features[0], q_smem, do_smem, ds_smem,
+             ds_smem.slice(0, OWN, dim=0))
+    second = (k_flat.slice(OWN, OWN, dim=0), v_flat.slice(OWN, OWN, dim=0), features[1], q_smem, do_smem, ds_smem,
+              ds_smem.slice(OWN, OWN, dim=0))
     gl.warp_specialize([
         (_consumer, first + barriers + pointers + (gl.to_tensor(0), gl.to_tensor(0)) + loop),
-        (_consumer, second + barriers + pointers + (gl.to_tensor(OWN), gl.to_tensor(FEATURES)) + loop),
+        (_consumer, second + barriers + pointers + (gl.to_tensor(OWN), gl.to_tensor(second_feature)) + loop),
         (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, q_empty,
                      batch, head_k, n_start, group_size, m_block_lo, blocks_per_head, n_iterations)),
     ], [4, 1], [CONSUMER_REGS, 24])
