@@ -101,7 +101,7 @@ def device_info(index: int) -> DeviceInfo:
         info.supported = list(DENSE_FEATURES) + implemented_optional_features()
         if props.major == 9:
             from . import configs
-            from .ops import hopper_fwd
+            from .ops import hopper_bwd, hopper_fwd
 
             if hopper_fwd.attn_fwd_hopper_kernel is None:
                 info.unsupported["Gluon forward"] = "this Triton has no Gluon Hopper API; the Triton kernel runs"
@@ -109,7 +109,7 @@ def device_info(index: int) -> DeviceInfo:
                 info.unsupported["Gluon forward"] = "switched off (FLASHTRITON_GLUON=0 or FLASHTRITON_TMA=0)"
             else:
                 info.supported.append("Gluon forward (dense, no window but causal, d64/128/256)")
-            if configs.HOPPER_BWD_ALLOWED and hopper_fwd.attn_fwd_hopper_kernel is not None and configs.TMA_ALLOWED:
+            if configs.HOPPER_BWD_ALLOWED and hopper_bwd.attn_bwd_hopper_kernel is not None and configs.TMA_ALLOWED:
                 info.supported.append("Gluon backward (experimental, FLASHTRITON_GLUON_BWD=1: dense, d64/128)")
             else:
                 info.unsupported["Gluon backward"] = "experimental, off (FLASHTRITON_GLUON_BWD=1 turns it on)"

@@ -14,7 +14,7 @@ from typing import Tuple
 import torch
 
 from .. import configs
-from .hopper_fwd import _descriptor, _is_hopper, covers as forward_covers
+from .hopper_fwd import covers as forward_covers, is_hopper, tile_descriptor
 from .launching import tma_compatible, triton_cdiv
 
 try:
@@ -48,7 +48,7 @@ def runs_on(q, k, v, dout, params, seqlen_q: int, seqlen_k: int, plain: bool, de
     return (attn_bwd_hopper_kernel is not None and configs.HOPPER_BWD_ALLOWED and configs.TMA_ALLOWED and q.is_cuda
             and covers(q.shape[-1], q.dtype, seqlen_q, seqlen_k, params, plain, deterministic)
             and _padded_rows(seqlen_q, q.shape[-1]) * q.shape[-2] * q.shape[-1] < 2**31
-            and all(tma_compatible(t) for t in (q, k, v, dout)) and _is_hopper(q.device))
+            and all(tma_compatible(t) for t in (q, k, v, dout)) and is_hopper(q.device))
 
 
 def launch(q, k, v, dout, lse, delta, dq, dk, dv, lse_strides: Tuple[int, int], params, seqlen_q: int,
@@ -64,8 +64,8 @@ def launch(q, k, v, dout, lse, delta, dq, dk, dv, lse_strides: Tuple[int, int], 
                            device=q.device)
     grid = (triton_cdiv(seqlen_k, KEY_BLOCK) * batch * num_heads_k,)
     attn_bwd_hopper_kernel[grid](
-        _descriptor(k, KEY_BLOCK), _descriptor(v, KEY_BLOCK), _descriptor(q, config.query_rows),
-        _descriptor(dout, config.query_rows), lse, delta, dq_accum, dk, dv, *lse_strides,
+        tile_descriptor(k, KEY_BLOCK), tile_descriptor(v, KEY_BLOCK), tile_descriptor(q, config.query_rows),
+        tile_descriptor(dout, config.query_rows), lse, delta, dq_accum, dk, dv, *lse_strides,
         dq_accum.stride(0), dq_accum.stride(1), dq_accum.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), num_heads_k, num_heads // num_heads_k, seqlen_q, seqlen_k,
         heads_per_group, params.softmax_scale, params.kernel_args()[0],

@@ -29,8 +29,8 @@ except Exception:  # Triton without Gluon's Hopper API, or its interpreter: the 
 launch_count = 0
 
 
-@lru_cache(maxsize=None)  # called on every eligible forward
-def _is_hopper(device: torch.device) -> bool:
+@lru_cache(maxsize=None)  # called on every eligible forward (and backward, ops/hopper_bwd)
+def is_hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9  # wgmma and setmaxnreg: sm_90 only
 
 
@@ -51,7 +51,7 @@ def runs_on(q, k, v, out, params, seqlen_q: int, seqlen_k: int, plain: bool) -> 
     and stores only through descriptors, so FLASHTRITON_TMA=0 turns it off too."""
     return (attn_fwd_hopper_kernel is not None and configs.GLUON_ALLOWED and configs.TMA_ALLOWED and q.is_cuda
             and covers(q.shape[-1], q.dtype, seqlen_q, seqlen_k, params, plain)
-            and all(tma_compatible(t) for t in (q, k, v, out)) and _is_hopper(q.device))
+            and all(tma_compatible(t) for t in (q, k, v, out)) and is_hopper(q.device))
 
 
 @lru_cache(maxsize=None)
@@ -60,7 +60,7 @@ def _shared_layout(rows: int, head_dim: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
-def _descriptor(tensor: torch.Tensor, rows: int):
+def tile_descriptor(tensor: torch.Tensor, rows: int):
     """Host descriptor of a (B, S, H, D) tensor loading [1, rows, 1, D] tiles; out-of-bounds rows read 0 and
     are never stored."""
     head_dim = tensor.shape[-1]
@@ -76,8 +76,8 @@ def launch(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: in
     config = configs.HOPPER_FWD[head_dim]
     grid = (triton_cdiv(seqlen_q, TILE_ROWS) * batch * num_heads,)
     attn_fwd_hopper_kernel[grid](
-        _descriptor(q, CONSUMER_ROWS.value), _descriptor(k, config.block_n), _descriptor(v, config.block_n),
-        _descriptor(out, CONSUMER_ROWS.value), lse, *lse_strides, num_heads, num_heads // k.shape[-2],
+        tile_descriptor(q, CONSUMER_ROWS.value), tile_descriptor(k, config.block_n),
+        tile_descriptor(v, config.block_n), tile_descriptor(out, CONSUMER_ROWS.value), lse, *lse_strides, num_heads, num_heads // k.shape[-2],
         seqlen_q, seqlen_k, heads_per_group, params.kernel_args()[0],
         CAUSAL=params.causal_like, STAGES=config.stages, OVERLAP=config.overlap,
         CONSUMER_REGS=config.consumer_regs, num_warps=4)
