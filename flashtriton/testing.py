@@ -22,21 +22,24 @@ __all__ = ["Case", "ErrorCheck", "check_error", "check_lse", "make_case_inputs",
 
 
 @contextlib.contextmanager
-def poisoned_outputs(enabled: bool = True):
-    """Within this block every buffer the library allocates for results starts as NaN."""
-    previous = backend.POISON_OUTPUTS
-    backend.POISON_OUTPUTS = enabled
+def _overridden(module, name: str, value):
+    """Within this block module.name is value; the previous value comes back afterwards."""
+    previous = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield
     finally:
-        backend.POISON_OUTPUTS = previous
+        setattr(module, name, previous)
+
+
+def poisoned_outputs(enabled: bool = True):
+    """Within this block every buffer the library allocates for results starts as NaN."""
+    return _overridden(backend, "POISON_OUTPUTS", enabled)
 
 
 @contextlib.contextmanager
 def _forced_config_fields(fwd_fields: dict, bwd_fields: dict):
     """Within this block configs.fwd_config / bwd_config return their configs with these fields replaced."""
-    from dataclasses import replace
-
     from . import configs
 
     original_fwd, original_bwd = configs.fwd_config, configs.bwd_config
@@ -80,32 +83,20 @@ def forced_heads_per_group(heads_per_group: Optional[int]):
         configs.heads_per_l2_group = original
 
 
-@contextlib.contextmanager
 def forced_gluon_forward(enabled: bool):
     """Within this block the Gluon Hopper forward (ops/hopper_fwd) may run (True, where it covers the call) or
     never runs (False: every forward takes the Triton kernel), whatever FLASHTRITON_GLUON says."""
     from . import configs
 
-    original = configs.GLUON_ALLOWED
-    configs.GLUON_ALLOWED = enabled
-    try:
-        yield
-    finally:
-        configs.GLUON_ALLOWED = original
+    return _overridden(configs, "GLUON_ALLOWED", enabled)
 
 
-@contextlib.contextmanager
 def forced_gluon_backward(enabled: bool = True):
     """Within this block the Gluon Hopper backward (ops/hopper_bwd) may run where it covers the call (True) or never
     runs (False), whatever FLASHTRITON_GLUON_BWD says."""
     from . import configs
 
-    original = configs.HOPPER_BWD_ALLOWED
-    configs.HOPPER_BWD_ALLOWED = enabled
-    try:
-        yield
-    finally:
-        configs.HOPPER_BWD_ALLOWED = original
+    return _overridden(configs, "HOPPER_BWD_ALLOWED", enabled)
 
 
 @contextlib.contextmanager

@@ -47,7 +47,7 @@ def main() -> None:
 
 def profile_steady(flashtriton, q, k, v, calls: int, top: int) -> None:
     """Host time per warm call (no synchronization inside the loop), then the profile of the same loop."""
-    from flashtriton import configs
+    from flashtriton.testing import forced_gluon_forward
 
     for causal in (False, True):
         flashtriton.flash_attn_func(q, k, v, causal=causal)
@@ -56,9 +56,8 @@ def profile_steady(flashtriton, q, k, v, calls: int, top: int) -> None:
                         ("decode", lambda: flashtriton.flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=400))):
         print(f"{label}: host time per call {host_time(call, calls):.1f} us")
         if label == "forward":
-            gluon_allowed, configs.GLUON_ALLOWED = configs.GLUON_ALLOWED, False
-            print_forward_breakdown(flashtriton, q, k, v, calls)
-            configs.GLUON_ALLOWED = gluon_allowed
+            with forced_gluon_forward(False):
+                print_forward_breakdown(flashtriton, q, k, v, calls)
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(calls):
