@@ -17,19 +17,19 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtriton
-from flashtriton.bench import attention_flops, median_ms
+from flashtriton import configs
+from flashtriton.bench import attention_flops, median_ms, select_shapes
 from flashtriton.ops import hopper_bwd
 from flashtriton.testing import forced_gluon_backward
-
-SHAPES = [(16, 1024, 16, 128), (4, 4096, 16, 128), (1, 16384, 16, 128), (4, 4096, 32, 64)]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="all", help="'all' or indices into SHAPES, e.g. 1,3")
+    parser.add_argument("--shapes", default="all",
+                        help="'all' or indices into bench.BASELINE_SHAPES, e.g. 1,3 (head dims the kernel takes)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
-    shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    shapes = [shape for shape in select_shapes(args.shapes) if shape.head_dim in configs.HOPPER_BWD]
     rows = []
     for batch, seqlen, heads, dim in shapes:
         for causal in (False, True):

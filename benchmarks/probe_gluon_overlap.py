@@ -21,7 +21,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_init, warpgroup_mma_wait
 
 import flashtriton
-from flashtriton.ops.hopper_fwd import _descriptor
+from flashtriton.bench import BASELINE_SHAPES
+from flashtriton.ops.hopper_fwd import tile_descriptor
 
 
 @gluon.jit
@@ -164,13 +165,12 @@ def gluon_attention(q, k, v, causal, block_m=128, block_n=128, stages=2, num_war
     lse = torch.empty(batch, heads, seqlen, device=q.device, dtype=torch.float32)
     scale_log2 = dim ** -0.5 * 1.4426950408889634
     grid = (seqlen // block_m, batch * heads)
-    gluon_attn_fwd[grid](_descriptor(q, block_m), _descriptor(k, block_n), _descriptor(v, block_n),
-                         _descriptor(out, block_m), lse, seqlen, heads, scale_log2, block_m, block_n, dim, causal,
+    gluon_attn_fwd[grid](tile_descriptor(q, block_m), tile_descriptor(k, block_n), tile_descriptor(v, block_n),
+                         tile_descriptor(out, block_m), lse, seqlen, heads, scale_log2, block_m, block_n, dim, causal,
                          stages, overlap, num_warps=num_warps)
     return out, lse
 
 
-SHAPES = [(16, 1024, 16, 128), (4, 4096, 16, 128), (1, 16384, 16, 128), (4, 4096, 32, 64), (4, 4096, 8, 256)]
 # (BLOCK_M, BLOCK_N, stages, warps) per head dim: 8 warps = two warpgroups in one partition; 4 warps with 64-row
 # tiles leave room for two programs per SM
 CONFIGS = {64: [(128, 64, 3, 8), (64, 128, 2, 4), (64, 64, 3, 4)],
@@ -192,7 +192,7 @@ def main():
     """One JSON line per (shape, causal): TF/s of flashtriton, SDPA flash / cuDNN and every probe variant, and each
     variant's max error against an fp32 reference (out / LSE against flashtriton's)."""
     torch.manual_seed(0)
-    for batch, seqlen, heads, dim in SHAPES:
+    for batch, seqlen, heads, dim in BASELINE_SHAPES:
         for causal in (False, True):
             q, k, v = (torch.randn(batch, seqlen, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             flops = 4 * batch * heads * seqlen * seqlen * dim / (2 if causal else 1)

@@ -21,9 +21,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtriton
 from flashtriton import configs
+from flashtriton.bench import select_shapes
 from flashtriton.configs import FwdConfig, TileConfig
-
-SHAPES = [(16, 1024, 16, 128), (4, 4096, 16, 128), (1, 16384, 16, 128), (4, 4096, 32, 64), (4, 4096, 8, 256)]
 
 _TILES = {
     "small": [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 4), (128, 64, 4, 4)],
@@ -84,13 +83,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default="fwd,bwd")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--shapes", default="all", help="'all' or indices into SHAPES, e.g. 1,3")
+    parser.add_argument("--shapes", default="all", help="'all' or indices into bench.BASELINE_SHAPES, e.g. 1,3")
     parser.add_argument("--bwd-candidates", default="all", choices=("all", "base", "atomic"),
                         help="base: only the current backward entry, with and without tensor descriptors; "
                              "atomic: the current entry, then it and ATOMIC_DKDV_CANDIDATES with dQ by atomics")
     args = parser.parse_args()
     modes = args.modes.split(",")
-    shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    shapes = select_shapes(args.shapes)
     arch = configs.arch_class(torch.device("cuda"))
     rows = []
     original_fwd, original_bwd = configs.fwd_config, configs.bwd_config

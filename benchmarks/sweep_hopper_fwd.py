@@ -21,11 +21,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtriton
 from flashtriton import configs
-from flashtriton.bench import attention_flops, median_ms
+from flashtriton.bench import attention_flops, median_ms, select_shapes
 from flashtriton.configs import HopperFwdConfig
 from flashtriton.ops import hopper_fwd
 
-SHAPES = [(16, 1024, 16, 128), (4, 4096, 16, 128), (1, 16384, 16, 128), (4, 4096, 32, 64), (4, 4096, 8, 256)]
 # shared memory: Q 2 x 64 rows, K and V `stages` x block_n rows (227 KiB per block on sm_90)
 CANDIDATES = {
     64: [HopperFwdConfig(128, 2, 232), HopperFwdConfig(128, 2, 232, True), HopperFwdConfig(128, 3, 232, True),
@@ -38,10 +37,10 @@ CANDIDATES = {
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="all", help="'all' or indices into SHAPES, e.g. 1,3")
+    parser.add_argument("--shapes", default="all", help="'all' or indices into bench.BASELINE_SHAPES, e.g. 1,3")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
-    shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    shapes = select_shapes(args.shapes)
     original = dict(configs.HOPPER_FWD)
     rows = []
     for batch, seqlen, heads, dim in shapes:

@@ -14,7 +14,7 @@ import math
 import os
 import platform
 import subprocess
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -48,12 +48,21 @@ class Shape:
     def label(self) -> str:
         return f"{self.batch}x{self.seqlen}x{self.heads}x{self.head_dim}"
 
+    def __iter__(self):
+        """Unpacks as (batch, seqlen, heads, head_dim)."""
+        return iter(astuple(self))
+
 
 # BASELINES.md: 16k tokens, hidden 2048 (H = 2048 / D).
 BASELINE_SHAPES = (Shape(16, 1024, 16, 128), Shape(4, 4096, 16, 128), Shape(1, 16384, 16, 128),
                    Shape(4, 4096, 32, 64), Shape(4, 4096, 8, 256))
 QUICK_SHAPES = (Shape(4, 2048, 16, 128), Shape(4, 2048, 32, 64))
 SHAPE_SETS = {"baseline": BASELINE_SHAPES, "quick": QUICK_SHAPES}
+
+
+def select_shapes(spec: str, shapes: Sequence[Shape] = BASELINE_SHAPES) -> list:
+    """The benchmark scripts' --shapes: 'all', or comma-separated indices into shapes (e.g. '1,3')."""
+    return list(shapes) if spec == "all" else [shapes[int(i)] for i in spec.split(",")]
 
 
 def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool,
