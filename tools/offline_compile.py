@@ -79,21 +79,34 @@ def compile_kernel(kernel, head_dim, local, block_m, block_n, warps, stages, dty
                           options=dict(num_warps=warps, num_stages=stages))
 
 
+def _gluon_tile_type(rows: int, head_dim: int, dtype: str) -> str:
+    """Signature type of a host descriptor of (B, S, H, D) loading [1, rows, 1, D] tiles (ops/hopper_fwd's layout)."""
+    from triton.experimental.gluon import language as gl
+
+    element = gl.bfloat16 if dtype == "bf16" else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], element)
+    return f"tensordesc<{dtype}[1,{rows},1,{head_dim}],{layout!r}>"
+
+
+def _compile_gluon(kernel, signature: dict, constexprs: dict):
+    """A Gluon kernel compiled for sm_90 with 4 warps in its default partition."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    signature.update({name: "constexpr" for name in constexprs})
+    src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
 def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16"):
     """The Gluon Hopper forward (kernels/fwd_hopper.py) with `config` (default configs.HOPPER_FWD[head_dim]), as a
     dense launch."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from flashtriton import configs
     from flashtriton.kernels.fwd_hopper import CONSUMER_ROWS, attn_fwd_hopper_kernel
 
     config = config or configs.HOPPER_FWD[head_dim]
-    element = gl.bfloat16 if dtype == "bf16" else gl.float16
 
     def descriptor(rows):
-        layout = gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], element)
-        return f"tensordesc<{dtype}[1,{rows},1,{head_dim}],{layout!r}>"
+        return _gluon_tile_type(rows, head_dim, dtype)
 
     rows = CONSUMER_ROWS.value
     signature = {"q_desc": descriptor(rows), "k_desc": descriptor(config.block_n), "v_desc": descriptor(config.block_n),
@@ -101,27 +114,20 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     signature.update({name: "i32" for name in ("stride_lse_b", "stride_lse_h", "num_heads", "group_size", "seqlen_q",
                                                "seqlen_k", "heads_per_group")})
     signature["qk_scale_log2"] = "fp32"
-    constexprs = dict(CAUSAL=causal, STAGES=config.stages, OVERLAP=config.overlap, CONSUMER_REGS=config.consumer_regs,
-                      num_warps=4)
-    signature.update({name: "constexpr" for name in constexprs})
-    src = GluonASTSource(fn=attn_fwd_hopper_kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    return _compile_gluon(attn_fwd_hopper_kernel, signature, dict(CAUSAL=causal, STAGES=config.stages,
+                                                                  OVERLAP=config.overlap,
+                                                                  CONSUMER_REGS=config.consumer_regs, num_warps=4))
 
 
 def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16"):
     """The Gluon Hopper backward (kernels/bwd_hopper.py) with `config` (default configs.HOPPER_BWD[head_dim])."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from flashtriton import configs
     from flashtriton.kernels.bwd_hopper import KEYS_PER_CONSUMER, attn_bwd_hopper_kernel
 
     config = config or configs.HOPPER_BWD[head_dim]
-    element = gl.bfloat16 if dtype == "bf16" else gl.float16
 
     def descriptor(rows):
-        layout = gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], element)
-        return f"tensordesc<{dtype}[1,{rows},1,{head_dim}],{layout!r}>"
+        return _gluon_tile_type(rows, head_dim, dtype)
 
     keys = 2 * KEYS_PER_CONSUMER.value
     signature = {"k_desc": descriptor(keys), "v_desc": descriptor(keys), "q_desc": descriptor(config.query_rows),
@@ -131,10 +137,8 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     signature.update({name: "i32" for name in names[len(signature):] if name.startswith("stride") or name in (
         "num_heads_k", "group_size", "seqlen_q", "seqlen_k", "heads_per_group")})
     signature.update(softmax_scale="fp32", qk_scale_log2="fp32")
-    constexprs = dict(CAUSAL=causal, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4)
-    signature.update({name: "constexpr" for name in constexprs})
-    src = GluonASTSource(fn=attn_bwd_hopper_kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    return _compile_gluon(attn_bwd_hopper_kernel, signature, dict(CAUSAL=causal, STAGES=config.stages,
+                                                                  CONSUMER_REGS=config.consumer_regs, num_warps=4))
 
 
 def main():
