@@ -1,5 +1,5 @@
 """Sweep the Gluon Hopper forward's configurations (configs.HopperFwdConfig: key tile, stages, consumer registers,
-in-consumer overlap) on the BASELINES.md shapes, with SDPA FLASH and CUDNN timed in the same process.
+persistent grid) on the BASELINES.md shapes, with SDPA FLASH and CUDNN timed in the same process.
 
     python benchmarks/sweep_hopper_fwd.py [--shapes 0,1] [--out DIR]
 
@@ -25,13 +25,15 @@ from flashtriton.bench import attention_flops, median_ms, select_shapes
 from flashtriton.configs import HopperFwdConfig
 from flashtriton.ops import hopper_fwd
 
-# shared memory: Q 2 x 64 rows, K and V `stages` x block_n rows (227 KiB per block on sm_90)
+# shared memory: Q and O 2 x 64 rows each (O staged in Q at d256), K and V `stages` x block_n rows (227 KiB per
+# program on sm_90)
 CANDIDATES = {
-    64: [HopperFwdConfig(128, 2, 232), HopperFwdConfig(128, 2, 232, True), HopperFwdConfig(128, 3, 232, True),
-         HopperFwdConfig(64, 3, 232, True)],
-    128: [HopperFwdConfig(128, 2, 232), HopperFwdConfig(128, 2, 232, True), HopperFwdConfig(128, 2, 240, True),
-          HopperFwdConfig(128, 3, 232, True)],
-    256: [HopperFwdConfig(64, 2, 232), HopperFwdConfig(64, 2, 232, True), HopperFwdConfig(64, 2, 240, True)],
+    64: [HopperFwdConfig(128, 2, 232), HopperFwdConfig(128, 2, 232, persistent=True),
+         HopperFwdConfig(128, 2, 240, persistent=True)],
+    128: [HopperFwdConfig(128, 2, 240), HopperFwdConfig(128, 2, 240, persistent=True),
+          HopperFwdConfig(128, 2, 232, persistent=True)],
+    256: [HopperFwdConfig(64, 2, 232), HopperFwdConfig(64, 2, 232, persistent=True),
+          HopperFwdConfig(64, 2, 240, persistent=True)],
 }
 
 

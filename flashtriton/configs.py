@@ -194,26 +194,32 @@ L2_GROUP_BYTES = {False: 0, True: 16 << 20}
 
 
 # Hopper forward in Gluon (kernels/fwd_hopper.py, warp-specialized: two consumer warpgroups of 64 query rows and
-# a TMA producer warp), keyed by head dim: key tile, K/V stages, consumer registers (setmaxnreg), consumer schedule.
+# a TMA producer warp), keyed by head dim: key tile, K/V stages, consumer registers (setmaxnreg), persistent grid.
 # benchmarks/sweep_hopper_fwd.py on the H200 (2026-11-30, seventh session, bf16, TF/s non-causal / causal, SDPA
-# cuDNN of the same run in brackets): in-order r232 -> overlapped r232 / overlapped r240:
+# cuDNN of the same run in brackets): in-order consumer schedule r232 -> overlapped r232 / overlapped r240:
 #   d128 16x1024x16   473 / 346 -> 516 / 247 / 489 / 369   (576 / 426)
 #   d128 4x4096x16    536 / 490 -> 586 / 517 / 587 / 537   (611 / 538)
 #   d128 1x16384x16   551 / 557 -> 618 / 594 / 618 / 613   (582 / 572)
 #   d64  4x4096x32    435 / 388 -> 447 / 396 (r232 only)   (452 / 413)
 #   d256 4x4096x8     605 / 558 -> 651 / 613 / 641 / 607   (659 / 567)
-# 3 stages: no better (d128 585 / 519 at 4x4096); d64 key tiles 64: 381 / 349. The d128 causal overlapped kernel
-# spills at r232 (tools/offline_compile.py: 24 B of stack; none at r240): the 16x1024 causal collapse.
+# so the kernel keeps only the overlapped schedule. 3 stages: no better (d128 585 / 519 at 4x4096); d64 key tiles
+# 64: 381 / 349. The d128 causal overlapped kernel spills at r232 (tools/offline_compile.py: 24 B of stack; none at
+# r240): the 16x1024 causal collapse.
+# Persistent grid (eighth session, 2026-12-01, same process, best of 2 medians, one program per tile -> one per
+# SM, cuDNN in brackets): non-causal d128 16x1024 502 -> 536 (606), 4x4096 576 -> 587 (595), 1x16384 602 -> 611
+# (594), d64 433 -> 439 (455), d256 640 -> 640 (640); causal 351 -> 367 (417), 523 -> 464 (516), 603 -> 508 (554),
+# d64 392 -> 394 (420), d256 591 -> 393 (555): a static split of tiles of different lengths loses, so causal calls
+# keep one program per tile (ops/hopper_fwd.grid_programs); d256 gains nothing (its O is staged in Q).
 @dataclass(frozen=True)
 class HopperFwdConfig:
     block_n: int         # keys per K/V stage
     stages: int          # K/V stages in shared memory
     consumer_regs: int   # registers per thread of the second consumer warpgroup
-    overlap: bool = False  # each consumer issues S_j with P_{j-1} V_{j-1} (kernels/fwd_hopper.py's docstring)
+    persistent: bool = False  # one program per SM taking tiles in turn (ops/hopper_fwd.grid_programs), else one per tile
 
 
-HOPPER_FWD = {64: HopperFwdConfig(128, 2, 232, overlap=True), 128: HopperFwdConfig(128, 2, 240, overlap=True),
-              256: HopperFwdConfig(64, 2, 232, overlap=True)}
+HOPPER_FWD = {64: HopperFwdConfig(128, 2, 232, persistent=True), 128: HopperFwdConfig(128, 2, 240, persistent=True),
+              256: HopperFwdConfig(64, 2, 232)}
 GLUON_ALLOWED = os.environ.get("FLASHTRITON_GLUON", "1") != "0"
 
 
@@ -230,7 +236,7 @@ class HopperBwdConfig:
     consumer_regs: int   # registers per thread of the second consumer warpgroup
 
 
-HOPPER_BWD = {64: HopperBwdConfig(32, 2, 240), 128: HopperBwdConfig(32, 2, 240)}
+HOPPER_BWD = {64: HopperBwdConfig(64, 2, 240), 128: HopperBwdConfig(64, 2, 240)}
 HOPPER_BWD_ALLOWED = os.environ.get("FLASHTRITON_GLUON_BWD", "0") == "1"
 
 

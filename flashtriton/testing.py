@@ -99,18 +99,12 @@ def forced_gluon_backward(enabled: bool = True):
     return _overridden(configs, "HOPPER_BWD_ALLOWED", enabled)
 
 
-@contextlib.contextmanager
-def forced_hopper_schedule(overlap: bool):
-    """Within this block every head dim's Gluon Hopper forward config uses the overlapped (True) or in-order (False)
-    consumer schedule (configs.HopperFwdConfig.overlap), the rest of the entry unchanged."""
-    from . import configs
+def forced_hopper_grid(programs: Optional[int]):
+    """Within this block the Gluon Hopper forward's grid has at most `programs` programs (None: as configured), so
+    each program runs many work items (ops/hopper_fwd.grid_programs)."""
+    from .ops import hopper_fwd
 
-    original = dict(configs.HOPPER_FWD)
-    configs.HOPPER_FWD.update({dim: replace(config, overlap=overlap) for dim, config in original.items()})
-    try:
-        yield
-    finally:
-        configs.HOPPER_FWD.update(original)
+    return _overridden(hopper_fwd, "PROGRAMS_CAP", programs)
 
 
 def cu_seqlens(lengths: Sequence[int], device="cpu", dtype: torch.dtype = torch.int32) -> torch.Tensor:

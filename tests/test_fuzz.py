@@ -17,7 +17,7 @@ from flashtriton import configs
 from flashtriton.ops import hopper_fwd
 from flashtriton.reference import kvcache_reference
 from flashtriton.testing import (Case, check_error, check_lse, compare_varlen_with_reference, compare_with_reference,
-                                 cu_seqlens, forced_dq_atomic, forced_heads_per_group, forced_hopper_schedule,
+                                 cu_seqlens, forced_dq_atomic, forced_heads_per_group, forced_hopper_grid,
                                  forced_tma, make_case_inputs, poisoned_outputs)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -118,13 +118,14 @@ ON_HOPPER = (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
              and hopper_fwd.attn_fwd_hopper_kernel is not None and configs.GLUON_ALLOWED and configs.TMA_ALLOWED)
 
 
-@given(case=hopper_forward_cases(), input_scale=st.sampled_from([1.0, 4.0]), overlap=st.booleans())
-def test_fuzz_hopper_forward_domain(case, input_scale, overlap):
-    """On sm_90 these all run the Gluon forward (asserted), under either consumer schedule; elsewhere the same
-    cases check the Triton kernels."""
+@given(case=hopper_forward_cases(), input_scale=st.sampled_from([1.0, 4.0]),
+       programs=st.sampled_from([None, 1, 2, 5]))
+def test_fuzz_hopper_forward_domain(case, input_scale, programs):
+    """On sm_90 these all run the Gluon forward (asserted), with the configured grid or a few programs that each
+    take many tiles; elsewhere the same cases check the Triton kernels."""
     q, k, v, _ = make_case_inputs(case, DEVICE, requires_grad=True, scale=input_scale)
     launches = hopper_fwd.launch_count
-    with poisoned_outputs(), forced_hopper_schedule(overlap):
+    with poisoned_outputs(), forced_hopper_grid(programs):
         out, lse, _ = flashtriton.flash_attn_func(q, k, v, 0.0, case.softmax_scale, case.causal, case.window_size,
                                                   return_attn_probs=True)
         dout = torch.randn_like(out)

@@ -12,7 +12,7 @@ import flashtriton
 from flashtriton import configs
 from flashtriton.ops import hopper_fwd
 from flashtriton.ops.backend import score_params
-from flashtriton.testing import Case, compare_with_reference, forced_heads_per_group, forced_hopper_schedule, \
+from flashtriton.testing import Case, compare_with_reference, forced_heads_per_group, forced_hopper_grid, \
     make_case_inputs, poisoned_outputs
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -82,16 +82,17 @@ SHAPES = [(17, 17), (33, 1), (128, 128), (300, 700), (700, 300), (1000, 1000), (
 
 
 @needs_hopper
-@pytest.mark.parametrize("overlap", [False, True], ids=["in-order", "overlapped"])
+@pytest.mark.parametrize("programs", [None, 3], ids=["configured-grid", "3-programs"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_FWD), ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("seqlen_q,seqlen_k", SHAPES, ids=[f"sq{a}-sk{b}" for a, b in SHAPES])
-def test_gluon_forward_matches_reference(seqlen_q, seqlen_k, head_dim, dtype, causal, overlap):
+def test_gluon_forward_matches_reference(seqlen_q, seqlen_k, head_dim, dtype, causal, programs):
     """Odd lengths (partial query and key tiles, a single key block), sq > sk under the causal mask (rows that see
     no key: out 0, LSE +inf; tiles whose rows all precede the first key), both 16-bit dtypes, every head dim the
-    kernel takes, both consumer schedules."""
-    with forced_hopper_schedule(overlap):
+    kernel takes; the configured grid, and 3 programs that each run many tiles of different lengths (barrier
+    phases carried across tiles, Q / O tiles reused)."""
+    with forced_hopper_grid(programs):
         checks, ran = run_forward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
                                        head_dim=head_dim, dtype=dtype, causal=causal))
     assert ran, "the Gluon forward did not run"
@@ -117,10 +118,12 @@ def test_gluon_forward_features(feature):
 
 
 @needs_hopper
+@pytest.mark.parametrize("programs", [None, 5], ids=["configured-grid", "5-programs"])
 @pytest.mark.parametrize("heads_per_group", [1, 3], ids=["group-1", "group-3"])
-def test_gluon_forward_launch_order_groups(heads_per_group):
-    """Launch-order groups of 1 and 3 (batch, head) pairs over 2 x 4 pairs (a partial last group), causal."""
-    with forced_heads_per_group(heads_per_group):
+def test_gluon_forward_launch_order_groups(heads_per_group, programs):
+    """Launch-order groups of 1 and 3 (batch, head) pairs over 2 x 4 pairs (a partial last group), causal; with the
+    configured grid and with 5 programs taking the 64 tiles in turn."""
+    with forced_heads_per_group(heads_per_group), forced_hopper_grid(programs):
         checks, ran = run_forward(Case(batch=2, seqlen_q=1000, seqlen_k=1000, num_heads=4, num_heads_k=2,
                                        head_dim=64, dtype=torch.bfloat16, causal=True))
     assert ran

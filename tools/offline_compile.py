@@ -1,7 +1,7 @@
 """Compile flashtriton kernels for sm_90 on a machine without a GPU; print registers, spills, shared memory.
 
     python tools/offline_compile.py [--head-dim 128] [--local] [--kernel fwd|dkdv|dq] [--config M,N,WARPS,STAGES]
-    python tools/offline_compile.py --kernel fwd-hopper [--head-dim 128] [--causal] [--hopper-config N,STAGES,REGS,OVERLAP]
+    python tools/offline_compile.py --kernel fwd-hopper [--head-dim 128] [--causal] [--hopper-config N,STAGES,REGS]
                                                        # the Gluon forward; default: its configs.HOPPER_FWD entry
     python tools/offline_compile.py --kernel bwd-hopper [--head-dim 128] [--causal] [--hopper-config ROWS,STAGES,REGS]
                                                        # the Gluon backward; default: its configs.HOPPER_BWD entry
@@ -111,11 +111,10 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     rows = CONSUMER_ROWS.value
     signature = {"q_desc": descriptor(rows), "k_desc": descriptor(config.block_n), "v_desc": descriptor(config.block_n),
                  "o_desc": descriptor(rows), "Lse": "*fp32"}
-    signature.update({name: "i32" for name in ("stride_lse_b", "stride_lse_h", "num_heads", "group_size", "seqlen_q",
-                                               "seqlen_k", "heads_per_group")})
+    signature.update({name: "i32" for name in ("stride_lse_b", "stride_lse_h", "batch", "num_heads", "group_size",
+                                               "seqlen_q", "seqlen_k", "heads_per_group")})
     signature["qk_scale_log2"] = "fp32"
     return _compile_gluon(attn_fwd_hopper_kernel, signature, dict(CAUSAL=causal, STAGES=config.stages,
-                                                                  OVERLAP=config.overlap,
                                                                   CONSUMER_REGS=config.consumer_regs, num_warps=4))
 
 
@@ -147,7 +146,7 @@ def main():
     parser.add_argument("--local", action="store_true")
     parser.add_argument("--kernel", default="fwd", choices=[*KERNELS, "fwd-hopper", "bwd-hopper"])
     parser.add_argument("--causal", action="store_true", help="fwd-hopper only: the causal variant")
-    parser.add_argument("--hopper-config", help="fwd-hopper: BLOCK_N,STAGES,REGS,OVERLAP(0/1), bwd-hopper: "
+    parser.add_argument("--hopper-config", help="fwd-hopper: BLOCK_N,STAGES,REGS, bwd-hopper: "
                                                 "ROWS,STAGES,REGS instead of the configs.HOPPER_FWD / HOPPER_BWD entry")
     parser.add_argument("--config", default="128,128,8,3")
     parser.add_argument("--dropout", action="store_true")
@@ -176,8 +175,8 @@ def main():
         if args.hopper_config:
             from flashtriton.configs import HopperFwdConfig
 
-            block_n, stages, regs, overlap = (int(x) for x in args.hopper_config.split(","))
-            config = HopperFwdConfig(block_n, stages, regs, bool(overlap))
+            block_n, stages, regs = (int(x) for x in args.hopper_config.split(","))
+            config = HopperFwdConfig(block_n, stages, regs)
         compiled = compile_hopper_fwd(args.head_dim, args.causal, config)
         print(f"fwd-hopper d{args.head_dim} causal={args.causal} {args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} "

@@ -26,21 +26,25 @@ def tile_and_batch_head(num_tiles):
 
 
 @triton.jit
-def grouped_tile_and_batch_head(num_tiles, heads_per_group):
-    """(tile, batch * heads index) of this program when the 1-D grid (num_tiles * batch * heads programs) runs
-    group by group: batch * heads is cut into groups of heads_per_group consecutive indices (the last group may
-    be smaller); inside a group the tile is slowest and the head fastest, so tile 0 of every head in the group
-    starts before tile 1 of any. Kernels number their tiles longest first, so the last programs of the grid are
-    short ones (no long tail); launchers size groups so that the K/V the group's programs share stays in L2
-    (configs.heads_per_l2_group). heads_per_group = 1 is tile_and_batch_head's order."""
-    pid = tl.program_id(0)
-    num_batch_heads = tl.num_programs(0) // num_tiles
-    group_programs = num_tiles * heads_per_group
-    group = pid // group_programs
+def grouped_tile_of(linear, num_tiles, num_batch_heads, heads_per_group):
+    """(tile, batch * heads index) of work item `linear` of num_tiles * num_batch_heads, in launch order: batch *
+    heads is cut into groups of heads_per_group consecutive indices (the last group may be smaller); inside a group
+    the tile is slowest and the head fastest, so tile 0 of every head in the group starts before tile 1 of any.
+    Kernels number their tiles longest first, so the last items are short ones (no long tail); launchers size
+    groups so that the K/V the group's programs share stays in L2 (configs.heads_per_l2_group). heads_per_group = 1
+    is tile_and_batch_head's order. Persistent kernels (kernels/fwd_hopper.py) pass their own item numbers."""
+    group_items = num_tiles * heads_per_group
+    group = linear // group_items
     first_head = group * heads_per_group
     heads_in_group = tl.minimum(heads_per_group, num_batch_heads - first_head)
-    within = pid - group * group_programs
+    within = linear - group * group_items
     return within // heads_in_group, first_head + within % heads_in_group
+
+
+@triton.jit
+def grouped_tile_and_batch_head(num_tiles, heads_per_group):
+    """grouped_tile_of for a 1-D grid of one program per work item (num_tiles * batch * heads programs)."""
+    return grouped_tile_of(tl.program_id(0), num_tiles, tl.num_programs(0) // num_tiles, heads_per_group)
 
 
 @triton.jit

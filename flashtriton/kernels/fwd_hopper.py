@@ -7,15 +7,21 @@ head dim 64 / 128 / 256, GQA, no window or the causal one (bottom-right aligned)
 softcap, ALiBi or dropout; everything else runs kernels/fwd.py. Numerics are those of kernels/fwd.py without the
 rescale skip: fp32 scores and accumulators, P rounded to V's dtype, natural-log LSE, +inf for rows that see no key.
 
-Synchronisation: k_ready[s] / v_ready[s] complete when stage s's K / V tile has landed (TMA transaction bytes);
-k_empty[s] / v_empty[s] complete when both consumers are done with stage s's K / V tile (count 2: one arrival per
-consumer warpgroup), so the producer refills K before V is free. Load j goes to stage j % STAGES and is the
-(j // STAGES)-th use of that stage, whose parity the waits check.
+Work: the grid's programs take 128-row tiles (work items) in turn, p, p + P, p + 2P, ... (ops/hopper_fwd sizes the
+grid: one program per item, or persistent: as many as fit the GPU at once). The producer loads the next item's Q
+tiles and K/V blocks while the consumers finish the current one (their last wgmmas, normalization, O store).
 
-Two consumer schedules (HopperFwdConfig.overlap, a constexpr): in order (S_j, softmax j, P_j V_j, each wgmma
-waited at once), or overlapped inside the warpgroup (FA3's intra-warpgroup pipelining): S_j and P_{j-1} V_{j-1}
-are issued together, the softmax of block j runs while P_{j-1} V_{j-1} is on the tensor cores, and the output
-rescale waits for it.
+Synchronisation: q_ready[c] completes when consumer c's Q tile has landed, q_empty[c] when consumer c no longer
+reads it (after its last S wgmma; where O is staged in the Q tile, after O's store). k_ready[s] / v_ready[s]
+complete when stage s's K / V tile has landed (TMA transaction bytes); k_empty[s] / v_empty[s] when both consumers
+are done with stage s's K / V tile (count 2: one arrival per consumer warpgroup), so the producer refills K before
+V is free. The program's loads are numbered across its items: load l goes to stage l % STAGES and is the
+(l // STAGES)-th use of that stage, whose parity the waits check; item number i's Q tiles are the i-th use of
+q_ready / q_empty.
+
+Consumer schedule (FA3's intra-warpgroup pipelining): S_j and P_{j-1} V_{j-1} are issued together, the softmax of
+block j runs while P_{j-1} V_{j-1} is on the tensor cores, and the output rescale waits for it. (An in-order
+schedule, S_j, softmax j, P_j V_j, was 2-9% slower on every BASELINES row: configs.py.)
 """
 
 from triton.experimental import gluon
@@ -23,37 +29,63 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .common import grouped_tile_and_batch_head
+from .common import grouped_tile_of
 
+SHARED_BYTES_FOR_TILES = gl.constexpr(220 * 1024)  # sm_90: 227 KiB per program, less barriers and the compiler's
 CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M tile); a program covers 2 * CONSUMER_ROWS
-_tile_and_batch_head = gluon.jit(grouped_tile_and_batch_head.fn)
+_grouped_tile_of = gluon.jit(grouped_tile_of.fn)
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, batch,
-              head, head_k, m_start, n_blocks):
-    """One warp: both consumers' Q tiles, then K and V of block j into stage j % STAGES once both consumers freed
-    that stage's K (resp. V)."""
+def _tile_work(item, num_tiles, num_batch_heads, num_heads, heads_per_group, seqlen_q, seqlen_k, causal,
+               TILE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(batch, head, first query row, key blocks) of work item `item`: its 128-row tile and (batch, head) in
+    grouped_tile_of's order, tiles numbered longest first. At least one key block, even for a causal tile whose rows
+    all precede the first key (sq > sk): it comes back fully masked, so those rows see no key."""
+    tile, batch_head = _grouped_tile_of(item, num_tiles, num_batch_heads, heads_per_group)
+    m_start = (num_tiles - 1 - tile) * TILE_ROWS
+    key_end = seqlen_k
+    if causal != 0:
+        key_end = gl.minimum(m_start + TILE_ROWS + (seqlen_k - seqlen_q), seqlen_k)
+    return batch_head // num_heads, batch_head % num_heads, m_start, gl.maximum(gl.cdiv(key_end, BLOCK_N), 1)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+              num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, causal):
+    """One warp, per work item of this program: both consumers' Q tiles once each consumer released its previous
+    one, then K and V of the item's key blocks; the program's load number l (counted across items) goes to stage
+    l % STAGES once both consumers freed that stage's K (resp. V)."""
     ROWS: gl.constexpr = q_smem.shape[2]
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
-    tile_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8
-    for consumer in gl.static_range(2):
-        mbarrier.expect(q_bars.index(consumer), ROWS * HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8)
-        tma.async_copy_global_to_shared(q_desc, [batch, m_start + consumer * ROWS, head, 0], q_bars.index(consumer),
-                                        q_smem.index(consumer))
-    for j in range(n_blocks):
-        stage = j % STAGES
-        previous_use_phase = ((j // STAGES) - 1) & 1
-        mbarrier.wait(k_empty.index(stage), previous_use_phase, pred=j >= STAGES)
-        mbarrier.expect(k_ready.index(stage), tile_bytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, j * BLOCK_N, head_k, 0], k_ready.index(stage),
-                                        k_smem.index(stage))
-        mbarrier.wait(v_empty.index(stage), previous_use_phase, pred=j >= STAGES)
-        mbarrier.expect(v_ready.index(stage), tile_bytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, j * BLOCK_N, head_k, 0], v_ready.index(stage),
-                                        v_smem.index(stage))
+    q_bytes: gl.constexpr = ROWS * HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8
+    kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8
+    load = 0
+    done = 0
+    for item in range(gl.program_id(0), num_tiles * num_batch_heads, gl.num_programs(0)):
+        batch, head, m_start, n_blocks = _tile_work(item, num_tiles, num_batch_heads, num_heads, heads_per_group,
+                                                    seqlen_q, seqlen_k, causal, 2 * ROWS, BLOCK_N)
+        head_k = head // group_size
+        for consumer in gl.static_range(2):
+            mbarrier.wait(q_empty.index(consumer), (done - 1) & 1, pred=done > 0)
+            mbarrier.expect(q_ready.index(consumer), q_bytes)
+            tma.async_copy_global_to_shared(q_desc, [batch, m_start + consumer * ROWS, head, 0],
+                                            q_ready.index(consumer), q_smem.index(consumer))
+        for j in range(n_blocks):
+            stage = load % STAGES
+            previous_use_phase = ((load // STAGES) - 1) & 1
+            mbarrier.wait(k_empty.index(stage), previous_use_phase, pred=load >= STAGES)
+            mbarrier.expect(k_ready.index(stage), kv_bytes)
+            tma.async_copy_global_to_shared(k_desc, [batch, j * BLOCK_N, head_k, 0], k_ready.index(stage),
+                                            k_smem.index(stage))
+            mbarrier.wait(v_empty.index(stage), previous_use_phase, pred=load >= STAGES)
+            mbarrier.expect(v_ready.index(stage), kv_bytes)
+            tma.async_copy_global_to_shared(v_desc, [batch, j * BLOCK_N, head_k, 0], v_ready.index(stage),
+                                            v_smem.index(stage))
+            load += 1
+        done += 1
 
 
 @gluon.jit
@@ -89,95 +121,44 @@ def _softmax_block(s, m_i, l_i, qk_scale_log2):
 
 
 @gluon.jit
-def _consumer_start(q_tile, k_smem, q_bar, row0):
-    """A consumer's initial state once its Q tile has landed: the Q tile [ROWS, HEAD_DIM] (shared memory), a zero
-    score block [ROWS, BLOCK_N], the output accumulator [ROWS, HEAD_DIM], running max (log2 units) and row sum
-    [ROWS], and the query rows [ROWS]."""
-    ROWS: gl.constexpr = q_tile.shape[1]
+def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, release_q, first_load, n_blocks, row0,
+                offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, acc_layout: gl.constexpr):
+    """One consumer's pass over a work item's key blocks (the program's loads first_load, first_load + 1, ...) for
+    its Q tile q [ROWS, HEAD_DIM] (shared memory), overlapped inside the warpgroup: block 0's softmax first, then per
+    block j S_j and P_{j-1} V_{j-1} issued together, softmax j while P_{j-1} V_{j-1} runs, then the rescale.
+    Arrives on q_free (if release_q) once its last S wgmma completed. Returns the unnormalized output
+    [ROWS, HEAD_DIM], the running max (log2 units) and the row sum [ROWS]."""
+    ROWS: gl.constexpr = q.shape[0]
+    STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    # [ROWS, BLOCK_N] the zero accumulator of the S wgmmas; [ROWS, HEAD_DIM] the output accumulator
+    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([ROWS], gl.float32, row_s)
-    offs_m = row0 + gl.arange(0, ROWS, row_s)
-    mbarrier.wait(q_bar, 0)
-    return q_tile.reshape([ROWS, HEAD_DIM]), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), acc, m_i, l_i, offs_m
-
-
-@gluon.jit
-def _consumer_finish(o_desc, Lse, q_tile, acc, m_i, l_i, offs_m, batch, head, lse_row_base, row0, seqlen_q):
-    """Normalize and store O (through the consumer's Q tile, free once its last S wgmma completed; TMA clips rows
-    past seqlen_q) and the natural-log LSE. Rows that saw no key: out 0, lse +inf (API.md §4.5)."""
-    row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-    seen = l_i > 0.0
-    out = acc / gl.expand_dims(gl.convert_layout(gl.where(seen, l_i, 1.0), row_o), 1)
-    lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("inf"))
-    gl.store(Lse + lse_row_base + offs_m, lse, mask=offs_m < seqlen_q)
-    q_tile.reshape([acc.shape[0], acc.shape[1]]).store(out.to(q_tile.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], q_tile)
-    tma.store_wait(0)
-
-
-@gluon.jit
-def _consumer_in_order(o_desc, Lse, q_tile, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, batch, head,
-                       lse_row_base, row0, n_blocks, seqlen_q, seqlen_k, qk_scale_log2, causal):
-    """One warpgroup, query rows [row0, row0 + ROWS): per key block S_j, softmax j, P_j V_j, each wgmma waited."""
-    STAGES: gl.constexpr = k_smem.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.shape[2]
-    HEAD_DIM: gl.constexpr = k_smem.shape[4]
-    q, zero_s, acc, m_i, l_i, offs_m = _consumer_start(q_tile, k_smem, q_bar, row0)
-    col_s: gl.constexpr = gl.SliceLayout(0, zero_s.type.layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
-    for j in range(n_blocks):
-        stage = j % STAGES
-        phase = (j // STAGES) & 1
-        mbarrier.wait(k_ready.index(stage), phase)
-        # [ROWS, BLOCK_N] raw q.k
-        s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False)
-        mbarrier.arrive(k_empty.index(stage))
-        p, m_i, l_i, alpha = _softmax_block(_mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s), m_i,
-                                            l_i, qk_scale_log2)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        mbarrier.wait(v_ready.index(stage), phase)
-        acc = warpgroup_mma(gl.convert_layout(p.to(q.dtype), p_layout), v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]),
-                            acc)
-        mbarrier.arrive(v_empty.index(stage))
-    _consumer_finish(o_desc, Lse, q_tile, acc, m_i, l_i, offs_m, batch, head, lse_row_base, row0, seqlen_q)
-
-
-@gluon.jit
-def _consumer_overlapped(o_desc, Lse, q_tile, q_bar, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, batch, head,
-                         lse_row_base, row0, n_blocks, seqlen_q, seqlen_k, qk_scale_log2, causal):
-    """One warpgroup, query rows [row0, row0 + ROWS): block 0's softmax first, then per block j S_j and
-    P_{j-1} V_{j-1} issued together, softmax j while P_{j-1} V_{j-1} runs, then the rescale."""
-    STAGES: gl.constexpr = k_smem.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.shape[2]
-    HEAD_DIM: gl.constexpr = k_smem.shape[4]
-    q, zero_s, acc, m_i, l_i, offs_m = _consumer_start(q_tile, k_smem, q_bar, row0)
-    col_s: gl.constexpr = gl.SliceLayout(0, zero_s.type.layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
-    mbarrier.wait(k_ready.index(0), 0)
+    stage = first_load % STAGES
+    mbarrier.wait(k_ready.index(stage), (first_load // STAGES) & 1)
     # [ROWS, BLOCK_N] raw q.k of block 0
-    s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False)
-    mbarrier.arrive(k_empty.index(0))
+    s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False)
+    mbarrier.arrive(k_empty.index(stage))
     # [ROWS, BLOCK_N] probabilities of the block whose P.V is pending
     p, m_i, l_i, alpha = _softmax_block(_mask_block(s, 0, row0, offs_m, seqlen_q, seqlen_k, causal, col_s), m_i, l_i,
                                         qk_scale_log2)
     for j in range(1, n_blocks):
-        stage = j % STAGES
-        previous = (j - 1) % STAGES
-        mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+        load = first_load + j
+        stage = load % STAGES
+        previous = (load - 1) % STAGES
+        mbarrier.wait(k_ready.index(stage), (load // STAGES) & 1)
         s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
                           is_async=True)
-        mbarrier.wait(v_ready.index(previous), ((j - 1) // STAGES) & 1)
+        mbarrier.wait(v_ready.index(previous), ((load - 1) // STAGES) & 1)
         acc = warpgroup_mma(gl.convert_layout(p.to(q.dtype), p_layout),
                             v_smem.index(previous).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
         # S_j done (wgmma groups complete in order); P_{j-1} V_{j-1} may still run
@@ -188,66 +169,116 @@ def _consumer_overlapped(o_desc, Lse, q_tile, q_bar, k_smem, v_smem, k_ready, v_
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(v_empty.index(previous))
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-    last = (n_blocks - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
-    acc = warpgroup_mma(gl.convert_layout(p.to(q.dtype), p_layout), v_smem.index(last).reshape([BLOCK_N, HEAD_DIM]),
-                        acc)
-    mbarrier.arrive(v_empty.index(last))
-    _consumer_finish(o_desc, Lse, q_tile, acc, m_i, l_i, offs_m, batch, head, lse_row_base, row0, seqlen_q)
+    mbarrier.arrive(q_free, pred=release_q)
+    last = first_load + n_blocks - 1
+    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+    acc = warpgroup_mma(gl.convert_layout(p.to(q.dtype), p_layout),
+                        v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM]), acc)
+    mbarrier.arrive(v_empty.index(last % STAGES))
+    return acc, m_i, l_i
 
 
-@gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "seqlen_q", "seqlen_k", "heads_per_group"])
-def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, stride_lse_h, num_heads, group_size,
-                           seqlen_q, seqlen_k, heads_per_group, qk_scale_log2,
-                           CAUSAL: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-                           CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """One program per (128-row query tile, batch * head), tiles longest first, in launch-order groups of
-    heads_per_group (batch, head) pairs like kernels/fwd.py. num_warps (4) is the first consumer's; the second
-    consumer (4 warps, CONSUMER_REGS registers) and the producer (1 warp) are worker partitions."""
+@gluon.jit
+def _consumer(o_desc, Lse, q_tile, o_tile, q_ready, q_empty, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+              stride_lse_b, stride_lse_h, row_offset, num_heads, num_tiles, num_batch_heads, heads_per_group, seqlen_q,
+              seqlen_k, qk_scale_log2, causal, o_in_q):
+    """One warpgroup: query rows [m_start + row_offset, + ROWS) of every work item of this program. Per item: wait
+    for its Q tile (q_tile [1, ROWS, 1, HEAD_DIM], shared), run the key blocks, normalize, store the natural-log
+    LSE and O (through o_tile by TMA, which clips rows past seqlen_q). q_empty tells the producer that q_tile may
+    be refilled: after the last S wgmma, or where O is staged in q_tile itself (o_in_q) once O's store has read it.
+    Rows that saw no key: out 0, lse +inf (API.md §4.5)."""
+    ROWS: gl.constexpr = q_tile.shape[1]
+    BLOCK_N: gl.constexpr = k_smem.shape[2]
+    HEAD_DIM: gl.constexpr = k_smem.shape[4]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    q = q_tile.reshape([ROWS, HEAD_DIM])
+    load = 0
+    done = 0
+    for item in range(gl.program_id(0), num_tiles * num_batch_heads, gl.num_programs(0)):
+        batch, head, m_start, n_blocks = _tile_work(item, num_tiles, num_batch_heads, num_heads, heads_per_group,
+                                                    seqlen_q, seqlen_k, causal, 2 * ROWS, BLOCK_N)
+        row0 = m_start + row_offset
+        # [ROWS] this consumer's query rows
+        offs_m = row0 + gl.arange(0, ROWS, row_s)
+        mbarrier.wait(q_ready, done & 1)
+        acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0, load,
+                                    n_blocks, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, acc_layout)
+        seen = l_i > 0.0
+        out = acc / gl.expand_dims(gl.convert_layout(gl.where(seen, l_i, 1.0), row_o), 1)
+        lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("inf"))
+        lse_row_base = batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
+        gl.store(Lse + lse_row_base + offs_m, lse, mask=offs_m < seqlen_q)
+        tma.store_wait(0)  # the previous item's O store has read o_tile
+        o_tile.reshape([ROWS, HEAD_DIM]).store(out.to(o_tile.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_tile)
+        if o_in_q != 0:
+            tma.store_wait(0)
+            mbarrier.arrive(q_empty)
+        load += n_blocks
+        done += 1
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "batch", "seqlen_q", "seqlen_k", "heads_per_group"])
+def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, stride_lse_h, batch, num_heads,
+                           group_size, seqlen_q, seqlen_k, heads_per_group, qk_scale_log2,
+                           CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                           num_warps: gl.constexpr):
+    """Work items: 128-row query tiles of every (batch, head), longest first, in launch-order groups of
+    heads_per_group (batch, head) pairs like kernels/fwd.py; program p takes items p, p + P, p + 2P, ... of a grid
+    of P programs (one per item, or persistent: one per SM, so the next item's loads overlap this one's end).
+    num_warps (4) is the first consumer's; the second consumer (4 warps, CONSUMER_REGS registers) and the producer
+    (1 warp) are worker partitions."""
     ROWS: gl.constexpr = CONSUMER_ROWS
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
+    # O gets tiles of its own where they fit next to Q and the K/V stages, so the next item's Q can land while O is
+    # stored; else (head dim 256) O is staged in the consumer's Q tile
+    tile_bytes: gl.constexpr = ROWS * HEAD_DIM * dtype.primitive_bitwidth // 8
+    stage_bytes: gl.constexpr = 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
+    O_IN_Q: gl.constexpr = 4 * tile_bytes + STAGES * stage_bytes > SHARED_BYTES_FOR_TILES
     num_tiles = gl.cdiv(seqlen_q, 2 * ROWS)
-    tile, batch_head = _tile_and_batch_head(num_tiles, heads_per_group)
-    m_start = (num_tiles - 1 - tile) * 2 * ROWS
-    batch = batch_head // num_heads
-    head = batch_head % num_heads
-    head_k = head // group_size
-    key_end = seqlen_k
-    if CAUSAL:
-        key_end = gl.minimum(m_start + 2 * ROWS + (seqlen_k - seqlen_q), seqlen_k)
-    # at least one block, even for a causal tile whose rows all precede the first key (sq > sk): it comes back fully
-    # masked, so those rows see no key, and the overlapped schedule always has a block 0
-    n_blocks = gl.maximum(gl.cdiv(key_end, BLOCK_N), 1)
-    # [2, 1, ROWS, 1, HEAD_DIM] the consumers' Q tiles (then their O tiles); [STAGES, 1, BLOCK_N, 1, HEAD_DIM] K, V
+    num_batch_heads = batch * num_heads
+    # [2, 1, ROWS, 1, HEAD_DIM] the consumers' Q tiles and O tiles; [STAGES, 1, BLOCK_N, 1, HEAD_DIM] K, V
     q_smem = gl.allocate_shared_memory(dtype, [2, 1, ROWS, 1, HEAD_DIM], q_desc.layout)
+    if O_IN_Q:
+        o_smem = q_smem
+    else:
+        o_smem = gl.allocate_shared_memory(dtype, [2, 1, ROWS, 1, HEAD_DIM], o_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
-    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for consumer in gl.static_range(2):
-        mbarrier.init(q_bars.index(consumer), count=1)
+        mbarrier.init(q_ready.index(consumer), count=1)
+        mbarrier.init(q_empty.index(consumer), count=1)
     for stage in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(stage), count=1)
         mbarrier.init(v_ready.index(stage), count=1)
         mbarrier.init(k_empty.index(stage), count=2)
         mbarrier.init(v_empty.index(stage), count=2)
-    # constexprs arrive in partitions as plain ints (Triton 3.6): the flag travels as a tensor
+    # constexprs arrive in partitions as plain ints (Triton 3.6): the flags travel as tensors
     causal = gl.to_tensor(CAUSAL).to(gl.int32)
-    lse_row_base = batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
-    consumer_args = (o_desc, Lse, q_smem.index(0), q_bars.index(0), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                     batch, head, lse_row_base, m_start, n_blocks, seqlen_q, seqlen_k, qk_scale_log2, causal)
-    second_args = (o_desc, Lse, q_smem.index(1), q_bars.index(1), k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                   batch, head, lse_row_base, m_start + ROWS, n_blocks, seqlen_q, seqlen_k, qk_scale_log2, causal)
-    producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, batch,
-                     head, head_k, m_start, n_blocks)
-    if OVERLAP:
-        gl.warp_specialize([(_consumer_overlapped, consumer_args), (_consumer_overlapped, second_args),
-                            (_producer, producer_args)], [4, 1], [CONSUMER_REGS, 24])
-    else:
-        gl.warp_specialize([(_consumer_in_order, consumer_args), (_consumer_in_order, second_args),
-                            (_producer, producer_args)], [4, 1], [CONSUMER_REGS, 24])
+    o_in_q = gl.to_tensor(O_IN_Q).to(gl.int32)
+    shared = (stride_lse_b, stride_lse_h)
+    work = (num_heads, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, qk_scale_log2, causal, o_in_q)
+    first_args = (o_desc, Lse, q_smem.index(0), o_smem.index(0), q_ready.index(0), q_empty.index(0), k_smem, v_smem,
+                  k_ready, v_ready, k_empty, v_empty) + shared + (0, ) + work
+    second_args = (o_desc, Lse, q_smem.index(1), o_smem.index(1), q_ready.index(1), q_empty.index(1), k_smem, v_smem,
+                   k_ready, v_ready, k_empty, v_empty) + shared + (ROWS, ) + work
+    producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                     v_empty, num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k,
+                     causal)
+    gl.warp_specialize([(_consumer, first_args), (_consumer, second_args), (_producer, producer_args)], [4, 1],
+                       [CONSUMER_REGS, 24])

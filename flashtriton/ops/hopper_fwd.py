@@ -68,17 +68,36 @@ def tile_descriptor(tensor: torch.Tensor, rows: int):
                             _shared_layout(rows, head_dim, tensor.dtype))
 
 
+# Tests cap the grid (testing.forced_hopper_grid) so that every program runs many work items.
+PROGRAMS_CAP = None
+
+
+@lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def grid_programs(work_items: int, config, causal: bool, device: torch.device) -> int:
+    """Programs of the kernel's grid: one per work item, or persistent (config.persistent, non-causal) one per SM
+    (shared memory allows one program per SM at every head dim), never more than the items. Causal tiles differ in
+    length: the hardware's dispatch of one program per tile balances them, the static split of a persistent grid
+    does not (0.71-0.90x of the per-tile grid on the causal BASELINES rows, configs.py)."""
+    persistent = config.persistent and not causal
+    programs = min(work_items, _multiprocessors(device)) if persistent else work_items
+    return programs if PROGRAMS_CAP is None else min(programs, PROGRAMS_CAP)
+
+
 def launch(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
            heads_per_group: int) -> None:
     """Run the Gluon forward into out (B, Sq, H, D) and lse (fp32, rows contiguous, strides lse_strides)."""
     global launch_count
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     config = configs.HOPPER_FWD[head_dim]
-    grid = (triton_cdiv(seqlen_q, TILE_ROWS) * batch * num_heads,)
+    grid = (grid_programs(triton_cdiv(seqlen_q, TILE_ROWS) * batch * num_heads, config, params.causal_like,
+                          q.device),)
     attn_fwd_hopper_kernel[grid](
         tile_descriptor(q, CONSUMER_ROWS.value), tile_descriptor(k, config.block_n),
-        tile_descriptor(v, config.block_n), tile_descriptor(out, CONSUMER_ROWS.value), lse, *lse_strides, num_heads, num_heads // k.shape[-2],
-        seqlen_q, seqlen_k, heads_per_group, params.kernel_args()[0],
-        CAUSAL=params.causal_like, STAGES=config.stages, OVERLAP=config.overlap,
-        CONSUMER_REGS=config.consumer_regs, num_warps=4)
+        tile_descriptor(v, config.block_n), tile_descriptor(out, CONSUMER_ROWS.value), lse, *lse_strides, batch,
+        num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, heads_per_group, params.kernel_args()[0],
+        CAUSAL=params.causal_like, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4)
     launch_count += 1
