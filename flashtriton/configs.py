@@ -224,14 +224,19 @@ GLUON_ALLOWED = os.environ.get("FLASHTRITON_GLUON", "1") != "0"
 
 
 # Hopper backward in Gluon (kernels/bwd_hopper.py: two consumer warpgroups of 64 keys, dQ by atomics), keyed by head
-# dim: query rows per Q / dO block, Q / dO stages, consumer registers (setmaxnreg). Offline sm_90 compiles
-# (tools/offline_compile.py --kernel bwd-hopper, 2026-11-30): 32-row blocks spill 56 / 96 B at d128 (non-causal /
-# causal; 9 local loads per iteration in the second consumer's loop, none in the first's); 64-row blocks spill 496 B.
-# d64 (dQ split by keys, not features): no spills.
-# Not yet run or timed on a GPU: off unless FLASHTRITON_GLUON_BWD=1.
+# dim: query rows per Q / dO block, Q / dO stages, consumer registers (setmaxnreg). H200, 2026-12-01, bf16 backward
+# TF/s non-causal / causal, one process (scratch sweep; Triton backward and SDPA FLASH / cuDNN in brackets):
+#   first design (S^T per 32-row block, dQ^T): d128 4x4096 303 / 280, 1x16384 314 / 318, d64 217 / 203
+#   (Triton 370 / 345, 388 / 390, 285 / 238)
+#   this design (64-row blocks, rows as M): 2 stages d128 16x1024 262 / 173, 4x4096 330 / 257, 1x16384 352 / 293,
+#   d64 227 / 244; 3 stages 254 / 173, 317 / 259, 340 / 298, 242 / 225
+#   (Triton 306 / 218, 362 / 332, 382 / 384, 282 / 236; flash 262 / 206, 303 / 276, 312 / 318, 280 / 248)
+# Offline (tools/offline_compile.py --kernel bwd-hopper): d128 176 / 256 B of stack (loop-invariant dQ atomic
+# addresses, reloaded each iteration), d64 48 / 80 B. Slower than the Triton backward on all but one row: off unless
+# FLASHTRITON_GLUON_BWD=1.
 @dataclass(frozen=True)
 class HopperBwdConfig:
-    query_rows: int      # rows per Q / dO block (the N of the S^T and dP^T wgmmas)
+    query_rows: int      # rows per Q / dO block (the M of the S and dP wgmmas)
     stages: int          # Q / dO stages in shared memory
     consumer_regs: int   # registers per thread of the second consumer warpgroup
 
