@@ -205,17 +205,19 @@ L2_GROUP_BYTES = {False: 0, True: 16 << 20}
 # so the kernel keeps only the overlapped schedule. 3 stages: no better (d128 585 / 519 at 4x4096); d64 key tiles
 # 64: 381 / 349. The d128 causal overlapped kernel spills at r232 (tools/offline_compile.py: 24 B of stack; none at
 # r240): the 16x1024 causal collapse.
-# Persistent grid (eighth session, 2026-12-01, same process, best of 2 medians, one program per tile -> one per
-# SM, cuDNN in brackets): non-causal d128 16x1024 502 -> 536 (606), 4x4096 576 -> 587 (595), 1x16384 602 -> 611
-# (594), d64 433 -> 439 (455), d256 640 -> 640 (640); causal 351 -> 367 (417), 523 -> 464 (516), 603 -> 508 (554),
-# d64 392 -> 394 (420), d256 591 -> 393 (555): a static split of tiles of different lengths loses, so causal calls
-# keep one program per tile (ops/hopper_fwd.grid_programs); d256 gains nothing (its O is staged in Q).
+# Persistent grid (eighth session, 2026-12-01, scratch comparison in one process, best of 2 medians, one program
+# per tile -> one per SM, cuDNN in brackets): non-causal d128 16x1024 502 -> 536 (606), 4x4096 576 -> 587 (595),
+# 1x16384 602 -> 611 (594), d64 433 -> 439 (455), d256 640 -> 640 (640). Causal with single tiles taken in turn:
+# 351 -> 367 (417), 523 -> 464 (516), 603 -> 508 (554), d64 392 -> 394 (420), d256 591 -> 393 (555) (a static split
+# of tiles of different lengths); with tiles paired longest + shortest (ops/hopper_fwd.grid, second run):
+# 16x1024 328 -> 373 (419), 4x4096 509 -> 534 (516), 1x16384 595 -> 585 (551), d64 385 -> 403 (416), d256 593 -> 588
+# (566). d256 stays one program per tile (its O is staged in Q, so a tile's end cannot overlap the next's start).
 @dataclass(frozen=True)
 class HopperFwdConfig:
     block_n: int         # keys per K/V stage
     stages: int          # K/V stages in shared memory
     consumer_regs: int   # registers per thread of the second consumer warpgroup
-    persistent: bool = False  # one program per SM taking tiles in turn (ops/hopper_fwd.grid_programs), else one per tile
+    persistent: bool = False  # one program per SM taking work items in turn (ops/hopper_fwd.grid), else one per tile
 
 
 HOPPER_FWD = {64: HopperFwdConfig(128, 2, 232, persistent=True), 128: HopperFwdConfig(128, 2, 240, persistent=True),

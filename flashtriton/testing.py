@@ -101,7 +101,7 @@ def forced_gluon_backward(enabled: bool = True):
 
 def forced_hopper_grid(programs: Optional[int]):
     """Within this block the Gluon Hopper forward's grid has at most `programs` programs (None: as configured), so
-    each program runs many work items (ops/hopper_fwd.grid_programs)."""
+    each program runs many work items (ops/hopper_fwd.grid)."""
     from .ops import hopper_fwd
 
     return _overridden(hopper_fwd, "PROGRAMS_CAP", programs)

@@ -112,7 +112,7 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     signature = {"q_desc": descriptor(rows), "k_desc": descriptor(config.block_n), "v_desc": descriptor(config.block_n),
                  "o_desc": descriptor(rows), "Lse": "*fp32"}
     signature.update({name: "i32" for name in ("stride_lse_b", "stride_lse_h", "batch", "num_heads", "group_size",
-                                               "seqlen_q", "seqlen_k", "heads_per_group")})
+                                               "seqlen_q", "seqlen_k", "heads_per_group", "paired")})
     signature["qk_scale_log2"] = "fp32"
     return _compile_gluon(attn_fwd_hopper_kernel, signature, dict(CAUSAL=causal, STAGES=config.stages,
                                                                   CONSUMER_REGS=config.consumer_regs, num_warps=4))

@@ -7,9 +7,11 @@ head dim 64 / 128 / 256, GQA, no window or the causal one (bottom-right aligned)
 softcap, ALiBi or dropout; everything else runs kernels/fwd.py. Numerics are those of kernels/fwd.py without the
 rescale skip: fp32 scores and accumulators, P rounded to V's dtype, natural-log LSE, +inf for rows that see no key.
 
-Work: the grid's programs take 128-row tiles (work items) in turn, p, p + P, p + 2P, ... (ops/hopper_fwd sizes the
-grid: one program per item, or persistent: as many as fit the GPU at once). The producer loads the next item's Q
-tiles and K/V blocks while the consumers finish the current one (their last wgmmas, normalization, O store).
+Work: the grid's programs take work items in turn, p, p + P, p + 2P, ... (ops/hopper_fwd sizes the grid: one
+program per item, or persistent: as many as fit the GPU at once). An item is one 128-row tile, or for persistent
+causal grids a pair of tiles (the longest and the shortest left) so that every item has the same number of key
+blocks. The producer loads the next tile's Q and K/V blocks while the consumers finish the current one (their
+last wgmmas, normalization, O store).
 
 Synchronisation: q_ready[c] completes when consumer c's Q tile has landed, q_empty[c] when consumer c no longer
 reads it (after its last S wgmma; where O is staged in the Q tile, after O's store). k_ready[s] / v_ready[s]
@@ -37,12 +39,28 @@ _grouped_tile_of = gluon.jit(grouped_tile_of.fn)
 
 
 @gluon.jit
-def _tile_work(item, num_tiles, num_batch_heads, num_heads, heads_per_group, seqlen_q, seqlen_k, causal,
-               TILE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(batch, head, first query row, key blocks) of work item `item`: its 128-row tile and (batch, head) in
-    grouped_tile_of's order, tiles numbered longest first. At least one key block, even for a causal tile whose rows
-    all precede the first key (sq > sk): it comes back fully masked, so those rows see no key."""
-    tile, batch_head = _grouped_tile_of(item, num_tiles, num_batch_heads, heads_per_group)
+def _item_tiles(item, num_tiles, num_batch_heads, heads_per_group, paired):
+    """Work item `item`'s (batch * heads index) and its tiles as a range (first, end, step), tiles numbered longest
+    first, items in grouped_tile_of's order. Unpaired an item is one tile; paired (persistent causal grids) item s
+    is tiles s and num_tiles - 1 - s, whose key blocks add up to the same count for every s, so that programs taking
+    items in turn get equal work."""
+    num_slots = gl.where(paired != 0, (num_tiles + 1) // 2, num_tiles)
+    slot, batch_head = _grouped_tile_of(item, num_slots, num_batch_heads, heads_per_group)
+    end = gl.where(paired != 0, num_tiles - slot, slot + 1)
+    return batch_head, slot, end, gl.maximum(num_tiles - 1 - 2 * slot, 1)
+
+
+@gluon.jit
+def _num_items(num_tiles, num_batch_heads, paired):
+    return gl.where(paired != 0, (num_tiles + 1) // 2, num_tiles) * num_batch_heads
+
+
+@gluon.jit
+def _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, causal, TILE_ROWS: gl.constexpr,
+               BLOCK_N: gl.constexpr):
+    """(batch, head, first query row, key blocks) of a tile (numbered longest first). At least one key block, even
+    for a causal tile whose rows all precede the first key (sq > sk): it comes back fully masked, so those rows see
+    no key."""
     m_start = (num_tiles - 1 - tile) * TILE_ROWS
     key_end = seqlen_k
     if causal != 0:
@@ -52,10 +70,10 @@ def _tile_work(item, num_tiles, num_batch_heads, num_heads, heads_per_group, seq
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, causal):
-    """One warp, per work item of this program: both consumers' Q tiles once each consumer released its previous
-    one, then K and V of the item's key blocks; the program's load number l (counted across items) goes to stage
-    l % STAGES once both consumers freed that stage's K (resp. V)."""
+              num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, causal, paired):
+    """One warp, per tile of this program's work items: both consumers' Q tiles once each consumer released its
+    previous one, then K and V of the tile's key blocks; the program's load number l (counted across tiles) goes to
+    stage l % STAGES once both consumers freed that stage's K (resp. V)."""
     ROWS: gl.constexpr = q_smem.shape[2]
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
@@ -64,28 +82,31 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8
     load = 0
     done = 0
-    for item in range(gl.program_id(0), num_tiles * num_batch_heads, gl.num_programs(0)):
-        batch, head, m_start, n_blocks = _tile_work(item, num_tiles, num_batch_heads, num_heads, heads_per_group,
-                                                    seqlen_q, seqlen_k, causal, 2 * ROWS, BLOCK_N)
-        head_k = head // group_size
-        for consumer in gl.static_range(2):
-            mbarrier.wait(q_empty.index(consumer), (done - 1) & 1, pred=done > 0)
-            mbarrier.expect(q_ready.index(consumer), q_bytes)
-            tma.async_copy_global_to_shared(q_desc, [batch, m_start + consumer * ROWS, head, 0],
-                                            q_ready.index(consumer), q_smem.index(consumer))
-        for j in range(n_blocks):
-            stage = load % STAGES
-            previous_use_phase = ((load // STAGES) - 1) & 1
-            mbarrier.wait(k_empty.index(stage), previous_use_phase, pred=load >= STAGES)
-            mbarrier.expect(k_ready.index(stage), kv_bytes)
-            tma.async_copy_global_to_shared(k_desc, [batch, j * BLOCK_N, head_k, 0], k_ready.index(stage),
-                                            k_smem.index(stage))
-            mbarrier.wait(v_empty.index(stage), previous_use_phase, pred=load >= STAGES)
-            mbarrier.expect(v_ready.index(stage), kv_bytes)
-            tma.async_copy_global_to_shared(v_desc, [batch, j * BLOCK_N, head_k, 0], v_ready.index(stage),
-                                            v_smem.index(stage))
-            load += 1
-        done += 1
+    for item in range(gl.program_id(0), _num_items(num_tiles, num_batch_heads, paired), gl.num_programs(0)):
+        batch_head, first_tile, end_tile, tile_step = _item_tiles(item, num_tiles, num_batch_heads, heads_per_group,
+                                                                  paired)
+        for tile in range(first_tile, end_tile, tile_step):
+            batch, head, m_start, n_blocks = _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k,
+                                                        causal, 2 * ROWS, BLOCK_N)
+            head_k = head // group_size
+            for consumer in gl.static_range(2):
+                mbarrier.wait(q_empty.index(consumer), (done - 1) & 1, pred=done > 0)
+                mbarrier.expect(q_ready.index(consumer), q_bytes)
+                tma.async_copy_global_to_shared(q_desc, [batch, m_start + consumer * ROWS, head, 0],
+                                                q_ready.index(consumer), q_smem.index(consumer))
+            for j in range(n_blocks):
+                stage = load % STAGES
+                previous_use_phase = ((load // STAGES) - 1) & 1
+                mbarrier.wait(k_empty.index(stage), previous_use_phase, pred=load >= STAGES)
+                mbarrier.expect(k_ready.index(stage), kv_bytes)
+                tma.async_copy_global_to_shared(k_desc, [batch, j * BLOCK_N, head_k, 0], k_ready.index(stage),
+                                                k_smem.index(stage))
+                mbarrier.wait(v_empty.index(stage), previous_use_phase, pred=load >= STAGES)
+                mbarrier.expect(v_ready.index(stage), kv_bytes)
+                tma.async_copy_global_to_shared(v_desc, [batch, j * BLOCK_N, head_k, 0], v_ready.index(stage),
+                                                v_smem.index(stage))
+                load += 1
+            done += 1
 
 
 @gluon.jit
@@ -181,8 +202,8 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
 @gluon.jit
 def _consumer(o_desc, Lse, q_tile, o_tile, q_ready, q_empty, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
               stride_lse_b, stride_lse_h, row_offset, num_heads, num_tiles, num_batch_heads, heads_per_group, seqlen_q,
-              seqlen_k, qk_scale_log2, causal, o_in_q):
-    """One warpgroup: query rows [m_start + row_offset, + ROWS) of every work item of this program. Per item: wait
+              seqlen_k, qk_scale_log2, causal, o_in_q, paired):
+    """One warpgroup: query rows [m_start + row_offset, + ROWS) of every tile of this program. Per tile: wait
     for its Q tile (q_tile [1, ROWS, 1, HEAD_DIM], shared), run the key blocks, normalize, store the natural-log
     LSE and O (through o_tile by TMA, which clips rows past seqlen_q). q_empty tells the producer that q_tile may
     be refilled: after the last S wgmma, or where O is staged in q_tile itself (o_in_q) once O's store has read it.
@@ -199,40 +220,46 @@ def _consumer(o_desc, Lse, q_tile, o_tile, q_ready, q_empty, k_smem, v_smem, k_r
     q = q_tile.reshape([ROWS, HEAD_DIM])
     load = 0
     done = 0
-    for item in range(gl.program_id(0), num_tiles * num_batch_heads, gl.num_programs(0)):
-        batch, head, m_start, n_blocks = _tile_work(item, num_tiles, num_batch_heads, num_heads, heads_per_group,
-                                                    seqlen_q, seqlen_k, causal, 2 * ROWS, BLOCK_N)
-        row0 = m_start + row_offset
-        # [ROWS] this consumer's query rows
-        offs_m = row0 + gl.arange(0, ROWS, row_s)
-        mbarrier.wait(q_ready, done & 1)
-        acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0, load,
-                                    n_blocks, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, acc_layout)
-        seen = l_i > 0.0
-        out = acc / gl.expand_dims(gl.convert_layout(gl.where(seen, l_i, 1.0), row_o), 1)
-        lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("inf"))
-        lse_row_base = batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
-        gl.store(Lse + lse_row_base + offs_m, lse, mask=offs_m < seqlen_q)
-        tma.store_wait(0)  # the previous item's O store has read o_tile
-        o_tile.reshape([ROWS, HEAD_DIM]).store(out.to(o_tile.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_tile)
-        if o_in_q != 0:
-            tma.store_wait(0)
-            mbarrier.arrive(q_empty)
-        load += n_blocks
-        done += 1
+    for item in range(gl.program_id(0), _num_items(num_tiles, num_batch_heads, paired), gl.num_programs(0)):
+        batch_head, first_tile, end_tile, tile_step = _item_tiles(item, num_tiles, num_batch_heads, heads_per_group,
+                                                                  paired)
+        for tile in range(first_tile, end_tile, tile_step):
+            batch, head, m_start, n_blocks = _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k,
+                                                        causal, 2 * ROWS, BLOCK_N)
+            row0 = m_start + row_offset
+            # [ROWS] this consumer's query rows
+            offs_m = row0 + gl.arange(0, ROWS, row_s)
+            mbarrier.wait(q_ready, done & 1)
+            acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,
+                                        load, n_blocks, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal,
+                                        acc_layout)
+            seen = l_i > 0.0
+            out = acc / gl.expand_dims(gl.convert_layout(gl.where(seen, l_i, 1.0), row_o), 1)
+            lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("inf"))
+            lse_row_base = batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
+            gl.store(Lse + lse_row_base + offs_m, lse, mask=offs_m < seqlen_q)
+            tma.store_wait(0)  # the previous tile's O store has read o_tile
+            o_tile.reshape([ROWS, HEAD_DIM]).store(out.to(o_tile.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_tile)
+            if o_in_q != 0:
+                tma.store_wait(0)
+                mbarrier.arrive(q_empty)
+            load += n_blocks
+            done += 1
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "batch", "seqlen_q", "seqlen_k", "heads_per_group"])
+@gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "batch", "seqlen_q", "seqlen_k", "heads_per_group",
+                              "paired"])
 def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, stride_lse_h, batch, num_heads,
-                           group_size, seqlen_q, seqlen_k, heads_per_group, qk_scale_log2,
+                           group_size, seqlen_q, seqlen_k, heads_per_group, paired, qk_scale_log2,
                            CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                            num_warps: gl.constexpr):
     """Work items: 128-row query tiles of every (batch, head), longest first, in launch-order groups of
-    heads_per_group (batch, head) pairs like kernels/fwd.py; program p takes items p, p + P, p + 2P, ... of a grid
-    of P programs (one per item, or persistent: one per SM, so the next item's loads overlap this one's end).
+    heads_per_group (batch, head) pairs like kernels/fwd.py, or with `paired` (1) pairs of tiles of equal total
+    length (_item_tiles); program p takes items p, p + P, p + 2P, ... of a grid of P programs (one per item, or
+    persistent: one per SM, so the next tile's loads overlap this one's end).
     num_warps (4) is the first consumer's; the second consumer (4 warps, CONSUMER_REGS registers) and the producer
     (1 warp) are worker partitions."""
     ROWS: gl.constexpr = CONSUMER_ROWS
@@ -272,13 +299,14 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
     causal = gl.to_tensor(CAUSAL).to(gl.int32)
     o_in_q = gl.to_tensor(O_IN_Q).to(gl.int32)
     shared = (stride_lse_b, stride_lse_h)
-    work = (num_heads, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, qk_scale_log2, causal, o_in_q)
+    work = (num_heads, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, qk_scale_log2, causal, o_in_q,
+            paired)
     first_args = (o_desc, Lse, q_smem.index(0), o_smem.index(0), q_ready.index(0), q_empty.index(0), k_smem, v_smem,
                   k_ready, v_ready, k_empty, v_empty) + shared + (0, ) + work
     second_args = (o_desc, Lse, q_smem.index(1), o_smem.index(1), q_ready.index(1), q_empty.index(1), k_smem, v_smem,
                    k_ready, v_ready, k_empty, v_empty) + shared + (ROWS, ) + work
     producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k,
-                     causal)
+                     causal, paired)
     gl.warp_specialize([(_consumer, first_args), (_consumer, second_args), (_producer, producer_args)], [4, 1],
                        [CONSUMER_REGS, 24])

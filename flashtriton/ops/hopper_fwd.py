@@ -77,14 +77,16 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def grid_programs(work_items: int, config, causal: bool, device: torch.device) -> int:
-    """Programs of the kernel's grid: one per work item, or persistent (config.persistent, non-causal) one per SM
-    (shared memory allows one program per SM at every head dim), never more than the items. Causal tiles differ in
-    length: the hardware's dispatch of one program per tile balances them, the static split of a persistent grid
-    does not (0.71-0.90x of the per-tile grid on the causal BASELINES rows, configs.py)."""
-    persistent = config.persistent and not causal
-    programs = min(work_items, _multiprocessors(device)) if persistent else work_items
-    return programs if PROGRAMS_CAP is None else min(programs, PROGRAMS_CAP)
+def grid(num_tiles: int, batch_heads: int, config, causal: bool, device: torch.device) -> Tuple[int, bool]:
+    """(programs, paired) of the kernel's grid over num_tiles 128-row tiles of each of batch_heads (batch, head)
+    pairs: one program per tile, or persistent (config.persistent) one per SM
+    (shared memory allows one program per SM at every head dim) taking work items in turn, never more programs
+    than items. Causal tiles differ in length, so a persistent causal grid pairs them (the longest with the
+    shortest left): a static split of single tiles lost up to 33% against one program per tile (configs.py)."""
+    paired = config.persistent and causal
+    items = ((num_tiles + 1) // 2 if paired else num_tiles) * batch_heads
+    programs = min(items, _multiprocessors(device)) if config.persistent else items
+    return (programs if PROGRAMS_CAP is None else min(programs, PROGRAMS_CAP)), paired
 
 
 def launch(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
@@ -93,11 +95,12 @@ def launch(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: in
     global launch_count
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     config = configs.HOPPER_FWD[head_dim]
-    grid = (grid_programs(triton_cdiv(seqlen_q, TILE_ROWS) * batch * num_heads, config, params.causal_like,
-                          q.device),)
-    attn_fwd_hopper_kernel[grid](
+    programs, paired = grid(triton_cdiv(seqlen_q, TILE_ROWS), batch * num_heads, config, params.causal_like,
+                            q.device)
+    attn_fwd_hopper_kernel[(programs,)](
         tile_descriptor(q, CONSUMER_ROWS.value), tile_descriptor(k, config.block_n),
         tile_descriptor(v, config.block_n), tile_descriptor(out, CONSUMER_ROWS.value), lse, *lse_strides, batch,
-        num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, heads_per_group, params.kernel_args()[0],
-        CAUSAL=params.causal_like, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4)
+        num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, heads_per_group, int(paired),
+        params.kernel_args()[0], CAUSAL=params.causal_like, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs,
+        num_warps=4)
     launch_count += 1
