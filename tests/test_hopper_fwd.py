@@ -156,3 +156,19 @@ def test_features_it_does_not_cover_take_the_triton_kernel(feature):
     checks, ran = run_forward(Case(**options))
     assert not ran, "the Gluon forward ran on a case it does not cover"
     assert_ok(checks)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-tile", "persistent"])
+def test_grid_sizes(monkeypatch, persistent, causal):
+    """One program per tile, or (persistent) at most one per SM over the work items: tiles, or for causal calls
+    pairs of tiles (an odd count leaves the middle tile alone); the test cap bounds both."""
+    monkeypatch.setattr(hopper_fwd, "_multiprocessors", lambda device: 132)
+    config = configs.HopperFwdConfig(128, 2, 240, persistent=persistent)
+    paired = persistent and causal
+    for num_tiles, batch_heads in ((8, 256), (7, 3), (1, 1)):
+        items = (num_tiles + 1) // 2 * batch_heads if paired else num_tiles * batch_heads
+        expected = min(items, 132) if persistent else items
+        assert hopper_fwd.grid(num_tiles, batch_heads, config, causal, "cuda") == (expected, paired)
+    monkeypatch.setattr(hopper_fwd, "PROGRAMS_CAP", 3)
+    assert hopper_fwd.grid(8, 256, config, causal, "cuda") == (3, paired)
