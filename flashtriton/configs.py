@@ -233,8 +233,13 @@ GLUON_ALLOWED = os.environ.get("FLASHTRITON_GLUON", "1") != "0"
 #   this design (64-row blocks, rows as M): 2 stages d128 16x1024 262 / 173, 4x4096 330 / 257, 1x16384 352 / 293,
 #   d64 227 / 244; 3 stages 254 / 173, 317 / 259, 340 / 298, 242 / 225
 #   (Triton 306 / 218, 362 / 332, 382 / 384, 282 / 236; flash 262 / 206, 303 / 276, 312 / 318, 280 / 248)
-# Offline (tools/offline_compile.py --kernel bwd-hopper): d128 176 / 256 B of stack (loop-invariant dQ atomic
-# addresses, reloaded each iteration), d64 48 / 80 B. Slower than the Triton backward on all but one row: off unless
+# dQ added with 4-wide vector atomics (a blocked layout and stated alignment: partition arguments carry none), 16
+# per consumer and iteration instead of 64 scalar ones: d128 266 / 177, 331 / 268, 353 / 308; d64 247 / 275 (3
+# stages 278 / 251); 248 registers: 262 / 184, 329 / 286, 354 / 332 (Triton 307 / 218, 366 / 336, 386 / 383, 282 /
+# 237). ncu (4x4096 d128, before the vector atomics): 15.2 cycles between issues per warp, 6.0 of them waiting on
+# L1TEX (local-memory spills, LSE / delta loads, atomics); occupancy 12 warps per SM. Offline
+# (tools/offline_compile.py --kernel bwd-hopper): d128 200 B of stack, both consumers reloading loop-invariant
+# 64-bit addresses every iteration; d64 8 B. Slower than the Triton backward on every d128 row: off unless
 # FLASHTRITON_GLUON_BWD=1.
 @dataclass(frozen=True)
 class HopperBwdConfig:

@@ -106,8 +106,11 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, p_own, ds_own, ds_lo, d
     key_in = offs_n < seqlen_k
     last_key = n_start + key0 + OWN - 1
     # [ROWS, FEATURES] dQ tile coordinates: query rows, features
-    dq_rows = gl.arange(0, ROWS, gl.SliceLayout(1, dq_layout))
-    dq_features = gl.arange(0, FEATURES, gl.SliceLayout(0, dq_layout))
+    # dQ is added from a layout of 4 consecutive features per thread (vector atomics, 16 threads per 64 features)
+    dq_add_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // (FEATURES // 4),
+                                                   FEATURES // 4], warps_per_cta=[4, 1], order=[1, 0])
+    dq_rows = gl.arange(0, ROWS, gl.SliceLayout(1, dq_add_layout))
+    dq_features = gl.arange(0, FEATURES, gl.SliceLayout(0, dq_add_layout))
     mbarrier.wait(kv_ready, 0)
     for i in range(n_iterations):
         stage = i % STAGES
@@ -164,7 +167,10 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, p_own, ds_own, ds_lo, d
         # DQAccum has its rows padded to whole blocks, so no mask (rows past seqlen_q add zeros: their P is 0)
         dq_head = DQAccum + (batch.to(gl.int64) * stride_dqa_b + head.to(gl.int64) * stride_dqa_h + feature0)
         dq_offsets = gl.expand_dims((m_start + dq_rows) * stride_dqa_m, 1) + gl.expand_dims(dq_features, 0)
-        gl.atomic_add(dq_head + dq_offsets, dq, sem="relaxed")
+        # partition arguments carry no alignment facts, so the vector atomics need them stated: every thread's 4
+        # features start 16-byte aligned (ops/hopper_bwd: head dim 64 / 128, fp32 rows of the padded accumulator)
+        dq_ptrs = gl.max_contiguous(gl.multiple_of(dq_head + dq_offsets, [1, 16]), [1, 4])
+        gl.atomic_add(dq_ptrs, gl.convert_layout(dq, dq_add_layout), sem="relaxed")
     # [OWN, HEAD_DIM] stores of this consumer's key rows below seqlen_k
     rows = n_start + key0 + gl.arange(0, OWN, gl.SliceLayout(1, dkv_layout))
     features = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, dkv_layout))
