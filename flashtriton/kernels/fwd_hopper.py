@@ -18,8 +18,8 @@ reads it (after its last S wgmma; where O is staged in the Q tile, after O's sto
 complete when stage s's K / V tile has landed (TMA transaction bytes); k_empty[s] / v_empty[s] when both consumers
 are done with stage s's K / V tile (count 2: one arrival per consumer warpgroup), so the producer refills K before
 V is free. The program's loads are numbered across its items: load l goes to stage l % STAGES and is the
-(l // STAGES)-th use of that stage, whose parity the waits check; item number i's Q tiles are the i-th use of
-q_ready / q_empty.
+(l // STAGES)-th use of that stage, whose parity the waits check; the program's i-th tile's Q tiles are the i-th
+use of q_ready / q_empty.
 
 Consumer schedule (FA3's intra-warpgroup pipelining): S_j and P_{j-1} V_{j-1} are issued together, the softmax of
 block j runs while P_{j-1} V_{j-1} is on the tensor cores, and the output rescale waits for it. (An in-order
@@ -52,6 +52,7 @@ def _item_tiles(item, num_tiles, num_batch_heads, heads_per_group, paired):
 
 @gluon.jit
 def _num_items(num_tiles, num_batch_heads, paired):
+    """Work items of the launch (_item_tiles)."""
     return gl.where(paired != 0, (num_tiles + 1) // 2, num_tiles) * num_batch_heads
 
 
@@ -266,7 +267,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
-    # O gets tiles of its own where they fit next to Q and the K/V stages, so the next item's Q can land while O is
+    # O gets tiles of its own where they fit next to Q and the K/V stages, so the next tile's Q can land while O is
     # stored; else (head dim 256) O is staged in the consumer's Q tile
     tile_bytes: gl.constexpr = ROWS * HEAD_DIM * dtype.primitive_bitwidth // 8
     stage_bytes: gl.constexpr = 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
