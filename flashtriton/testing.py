@@ -299,6 +299,13 @@ def _compare(reference, fp32_floors, out, lse, inputs, grads, dout, out_factor: 
     return checks
 
 
+def assert_checks_ok(checks: Sequence, context: str = "") -> None:
+    """Raise AssertionError naming every failed ErrorCheck of checks (prefixed by context, if given)."""
+    failed = [str(c) for c in checks if not c.ok]
+    if failed:
+        raise AssertionError((context + ": " if context else "") + "; ".join(failed))
+
+
 def compare_with_reference(case: Case, out: torch.Tensor, lse: torch.Tensor, q, k, v, alibi_slopes,
                            grads: Optional[Sequence[torch.Tensor]] = None, dout: Optional[torch.Tensor] = None,
                            grad_factor: float = 3.0, dropout_p: float = 0.0,

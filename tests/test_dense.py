@@ -13,8 +13,8 @@ import torch
 
 import flashtriton
 from flashtriton import configs
-from flashtriton.testing import (Case, compare_with_reference, forced_heads_per_group, make_case_inputs,
-                                 poisoned_outputs)
+from flashtriton.testing import (Case, assert_checks_ok, compare_with_reference, forced_heads_per_group,
+                                 make_case_inputs, poisoned_outputs)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -32,11 +32,6 @@ def run_case(case: Case, grads: bool = True, scale: float = 1.0):
     return compare_with_reference(case, out, lse, q, k, v, slopes, grad_values, dout if grads else None)
 
 
-def assert_all_ok(checks):
-    failed = [str(c) for c in checks if not c.ok]
-    assert not failed, "; ".join(failed)
-
-
 SHAPES = [(1, 1), (1, 239), (3, 113), (113, 113), (239, 97), (97, 239), (64, 128)]
 HEAD_DIMS = [16, 40, 64, 72, 96, 128, 160, 256]
 
@@ -45,14 +40,14 @@ HEAD_DIMS = [16, 40, 64, 72, 96, 128, 160, 256]
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", SHAPES, ids=[f"sq{a}-sk{b}" for a, b in SHAPES])
 def test_shapes(seqlen_q, seqlen_k, dtype, causal):
-    assert_all_ok(run_case(Case(seqlen_q=seqlen_q, seqlen_k=seqlen_k, dtype=dtype, causal=causal)))
+    assert_checks_ok(run_case(Case(seqlen_q=seqlen_q, seqlen_k=seqlen_k, dtype=dtype, causal=causal)))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=[f"d{d}" for d in HEAD_DIMS])
 def test_head_dims(head_dim, causal):
     case = Case(batch=1, seqlen_q=97, seqlen_k=75, num_heads=2, num_heads_k=2, head_dim=head_dim, causal=causal)
-    assert_all_ok(run_case(case))
+    assert_checks_ok(run_case(case))
 
 
 FEATURES = {
@@ -84,7 +79,7 @@ FEATURE_SHAPES = [(97, 97), (150, 83), (83, 150)]
 @pytest.mark.parametrize("feature", list(FEATURES), ids=list(FEATURES))
 def test_features(feature, seqlen_q, seqlen_k):
     case = replace(Case(seqlen_q=seqlen_q, seqlen_k=seqlen_k), **FEATURES[feature])
-    assert_all_ok(run_case(case))
+    assert_checks_ok(run_case(case))
 
 
 PACKED_GQA_CASES = {
@@ -102,19 +97,19 @@ def test_short_queries_pack_gqa_heads(name):
     """Few query rows with GQA: the forward packs each KV head's query heads into one tile."""
     case = replace(Case(), **PACKED_GQA_CASES[name])
     assert configs.pack_gqa(case.seqlen_q, case.num_heads // case.num_heads_k)
-    assert_all_ok(run_case(case))
+    assert_checks_ok(run_case(case))
 
 
 @pytest.mark.parametrize("feature", ["causal-window", "gqa", "alibi-causal-quirk"])
 def test_dense_through_tensor_descriptors(force_tma, feature):
     """Host-built descriptors over whole (B, S, H, D) tensors, as sm90 runs dense layouts."""
-    assert_all_ok(run_case(replace(Case(seqlen_q=150, seqlen_k=83), **FEATURES[feature])))
+    assert_checks_ok(run_case(replace(Case(seqlen_q=150, seqlen_k=83), **FEATURES[feature])))
 
 
 @pytest.mark.parametrize("feature", ["causal-window", "gqa", "alibi-causal-quirk", "all-combined"])
 def test_backward_with_atomic_dq(force_dq_atomic, feature):
     """dQ added with atomics by the dK/dV kernel (no dQ pass) meets the same tolerance rule."""
-    assert_all_ok(run_case(replace(Case(seqlen_q=150, seqlen_k=83), **FEATURES[feature])))
+    assert_checks_ok(run_case(replace(Case(seqlen_q=150, seqlen_k=83), **FEATURES[feature])))
 
 
 @pytest.mark.parametrize("heads_per_group", [2, 4])
@@ -124,7 +119,7 @@ def test_grids_run_in_groups_of_heads(heads_per_group, num_heads, num_heads_k, c
     """Launch order in groups of (batch, head) pairs, the last group smaller: every tile still runs once."""
     case = Case(batch=3, seqlen_q=150, seqlen_k=130, num_heads=num_heads, num_heads_k=num_heads_k, causal=causal)
     with forced_heads_per_group(heads_per_group):
-        assert_all_ok(run_case(case))
+        assert_checks_ok(run_case(case))
 
 
 def test_heads_per_l2_group_fits_the_budget(monkeypatch):
@@ -179,7 +174,7 @@ def test_saturated_softmax_gradients_follow_the_flash_algorithm():
                 window_size=(2, 2), alibi=True)
     for seed in (5, 10):
         torch.manual_seed(seed)
-        assert_all_ok(run_case(case, scale=4.0))
+        assert_checks_ok(run_case(case, scale=4.0))
 
 
 def test_rows_with_a_single_visible_key_have_fp32_level_gradients():
@@ -191,20 +186,20 @@ def test_rows_with_a_single_visible_key_have_fp32_level_gradients():
                 window_size=(0, 27), alibi=True, softmax_scale=0.3)
     for seed in (0, 9):
         torch.manual_seed(seed)
-        assert_all_ok(run_case(case, scale=4.0))
+        assert_checks_ok(run_case(case, scale=4.0))
 
 
 def test_window_quirk_query_longer_than_keys():
     """FA2's §4.2.3 rewrite: with Sq >= Sk + 2 a finite left window turns an unbounded right into Sk."""
-    assert_all_ok(run_case(Case(seqlen_q=200, seqlen_k=30, window_size=(5, -1))))
-    assert_all_ok(run_case(Case(seqlen_q=200, seqlen_k=30, window_size=(40, 2))))
+    assert_checks_ok(run_case(Case(seqlen_q=200, seqlen_k=30, window_size=(5, -1))))
+    assert_checks_ok(run_case(Case(seqlen_q=200, seqlen_k=30, window_size=(40, 2))))
 
 
 def test_large_magnitudes_stay_finite():
     """Upstream's regression: q scaled by 5, k/v by 3, lengths off the block size; gradients finite."""
     for seqlen in (1, 2, 5, 17, 128):
         case = Case(seqlen_q=seqlen, seqlen_k=seqlen, head_dim=32, causal=True)
-        assert_all_ok(run_case(case, scale=4.0))
+        assert_checks_ok(run_case(case, scale=4.0))
 
 
 @pytest.mark.parametrize("threshold", [0.0, 8.0], ids=["always-rescale", "lagging-max"])
@@ -218,7 +213,7 @@ def test_rescale_skip_is_exact(monkeypatch, threshold):
     k = (k.float() + ramp * q.float().mean(1, keepdim=True)).to(case.dtype)
     with poisoned_outputs():
         out, lse, _ = flashtriton.flash_attn_func(q, k, v, return_attn_probs=True)
-    assert_all_ok(compare_with_reference(case, out, lse, q, k, v, None))
+    assert_checks_ok(compare_with_reference(case, out, lse, q, k, v, None))
 
 
 def test_rescale_skip_matches_always_rescale(monkeypatch):
@@ -304,7 +299,7 @@ def test_packed_variants_match_separate():
 def test_long_sequences_gpu(seqlen_q, seqlen_k, dtype, causal, head_dim):
     case = Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=4, num_heads_k=2, head_dim=head_dim,
                 dtype=dtype, causal=causal)
-    assert_all_ok(run_case(case))
+    assert_checks_ok(run_case(case))
 
 
 @pytest.mark.gpu
@@ -312,4 +307,4 @@ def test_long_sequences_gpu(seqlen_q, seqlen_k, dtype, causal, head_dim):
 @pytest.mark.parametrize("feature", ["causal-window", "alibi-causal-quirk", "softcap-causal", "local-all-combined"])
 def test_long_features_gpu(feature):
     case = replace(Case(batch=2, seqlen_q=1500, seqlen_k=2100, head_dim=128), **FEATURES[feature])
-    assert_all_ok(run_case(case))
+    assert_checks_ok(run_case(case))

@@ -6,7 +6,7 @@ import torch
 import flashtriton
 from flashtriton.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
 from flashtriton.reference import attention_reference_varlen
-from flashtriton.testing import Case, check_error, compare_with_reference, poisoned_outputs
+from flashtriton.testing import Case, assert_checks_ok, check_error, compare_with_reference, poisoned_outputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -39,8 +39,7 @@ def test_output_and_gradients_match_reference_with_the_kernels_mask(options):
     keep = keep_mask_of(s_dmask, seqlen_q, 90)
     case = Case(causal=options.get("causal", False), window_size=options.get("window_size", (-1, -1)))
     checks = compare_with_reference(case, out, lse, q, k, v, slopes, grads, dout, dropout_p=p, dropout_mask=keep)
-    failed = [str(c) for c in checks if not c.ok]
-    assert not failed, "; ".join(failed)
+    assert_checks_ok(checks)
 
 
 @pytest.mark.parametrize("options", [dict(causal=True), dict(window_size=(20, 5), alibi=True)],

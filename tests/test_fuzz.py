@@ -16,18 +16,13 @@ import flashtriton
 from flashtriton import configs
 from flashtriton.ops import hopper_fwd
 from flashtriton.reference import kvcache_reference
-from flashtriton.testing import (Case, check_error, check_lse, compare_varlen_with_reference, compare_with_reference,
-                                 cu_seqlens, forced_dq_atomic, forced_heads_per_group, forced_hopper_grid,
-                                 forced_tma, make_case_inputs, poisoned_outputs)
+from flashtriton.testing import (Case, assert_checks_ok, check_error, check_lse, compare_varlen_with_reference,
+                                 compare_with_reference, cu_seqlens, forced_dq_atomic, forced_heads_per_group,
+                                 forced_hopper_grid, forced_tma, make_case_inputs, poisoned_outputs)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = DEVICE == "cpu"  # the interpreter is slow: keep CPU shapes small
 MAX_SEQLEN = 150 if SMALL else 1100
-
-
-def assert_ok(checks):
-    failed = [str(c) for c in checks if not c.ok]
-    assert not failed, "; ".join(failed)
 
 
 @st.composite
@@ -89,7 +84,7 @@ def test_fuzz_flash_attn_func(case, input_scale, tma, dq_atomic, heads_per_group
                                                   case.softcap, slopes, return_attn_probs=True)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
-    assert_ok(compare_with_reference(case, out, lse, q, k, v, slopes, grads, dout))
+    assert_checks_ok(compare_with_reference(case, out, lse, q, k, v, slopes, grads, dout))
 
 
 @st.composite
@@ -131,7 +126,7 @@ def test_fuzz_hopper_forward_domain(case, input_scale, programs):
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
     assert (hopper_fwd.launch_count > launches) == ON_HOPPER
-    assert_ok(compare_with_reference(case, out, lse, q, k, v, None, grads, dout))
+    assert_checks_ok(compare_with_reference(case, out, lse, q, k, v, None, grads, dout))
 
 
 @st.composite
@@ -164,7 +159,7 @@ def test_fuzz_flash_attn_varlen_func(lengths, causal, window, alibi, heads, head
     checks = compare_varlen_with_reference(out, lse, q, k, v, cu_q.cpu(), cu_k.cpu(), max_k,
                                            grads if with_grads else None, dout, causal=causal, window_size=window,
                                            alibi_slopes=slopes)
-    assert_ok(checks)
+    assert_checks_ok(checks)
     assert torch.all(out[covered_q:] == 0) and all(torch.all(g[n:] == 0) for g, n in
                                                    zip(grads, (covered_q, covered_k, covered_k)))
 
@@ -204,7 +199,7 @@ def test_fuzz_flash_attn_with_kvcache(batch, seqlen_q, seqlen_new, capacity, pag
     with poisoned_outputs(), forced_paths(tma, heads_per_group=heads_per_group):
         out, lse = flashtriton.flash_attn_with_kvcache(q, k_cache, v_cache, **inputs, **options, num_splits=splits,
                                                        return_softmax_lse=True)
-    assert_ok([check_error("out", out, ref, pt, factor=3.0), check_lse(lse, ref_lse)])
+    assert_checks_ok([check_error("out", out, ref, pt, factor=3.0), check_lse(lse, ref_lse)])
     assert torch.equal(v_cache, ref_v)
 
 

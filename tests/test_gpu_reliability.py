@@ -21,7 +21,8 @@ import torch
 import flashtriton
 from flashtriton.ops import backend
 from flashtriton.reference import attention_reference, attention_reference_varlen, kvcache_reference
-from flashtriton.testing import Case, check_error, check_lse, compare_with_reference, cu_seqlens, poisoned_outputs
+from flashtriton.testing import (Case, assert_checks_ok, check_error, check_lse, compare_with_reference, cu_seqlens,
+                                 poisoned_outputs)
 from flashtriton.validate import rotated_key_tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # edge tests (section e)
@@ -63,11 +64,6 @@ def free_cached_memory():
 def sync(device=None):
     if torch.cuda.is_available():
         torch.cuda.synchronize(device)
-
-
-def assert_ok(checks, context: str = ""):
-    failed = [str(c) for c in checks if not c.ok]
-    assert not failed, (context + ": " if context else "") + "; ".join(failed)
 
 
 def require_free_gib(gib: float) -> None:
@@ -188,7 +184,7 @@ def test_cuda_graph_decode_replay(layout, num_splits):
             # (FMA vs separate multiply-add); that moves scores, hence the LSE, by ~1e-2, past check_lse's 1e-4.
             checks = checks[:1]
             torch.testing.assert_close(static_lse, ref_lse, rtol=0, atol=5e-2)
-        assert_ok(checks, f"lengths {lengths}")
+        assert_checks_ok(checks, f"lengths {lengths}")
         assert torch.equal(v_cache, ref_v), f"lengths {lengths}: v_cache must hold the appended values bit-exactly"
         if rotary:
             torch.testing.assert_close(k_cache, ref_k, rtol=0, atol=rotated_key_tolerance(ref_k))
@@ -236,7 +232,7 @@ def test_huge_dense_batch_offsets_fwd_bwd(causal):
                 head_dim=dim, dtype=dtype, causal=causal)
     checks = compare_with_reference(case, pick(out), pick(lse), pick(q), pick(k), pick(v), None,
                                     grads=(pick(dq), pick(dk), pick(dv)), dout=pick(dout))
-    assert_ok(checks, f"batch entries {entries}")
+    assert_checks_ok(checks, f"batch entries {entries}")
 
 
 @pytest.mark.gpu
@@ -286,7 +282,7 @@ def test_huge_key_length_row_offsets_fwd_bwd(variant):
             case, out[:, :, head].detach(), lse[:, head].detach(), q.detach()[:, :, head],
             k.detach()[:, keys, head], v.detach()[:, keys, head], None,
             grads=(dq[:, :, head], dk[:, keys, head], dv[:, keys, head]), dout=dout[:, :, head])
-        assert_ok(checks, f"head {h}")
+        assert_checks_ok(checks, f"head {h}")
         free_cached_memory()
 
 
@@ -348,7 +344,7 @@ def test_huge_kvcache_contiguous(variant):
                                                        return_softmax_lse=True)
     all_written(out=out, lse=lse)
     for b, (ref_out, ref_lse, pt_out) in references.items():
-        assert_ok(kvcache_checks(out[b:b + 1], lse[b:b + 1], ref_out, ref_lse, pt_out), f"batch row {b}")
+        assert_checks_ok(kvcache_checks(out[b:b + 1], lse[b:b + 1], ref_out, ref_lse, pt_out), f"batch row {b}")
     rows, positions = torch.arange(batch, device=GPU), cache_seqlens.long()
     assert torch.equal(k_cache[rows, positions], k_new[:, 0]), "appended keys missing from k_cache"
     assert torch.equal(v_cache[rows, positions], v_new[:, 0]), "appended values missing from v_cache"
@@ -391,7 +387,7 @@ def test_huge_kvcache_paged():
                                                        block_table=block_table, return_softmax_lse=True)
     all_written(out=out, lse=lse)
     for b, (ref_out, ref_lse, pt_out) in enumerate(references):
-        assert_ok(kvcache_checks(out[b:b + 1], lse[b:b + 1], ref_out, ref_lse, pt_out), f"batch row {b}")
+        assert_checks_ok(kvcache_checks(out[b:b + 1], lse[b:b + 1], ref_out, ref_lse, pt_out), f"batch row {b}")
         position = int(cache_seqlens[b])
         slot = (int(block_table[b, position // page]), position % page)
         assert torch.equal(k_cache[slot], k_new[b, 0]) and torch.equal(v_cache[slot], v_new[b, 0]), \
@@ -416,7 +412,7 @@ def test_grid_batch_times_heads_over_65535():
     index = torch.tensor(entries, device=GPU)
     case = Case(batch=len(entries), seqlen_q=seqlen, seqlen_k=seqlen, num_heads=heads, num_heads_k=heads,
                 head_dim=dim, dtype=dtype, causal=True)
-    assert_ok(compare_with_reference(case, out.detach()[index], lse.detach()[index],
+    assert_checks_ok(compare_with_reference(case, out.detach()[index], lse.detach()[index],
                                      *(t.detach()[index] for t in (q, k, v)), None,
                                      grads=[g[index] for g in grads], dout=dout[index]), "dense")
 
@@ -431,7 +427,7 @@ def test_grid_batch_times_heads_over_65535():
     ref_out, ref_lse, _, _ = kvcache_reference(q1[index], k_cache[index], v_cache[index], cache_seqlens=seqlens[index])
     pt_out = kvcache_reference(q1[index], k_cache[index], v_cache[index], cache_seqlens=seqlens[index],
                                compute_dtype=None)[0]
-    assert_ok(kvcache_checks(out1[index], lse1[index], ref_out, ref_lse, pt_out), "kvcache")
+    assert_checks_ok(kvcache_checks(out1[index], lse1[index], ref_out, ref_lse, pt_out), "kvcache")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -694,7 +690,7 @@ def test_nan_query_row_stays_in_its_row():
     for name, g, rg, pg in zip(("dk", "dv"), (dk, dv), ref_grads[1:], pt_grads[1:]):
         for part in (other, head0):
             checks.append(check_error(name, g[part], rg[part], pg[part], factor=3.0, atol=1e-4))
-    assert_ok(checks)
+    assert_checks_ok(checks)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -720,7 +716,7 @@ def test_nan_query_in_kvcache_decode_stays_in_its_row(num_splits):
     clean[1, 0, 2] = False
     ref_out, ref_lse, _, _ = kvcache_reference(q, k_cache, v_cache, cache_seqlens=seqlens)
     pt_out = kvcache_reference(q, k_cache, v_cache, cache_seqlens=seqlens, compute_dtype=None)[0]
-    assert_ok([check_error("out", out[clean], ref_out[clean], pt_out[clean], factor=3.0),
+    assert_checks_ok([check_error("out", out[clean], ref_out[clean], pt_out[clean], factor=3.0),
                check_lse(lse.transpose(1, 2)[clean], ref_lse.transpose(1, 2)[clean])])
 
 
@@ -741,7 +737,7 @@ def test_inf_key_reaches_only_the_rows_that_see_it():
     assert (~torch.isfinite(out[~defined])).all(), "rows whose exact result is NaN must not come out finite"
     checks = [check_error("out", out[defined], ref_out[defined], pt_out[defined]),
               check_lse(lse.transpose(1, 2)[defined], ref_lse.transpose(1, 2)[defined])]
-    assert_ok(checks)
+    assert_checks_ok(checks)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -758,7 +754,7 @@ def test_large_logits_stay_finite_and_accurate(dtype):
     assert float(lse.detach().abs().max()) > 50, "the logits are not large: the test lost its point"
     for name, t in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads)):
         assert torch.isfinite(t).all(), f"{name} is not finite"
-    assert_ok(compare_with_reference(case, out, lse, q, k, v, None, grads=grads, dout=dout))
+    assert_checks_ok(compare_with_reference(case, out, lse, q, k, v, None, grads=grads, dout=dout))
 
 
 GARBAGE_LAYOUTS = ["contiguous-batch-idx", "leftpad", "paged"]
@@ -808,7 +804,7 @@ def test_nan_outside_the_valid_cache_is_never_read(layout):
     with poisoned_outputs():
         out, lse = flashtriton.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, **inputs, causal=True,
                                                        num_splits=3, return_softmax_lse=True)
-    assert_ok(kvcache_checks(out, lse, ref_out, ref_lse, pt_out))
+    assert_checks_ok(kvcache_checks(out, lse, ref_out, ref_lse, pt_out))
     assert torch.equal(k_cache.nan_to_num(1e4), ref_k.nan_to_num(1e4))
     assert torch.equal(v_cache.nan_to_num(1e4), ref_v.nan_to_num(1e4))
 
@@ -842,7 +838,7 @@ def test_nan_in_varlen_padding_is_never_read():
     for name, g, rg, pg, covered in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, pt_grads,
                                         (covered_q, covered_k, covered_k)):
         checks.append(check_error(name, g[:covered], rg, pg, factor=3.0, atol=1e-4))
-    assert_ok(checks)
+    assert_checks_ok(checks)
 
 
 def test_empty_keys_backward_gives_zero_gradients():

@@ -13,8 +13,8 @@ import flashtriton
 from flashtriton import configs
 from flashtriton.ops import hopper_bwd
 from flashtriton.ops.backend import score_params
-from flashtriton.testing import Case, compare_with_reference, forced_gluon_backward, make_case_inputs, \
-    poisoned_outputs
+from flashtriton.testing import Case, assert_checks_ok, compare_with_reference, forced_gluon_backward, \
+    make_case_inputs, poisoned_outputs
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 needs_hopper = pytest.mark.skipif(not ON_HOPPER or hopper_bwd.attn_bwd_hopper_kernel is None,
@@ -61,11 +61,6 @@ def run_backward(case: Case):
     return compare_with_reference(case, out, lse, q, k, v, None, grads, dout), ran
 
 
-def assert_ok(checks):
-    failed = [str(c) for c in checks if not c.ok]
-    assert not failed, "; ".join(failed)
-
-
 SHAPES = [(17, 17), (128, 128), (200, 333), (333, 200), (1000, 1000)]
 
 
@@ -80,7 +75,7 @@ def test_gluon_backward_matches_reference(seqlen_q, seqlen_k, head_dim, dtype, c
     checks, ran = run_backward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
                                     head_dim=head_dim, dtype=dtype, causal=causal))
     assert ran, "the Gluon backward did not run"
-    assert_ok(checks)
+    assert_checks_ok(checks)
 
 
 FEATURES = {
@@ -97,4 +92,4 @@ def test_gluon_backward_features(feature):
     checks, ran = run_backward(Case(batch=2, seqlen_q=300, seqlen_k=300, head_dim=128, dtype=torch.bfloat16,
                                     **FEATURES[feature]))
     assert ran, "the Gluon backward did not run"
-    assert_ok(checks)
+    assert_checks_ok(checks)

@@ -12,8 +12,8 @@ import flashtriton
 from flashtriton import configs
 from flashtriton.ops import hopper_fwd
 from flashtriton.ops.backend import score_params
-from flashtriton.testing import Case, compare_with_reference, forced_heads_per_group, forced_hopper_grid, \
-    make_case_inputs, poisoned_outputs
+from flashtriton.testing import Case, assert_checks_ok, compare_with_reference, forced_heads_per_group, \
+    forced_hopper_grid, make_case_inputs, poisoned_outputs
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 needs_hopper = pytest.mark.skipif(not ON_HOPPER or hopper_fwd.attn_fwd_hopper_kernel is None,
@@ -73,11 +73,6 @@ def run_forward(case: Case, grads: bool = False):
     return compare_with_reference(case, out, lse, q, k, v, slopes, grad_values, dout), ran
 
 
-def assert_ok(checks):
-    failed = [str(c) for c in checks if not c.ok]
-    assert not failed, "; ".join(failed)
-
-
 SHAPES = [(17, 17), (33, 1), (128, 128), (300, 700), (700, 300), (1000, 1000), (129, 4100)]
 
 
@@ -96,7 +91,7 @@ def test_gluon_forward_matches_reference(seqlen_q, seqlen_k, head_dim, dtype, ca
         checks, ran = run_forward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
                                        head_dim=head_dim, dtype=dtype, causal=causal))
     assert ran, "the Gluon forward did not run"
-    assert_ok(checks)
+    assert_checks_ok(checks)
 
 
 FEATURES = {
@@ -114,7 +109,7 @@ def test_gluon_forward_features(feature):
     case = Case(batch=2, seqlen_q=333, seqlen_k=333, head_dim=128, dtype=torch.bfloat16, **FEATURES[feature])
     checks, ran = run_forward(case, grads=True)
     assert ran, "the Gluon forward did not run"
-    assert_ok(checks)
+    assert_checks_ok(checks)
 
 
 @needs_hopper
@@ -127,7 +122,7 @@ def test_gluon_forward_launch_order_groups(heads_per_group, programs):
         checks, ran = run_forward(Case(batch=2, seqlen_q=1000, seqlen_k=1000, num_heads=4, num_heads_k=2,
                                        head_dim=64, dtype=torch.bfloat16, causal=True))
     assert ran
-    assert_ok(checks)
+    assert_checks_ok(checks)
 
 
 @needs_hopper
@@ -135,7 +130,7 @@ def test_gluon_forward_long_sequence():
     checks, ran = run_forward(Case(batch=1, seqlen_q=4096, seqlen_k=4096, num_heads=4, num_heads_k=4, head_dim=128,
                                    dtype=torch.bfloat16, causal=True))
     assert ran
-    assert_ok(checks)
+    assert_checks_ok(checks)
 
 
 NOT_COVERED = {
@@ -155,7 +150,7 @@ def test_features_it_does_not_cover_take_the_triton_kernel(feature):
     options.update(NOT_COVERED[feature])
     checks, ran = run_forward(Case(**options))
     assert not ran, "the Gluon forward ran on a case it does not cover"
-    assert_ok(checks)
+    assert_checks_ok(checks)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -7,7 +7,7 @@ import torch
 
 import flashtriton
 from flashtriton.reference import kvcache_reference
-from flashtriton.testing import check_error, check_lse, poisoned_outputs
+from flashtriton.testing import assert_checks_ok, check_error, check_lse, poisoned_outputs
 from flashtriton.validate import rotated_key_tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,8 +77,7 @@ def run_and_check(case: KVCase):
                                                        return_softmax_lse=True)
     factor = 5.0 if case.alibi else 3.0
     checks = [check_error("out", out, ref_out, pt_out, factor=factor), check_lse(lse, ref_lse)]
-    failed = [str(c) for c in checks if not c.ok]
-    assert not failed, "; ".join(failed)
+    assert_checks_ok(checks)
     assert torch.equal(v_cache, ref_v), "v_cache must be updated bit-exactly"
     if case.rotary_dim:
         torch.testing.assert_close(k_cache, ref_k, rtol=0, atol=rotated_key_tolerance(ref_k))

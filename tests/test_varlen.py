@@ -5,7 +5,8 @@ import torch
 
 import flashtriton
 from flashtriton.flash_attn_interface import _flash_attn_varlen_backward, _flash_attn_varlen_forward
-from flashtriton.testing import compare_varlen_with_reference, cu_seqlens, forced_gluon_forward, poisoned_outputs
+from flashtriton.testing import (assert_checks_ok, compare_varlen_with_reference, cu_seqlens, forced_gluon_forward,
+                                 poisoned_outputs)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -34,8 +35,7 @@ def reference_checks(q, k, v, cu_q, cu_k, max_seqlen_k, out, lse, grads, dout, *
                                      (covered_q, covered_q, covered_k, covered_k)):
         assert torch.all(tensor[covered:] == 0), f"{name}: uncovered rows must be zero"
     assert torch.all(lse[:, covered_q:] == float("inf")), "lse: uncovered rows must be +inf"
-    failed = [str(c) for c in checks if not c.ok]
-    assert not failed, "; ".join(failed)
+    assert_checks_ok(checks)
 
 
 LENGTH_MIXES = {
