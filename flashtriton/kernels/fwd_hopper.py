@@ -39,21 +39,20 @@ _grouped_tile_of = gluon.jit(grouped_tile_of.fn)
 
 
 @gluon.jit
+def _slots(num_tiles, paired):
+    """Work items per (batch, head): its tiles, or paired (persistent causal grids) pairs of them (_item_tiles)."""
+    return gl.where(paired != 0, (num_tiles + 1) // 2, num_tiles)
+
+
+@gluon.jit
 def _item_tiles(item, num_tiles, num_batch_heads, heads_per_group, paired):
     """Work item `item`'s (batch * heads index) and its tiles as a range (first, end, step), tiles numbered longest
     first, items in grouped_tile_of's order. Unpaired an item is one tile; paired (persistent causal grids) item s
     is tiles s and num_tiles - 1 - s, whose key blocks add up to the same count for every s, so that programs taking
     items in turn get equal work."""
-    num_slots = gl.where(paired != 0, (num_tiles + 1) // 2, num_tiles)
-    slot, batch_head = _grouped_tile_of(item, num_slots, num_batch_heads, heads_per_group)
+    slot, batch_head = _grouped_tile_of(item, _slots(num_tiles, paired), num_batch_heads, heads_per_group)
     end = gl.where(paired != 0, num_tiles - slot, slot + 1)
     return batch_head, slot, end, gl.maximum(num_tiles - 1 - 2 * slot, 1)
-
-
-@gluon.jit
-def _num_items(num_tiles, num_batch_heads, paired):
-    """Work items of the launch (_item_tiles)."""
-    return gl.where(paired != 0, (num_tiles + 1) // 2, num_tiles) * num_batch_heads
 
 
 @gluon.jit
@@ -83,7 +82,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8
     load = 0
     done = 0
-    for item in range(gl.program_id(0), _num_items(num_tiles, num_batch_heads, paired), gl.num_programs(0)):
+    for item in range(gl.program_id(0), _slots(num_tiles, paired) * num_batch_heads, gl.num_programs(0)):
         batch_head, first_tile, end_tile, tile_step = _item_tiles(item, num_tiles, num_batch_heads, heads_per_group,
                                                                   paired)
         for tile in range(first_tile, end_tile, tile_step):
@@ -221,7 +220,7 @@ def _consumer(o_desc, Lse, q_tile, o_tile, q_ready, q_empty, k_smem, v_smem, k_r
     q = q_tile.reshape([ROWS, HEAD_DIM])
     load = 0
     done = 0
-    for item in range(gl.program_id(0), _num_items(num_tiles, num_batch_heads, paired), gl.num_programs(0)):
+    for item in range(gl.program_id(0), _slots(num_tiles, paired) * num_batch_heads, gl.num_programs(0)):
         batch_head, first_tile, end_tile, tile_step = _item_tiles(item, num_tiles, num_batch_heads, heads_per_group,
                                                                   paired)
         for tile in range(first_tile, end_tile, tile_step):
