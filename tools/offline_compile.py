@@ -80,10 +80,11 @@ def compile_kernel(kernel, head_dim, local, block_m, block_n, warps, stages, dty
 
 
 def _gluon_tile_type(rows: int, head_dim: int, dtype: str) -> str:
-    """Signature type of a host descriptor of (B, S, H, D) loading [1, rows, 1, D] tiles (ops/hopper_fwd's layout)."""
+    """Signature type of a host descriptor of (B, S, H, D) moving [1, rows, 1, head_dim] tiles (ops/hopper_fwd's
+    layout)."""
     from triton.experimental.gluon import language as gl
 
-    element = gl.bfloat16 if dtype == "bf16" else gl.float16
+    element = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32}[dtype]
     layout = gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], element)
     return f"tensordesc<{dtype}[1,{rows},1,{head_dim}],{layout!r}>"
 
@@ -122,6 +123,7 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     """The Gluon Hopper backward (kernels/bwd_hopper.py) with `config` (default configs.HOPPER_BWD[head_dim])."""
     from flashtriton import configs
     from flashtriton.kernels.bwd_hopper import KEYS_PER_CONSUMER, attn_bwd_hopper_kernel
+    from flashtriton.ops.hopper_bwd import DQ_FEATURES
 
     config = config or configs.HOPPER_BWD[head_dim]
 
@@ -130,8 +132,9 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
 
     keys = 2 * KEYS_PER_CONSUMER.value
     signature = {"k_desc": descriptor(keys), "v_desc": descriptor(keys), "q_desc": descriptor(config.query_rows),
-                 "do_desc": descriptor(config.query_rows), "Lse": "*fp32", "Delta": "*fp32", "DQAccum": "*fp32",
-                 "DK": f"*{dtype}", "DV": f"*{dtype}"}
+                 "do_desc": descriptor(config.query_rows),
+                 "dq_desc": _gluon_tile_type(config.query_rows, DQ_FEATURES, "fp32"), "Lse": "*fp32",
+                 "Delta": "*fp32", "DK": f"*{dtype}", "DV": f"*{dtype}"}
     names = list(inspect.signature(attn_bwd_hopper_kernel.fn).parameters)
     signature.update({name: "i32" for name in names[len(signature):] if name.startswith("stride") or name in (
         "num_heads_k", "group_size", "seqlen_q", "seqlen_k", "heads_per_group")})
@@ -168,7 +171,7 @@ def main():
         ptx = compiled.asm["ptx"]
         print(f"bwd-hopper d{args.head_dim} causal={args.causal} {args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} shared {compiled.metadata.shared} wgmma {ptx.count('wgmma.mma_async')} "
-              f"atomics {ptx.count('atom.global')}")
+              f"atomics {ptx.count('atom.global')} reductions {ptx.count('cp.reduce.async.bulk')}")
         return
     if args.kernel == "fwd-hopper":
         config = None

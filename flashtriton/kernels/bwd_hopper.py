@@ -6,13 +6,16 @@ Per query block i (64 rows), consumer w (keys [64w, 64w + 64) of the block), eve
   S = Q_i K_w^T, dP = dO_i V_w^T                  [64 rows, 64 keys], both issued async, then waited
   P = exp2(S * scale * log2 e - lse_i * log2 e), dS = P (dP - delta_i); P and dS go to shared memory
   dV_w += P^T dO_i, dK_w += dS^T Q_i              (P^T, dS^T: transposed views of the shared tiles)
-  dQ_i (added into the fp32 dQ accumulator with atomics) is split one of two ways:
+  dQ_i is split one of two ways:
   - head dim 128, by features: once both consumers' dS are there (ds_ready), consumer w computes
     dQ_i[:, 64w:64w+64] = dS_0 K_0[:, 64w:64w+64] + dS_1 K_1[:, 64w:64w+64] (both key halves);
   - head dim 64, by keys: consumer w computes every feature from its own keys, dS_w K_w, with no barrier
-    between the consumers but twice the atomics.
-The launcher scales the accumulator by the softmax scale into dq (as kernels/bwd.py's DQ_ATOMIC path), dK is
-scaled here. GQA: the loop runs over the group's query heads too (dK/dV summed in registers).
+    between the consumers but twice the reductions.
+  Each consumer scales its [64 rows, 64 features] product by the softmax scale, stores it to a shared fp32 tile and
+  adds that to the fp32 dQ accumulator with one TMA reduction (cp.reduce.async.bulk.tensor .add, FA3's path): per
+  element atomics (red.global.add.v4.f32) took half of the kernel's time (docs/perf-notes.md). The launcher
+  converts the accumulator into dq. dK is scaled here. GQA: the loop runs over the group's query heads too (dK/dV
+  summed in registers).
 
 Scope (ops/hopper_bwd.covers): what ops/hopper_fwd covers (dense bf16/fp16, no window or the causal one, bottom-right
 aligned, no softcap, ALiBi or dropout), head dim 64 / 128. Keys past seqlen_k are masked out of P (their dK/dV rows
@@ -22,21 +25,36 @@ P = 0.
 Synchronisation: kv_ready (K and V landed), q_ready[s] (Q_i and dO_i of stage s landed), q_empty[s] (both consumers
 are done with stage s, count 2), with the feature split ds_ready (both consumers' dS written, count 2) and ds_free
 (both consumers' dQ products of the iteration completed, count 2: the next iteration may overwrite dS). Each
-consumer's P tile is read only by its own dV product, which it waits for before the next iteration.
+consumer's P tile is read only by its own dV product, which it waits for before the next iteration; its dQ tile is
+rewritten after tma.store_wait(0) says the previous reduction has read it.
 
 Measured (H200, 2026-12-01): correct (tests/test_hopper_bwd.py) but slower than the Triton backward on the
 BASELINES rows (configs.HOPPER_BWD), so off by default (configs.HOPPER_BWD_ALLOWED).
 """
 
+from triton._C.libtriton import gluon_ir, ir
 from triton.experimental import gluon
+from triton.experimental.gluon.language import _core as gl_core
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
 from .common import grouped_tile_of
 
+if not hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce"):
+    raise ImportError("this Triton's Gluon has no TMA reduction; the Triton backward runs instead")
+
 KEYS_PER_CONSUMER = gl.constexpr(64)  # one wgmma M tile; a program covers 2 * KEYS_PER_CONSUMER keys
 _grouped_tile_of = gluon.jit(grouped_tile_of.fn)
+
+
+@gl_core.builtin
+def _async_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Add the shared tile src into global memory at coord through tensor_desc (cp.reduce.async.bulk.tensor, one
+    bulk group like tma.async_copy_shared_to_global: tma.store_wait covers it). Gluon 3.6 builds the op
+    (ttng.async_tma_reduce) but has no public function for it; this is that function."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -70,16 +88,31 @@ def _producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
 
 
 @gluon.jit
-def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, p_own, ds_own, ds_lo, ds_hi, kv_ready, q_ready, q_empty,
-              ds_ready, ds_free, Lse, Delta, DQAccum, DK, DV, stride_lse_b, stride_lse_h, stride_dqa_b, stride_dqa_m,
-              stride_dqa_h, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k,
-              n_start, key0, feature0, group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k,
-              softmax_scale, qk_scale_log2, causal):
+def _row_stats(Lse, Delta, stride_lse_b, stride_lse_h, batch, iteration, n_iterations, blocks_per_head, m_block_lo,
+               head_k, group_size, seqlen_q, ROWS: gl.constexpr, layout: gl.constexpr):
+    """log2(e) * lse and delta [ROWS] (layout: the score rows') of loop iteration `iteration`'s query rows; rows
+    past seqlen_q (and every row of an iteration past the loop's end) get lse +inf (so P = 0) and delta 0."""
+    head, m_start = _query_block(iteration, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
+    offs_m = m_start + gl.arange(0, ROWS, layout)
+    row_in = (offs_m < seqlen_q) & (iteration < n_iterations)
+    row_base = batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
+    lse_log2 = gl.load(Lse + row_base + offs_m, mask=row_in, other=float("inf")) * 1.4426950408889634
+    delta = gl.load(Delta + row_base + offs_m, mask=row_in, other=0.0)
+    return lse_log2, delta
+
+
+@gluon.jit
+def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, p_own, ds_own, ds_lo, ds_hi, dq_tile, kv_ready, q_ready,
+              q_empty, ds_ready, ds_free, dq_desc, Lse, Delta, DK, DV, stride_lse_b, stride_lse_h, stride_dk_b,
+              stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, key0, feature0,
+              group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
+              causal):
     """One warpgroup: keys [n_start + key0, + OWN) of the block (k_own, v_own: their K and V rows [OWN, HEAD_DIM];
     p_own, ds_own: its [ROWS, OWN] P and dS tiles in shared memory); dK / dV over every query block, and the dQ
     features [feature0, + FEATURES) of each block: with the split by features dS (both halves: ds_lo, ds_hi) times
     the K rows of each half restricted to those features (k_lo, k_hi [OWN, FEATURES]); with the split by keys this
-    consumer's dS times its K rows (k_lo [OWN, HEAD_DIM]; k_hi and ds_hi unused)."""
+    consumer's dS times its K rows (k_lo [OWN, HEAD_DIM]; k_hi and ds_hi unused). Each block's dQ product goes
+    through dq_tile ([1, ROWS, 1, FEATURES] fp32, shared) into the accumulator by a TMA reduction (dq_desc)."""
     STAGES: gl.constexpr = q_smem.shape[0]
     ROWS: gl.constexpr = q_smem.shape[2]
     HEAD_DIM: gl.constexpr = q_smem.shape[4]
@@ -105,23 +138,18 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, p_own, ds_own, ds_lo, d
     offs_n = n_start + key0 + gl.arange(0, OWN, key_of_s)
     key_in = offs_n < seqlen_k
     last_key = n_start + key0 + OWN - 1
-    # [ROWS, FEATURES] dQ tile coordinates: query rows, features
-    # dQ is added from a layout of 4 consecutive features per thread (vector atomics, 16 threads per 64 features)
-    dq_add_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // (FEATURES // 4),
-                                                   FEATURES // 4], warps_per_cta=[4, 1], order=[1, 0])
-    dq_rows = gl.arange(0, ROWS, gl.SliceLayout(1, dq_add_layout))
-    dq_features = gl.arange(0, FEATURES, gl.SliceLayout(0, dq_add_layout))
+    # [ROWS] the first iteration's row statistics; each iteration loads the next one's before its own products
+    lse_log2, delta = _row_stats(Lse, Delta, stride_lse_b, stride_lse_h, batch, 0, n_iterations, blocks_per_head,
+                                 m_block_lo, head_k, group_size, seqlen_q, ROWS, row_of_s)
     mbarrier.wait(kv_ready, 0)
     for i in range(n_iterations):
         stage = i % STAGES
         head, m_start = _query_block(i, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
-        # [ROWS] query rows of the block; rows past seqlen_q get lse +inf (P = 0) and delta 0
+        # [ROWS] query rows of the block
         offs_m = m_start + gl.arange(0, ROWS, row_of_s)
-        row_in = offs_m < seqlen_q
-        row_base = batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + m_start
-        lse_log2 = gl.load((Lse + row_base) + gl.arange(0, ROWS, row_of_s), mask=row_in,
-                           other=float("inf")) * 1.4426950408889634
-        delta = gl.load((Delta + row_base) + gl.arange(0, ROWS, row_of_s), mask=row_in, other=0.0)
+        next_lse_log2, next_delta = _row_stats(Lse, Delta, stride_lse_b, stride_lse_h, batch, i + 1, n_iterations,
+                                               blocks_per_head, m_block_lo, head_k, group_size, seqlen_q, ROWS,
+                                               row_of_s)
         mbarrier.wait(q_ready.index(stage), (i // STAGES) & 1)
         q_tile = q_smem.index(stage).reshape([ROWS, HEAD_DIM])
         do_tile = do_smem.index(stage).reshape([ROWS, HEAD_DIM])
@@ -131,7 +159,7 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, p_own, ds_own, ds_lo, d
         # [ROWS, OWN] P; masked where a key is past seqlen_k or, causal, after the row's last key
         p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(lse_log2, 1))
         if (last_key >= seqlen_k) | ((causal != 0) & (last_key > m_start + (seqlen_k - seqlen_q))):
-            visible = gl.expand_dims(key_in, 0) & gl.expand_dims(row_in, 1)
+            visible = gl.expand_dims(key_in, 0) & gl.expand_dims(offs_m < seqlen_q, 1)
             if causal != 0:
                 visible = visible & (gl.expand_dims(offs_n, 0) <= gl.expand_dims(offs_m + (seqlen_k - seqlen_q), 1))
             p = gl.where(visible, p, 0.0)
@@ -140,6 +168,8 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, p_own, ds_own, ds_lo, d
         dp = warpgroup_mma_wait(0, deps=(dp, ))
         # [ROWS, OWN] dS
         ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
+        lse_log2 = next_lse_log2
+        delta = next_delta
         if OVER_ALL_KEYS:
             # both consumers' dQ products of the previous block have read dS
             mbarrier.wait(ds_free, (i - 1) & 1, pred=i > 0)
@@ -162,15 +192,12 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, p_own, ds_own, ds_lo, d
         mbarrier.arrive(q_empty.index(stage))
         if OVER_ALL_KEYS:
             mbarrier.arrive(ds_free)
-        # a 64-bit base per (batch, head), 32-bit offsets inside it (ops/hopper_bwd.covers keeps a batch's rows
-        # below 2^31 elements), computed here so that they are not hoisted out of the loop as 64-bit registers;
-        # DQAccum has its rows padded to whole blocks, so no mask (rows past seqlen_q add zeros: their P is 0)
-        dq_head = DQAccum + (batch.to(gl.int64) * stride_dqa_b + head.to(gl.int64) * stride_dqa_h + feature0)
-        dq_offsets = gl.expand_dims((m_start + dq_rows) * stride_dqa_m, 1) + gl.expand_dims(dq_features, 0)
-        # partition arguments carry no alignment facts, so the vector atomics need them stated: every thread's 4
-        # features start 16-byte aligned (ops/hopper_bwd: head dim 64 / 128, fp32 rows of the padded accumulator)
-        dq_ptrs = gl.max_contiguous(gl.multiple_of(dq_head + dq_offsets, [1, 16]), [1, 4])
-        gl.atomic_add(dq_ptrs, gl.convert_layout(dq, dq_add_layout), sem="relaxed")
+        # the previous block's reduction has read dq_tile; rows past seqlen_q add zeros (their P is 0) into the
+        # accumulator's padding rows
+        tma.store_wait(0)
+        dq_tile.reshape([ROWS, FEATURES]).store(dq * softmax_scale)
+        fence_async_shared()
+        _async_reduce_add(dq_desc, [batch, m_start, head, feature0], dq_tile)
     # [OWN, HEAD_DIM] stores of this consumer's key rows below seqlen_k
     rows = n_start + key0 + gl.arange(0, OWN, gl.SliceLayout(1, dkv_layout))
     features = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, dkv_layout))
@@ -181,12 +208,12 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, p_own, ds_own, ds_lo, d
                + gl.expand_dims(rows.to(gl.int64) * stride_dv_n, 1) + gl.expand_dims(features, 0))
     gl.store(dk_ptrs, (dk * softmax_scale).to(dtype), mask=store_mask)
     gl.store(dv_ptrs, dv.to(dtype), mask=store_mask)
+    tma.store_wait(0)
 
 
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "seqlen_q", "seqlen_k", "heads_per_group"])
-def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, Lse, Delta, DQAccum, DK, DV,
-                           stride_lse_b, stride_lse_h, stride_dqa_b, stride_dqa_m, stride_dqa_h,
-                           stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
+def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, Lse, Delta, DK, DV,
+                           stride_lse_b, stride_lse_h, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                            num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, softmax_scale, qk_scale_log2,
                            CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                            num_warps: gl.constexpr):
@@ -221,6 +248,8 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, Lse, Delta, DQAccum,
     pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, OWN], dtype)
     p_smem = gl.allocate_shared_memory(dtype, [2, ROWS, OWN], pds_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, OWN], pds_layout)
+    # [2, 1, ROWS, 1, FEATURES] each consumer's fp32 dQ product on its way to the accumulator
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -234,15 +263,14 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, Lse, Delta, DQAccum,
     mbarrier.init(ds_free, count=2)
     # constexprs arrive in partitions as plain ints (Triton 3.6): the flag and key offsets travel as tensors
     causal = gl.to_tensor(CAUSAL).to(gl.int32)
-    # dQ^T as M = 64 wgmmas: head dim 128 split by features (64 each), head dim 64 split by keys
+    # dQ: head dim 128 split by features (64 each), head dim 64 split by keys (dq_desc's tile: [1, ROWS, 1, FEATURES])
     gl.static_assert((HEAD_DIM == 64) | (HEAD_DIM == 128), "the Gluon backward takes head dim 64 or 128")
-    SPLIT_FEATURES: gl.constexpr = HEAD_DIM == 128
-    FEATURES: gl.constexpr = HEAD_DIM // 2 if SPLIT_FEATURES else HEAD_DIM
+    FEATURES: gl.constexpr = dq_desc.block_type.shape[3]
+    SPLIT_FEATURES: gl.constexpr = FEATURES < HEAD_DIM
     # [KEYS, HEAD_DIM] K and V of the block
     k_flat = k_smem.reshape([KEYS, HEAD_DIM])
     v_flat = v_smem.reshape([KEYS, HEAD_DIM])
-    pointers = (Lse, Delta, DQAccum, DK, DV, stride_lse_b, stride_lse_h, stride_dqa_b, stride_dqa_m, stride_dqa_h,
-                stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start)
+    pointers = (dq_desc, Lse, Delta, DK, DV, stride_lse_b, stride_lse_h, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start)
     loop = (group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
             causal)
     barriers = (kv_ready, q_ready, q_empty, ds_ready, ds_free)
@@ -258,9 +286,9 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, Lse, Delta, DQAccum,
         second_dq = (k_halves[1], k_halves[1])
         second_feature = 0
     first = (k_halves[0], v_halves[0]) + first_dq + (q_smem, do_smem, p_smem.index(0), ds_smem.index(0),
-                                                           ds_smem.index(0), ds_smem.index(1))
+                                                           ds_smem.index(0), ds_smem.index(1), dq_smem.index(0))
     second = (k_halves[1], v_halves[1]) + second_dq + (q_smem, do_smem, p_smem.index(1), ds_smem.index(1),
-                                                            ds_smem.index(0), ds_smem.index(1))
+                                                            ds_smem.index(0), ds_smem.index(1), dq_smem.index(1))
     gl.warp_specialize([
         (_consumer, first + barriers + pointers + (gl.to_tensor(0), gl.to_tensor(0)) + loop),
         (_consumer, second + barriers + pointers + (gl.to_tensor(OWN), gl.to_tensor(second_feature)) + loop),

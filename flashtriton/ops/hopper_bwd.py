@@ -37,38 +37,34 @@ def covers(head_dim: int, dtype: torch.dtype, seqlen_q: int, seqlen_k: int, para
             and forward_covers(head_dim, dtype, seqlen_q, seqlen_k, params, plain))
 
 
-def _padded_rows(seqlen_q: int, head_dim: int) -> int:
-    rows = configs.HOPPER_BWD[head_dim].query_rows
-    return triton_cdiv(seqlen_q, rows) * rows
+# dQ columns per consumer warpgroup and TMA reduction: half of head dim 128, all of head dim 64 (kernels/bwd_hopper)
+DQ_FEATURES = 64
 
 
 def runs_on(q, k, v, dout, params, seqlen_q: int, seqlen_k: int, plain: bool, deterministic: bool) -> bool:
-    """`covers`, the kernel switched on and present, sm_90, layouts tensor descriptors can address, and one batch's
-    dQ accumulator rows addressable with 32-bit offsets (the kernel's atomics use them)."""
+    """`covers`, the kernel switched on and present, sm_90, and layouts tensor descriptors can address."""
     return (attn_bwd_hopper_kernel is not None and configs.HOPPER_BWD_ALLOWED and configs.TMA_ALLOWED and q.is_cuda
             and covers(q.shape[-1], q.dtype, seqlen_q, seqlen_k, params, plain, deterministic)
-            and _padded_rows(seqlen_q, q.shape[-1]) * q.shape[-2] * q.shape[-1] < 2**31
             and all(tma_compatible(t) for t in (q, k, v, dout)) and is_hopper(q.device))
 
 
 def launch(q, k, v, dout, lse, delta, dq, dk, dv, lse_strides: Tuple[int, int], params, seqlen_q: int,
            seqlen_k: int, batch: int, heads_per_group: int) -> None:
     """dK, dV into dk, dv and dQ into dq (B, S, H, D each) from lse and delta (fp32, rows contiguous, strides
-    lse_strides). dQ accumulates in an fp32 buffer whose rows are padded to whole query blocks (the kernel's
-    atomics need no mask), then is scaled into dq."""
+    lse_strides). The kernel adds its scaled dQ products into a zeroed fp32 buffer by TMA reductions (which clip
+    rows past seqlen_q), copied into dq at the end."""
     global launch_count
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k = k.shape[-2]
     config = configs.HOPPER_BWD[head_dim]
-    dq_accum = torch.zeros(batch, _padded_rows(seqlen_q, head_dim), num_heads, head_dim, dtype=torch.float32,
-                           device=q.device)
+    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     grid = (triton_cdiv(seqlen_k, KEY_BLOCK) * batch * num_heads_k,)
     attn_bwd_hopper_kernel[grid](
         tile_descriptor(k, KEY_BLOCK), tile_descriptor(v, KEY_BLOCK), tile_descriptor(q, config.query_rows),
-        tile_descriptor(dout, config.query_rows), lse, delta, dq_accum, dk, dv, *lse_strides,
-        dq_accum.stride(0), dq_accum.stride(1), dq_accum.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
+        tile_descriptor(dout, config.query_rows), tile_descriptor(dq_accum, config.query_rows, DQ_FEATURES),
+        lse, delta, dk, dv, *lse_strides, dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), num_heads_k, num_heads // num_heads_k, seqlen_q, seqlen_k,
         heads_per_group, params.softmax_scale, params.kernel_args()[0],
         CAUSAL=params.causal_like, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4)
-    dq.copy_(dq_accum[:, :seqlen_q].mul_(params.softmax_scale))
+    dq.copy_(dq_accum)
     launch_count += 1

@@ -55,17 +55,17 @@ def runs_on(q, k, v, out, params, seqlen_q: int, seqlen_k: int, plain: bool) -> 
 
 
 @lru_cache(maxsize=None)
-def _shared_layout(rows: int, head_dim: int, dtype: torch.dtype):
-    block = [1, rows, 1, head_dim]
-    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+def _shared_layout(rows: int, columns: int, dtype: torch.dtype):
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([1, rows, 1, columns], element)
 
 
-def tile_descriptor(tensor: torch.Tensor, rows: int):
-    """Host descriptor of a (B, S, H, D) tensor loading [1, rows, 1, D] tiles; out-of-bounds rows read 0 and
-    are never stored."""
-    head_dim = tensor.shape[-1]
-    return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), [1, rows, 1, head_dim],
-                            _shared_layout(rows, head_dim, tensor.dtype))
+def tile_descriptor(tensor: torch.Tensor, rows: int, columns: int = 0):
+    """Host descriptor of a (B, S, H, D) tensor moving [1, rows, 1, columns] tiles (columns 0: all D); out-of-bounds
+    rows read 0 and are never stored."""
+    columns = columns or tensor.shape[-1]
+    return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), [1, rows, 1, columns],
+                            _shared_layout(rows, columns, tensor.dtype))
 
 
 # Tests cap the grid (testing.forced_hopper_grid) so that every program runs many work items.
