@@ -225,9 +225,9 @@ HOPPER_FWD = {64: HopperFwdConfig(128, 2, 232, persistent=True), 128: HopperFwdC
 GLUON_ALLOWED = os.environ.get("FLASHTRITON_GLUON", "1") != "0"
 
 
-# Hopper backward in Gluon (kernels/bwd_hopper.py: two consumer warpgroups of 64 keys, dQ by atomics), keyed by head
-# dim: query rows per Q / dO block, Q / dO stages, consumer registers (setmaxnreg). H200, 2026-12-01, bf16 backward
-# TF/s non-causal / causal, one process (scratch sweep; Triton backward and SDPA FLASH / cuDNN in brackets):
+# Hopper backward in Gluon (kernels/bwd_hopper.py: two consumer warpgroups of 64 keys, dQ by TMA reductions), keyed
+# by head dim: query rows per Q / dO block, Q / dO stages, consumer registers (setmaxnreg). H200, 2026-12-01, bf16
+# backward TF/s non-causal / causal, one process (scratch sweep; Triton backward and SDPA FLASH / cuDNN in brackets):
 #   first design (S^T per 32-row block, dQ^T): d128 4x4096 303 / 280, 1x16384 314 / 318, d64 217 / 203
 #   (Triton 370 / 345, 388 / 390, 285 / 238)
 #   this design (64-row blocks, rows as M): 2 stages d128 16x1024 262 / 173, 4x4096 330 / 257, 1x16384 352 / 293,
@@ -239,8 +239,15 @@ GLUON_ALLOWED = os.environ.get("FLASHTRITON_GLUON", "1") != "0"
 # 237). ncu (4x4096 d128, before the vector atomics): 15.2 cycles between issues per warp, 6.0 of them waiting on
 # L1TEX (local-memory spills, LSE / delta loads, atomics); occupancy 12 warps per SM. Offline
 # (tools/offline_compile.py --kernel bwd-hopper): d128 200 B of stack, both consumers reloading loop-invariant
-# 64-bit addresses every iteration; d64 8 B. Slower than the Triton backward on every d128 row: off unless
-# FLASHTRITON_GLUON_BWD=1.
+# 64-bit addresses every iteration; d64 8 B. Slower than the Triton backward on every d128 row then.
+# Ninth session (2026-12-01, same process each step, TF/s non-causal / causal, Triton backward in brackets):
+# ablation of that kernel: without the dQ atomics 616 / 464 at d128 4x4096 (334 / 268 with), d64 458 / 431 (247 /
+# 278). dQ by TMA reductions through a shared fp32 tile: d128 4x4096 373 / 317 (359 / 329), 1x16384 396 / 362, d64
+# 388 / 359 (283 / 238). LSE / delta by TMA with Q / dO, then 248 registers (d128): 4x4096 398 / 324, 403 / 369
+# (358 / 327); 1x16384 415 / 369, 414 / 408. dQ product one block late (d128, so the consumers stop waiting for
+# each other's dS every block): 4x4096 490 / 430 at 248 registers (490 / 408 at 240; Triton 363 / 333), 1x16384
+# 525 / 492 (Triton 382 / 373), 16x1024 284 / 264 (Triton 305 / 221). d64 keeps dQ in the same block (its consumers
+# never wait for each other; one block late it read 371 / 339). On by default; FLASHTRITON_GLUON_BWD=0 turns it off.
 @dataclass(frozen=True)
 class HopperBwdConfig:
     query_rows: int      # rows per Q / dO block (the M of the S and dP wgmmas)
@@ -248,8 +255,8 @@ class HopperBwdConfig:
     consumer_regs: int   # registers per thread of the second consumer warpgroup
 
 
-HOPPER_BWD = {64: HopperBwdConfig(64, 2, 240), 128: HopperBwdConfig(64, 2, 240)}
-HOPPER_BWD_ALLOWED = os.environ.get("FLASHTRITON_GLUON_BWD", "0") == "1"
+HOPPER_BWD = {64: HopperBwdConfig(64, 2, 240), 128: HopperBwdConfig(64, 2, 248)}
+HOPPER_BWD_ALLOWED = os.environ.get("FLASHTRITON_GLUON_BWD", "1") != "0"
 
 
 def heads_per_l2_group(bytes_per_head: int, batch_heads: int, causal: bool) -> int:

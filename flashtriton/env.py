@@ -109,10 +109,12 @@ def device_info(index: int) -> DeviceInfo:
                 info.unsupported["Gluon forward"] = "switched off (FLASHTRITON_GLUON=0 or FLASHTRITON_TMA=0)"
             else:
                 info.supported.append("Gluon forward (dense, no window but causal, d64/128/256)")
-            if configs.HOPPER_BWD_ALLOWED and hopper_bwd.attn_bwd_hopper_kernel is not None and configs.TMA_ALLOWED:
-                info.supported.append("Gluon backward (experimental, FLASHTRITON_GLUON_BWD=1: dense, d64/128)")
+            if hopper_bwd.attn_bwd_hopper_kernel is None:
+                info.unsupported["Gluon backward"] = "this Triton's Gluon has no TMA reduction; the Triton kernels run"
+            elif not (configs.HOPPER_BWD_ALLOWED and configs.TMA_ALLOWED):
+                info.unsupported["Gluon backward"] = "switched off (FLASHTRITON_GLUON_BWD=0 or FLASHTRITON_TMA=0)"
             else:
-                info.unsupported["Gluon backward"] = "experimental, off (FLASHTRITON_GLUON_BWD=1 turns it on)"
+                info.supported.append("Gluon backward (dense, no window but causal, d64/128, not deterministic)")
     else:
         info.unsupported = {"every feature": OLD_GPU_REASON}
     return info

@@ -1,5 +1,5 @@
-"""The warp-specialized Gluon backward (kernels/bwd_hopper.py, off unless FLASHTRITON_GLUON_BWD=1) against the float64
-reference.
+"""The warp-specialized Gluon backward (kernels/bwd_hopper.py; FLASHTRITON_GLUON_BWD=0 turns it off) against the
+float64 reference.
 
 It runs only on sm_90 GPUs (Gluon has no interpreter); the CPU part checks the routing rule. Every GPU case forces
 the kernel on (testing.forced_gluon_backward), asserts that it ran, NaN-poisons the outputs and applies the tolerance

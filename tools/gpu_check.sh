@@ -40,7 +40,7 @@ step fwd-triton 150 env FLASHTRITON_GLUON=0 python -m flashtriton bench --modes 
   --out "$out/bench-triton"
 # the Gluon Hopper forward's configs (schedule, registers, stages) on the BASELINES.md shapes
 step hopper-sweep 240 python benchmarks/sweep_hopper_fwd.py --out "$out/hopper-sweep"
-# the experimental Gluon backward (off by default; its tests force it on), then Gluon vs Triton vs SDPA backward timing
+# the Gluon backward's tests (they force it on), then Gluon vs Triton vs SDPA backward timing
 step hopper-bwd 300 bash -c "python -m pytest tests/test_hopper_bwd.py -q -n 8 -p no:cacheprovider -rfE --maxfail=6 \
   && python benchmarks/bench_hopper_bwd.py --out '$out/hopper-bwd'"
 step decode 90 python benchmarks/bench_decode.py --paged 0,64,256 --graph --repeat 2

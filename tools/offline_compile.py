@@ -89,6 +89,14 @@ def _gluon_tile_type(rows: int, head_dim: int, dtype: str) -> str:
     return f"tensordesc<{dtype}[1,{rows},1,{head_dim}],{layout!r}>"
 
 
+def _gluon_row_type(rows: int) -> str:
+    """Signature type of a host descriptor of a (B * H, S) fp32 matrix loading [1, rows] blocks (ops/hopper_bwd's
+    row statistics)."""
+    from triton.experimental.gluon import language as gl
+
+    return f"tensordesc<fp32[1,{rows}],{gl.NVMMASharedLayout.get_default_for([1, rows], gl.float32)!r}>"
+
+
 def _compile_gluon(kernel, signature: dict, constexprs: dict):
     """A Gluon kernel compiled for sm_90 with 4 warps in its default partition."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -133,8 +141,9 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     keys = 2 * KEYS_PER_CONSUMER.value
     signature = {"k_desc": descriptor(keys), "v_desc": descriptor(keys), "q_desc": descriptor(config.query_rows),
                  "do_desc": descriptor(config.query_rows),
-                 "dq_desc": _gluon_tile_type(config.query_rows, DQ_FEATURES, "fp32"), "Lse": "*fp32",
-                 "Delta": "*fp32", "DK": f"*{dtype}", "DV": f"*{dtype}"}
+                 "dq_desc": _gluon_tile_type(config.query_rows, DQ_FEATURES, "fp32"),
+                 "lse_desc": _gluon_row_type(config.query_rows), "delta_desc": _gluon_row_type(config.query_rows),
+                 "DK": f"*{dtype}", "DV": f"*{dtype}"}
     names = list(inspect.signature(attn_bwd_hopper_kernel.fn).parameters)
     signature.update({name: "i32" for name in names[len(signature):] if name.startswith("stride") or name in (
         "num_heads_k", "group_size", "seqlen_q", "seqlen_k", "heads_per_group")})

@@ -4,11 +4,14 @@ per 128-key block, a one-warp TMA producer streaming Q / dO blocks of 64 rows, t
 
 Per query block i (64 rows), consumer w (keys [64w, 64w + 64) of the block), every product an M = 64 wgmma:
   S = Q_i K_w^T, dP = dO_i V_w^T                  [64 rows, 64 keys], both issued async, then waited
+  (Q_i, dO_i and their rows' lse and delta arrive by TMA in one stage of the producer's pipeline)
   P = exp2(S * scale * log2 e - lse_i * log2 e), dS = P (dP - delta_i); P and dS go to shared memory
   dV_w += P^T dO_i, dK_w += dS^T Q_i              (P^T, dS^T: transposed views of the shared tiles)
   dQ_i is split one of two ways:
   - head dim 128, by features: once both consumers' dS are there (ds_ready), consumer w computes
-    dQ_i[:, 64w:64w+64] = dS_0 K_0[:, 64w:64w+64] + dS_1 K_1[:, 64w:64w+64] (both key halves);
+    dQ_i[:, 64w:64w+64] = dS_0 K_0[:, 64w:64w+64] + dS_1 K_1[:, 64w:64w+64] (both key halves), one block late
+    (during block i + 1, dS double-buffered) so that neither consumer waits for the other's dS of the same block:
+    their softmax phases drift apart and overlap each other's wgmmas (+23-35% over the same-block product);
   - head dim 64, by keys: consumer w computes every feature from its own keys, dS_w K_w, with no barrier
     between the consumers but twice the reductions.
   Each consumer scales its [64 rows, 64 features] product by the softmax scale, stores it to a shared fp32 tile and
@@ -19,17 +22,19 @@ Per query block i (64 rows), consumer w (keys [64w, 64w + 64) of the block), eve
 
 Scope (ops/hopper_bwd.covers): what ops/hopper_fwd covers (dense bf16/fp16, no window or the causal one, bottom-right
 aligned, no softcap, ALiBi or dropout), head dim 64 / 128. Keys past seqlen_k are masked out of P (their dK/dV rows
-are never stored; their K rows read as zeros, but P would not be 0); query rows past seqlen_q get lse +inf, hence
-P = 0.
+are never stored; their K rows read as zeros, but P would not be 0); query rows past seqlen_q read Q, dO, lse and
+delta as zeros (TMA fills them), so P = 1 there but dS = 0 and every product they enter adds zeros (dQ rows past
+seqlen_q are clipped by the reduction).
 
-Synchronisation: kv_ready (K and V landed), q_ready[s] (Q_i and dO_i of stage s landed), q_empty[s] (both consumers
-are done with stage s, count 2), with the feature split ds_ready (both consumers' dS written, count 2) and ds_free
-(both consumers' dQ products of the iteration completed, count 2: the next iteration may overwrite dS). Each
-consumer's P tile is read only by its own dV product, which it waits for before the next iteration; its dQ tile is
-rewritten after tma.store_wait(0) says the previous reduction has read it.
+Synchronisation: kv_ready (K and V landed), q_ready[s] (Q_i, dO_i, lse_i and delta_i of stage s landed), q_empty[s]
+(both consumers are done with stage s, count 2), with the feature split ds_ready (both consumers' dS written, count
+2) and ds_free (both consumers' dQ products of a block completed, count 2: its dS buffer may be rewritten), one of
+each per dS buffer. Each consumer's P tile is read only by its own dV product, which it waits for before the next
+iteration; its dQ tile is rewritten after tma.store_wait(0) says the previous reduction has read it.
 
-Measured (H200, 2026-12-01): correct (tests/test_hopper_bwd.py) but slower than the Triton backward on the
-BASELINES rows (configs.HOPPER_BWD), so off by default (configs.HOPPER_BWD_ALLOWED).
+Measured (H200, 2026-12-01, configs.HOPPER_BWD has the steps): d128 4x4096 490 / 430 TF/s non-causal / causal, d64
+388 / 359, against 363 / 333 and 283 / 238 for the Triton backward (kernels/bwd.py), which keeps every call this
+kernel does not cover and deterministic=True.
 """
 
 from triton._C.libtriton import gluon_ir, ir
@@ -66,9 +71,11 @@ def _query_block(iteration, blocks_per_head, m_block_lo, head_k, group_size, ROW
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, q_empty, batch,
-              head_k, n_start, group_size, m_block_lo, blocks_per_head, n_iterations):
-    """One warp: the key block's K and V once, then Q_i and dO_i of every iteration into stage i % STAGES."""
+def _producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
+              delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads, group_size, m_block_lo,
+              blocks_per_head, n_iterations):
+    """One warp: the key block's K and V once, then Q_i, dO_i and their rows' log2(e) * lse and delta of every
+    iteration into stage i % STAGES."""
     STAGES: gl.constexpr = q_smem.shape[0]
     KEYS: gl.constexpr = k_smem.shape[1]
     ROWS: gl.constexpr = q_smem.shape[2]
@@ -81,29 +88,46 @@ def _producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
         stage = i % STAGES
         mbarrier.wait(q_empty.index(stage), ((i // STAGES) - 1) & 1, pred=i >= STAGES)
         head, m_start = _query_block(i, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
-        mbarrier.expect(q_ready.index(stage), 2 * ROWS * HEAD_DIM * element_bytes)
+        mbarrier.expect(q_ready.index(stage), 2 * ROWS * HEAD_DIM * element_bytes + 2 * ROWS * 4)
         tma.async_copy_global_to_shared(q_desc, [batch, m_start, head, 0], q_ready.index(stage), q_smem.index(stage))
         tma.async_copy_global_to_shared(do_desc, [batch, m_start, head, 0], q_ready.index(stage),
                                         do_smem.index(stage))
+        row = batch * num_heads + head
+        tma.async_copy_global_to_shared(lse_desc, [row, m_start], q_ready.index(stage), lse_smem.index(stage))
+        tma.async_copy_global_to_shared(delta_desc, [row, m_start], q_ready.index(stage), delta_smem.index(stage))
 
 
 @gluon.jit
-def _row_stats(Lse, Delta, stride_lse_b, stride_lse_h, batch, iteration, n_iterations, blocks_per_head, m_block_lo,
-               head_k, group_size, seqlen_q, ROWS: gl.constexpr, layout: gl.constexpr):
-    """log2(e) * lse and delta [ROWS] (layout: the score rows') of loop iteration `iteration`'s query rows; rows
-    past seqlen_q (and every row of an iteration past the loop's end) get lse +inf (so P = 0) and delta 0."""
-    head, m_start = _query_block(iteration, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
-    offs_m = m_start + gl.arange(0, ROWS, layout)
-    row_in = (offs_m < seqlen_q) & (iteration < n_iterations)
-    row_base = batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
-    lse_log2 = gl.load(Lse + row_base + offs_m, mask=row_in, other=float("inf")) * 1.4426950408889634
-    delta = gl.load(Delta + row_base + offs_m, mask=row_in, other=0.0)
-    return lse_log2, delta
+def _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, buffer, use, zero_dq, OVER_ALL_KEYS: gl.constexpr):
+    """The unscaled dQ product [ROWS, FEATURES] (issued async) of the block whose dS tiles are in buffer `buffer` of
+    the [2, ROWS, OWN] dS tiles, their `use`-th use: with the split by features (OVER_ALL_KEYS), once both consumers'
+    dS are there, dS_0 K_0 + dS_1 K_1 (ds_lo, ds_hi) restricted to this consumer's features (k_lo, k_hi); with the
+    split by keys, this consumer's dS (ds_own) times its K rows (k_lo)."""
+    if OVER_ALL_KEYS:
+        mbarrier.wait(ds_ready.index(buffer), use & 1)
+        dq = warpgroup_mma(ds_lo.index(buffer), k_lo, zero_dq, use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_hi.index(buffer), k_hi, dq, is_async=True)
+    else:
+        dq = warpgroup_mma(ds_own.index(buffer), k_lo, zero_dq, use_acc=False, is_async=True)
+    return dq
 
 
 @gluon.jit
-def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, p_own, ds_own, ds_lo, ds_hi, dq_tile, kv_ready, q_ready,
-              q_empty, ds_ready, ds_free, dq_desc, Lse, Delta, DK, DV, stride_lse_b, stride_lse_h, stride_dk_b,
+def _add_dq(dq, dq_desc, dq_tile, batch, m_start, head, feature0):
+    """Add the (scaled) dQ product dq [ROWS, FEATURES] of query rows [m_start, + ROWS) of `head` into the fp32
+    accumulator's features [feature0, + FEATURES): through dq_tile ([1, ROWS, 1, FEATURES], shared) by one TMA
+    reduction, once the previous one has read dq_tile. Rows past seqlen_q are clipped by the reduction."""
+    ROWS: gl.constexpr = dq.shape[0]
+    FEATURES: gl.constexpr = dq.shape[1]
+    tma.store_wait(0)
+    dq_tile.reshape([ROWS, FEATURES]).store(dq)
+    fence_async_shared()
+    _async_reduce_add(dq_desc, [batch, m_start, head, feature0], dq_tile)
+
+
+@gluon.jit
+def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p_own, ds_own, ds_lo, ds_hi, dq_tile,
+              kv_ready, q_ready, q_empty, ds_ready, ds_free, dq_desc, DK, DV, stride_dk_b,
               stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, key0, feature0,
               group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
               causal):
@@ -120,6 +144,8 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, p_own, ds_own, ds_lo, d
     FEATURES: gl.constexpr = k_lo.shape[1]
     # dQ over every key of the block (features split between the consumers), or over this consumer's keys
     OVER_ALL_KEYS: gl.constexpr = FEATURES < HEAD_DIM
+    # blocks between a block's dS and its dQ product
+    LAG: gl.constexpr = 1 if OVER_ALL_KEYS else 0
     dtype: gl.constexpr = k_own.dtype
     # [ROWS, OWN] scores; [OWN, HEAD_DIM] dK / dV; [ROWS, FEATURES] dQ
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -138,21 +164,19 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, p_own, ds_own, ds_lo, d
     offs_n = n_start + key0 + gl.arange(0, OWN, key_of_s)
     key_in = offs_n < seqlen_k
     last_key = n_start + key0 + OWN - 1
-    # [ROWS] the first iteration's row statistics; each iteration loads the next one's before its own products
-    lse_log2, delta = _row_stats(Lse, Delta, stride_lse_b, stride_lse_h, batch, 0, n_iterations, blocks_per_head,
-                                 m_block_lo, head_k, group_size, seqlen_q, ROWS, row_of_s)
     mbarrier.wait(kv_ready, 0)
     for i in range(n_iterations):
         stage = i % STAGES
         head, m_start = _query_block(i, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
         # [ROWS] query rows of the block
         offs_m = m_start + gl.arange(0, ROWS, row_of_s)
-        next_lse_log2, next_delta = _row_stats(Lse, Delta, stride_lse_b, stride_lse_h, batch, i + 1, n_iterations,
-                                               blocks_per_head, m_block_lo, head_k, group_size, seqlen_q, ROWS,
-                                               row_of_s)
         mbarrier.wait(q_ready.index(stage), (i // STAGES) & 1)
         q_tile = q_smem.index(stage).reshape([ROWS, HEAD_DIM])
         do_tile = do_smem.index(stage).reshape([ROWS, HEAD_DIM])
+        # [ROWS] log2(e) * lse and delta of the block's rows; rows past seqlen_q read 0 for both, as their Q and dO
+        # rows do, so that every product they enter (dV, dK, and dQ rows the reduction clips) adds zeros
+        lse_log2 = lse_smem.index(stage).reshape([ROWS]).load(row_of_s) * 1.4426950408889634
+        delta = delta_smem.index(stage).reshape([ROWS]).load(row_of_s)
         s = warpgroup_mma(q_tile, k_own.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dp = warpgroup_mma(do_tile, v_own.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s, ))
@@ -168,36 +192,39 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, p_own, ds_own, ds_lo, d
         dp = warpgroup_mma_wait(0, deps=(dp, ))
         # [ROWS, OWN] dS
         ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
-        lse_log2 = next_lse_log2
-        delta = next_delta
+        # dS buffer i % 2; its previous use (block i - 2) is free once the dQ products of that block completed
+        buffer = i % 2
         if OVER_ALL_KEYS:
-            # both consumers' dQ products of the previous block have read dS
-            mbarrier.wait(ds_free, (i - 1) & 1, pred=i > 0)
-        ds_own.store(ds)
+            mbarrier.wait(ds_free.index(buffer), ((i // 2) - 1) & 1, pred=i >= 2)
+        ds_own.index(buffer).store(ds)
         fence_async_shared()
         gl.thread_barrier()
         if OVER_ALL_KEYS:
-            mbarrier.arrive(ds_ready)
+            mbarrier.arrive(ds_ready.index(buffer))
         dv = warpgroup_mma(p_own.permute((1, 0)), do_tile, dv, is_async=True)
-        dk = warpgroup_mma(ds_own.permute((1, 0)), q_tile, dk, is_async=True)
-        if OVER_ALL_KEYS:
-            mbarrier.wait(ds_ready, i & 1)
-            # [ROWS, FEATURES] dQ_i's features [feature0, + FEATURES) from every key of the block (unscaled)
-            dq = warpgroup_mma(ds_lo, k_lo, zero_dq, use_acc=False, is_async=True)
-            dq = warpgroup_mma(ds_hi, k_hi, dq, is_async=True)
-        else:
-            # [ROWS, HEAD_DIM] every feature of dQ_i from this consumer's keys (unscaled)
-            dq = warpgroup_mma(ds_own, k_lo, zero_dq, use_acc=False, is_async=True)
-        dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
+        dk = warpgroup_mma(ds_own.index(buffer).permute((1, 0)), q_tile, dk, is_async=True)
+        if i >= LAG:
+            # block i - LAG's dQ product: with the split by features one block late, as the other consumer wrote its
+            # dS a block ago (not waiting for it lets the two consumers drift out of phase); waiting for the product
+            # completes this block's dV and dK products too (wgmma groups complete in order)
+            block = i - LAG
+            dq = _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, block % 2, block // 2, zero_dq,
+                             OVER_ALL_KEYS)
+            dq = warpgroup_mma_wait(0, deps=(dq, ))
+            if OVER_ALL_KEYS:
+                mbarrier.arrive(ds_free.index(block % 2))
+            block_head, block_m_start = _query_block(block, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
+            _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, block_m_start, block_head, feature0)
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         mbarrier.arrive(q_empty.index(stage))
-        if OVER_ALL_KEYS:
-            mbarrier.arrive(ds_free)
-        # the previous block's reduction has read dq_tile; rows past seqlen_q add zeros (their P is 0) into the
-        # accumulator's padding rows
-        tma.store_wait(0)
-        dq_tile.reshape([ROWS, FEATURES]).store(dq * softmax_scale)
-        fence_async_shared()
-        _async_reduce_add(dq_desc, [batch, m_start, head, feature0], dq_tile)
+    if OVER_ALL_KEYS:
+        last = n_iterations - 1
+        if last >= 0:
+            dq = _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, last % 2, last // 2, zero_dq,
+                             OVER_ALL_KEYS)
+            dq = warpgroup_mma_wait(0, deps=(dq, ))
+            last_head, last_m_start = _query_block(last, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
+            _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, last_m_start, last_head, feature0)
     # [OWN, HEAD_DIM] stores of this consumer's key rows below seqlen_k
     rows = n_start + key0 + gl.arange(0, OWN, gl.SliceLayout(1, dkv_layout))
     features = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, dkv_layout))
@@ -211,9 +238,9 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, p_own, ds_own, ds_lo, d
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "seqlen_q", "seqlen_k", "heads_per_group"])
-def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, Lse, Delta, DK, DV,
-                           stride_lse_b, stride_lse_h, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "heads_per_group"])
+def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, delta_desc, DK, DV,
+                           stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                            num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, softmax_scale, qk_scale_log2,
                            CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                            num_warps: gl.constexpr):
@@ -244,23 +271,29 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, Lse, Delta,
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, ROWS, 1, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, ROWS, 1, HEAD_DIM], do_desc.layout)
     OWN: gl.constexpr = KEYS // 2
-    # [2, ROWS, OWN] each consumer's P and dS tiles
+    # [2, ROWS, OWN] each consumer's P tile; [2, 2, ROWS, OWN] its dS tiles of two blocks in turn (a block's dQ
+    # product runs during the next block)
     pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, OWN], dtype)
     p_smem = gl.allocate_shared_memory(dtype, [2, ROWS, OWN], pds_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, OWN], pds_layout)
+    ds_smem = (gl.allocate_shared_memory(dtype, [2, ROWS, OWN], pds_layout),
+               gl.allocate_shared_memory(dtype, [2, ROWS, OWN], pds_layout))
+    # [STAGES, 1, ROWS] log2(e) * lse and delta of the Q / dO stages' rows
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
     # [2, 1, ROWS, 1, FEATURES] each consumer's fp32 dQ product on its way to the accumulator
     dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     for stage in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(stage), count=1)
         mbarrier.init(q_empty.index(stage), count=2)
-    mbarrier.init(ds_ready, count=2)
-    mbarrier.init(ds_free, count=2)
+    for buffer in gl.static_range(2):
+        mbarrier.init(ds_ready.index(buffer), count=2)
+        mbarrier.init(ds_free.index(buffer), count=2)
     # constexprs arrive in partitions as plain ints (Triton 3.6): the flag and key offsets travel as tensors
     causal = gl.to_tensor(CAUSAL).to(gl.int32)
     # dQ: head dim 128 split by features (64 each), head dim 64 split by keys (dq_desc's tile: [1, ROWS, 1, FEATURES])
@@ -270,7 +303,8 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, Lse, Delta,
     # [KEYS, HEAD_DIM] K and V of the block
     k_flat = k_smem.reshape([KEYS, HEAD_DIM])
     v_flat = v_smem.reshape([KEYS, HEAD_DIM])
-    pointers = (dq_desc, Lse, Delta, DK, DV, stride_lse_b, stride_lse_h, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start)
+    pointers = (dq_desc, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch,
+                head_k, n_start)
     loop = (group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
             causal)
     barriers = (kv_ready, q_ready, q_empty, ds_ready, ds_free)
@@ -285,13 +319,15 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, Lse, Delta,
         first_dq = (k_halves[0], k_halves[0])
         second_dq = (k_halves[1], k_halves[1])
         second_feature = 0
-    first = (k_halves[0], v_halves[0]) + first_dq + (q_smem, do_smem, p_smem.index(0), ds_smem.index(0),
-                                                           ds_smem.index(0), ds_smem.index(1), dq_smem.index(0))
-    second = (k_halves[1], v_halves[1]) + second_dq + (q_smem, do_smem, p_smem.index(1), ds_smem.index(1),
-                                                            ds_smem.index(0), ds_smem.index(1), dq_smem.index(1))
+    staged = (q_smem, do_smem, lse_smem, delta_smem)
+    first = (k_halves[0], v_halves[0]) + first_dq + staged + (p_smem.index(0), ds_smem[0]) + ds_smem + (
+        dq_smem.index(0), )
+    second = (k_halves[1], v_halves[1]) + second_dq + staged + (p_smem.index(1), ds_smem[1]) + ds_smem + (
+        dq_smem.index(1), )
     gl.warp_specialize([
         (_consumer, first + barriers + pointers + (gl.to_tensor(0), gl.to_tensor(0)) + loop),
         (_consumer, second + barriers + pointers + (gl.to_tensor(OWN), gl.to_tensor(second_feature)) + loop),
-        (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, q_empty,
-                     batch, head_k, n_start, group_size, m_block_lo, blocks_per_head, n_iterations)),
+        (_producer, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                     delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads_k * group_size,
+                     group_size, m_block_lo, blocks_per_head, n_iterations)),
     ], [4, 1], [CONSUMER_REGS, 24])

@@ -2,9 +2,8 @@
 for when it runs.
 
 backend.launch_bwd asks `runs_on` after the preprocess (delta) and falls back to the Triton kernels (kernels/bwd.py)
-for everything else. The kernel is off unless configs.HOPPER_BWD_ALLOWED (FLASHTRITON_GLUON_BWD=1, or
-testing.forced_gluon_backward): it has not yet been measured against the Triton backward. It adds dQ with atomics,
-so deterministic=True never takes it.
+for everything else. configs.HOPPER_BWD_ALLOWED (FLASHTRITON_GLUON_BWD=0 turns it off; testing.forced_gluon_backward
+in tests) switches it. It adds dQ with TMA reductions in no fixed order, so deterministic=True never takes it.
 """
 
 from __future__ import annotations
@@ -18,6 +17,9 @@ from .hopper_fwd import covers as forward_covers, is_hopper, tile_descriptor
 from .launching import tma_compatible, triton_cdiv
 
 try:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
     from ..kernels.bwd_hopper import KEYS_PER_CONSUMER, attn_bwd_hopper_kernel
     KEY_BLOCK = 2 * KEYS_PER_CONSUMER.value
 except Exception:  # Triton without Gluon's Hopper API, or its interpreter: the Triton kernels run everything
@@ -48,11 +50,25 @@ def runs_on(q, k, v, dout, params, seqlen_q: int, seqlen_k: int, plain: bool, de
             and all(tma_compatible(t) for t in (q, k, v, dout)) and is_hopper(q.device))
 
 
+def _row_statistic_descriptor(stat: torch.Tensor, strides: Tuple[int, int], batch: int, num_heads: int,
+                              seqlen_q: int, rows: int):
+    """Descriptor of a per-row fp32 statistic (lse or delta: (batch, head) strides, rows contiguous) as a
+    (B * H, Sq) matrix loading [1, rows] blocks (rows past seqlen_q read 0); copied into a matrix with 16-byte
+    aligned rows where its own layout is not one."""
+    matrix = stat.as_strided((batch * num_heads, seqlen_q), (strides[1], 1))
+    if strides[0] != num_heads * strides[1] or not tma_compatible(matrix):
+        padded = torch.empty(batch * num_heads, triton_cdiv(seqlen_q, 4) * 4, dtype=torch.float32, device=stat.device)
+        matrix = padded[:, :seqlen_q]
+        matrix.view(batch, num_heads, seqlen_q).copy_(stat.as_strided((batch, num_heads, seqlen_q), (*strides, 1)))
+    layout = gl.NVMMASharedLayout.get_default_for([1, rows], gl.float32)
+    return TensorDescriptor(matrix, list(matrix.shape), list(matrix.stride()), [1, rows], layout)
+
+
 def launch(q, k, v, dout, lse, delta, dq, dk, dv, lse_strides: Tuple[int, int], params, seqlen_q: int,
            seqlen_k: int, batch: int, heads_per_group: int) -> None:
     """dK, dV into dk, dv and dQ into dq (B, S, H, D each) from lse and delta (fp32, rows contiguous, strides
-    lse_strides). The kernel adds its scaled dQ products into a zeroed fp32 buffer by TMA reductions (which clip
-    rows past seqlen_q), copied into dq at the end."""
+    lse_strides), which the kernel loads by TMA with each Q / dO block. The kernel adds its scaled dQ products into a
+    zeroed fp32 buffer by TMA reductions (which clip rows past seqlen_q), copied into dq at the end."""
     global launch_count
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k = k.shape[-2]
@@ -62,7 +78,9 @@ def launch(q, k, v, dout, lse, delta, dq, dk, dv, lse_strides: Tuple[int, int], 
     attn_bwd_hopper_kernel[grid](
         tile_descriptor(k, KEY_BLOCK), tile_descriptor(v, KEY_BLOCK), tile_descriptor(q, config.query_rows),
         tile_descriptor(dout, config.query_rows), tile_descriptor(dq_accum, config.query_rows, DQ_FEATURES),
-        lse, delta, dk, dv, *lse_strides, dk.stride(0), dk.stride(1), dk.stride(2),
+        *(_row_statistic_descriptor(stat, lse_strides, batch, num_heads, seqlen_q, config.query_rows)
+          for stat in (lse, delta)),
+        dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), num_heads_k, num_heads // num_heads_k, seqlen_q, seqlen_k,
         heads_per_group, params.softmax_scale, params.kernel_args()[0],
         CAUSAL=params.causal_like, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4)
