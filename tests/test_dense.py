@@ -13,8 +13,8 @@ import torch
 
 import flashtriton
 from flashtriton import configs
-from flashtriton.testing import (Case, assert_checks_ok, compare_with_reference, forced_heads_per_group,
-                                 make_case_inputs, poisoned_outputs)
+from flashtriton.testing import (Case, assert_checks_ok, compare_with_reference, forced_gluon_backward,
+                                 forced_heads_per_group, make_case_inputs, poisoned_outputs)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -144,7 +144,8 @@ def test_atomic_dq_ignores_keys_past_the_sequence(force_dq_atomic):
 
 
 def test_deterministic_backward_skips_atomic_dq(force_dq_atomic, monkeypatch):
-    """deterministic=True never launches the atomic variant, even where the config asks for it."""
+    """deterministic=True never launches the atomic variant of the Triton dK/dV kernel, even where the config asks for
+    it (the Gluon backward, which never takes deterministic calls, is kept off so that both calls reach it)."""
     from flashtriton.ops import backend
 
     launched = []
@@ -160,9 +161,10 @@ def test_deterministic_backward_skips_atomic_dq(force_dq_atomic, monkeypatch):
     monkeypatch.setattr(backend, "attn_bwd_dkdv_kernel", Recorder())
     case = Case(seqlen_q=70, seqlen_k=90)
     q, k, v, _ = make_case_inputs(case, DEVICE, requires_grad=True)
-    for deterministic in (True, False):
-        out = flashtriton.flash_attn_func(q, k, v, deterministic=deterministic)
-        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    with forced_gluon_backward(False):
+        for deterministic in (True, False):
+            out = flashtriton.flash_attn_func(q, k, v, deterministic=deterministic)
+            torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     assert launched == [False, True]
 
 
