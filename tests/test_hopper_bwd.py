@@ -48,6 +48,28 @@ def test_gluon_backward_coverage_rule(name):
     assert hopper_bwd.covers(**call) == expected
 
 
+ROW_LAYOUTS = {
+    "aligned": (2, 3, 256, None),        # (B, H, S) contiguous, rows 16-byte aligned: used in place
+    "odd-length": (2, 3, 333, None),     # rows of 333 floats: copied to rows of 336
+    "head-padded": (2, 3, 100, 128),     # a (B, H, 100) view of (B, H, 128): heads 512 bytes apart, used in place
+}
+
+
+@pytest.mark.skipif(hopper_bwd.attn_bwd_hopper_kernel is None, reason="this Triton has no Gluon Hopper API")
+@pytest.mark.parametrize("layout", list(ROW_LAYOUTS))
+def test_row_statistic_descriptor_covers_every_row(layout):
+    """The (B * H, S) matrix the kernel loads lse / delta blocks from holds every row's value, with 16-byte aligned
+    rows (a TMA requirement), whatever the statistic's own strides; host-side only, so it runs on CPU too."""
+    batch, heads, seqlen, allocated = ROW_LAYOUTS[layout]
+    stat = torch.randn(batch, heads, allocated or seqlen)[:, :, :seqlen]
+    descriptor = hopper_bwd._row_statistic_descriptor(stat, (stat.stride(0), stat.stride(1)), batch, heads, seqlen, 64)
+    matrix = descriptor.base
+    assert list(descriptor.shape) == [batch * heads, seqlen] and descriptor.block_shape == [1, 64]
+    assert matrix.stride(1) == 1 and (matrix.stride(0) * 4) % 16 == 0 and matrix.data_ptr() % 16 == 0
+    assert torch.equal(matrix, stat.reshape(batch * heads, seqlen))
+    assert (matrix.data_ptr() == stat.data_ptr()) == (layout != "odd-length")
+
+
 def run_backward(case: Case):
     """Forward (whichever kernel) and the backward forced onto the Gluon kernel; (tolerance checks, whether it ran)."""
     q, k, v, _ = make_case_inputs(case, "cuda", requires_grad=True)
