@@ -1,5 +1,6 @@
 """Where the first flashtriton call of a process spends its time (issue #5 cold start), on CUDA, and with
---steady N where N later calls spend their host time (eager per-call overhead).
+--steady N where N later calls spend their host time (eager per-call overhead: inference forward, training step
+(forward through autograd + backward), backward alone, decode).
 
     python tools/profile_first_call.py [--head-dim 128] [--top 35] [--steady 0]
 
@@ -52,7 +53,19 @@ def profile_steady(flashtriton, q, k, v, calls: int, top: int) -> None:
     for causal in (False, True):
         flashtriton.flash_attn_func(q, k, v, causal=causal)
     torch.cuda.synchronize()
+    # the training path: the forward through autograd, then the backward (the Gluon backward where it covers the call)
+    q_grad, k_grad, v_grad = (x.detach().requires_grad_() for x in (q, k, v))
+    dout = torch.randn_like(q)
+    graph = flashtriton.flash_attn_func(q_grad, k_grad, v_grad, causal=True)
+
+    def training_step():
+        out = flashtriton.flash_attn_func(q_grad, k_grad, v_grad, causal=True)
+        return torch.autograd.grad(out, (q_grad, k_grad, v_grad), dout)
+
     for label, call in (("forward", lambda: flashtriton.flash_attn_func(q, k, v, causal=True)),
+                        ("training step (fwd+bwd)", training_step),
+                        ("backward", lambda: torch.autograd.grad(graph, (q_grad, k_grad, v_grad), dout,
+                                                                 retain_graph=True)),
                         ("decode", lambda: flashtriton.flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=400))):
         print(f"{label}: host time per call {host_time(call, calls):.1f} us")
         if label == "forward":
