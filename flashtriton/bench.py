@@ -185,10 +185,13 @@ def attention_callable(provider: str, causal: bool) -> Callable:
 
 
 def provider_inputs(provider: str, q, k, v, requires_grad: bool):
-    """Leaf copies of (B, S, H, D) inputs: unchanged layout for flashtriton, (B, H, S, D) for SDPA."""
+    """Leaf copies of (B, S, H, D) inputs, in (B, S, H, D) memory for every provider (BASELINES.md's layout): as
+    they are for flashtriton, as (B, H, S, D) views of that memory for SDPA. (Until the ninth session SDPA got
+    contiguous (B, H, S, D) copies, with which its FLASH backward read 170 TF/s at 16x1024x16x128 causal where the
+    same session's (B, S, H, D) views read 207 and BASELINES.md 209: the earlier tables flattered the short rows.)"""
     def prepare(t):
-        t = t.detach() if provider == "flashtriton" else t.detach().transpose(1, 2)
-        return t.contiguous().clone().requires_grad_(requires_grad)
+        t = t.detach().clone()
+        return (t if provider == "flashtriton" else t.transpose(1, 2)).requires_grad_(requires_grad)
 
     return prepare(q), prepare(k), prepare(v)
 

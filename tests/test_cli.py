@@ -236,6 +236,17 @@ def test_write_results_round_trip(tmp_path):
     assert loaded.rows == result.rows and loaded.metadata == {"gpu": "fake"}
 
 
+def test_provider_inputs_keep_the_bshd_memory_layout():
+    """Every provider's timed inputs are leaves in (B, S, H, D) memory (BASELINES.md's layout); SDPA sees them as
+    (B, H, S, D) views, so no provider pays for a layout copy the others do not."""
+    q, k, v = bench.random_inputs(bench.Shape(2, 8, 3, 4), torch.float32, device="cpu")
+    for provider in ("flashtriton", "sdpa-flash"):
+        for given, taken in zip((q, k, v), bench.provider_inputs(provider, q, k, v, requires_grad=True)):
+            assert taken.is_leaf and taken.requires_grad and taken.data_ptr() != given.data_ptr()
+            bshd = taken if provider == "flashtriton" else taken.transpose(1, 2)
+            assert bshd.is_contiguous() and torch.equal(bshd, given)
+
+
 def test_bench_config_rows_without_gpu(monkeypatch):
     """bench_config's plumbing on CPU with the CUDA timer and memory probe replaced by stand-ins."""
     monkeypatch.setattr(bench, "median_ms", lambda fn, warmup, rep: (fn(), 2.0)[1])
