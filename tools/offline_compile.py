@@ -79,22 +79,18 @@ def compile_kernel(kernel, head_dim, local, block_m, block_n, warps, stages, dty
                           options=dict(num_warps=warps, num_stages=stages))
 
 
-def _gluon_tile_type(rows: int, head_dim: int, dtype: str) -> str:
-    """Signature type of a host descriptor of (B, S, H, D) moving [1, rows, 1, head_dim] tiles (ops/hopper_fwd's
-    layout)."""
+def _gluon_descriptor_type(block: list, dtype: str) -> str:
+    """Signature type of a host descriptor moving `block` tiles with the launchers' layout (ops/hopper_fwd)."""
     from triton.experimental.gluon import language as gl
 
     element = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32}[dtype]
-    layout = gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], element)
-    return f"tensordesc<{dtype}[1,{rows},1,{head_dim}],{layout!r}>"
+    layout = gl.NVMMASharedLayout.get_default_for(block, element)
+    return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
 
 
-def _gluon_row_type(rows: int) -> str:
-    """Signature type of a host descriptor of a (B * H, S) fp32 matrix loading [1, rows] blocks (ops/hopper_bwd's
-    row statistics)."""
-    from triton.experimental.gluon import language as gl
-
-    return f"tensordesc<fp32[1,{rows}],{gl.NVMMASharedLayout.get_default_for([1, rows], gl.float32)!r}>"
+def _gluon_tile_type(rows: int, head_dim: int, dtype: str) -> str:
+    """A descriptor of (B, S, H, D) moving [1, rows, 1, head_dim] tiles (ops/hopper_fwd.tile_descriptor)."""
+    return _gluon_descriptor_type([1, rows, 1, head_dim], dtype)
 
 
 def _compile_gluon(kernel, signature: dict, constexprs: dict):
@@ -142,7 +138,8 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     signature = {"k_desc": descriptor(keys), "v_desc": descriptor(keys), "q_desc": descriptor(config.query_rows),
                  "do_desc": descriptor(config.query_rows),
                  "dq_desc": _gluon_tile_type(config.query_rows, DQ_FEATURES, "fp32"),
-                 "lse_desc": _gluon_row_type(config.query_rows), "delta_desc": _gluon_row_type(config.query_rows),
+                 "lse_desc": _gluon_descriptor_type([1, config.query_rows], "fp32"),
+                 "delta_desc": _gluon_descriptor_type([1, config.query_rows], "fp32"),
                  "DK": f"*{dtype}", "DV": f"*{dtype}"}
     names = list(inspect.signature(attn_bwd_hopper_kernel.fn).parameters)
     signature.update({name: "i32" for name in names[len(signature):] if name.startswith("stride") or name in (

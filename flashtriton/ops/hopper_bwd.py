@@ -8,17 +8,15 @@ in tests) switches it. It adds dQ with TMA reductions in no fixed order, so dete
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Tuple
 
 import torch
 
 from .. import configs
-from .hopper_fwd import covers as forward_covers, is_hopper, tile_descriptor
+from .hopper_fwd import covers as forward_covers, is_hopper, shared_layout, tile_descriptor
 from .launching import tma_compatible, triton_cdiv
 
 try:
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..kernels.bwd_hopper import KEYS_PER_CONSUMER, attn_bwd_hopper_kernel
@@ -61,12 +59,8 @@ def _row_statistic_descriptor(stat: torch.Tensor, strides: Tuple[int, int], batc
         padded = torch.empty(batch * num_heads, triton_cdiv(seqlen_q, 4) * 4, dtype=torch.float32, device=stat.device)
         matrix = padded[:, :seqlen_q]
         matrix.view(batch, num_heads, seqlen_q).copy_(stat.as_strided((batch, num_heads, seqlen_q), (*strides, 1)))
-    return TensorDescriptor(matrix, list(matrix.shape), list(matrix.stride()), [1, rows], _row_layout(rows))
-
-
-@lru_cache(maxsize=None)
-def _row_layout(rows: int):
-    return gl.NVMMASharedLayout.get_default_for([1, rows], gl.float32)
+    return TensorDescriptor(matrix, list(matrix.shape), list(matrix.stride()), [1, rows],
+                            shared_layout((1, rows), torch.float32))
 
 
 def launch(q, k, v, dout, lse, delta, dq, dk, dv, lse_strides: Tuple[int, int], params, seqlen_q: int,

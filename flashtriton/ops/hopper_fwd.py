@@ -55,9 +55,10 @@ def runs_on(q, k, v, out, params, seqlen_q: int, seqlen_k: int, plain: bool) -> 
 
 
 @lru_cache(maxsize=None)
-def _shared_layout(rows: int, columns: int, dtype: torch.dtype):
+def shared_layout(block: Tuple[int, ...], dtype: torch.dtype):
+    """The shared-memory layout of a tensor descriptor's block (cached: building it costs ~8 us of host time)."""
     element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
-    return gl.NVMMASharedLayout.get_default_for([1, rows, 1, columns], element)
+    return gl.NVMMASharedLayout.get_default_for(list(block), element)
 
 
 def tile_descriptor(tensor: torch.Tensor, rows: int, columns: int = 0):
@@ -65,7 +66,7 @@ def tile_descriptor(tensor: torch.Tensor, rows: int, columns: int = 0):
     rows read 0 and are never stored."""
     columns = columns or tensor.shape[-1]
     return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), [1, rows, 1, columns],
-                            _shared_layout(rows, columns, tensor.dtype))
+                            shared_layout((1, rows, 1, columns), tensor.dtype))
 
 
 # Tests cap the grid (testing.forced_hopper_grid) so that every program runs many work items.
