@@ -113,6 +113,21 @@ def _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, buffer, use, zero_dq
 
 
 @gluon.jit
+def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch, head_k,
+               group_size, m_block_lo, blocks_per_head, softmax_scale, feature0, OVER_ALL_KEYS: gl.constexpr):
+    """Loop iteration `block`'s dQ: its product (_dq_product; waiting for it also completes every wgmma this
+    consumer issued before it, as wgmma groups complete in order), then, with the split by features, its dS buffer
+    released for block + 2 (ds_free), and the scaled product added to the accumulator (_add_dq)."""
+    ROWS: gl.constexpr = zero_dq.shape[0]
+    dq = _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, block % 2, block // 2, zero_dq, OVER_ALL_KEYS)
+    dq = warpgroup_mma_wait(0, deps=(dq, ))
+    if OVER_ALL_KEYS:
+        mbarrier.arrive(ds_free.index(block % 2))
+    head, m_start = _query_block(block, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
+    _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, m_start, head, feature0)
+
+
+@gluon.jit
 def _add_dq(dq, dq_desc, dq_tile, batch, m_start, head, feature0):
     """Add the (scaled) dQ product dq [ROWS, FEATURES] of query rows [m_start, + ROWS) of `head` into the fp32
     accumulator's features [feature0, + FEATURES): through dq_tile ([1, ROWS, 1, FEATURES], shared) by one TMA
@@ -204,27 +219,19 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
         dv = warpgroup_mma(p_own.permute((1, 0)), do_tile, dv, is_async=True)
         dk = warpgroup_mma(ds_own.index(buffer).permute((1, 0)), q_tile, dk, is_async=True)
         if i >= LAG:
-            # block i - LAG's dQ product: with the split by features one block late, as the other consumer wrote its
-            # dS a block ago (not waiting for it lets the two consumers drift out of phase); waiting for the product
-            # completes this block's dV and dK products too (wgmma groups complete in order)
-            block = i - LAG
-            dq = _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, block % 2, block // 2, zero_dq,
-                             OVER_ALL_KEYS)
-            dq = warpgroup_mma_wait(0, deps=(dq, ))
-            if OVER_ALL_KEYS:
-                mbarrier.arrive(ds_free.index(block % 2))
-            block_head, block_m_start = _query_block(block, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
-            _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, block_m_start, block_head, feature0)
+            # block i - LAG's dQ: with the split by features one block late, as the other consumer wrote its dS a
+            # block ago (not waiting for it lets the two consumers drift out of phase); its wait completes this
+            # block's dV and dK products too
+            _finish_dq(i - LAG, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch,
+                       head_k, group_size, m_block_lo, blocks_per_head, softmax_scale, feature0, OVER_ALL_KEYS)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         mbarrier.arrive(q_empty.index(stage))
     if OVER_ALL_KEYS:
-        last = n_iterations - 1
-        if last >= 0:
-            dq = _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, last % 2, last // 2, zero_dq,
-                             OVER_ALL_KEYS)
-            dq = warpgroup_mma_wait(0, deps=(dq, ))
-            last_head, last_m_start = _query_block(last, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
-            _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, last_m_start, last_head, feature0)
+        # the last block's dQ (its ds_free arrival has no waiter)
+        if n_iterations > 0:
+            _finish_dq(n_iterations - 1, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc,
+                       dq_tile, batch, head_k, group_size, m_block_lo, blocks_per_head, softmax_scale, feature0,
+                       OVER_ALL_KEYS)
     # [OWN, HEAD_DIM] stores of this consumer's key rows below seqlen_k
     rows = n_start + key0 + gl.arange(0, OWN, gl.SliceLayout(1, dkv_layout))
     features = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, dkv_layout))
