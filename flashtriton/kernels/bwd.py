@@ -19,28 +19,34 @@ from .common import (alibi_bias_log2, dropout_keep, grouped_tile_and_batch_head,
                      tile_and_batch_head, to_int64, visibility_mask)
 
 
-@triton.jit(do_not_specialize=["stride_delta_b", "stride_delta_h", "seqlen_q"])
+@triton.jit(do_not_specialize=["stride_delta_b", "stride_delta_h", "seqlen_q", "delta_rows"])
 def attn_bwd_preprocess_kernel(
-    Out, DOut, Delta, CuSeqlensQ,
+    Out, DOut, Delta, DQAccum, CuSeqlensQ,
     stride_ob, stride_om, stride_oh,
     stride_dob, stride_dom, stride_doh,
     stride_delta_b, stride_delta_h,
-    num_heads, seqlen_q,
+    stride_dqa_b, stride_dqa_m, stride_dqa_h,
+    num_heads, seqlen_q, delta_rows,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
+    ZERO_DQ_ACCUM: tl.constexpr,
 ):
-    m_block, batch_head = tile_and_batch_head(tl.cdiv(seqlen_q, BLOCK_M))
+    """delta = rowsum(dO * O) of each query row into Delta, and 0 into its rows [seqlen_q, delta_rows) (the
+    padding of a dense softmax_d; varlen passes 0); with ZERO_DQ_ACCUM, zeros into the rows' fp32 dQ
+    accumulator (the dQ atomics / reductions add into it), which saves a separate fill of it."""
+    m_block, batch_head = tile_and_batch_head(tl.cdiv(tl.maximum(seqlen_q, delta_rows), BLOCK_M))
     batch = batch_head // num_heads
     head = batch_head % num_heads
     q_start, seqlen_q, _, _ = sequence_bounds(batch, CuSeqlensQ, CuSeqlensQ, None, None, seqlen_q, seqlen_q, IS_VARLEN,
                                               False, False)
+    rows_end = tl.maximum(seqlen_q, delta_rows)
     m_start = m_block * BLOCK_M
-    if m_start >= seqlen_q:
+    if m_start >= rows_end:
         return
     offs_row = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     rows = (q_start + m_start).to(tl.int64)
     mask = ((m_start + offs_row) < seqlen_q)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    # [BLOCK_M, BLOCK_D]
+    # [BLOCK_M, BLOCK_D]; rows past seqlen_q read 0, so their delta is 0
     o = tl.load(Out + batch.to(tl.int64) * stride_ob + rows * stride_om + head * stride_oh
                 + offs_row[:, None] * stride_om + offs_d[None, :], mask=mask, other=0.0)
     do = tl.load(DOut + batch.to(tl.int64) * stride_dob + rows * stride_dom + head * stride_doh
@@ -48,7 +54,12 @@ def attn_bwd_preprocess_kernel(
     # [BLOCK_M]
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     delta_base = Delta + batch.to(tl.int64) * stride_delta_b + head.to(tl.int64) * stride_delta_h + q_start + m_start
-    tl.store(delta_base + offs_row, delta, mask=(m_start + offs_row) < seqlen_q)
+    tl.store(delta_base + offs_row, delta, mask=(m_start + offs_row) < rows_end)
+    if ZERO_DQ_ACCUM:
+        # [BLOCK_M, BLOCK_D]
+        tl.store(DQAccum + batch.to(tl.int64) * stride_dqa_b + rows * stride_dqa_m + head.to(tl.int64) * stride_dqa_h
+                 + offs_row[:, None] * stride_dqa_m + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
+                 mask=mask)
 
 
 @triton.jit
@@ -116,8 +127,8 @@ def _dkdv_q_loop(dk, dv, k, v, q_base, do_base, q_desc, do_desc, head, lse_base,
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "seqlen_q", "seqlen_k", "window_left",
-                               "window_right", "heads_per_group"])
+@triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "stride_delta_b", "stride_delta_h", "seqlen_q",
+                               "seqlen_k", "window_left", "window_right", "heads_per_group"])
 def attn_bwd_dkdv_kernel(
     Q, K, V, DOut, Lse, Delta, DK, DV, DQAccum, AlibiSlopes, CuSeqlensQ, CuSeqlensK, RngState,
     stride_qb, stride_qm, stride_qh,
@@ -125,6 +136,7 @@ def attn_bwd_dkdv_kernel(
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_lse_b, stride_lse_h,
+    stride_delta_b, stride_delta_h,
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
     stride_dqa_b, stride_dqa_m, stride_dqa_h,
@@ -138,7 +150,7 @@ def attn_bwd_dkdv_kernel(
 ):
     """One program per (key tile, batch * kv head); loops over the group's query heads and query tiles.
 
-    Lse and Delta share one layout (strides stride_lse_b, stride_lse_h; rows contiguous). USE_TMA loads
+    Lse and Delta: (batch, head) strides of their own, rows contiguous. USE_TMA loads
     the Q and dO tiles through in-kernel descriptors bound to the sequence (rows past it read as zeros).
     Key tiles run in order, so under a causal mask the tiles seen by the most query rows start first; programs
     run in groups of heads_per_group (batch, kv head) pairs (grouped_tile_and_batch_head).
@@ -184,7 +196,7 @@ def attn_bwd_dkdv_kernel(
         q_base = Q + batch64 * stride_qb + to_int64(q_start) * stride_qm + head64 * stride_qh
         do_base = DOut + batch64 * stride_dob + to_int64(q_start) * stride_dom + head64 * stride_doh
         lse_base = Lse + batch64 * stride_lse_b + head64 * stride_lse_h + q_start
-        delta_base = Delta + batch64 * stride_lse_b + head64 * stride_lse_h + q_start
+        delta_base = Delta + batch64 * stride_delta_b + head64 * stride_delta_h + q_start
         dqa_base = DQAccum
         if DQ_ATOMIC:
             dqa_base = DQAccum + batch64 * stride_dqa_b + to_int64(q_start) * stride_dqa_m + head64 * stride_dqa_h
@@ -266,8 +278,8 @@ def _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, k_desc, v_desc, head
     return dq
 
 
-@triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "seqlen_q", "seqlen_k", "window_left",
-                               "window_right", "heads_per_group"])
+@triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "stride_delta_b", "stride_delta_h", "seqlen_q",
+                               "seqlen_k", "window_left", "window_right", "heads_per_group"])
 def attn_bwd_dq_kernel(
     Q, K, V, DOut, Lse, Delta, DQ, AlibiSlopes, CuSeqlensQ, CuSeqlensK, RngState,
     stride_qb, stride_qm, stride_qh,
@@ -275,6 +287,7 @@ def attn_bwd_dq_kernel(
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_lse_b, stride_lse_h,
+    stride_delta_b, stride_delta_h,
     stride_dqb, stride_dqm, stride_dqh,
     stride_alibi_b,
     num_heads, group_size, seqlen_q, seqlen_k, heads_per_group,
@@ -315,7 +328,8 @@ def attn_bwd_dq_kernel(
     # [BLOCK_M]
     lse_log2 = tl.load(Lse + batch64 * stride_lse_b + head64 * stride_lse_h + q_start + offs_m,
                        mask=row_in, other=float("inf")) * 1.4426950408889634
-    delta = tl.load(Delta + batch64 * stride_lse_b + head64 * stride_lse_h + q_start + offs_m, mask=row_in, other=0.0)
+    delta = tl.load(Delta + batch64 * stride_delta_b + head64 * stride_delta_h + q_start + offs_m, mask=row_in,
+                    other=0.0)
     slope_log2 = 0.0
     if HAS_ALIBI:
         slope_log2 = tl.load(AlibiSlopes + batch * stride_alibi_b + head) * 1.4426950408889634

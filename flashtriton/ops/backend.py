@@ -296,13 +296,15 @@ def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, windo
 # ----------------------------------------------------------------------------------------------------------------
 
 def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, alibi_slopes,
-               lse_strides: Tuple[int, int], seqlen_q: int, seqlen_k: int, batch: int,
+               lse_strides: Tuple[int, int], delta_strides: Tuple[int, int], seqlen_q: int, seqlen_k: int, batch: int,
                cu_seqlens_q=None, cu_seqlens_k=None, dropout_p: float = 0.0, rng_state=None,
-               deterministic: bool = False) -> None:
+               deterministic: bool = False, delta_rows: int = 0) -> None:
     """Run preprocess, dK/dV and dQ into preallocated dq/dk/dv (any strides, last dim contiguous).
 
-    delta has lse's layout (lse_strides) and receives rowsum(dout * out). Configs with dq_atomic add dQ
-    with atomics in the dK/dV kernel (into an fp32 buffer, then scaled into dq) unless deterministic.
+    delta (fp32, (batch, head) strides delta_strides, rows contiguous) receives rowsum(dout * out), and 0 in rows
+    [seqlen_q, delta_rows) (a dense softmax_d's padding). dQ is added into an fp32 accumulator, which the
+    preprocess zeroes, by the Gluon Hopper backward (TMA reductions) or, with configs that have dq_atomic, by
+    atomics in the dK/dV kernel, then converted into dq; deterministic=True uses neither.
     """
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k = k.shape[-2]
@@ -316,41 +318,44 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
         _ensure_scratch_allocator()
     flags = dict(IS_LOCAL=params.is_local, HAS_SOFTCAP=params.softcap > 0.0, HAS_ALIBI=alibi_slopes is not None,
                  IS_VARLEN=is_varlen, HAS_DROPOUT=dropout_p > 0.0, USE_TMA=use_tma)
-    dq_atomic = config.dq_atomic and not deterministic and seqlen_q > 0
-    # fp32 dQ accumulator in q's (B, S, H, D) / (T, H, D) shape, contiguous
-    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq_atomic else None
+    plain = not (is_varlen or dropout_p > 0.0 or alibi_slopes is not None)
+    gluon = hopper_bwd.runs_on(q, k, v, dout, params, seqlen_q, seqlen_k, plain, deterministic)
+    dq_atomic = not gluon and config.dq_atomic and not deterministic and seqlen_q > 0
+    # fp32 dQ accumulator in q's (B, S, H, D) / (T, H, D) shape, contiguous, zeroed by the preprocess
+    dq_accum = new_empty(q.shape, torch.float32, q.device) if gluon or dq_atomic else None
     dropout_args = (dropout_p, 1.0 / (1.0 - dropout_p))
     score_args = params.kernel_args()
     alibi_stride = _alibi_batch_stride(alibi_slopes)
     with device_guard(q):
-        if seqlen_q > 0:
-            preprocess_grid = (triton_cdiv(seqlen_q, config.preprocess_block) * batch * num_heads,)
+        preprocess_rows = max(seqlen_q, delta_rows)
+        if preprocess_rows > 0:
+            preprocess_grid = (triton_cdiv(preprocess_rows, config.preprocess_block) * batch * num_heads,)
             attn_bwd_preprocess_kernel[preprocess_grid](
-                out, dout, delta, cu_seqlens_q, *seq_strides(out), *seq_strides(dout), *lse_strides,
-                num_heads, seqlen_q,
+                out, dout, delta, dq_accum, cu_seqlens_q, *seq_strides(out), *seq_strides(dout), *delta_strides,
+                *(seq_strides(dq_accum) if dq_accum is not None else (0, 0, 0)), num_heads, seqlen_q, delta_rows,
                 HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.preprocess_block, IS_VARLEN=is_varlen,
+                ZERO_DQ_ACCUM=dq_accum is not None,
             )
         dkdv_heads_per_group = configs.heads_per_l2_group(_operand_bytes(q, seqlen_q, 2 * group_size),
                                                           batch * num_heads_k, params.causal_like)
-        plain = not (is_varlen or dropout_p > 0.0 or alibi_slopes is not None)
-        if hopper_bwd.runs_on(q, k, v, dout, params, seqlen_q, seqlen_k, plain, deterministic):
-            hopper_bwd.launch(q, k, v, dout, lse, delta, dq, dk, dv, lse_strides, params, seqlen_q, seqlen_k, batch,
-                              dkdv_heads_per_group)
+        if gluon:
+            hopper_bwd.launch(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides, delta_strides, params,
+                              seqlen_q, seqlen_k, batch, dkdv_heads_per_group)
             return
         if seqlen_k > 0:
             dkdv_grid = (triton_cdiv(seqlen_k, config.dkdv.block_n) * batch * num_heads_k,)
             attn_bwd_dkdv_kernel[dkdv_grid](
                 q, k, v, dout, lse, delta, dk, dv, dq_accum, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
                 *seq_strides(q), *seq_strides(k), *seq_strides(v), *seq_strides(dout), *lse_strides,
-                *seq_strides(dk), *seq_strides(dv), *(seq_strides(dq_accum) if dq_atomic else (0, 0, 0)),
-                alibi_stride,
+                *delta_strides, *seq_strides(dk), *seq_strides(dv),
+                *(seq_strides(dq_accum) if dq_atomic else (0, 0, 0)), alibi_stride,
                 num_heads_k, group_size, seqlen_q, seqlen_k, dkdv_heads_per_group, params.softmax_scale, *score_args,
                 *dropout_args,
                 HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.dkdv.block_m, BLOCK_N=config.dkdv.block_n,
                 **flags, DQ_ATOMIC=dq_atomic, num_warps=config.dkdv.num_warps, num_stages=config.dkdv.num_stages,
             )
         if dq_atomic:
-            dq.copy_(dq_accum.mul_(params.softmax_scale))
+            torch.mul(dq_accum, params.softmax_scale, out=dq)
         elif seqlen_q > 0:
             dq_grid = (triton_cdiv(seqlen_q, config.dq.block_m) * batch * num_heads,)
             dq_heads_per_group = configs.heads_per_l2_group(_operand_bytes(k, seqlen_k, 2 / group_size),
@@ -358,7 +363,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
             attn_bwd_dq_kernel[dq_grid](
                 q, k, v, dout, lse, delta, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
                 *seq_strides(q), *seq_strides(k), *seq_strides(v), *seq_strides(dout), *lse_strides,
-                *seq_strides(dq), alibi_stride,
+                *delta_strides, *seq_strides(dq), alibi_stride,
                 num_heads, group_size, seqlen_q, seqlen_k, dq_heads_per_group, params.softmax_scale, *score_args,
                 *dropout_args,
                 HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.dq.block_m, BLOCK_N=config.dq.block_n, **flags,
@@ -397,9 +402,10 @@ def mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softm
     dropout.require_rng_state(rng_state, dropout_p)
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k = k.shape[1]
-    softmax_d = torch.zeros(batch, num_heads, round_multiple(seqlen_q, 128), dtype=torch.float32, device=q.device)
+    softmax_d_shape = (batch, num_heads, round_multiple(seqlen_q, 128))
 
     if not runs_triton(q):
+        softmax_d = torch.zeros(softmax_d_shape, dtype=torch.float32, device=q.device)
         keep = None
         if dropout_p > 0.0:
             keep = dropout.keep_mask(rng_state, batch, num_heads, round_multiple(seqlen_q, 128),
@@ -414,11 +420,11 @@ def mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softm
 
     params = score_params(softmax_scale, causal, window_size_left, window_size_right, softcap, seqlen_k)
     lse = softmax_lse.contiguous()
-    delta = empty_like(lse)
-    launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params, alibi_slopes,
-               (lse.stride(0), lse.stride(1)), seqlen_q, seqlen_k, batch, dropout_p=dropout_p, rng_state=rng_state,
-               deterministic=deterministic)
-    softmax_d[:, :, :seqlen_q] = delta
+    # delta is written straight into softmax_d (its padding rows with 0)
+    softmax_d = new_empty(softmax_d_shape, torch.float32, q.device)
+    launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_d, params, alibi_slopes, (lse.stride(0), lse.stride(1)),
+               (softmax_d.stride(0), softmax_d.stride(1)), seqlen_q, seqlen_k, batch, dropout_p=dropout_p,
+               rng_state=rng_state, deterministic=deterministic, delta_rows=softmax_d.shape[-1])
     return softmax_d
 
 
@@ -616,12 +622,10 @@ def mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu
 
     params = score_params(softmax_scale, causal, window_size_left, window_size_right, softcap, max_seqlen_k)
     lse = softmax_lse.contiguous()
-    delta = empty_like(lse)
-    launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params, alibi_slopes, (0, lse.stride(0)),
-               max_seqlen_q, max_seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, dropout_p=dropout_p, rng_state=rng_state,
-               deterministic=deterministic)
+    # delta is written straight into softmax_d's covered rows (the rest stays 0)
+    launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_d, params, alibi_slopes, (0, lse.stride(0)),
+               (0, softmax_d.stride(0)), max_seqlen_q, max_seqlen_k, batch, cu_seqlens_q, cu_seqlens_k,
+               dropout_p=dropout_p, rng_state=rng_state, deterministic=deterministic)
     for grad, cu in ((dq, cu_seqlens_q), (dk, cu_seqlens_k), (dv, cu_seqlens_k)):
         _zero_uncovered_rows(grad, cu)
-    _zero_uncovered_rows(delta, cu_seqlens_q, dim=1)  # the preprocess writes covered rows only
-    softmax_d[:, :total_q] = delta
     return softmax_d

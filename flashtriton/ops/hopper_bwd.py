@@ -1,9 +1,9 @@
 """Launcher of the warp-specialized Hopper backward (kernels/bwd_hopper.py: dK, dV and dQ in one kernel) and the rule
 for when it runs.
 
-backend.launch_bwd asks `runs_on` after the preprocess (delta) and falls back to the Triton kernels (kernels/bwd.py)
-for everything else. configs.HOPPER_BWD_ALLOWED (FLASHTRITON_GLUON_BWD=0 turns it off; testing.forced_gluon_backward
-in tests) switches it. It adds dQ with TMA reductions in no fixed order, so deterministic=True never takes it.
+backend.launch_bwd asks `runs_on` before the preprocess (delta, and zeros into the dQ accumulator) and falls back to
+the Triton kernels (kernels/bwd.py) for everything else. configs.HOPPER_BWD_ALLOWED (FLASHTRITON_GLUON_BWD=0 turns it
+off; testing.forced_gluon_backward in tests) switches it. It adds dQ with TMA reductions in no fixed order, so deterministic=True never takes it.
 """
 
 from __future__ import annotations
@@ -63,22 +63,23 @@ def _row_statistic_descriptor(stat: torch.Tensor, strides: Tuple[int, int], batc
                             shared_layout((1, rows), torch.float32))
 
 
-def launch(q, k, v, dout, lse, delta, dq, dk, dv, lse_strides: Tuple[int, int], params, seqlen_q: int,
-           seqlen_k: int, batch: int, heads_per_group: int) -> None:
-    """dK, dV into dk, dv and dQ into dq (B, S, H, D each) from lse and delta (fp32, rows contiguous, strides
-    lse_strides), which the kernel loads by TMA with each Q / dO block. The kernel adds its scaled dQ products into a
-    zeroed fp32 buffer by TMA reductions (which clip rows past seqlen_q), copied into dq at the end."""
+def launch(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tuple[int, int],
+           delta_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
+           heads_per_group: int) -> None:
+    """dK, dV into dk, dv and dQ into dq (B, S, H, D each) from lse and delta (fp32, rows contiguous, (batch,
+    head) strides lse_strides / delta_strides), which the kernel loads by TMA with each Q / dO block. The kernel
+    adds its scaled dQ products into dq_accum (fp32, q's shape, contiguous, zeroed) by TMA reductions (which clip
+    rows past seqlen_q), copied into dq at the end."""
     global launch_count
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k = k.shape[-2]
     config = configs.HOPPER_BWD[head_dim]
-    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     grid = (triton_cdiv(seqlen_k, KEY_BLOCK) * batch * num_heads_k,)
     attn_bwd_hopper_kernel[grid](
         tile_descriptor(k, KEY_BLOCK), tile_descriptor(v, KEY_BLOCK), tile_descriptor(q, config.query_rows),
         tile_descriptor(dout, config.query_rows), tile_descriptor(dq_accum, config.query_rows, DQ_FEATURES),
-        *(_row_statistic_descriptor(stat, lse_strides, batch, num_heads, seqlen_q, config.query_rows)
-          for stat in (lse, delta)),
+        *(_row_statistic_descriptor(stat, strides, batch, num_heads, seqlen_q, config.query_rows)
+          for stat, strides in ((lse, lse_strides), (delta, delta_strides))),
         dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), num_heads_k, num_heads // num_heads_k, seqlen_q, seqlen_k,
         heads_per_group, params.softmax_scale, params.kernel_args()[0],
