@@ -23,7 +23,7 @@ import torch
 from .reference import attention_reference
 
 PROVIDERS = ("flashtriton", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
-MODES = ("fwd", "bwd", "fwd+bwd")
+MODES = ("fwd", "bwd", "fwd+bwd", "fwd+bwd-graph")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 # max|out - ref| / max|ref| allowed against the float64 / float32 reference.
@@ -67,11 +67,13 @@ def select_shapes(spec: str, shapes: Sequence[Shape] = BASELINE_SHAPES) -> list:
 
 def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool,
                     mode: str = "fwd") -> float:
-    """Matmul FLOPs: forward 4*B*H*Sq*Sk*D, halved when causal; backward 2.5x forward; fwd+bwd the sum."""
+    """Matmul FLOPs: forward 4*B*H*Sq*Sk*D, halved when causal; backward 2.5x forward; fwd+bwd (also replayed from
+    a CUDA graph) the sum."""
     forward = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
     if causal:
         forward /= 2
-    factors = {"fwd": 1.0, "bwd": BWD_FLOP_FACTOR, "fwd+bwd": 1.0 + BWD_FLOP_FACTOR}
+    factors = {"fwd": 1.0, "bwd": BWD_FLOP_FACTOR, "fwd+bwd": 1.0 + BWD_FLOP_FACTOR,
+               "fwd+bwd-graph": 1.0 + BWD_FLOP_FACTOR}
     if mode not in factors:
         raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
     return forward * factors[mode]
@@ -204,7 +206,8 @@ def random_inputs(shape: Shape, dtype: torch.dtype, device="cuda", seed: int = 0
 
 
 def timed_callable(provider: str, mode: str, causal: bool, q, k, v) -> Callable:
-    """The function to time for a mode. bwd times the backward only, on a graph built once."""
+    """The function to time for a mode. bwd times the backward only, on a graph built once; fwd+bwd a training
+    step (forward through autograd, then the backward), fwd+bwd-graph that step captured into a CUDA graph."""
     return timed_attention(attention_callable(provider, causal), provider, mode, q, k, v)
 
 
@@ -222,7 +225,12 @@ def timed_attention(attention: Callable, provider: str, mode: str, q, k, v) -> C
     dout = torch.randn_like(out)
     if mode == "bwd":
         return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-    return lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), dout)
+
+    def step():
+        return torch.autograd.grad(attention(q, k, v), (q, k, v), dout)
+
+    # fwd+bwd-graph: the same training step replayed from a CUDA graph, i.e. without the host's per-call cost
+    return graphed(step) if mode == "fwd+bwd-graph" else step
 
 
 def mixed_lengths(tokens: int, low: int = 128, high: int = 4096, seed: int = 0) -> list:

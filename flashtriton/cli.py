@@ -83,7 +83,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser, default_out: str = "ben
 
     parser.add_argument("--dtype", choices=sorted(bench.DTYPES), default="bf16")
     parser.add_argument("--modes", type=comma_list(bench.MODES), default=list(bench.MODES),
-                        help="comma-separated: fwd, bwd (backward only), fwd+bwd (also measures peak memory)")
+                        help="comma-separated: fwd, bwd (backward only), fwd+bwd (also measures peak memory), "
+                             "fwd+bwd-graph (the fwd+bwd step replayed from a CUDA graph: no host cost)")
     parser.add_argument("--shapes", choices=sorted(bench.SHAPE_SETS), default="baseline",
                         help="baseline: the BASELINES.md shapes (16k tokens, hidden 2048); quick: two small ones")
     parser.add_argument("--providers", type=comma_list(bench.PROVIDERS), default=list(bench.PROVIDERS),

@@ -251,6 +251,8 @@ def test_bench_config_rows_without_gpu(monkeypatch):
     """bench_config's plumbing on CPU with the CUDA timer and memory probe replaced by stand-ins."""
     monkeypatch.setattr(bench, "median_ms", lambda fn, warmup, rep: (fn(), 2.0)[1])
     monkeypatch.setattr(bench, "peak_memory_mib", lambda fn: (fn(), 1.0)[1])
+    captured = []
+    monkeypatch.setattr(bench, "graphed", lambda call: captured.append(call) or call)
     shape = bench.Shape(1, 32, 2, 16)
     q, k, v = bench.random_inputs(shape, torch.bfloat16, device="cpu")
     for mode in bench.MODES:
@@ -259,6 +261,7 @@ def test_bench_config_rows_without_gpu(monkeypatch):
         flops = bench.attention_flops(1, 2, 32, 32, 16, True, mode)
         assert row.tflops == pytest.approx(flops / 2e-3 / 1e12)
         assert (row.peak_mem_mib is not None) == (mode == "fwd+bwd")
+    assert len(captured) == 1, "fwd+bwd-graph captures its step, no other mode does"
     missing = bench.bench_config("sdpa-cudnn", shape, False, torch.bfloat16, "fwd", q, k, v)
     assert missing.status.startswith("unavailable: ") and missing.ms is None and missing.tflops is None
 
