@@ -221,10 +221,14 @@ def timed_attention(attention: Callable, provider: str, mode: str, q, k, v) -> C
         return forward
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
-    out = attention(q, k, v)
-    dout = torch.randn_like(out)
     if mode == "bwd":
+        out = attention(q, k, v)
+        dout = torch.randn_like(out)
         return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    # no autograd graph outlives this: a kept one holds q, k, v's gradient nodes on this stream, which breaks the
+    # CUDA graph capture of fwd+bwd-graph (the capture runs on another stream)
+    with torch.no_grad():
+        dout = torch.randn_like(attention(q, k, v))
 
     def step():
         return torch.autograd.grad(attention(q, k, v), (q, k, v), dout)
