@@ -248,6 +248,9 @@ GLUON_ALLOWED = os.environ.get("FLASHTRITON_GLUON", "1") != "0"
 # each other's dS every block): 4x4096 490 / 430 at 248 registers (490 / 408 at 240; Triton 363 / 333), 1x16384
 # 525 / 492 (Triton 382 / 373), 16x1024 284 / 264 (Triton 305 / 221). d64 keeps dQ in the same block (its consumers
 # never wait for each other; one block late it read 371 / 339). On by default; FLASHTRITON_GLUON_BWD=0 turns it off.
+# Tenth session: a persistent grid (key blocks paired under the causal mask, one program per SM) read 383 / 227,
+# 485 / 342, 521 / 393, d64 381 / 340 against 393 / 266, 487 / 419, 520 / 481, 383 / 342 for one program per key
+# block (same process; its extra loops spilled): not kept (docs/perf-notes.md).
 @dataclass(frozen=True)
 class HopperBwdConfig:
     query_rows: int      # rows per Q / dO block (the M of the S and dP wgmmas)

@@ -158,7 +158,7 @@ case("dense-decode-rows", "Sq3 Sk300 (decode tiles) d128 MQA")(lambda: _dense(3,
 case("dense-mqa-bf16-d128", "H8/Hk1 S129 bf16 causal")(lambda: _dense(2, 129, 129, 8, 1, 128, dtype=_bf16(), causal=True))
 case("dense-d256-gqa-bhsd", "d256 H4/Hk2 Sq200 Sk300 (B, H, S, D) memory, several K/V stages")(
     lambda: _dense(1, 200, 300, 4, 2, 256, layout="bhsd"))
-case("dense-gluon-bwd", "Gluon backward forced on (experimental), GQA causal Sq150 Sk170 d128 bf16")(
+case("dense-gluon-bwd", "Gluon backward forced on, GQA causal Sq150 Sk170 d128 bf16")(
     lambda: _with_gluon_backward(lambda: _dense(2, 150, 170, 4, 2, 128, dtype=_bf16(), causal=True)))
 case("dense-dq-atomic", "dQ added by the dK/dV kernel with atomics (BwdConfig.dq_atomic), GQA causal")(
     lambda: _with_dq_atomic(lambda: _dense(2, 150, 170, 4, 2, 128, causal=True)))
