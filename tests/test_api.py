@@ -19,7 +19,7 @@ import torch
 
 import flashtriton as flash_attn
 import flashtriton.flash_attn_interface as fai
-from flashtriton.testing import Case, compare_with_reference, cu_seqlens, make_case_inputs
+from flashtriton.testing import Case, compare_with_reference, cu_seqlens, make_case_inputs, poisoned_outputs
 
 # ------------------------------------------------------------------------------------------------------------
 # Signature parity. Each entry is the parameter list copied verbatim from API.md; add rows as functions land.
@@ -499,13 +499,15 @@ def test_low_level_backward_writes_into_preallocated_buffers(case, make_buffers)
     out, lse, _, rng_state = _low_level_forward(q, k, v, scale, causal=case.causal)
     dout = torch.randn_like(out)
     (dq, dk, dv), storage = make_buffers(q, k, v)
-    softmax_d = fai._flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0, scale, case.causal, -1, -1,
-                                         0.0, None, False, rng_state)
+    with poisoned_outputs():  # softmax_d's padding rows are written by the kernels: NaN if one is missed
+        softmax_d = fai._flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0, scale, case.causal, -1, -1,
+                                             0.0, None, False, rng_state)
     batch, seqlen_q, num_heads, _ = q.shape
     assert softmax_d.shape == (batch, num_heads, fai.round_multiple(seqlen_q, 128))
     assert softmax_d.dtype == torch.float32
     rowsum = (dout.float() * out.float()).sum(-1).transpose(1, 2)
     torch.testing.assert_close(softmax_d[:, :, :seqlen_q], rowsum)
+    assert torch.equal(softmax_d[:, :, seqlen_q:], torch.zeros_like(softmax_d[:, :, seqlen_q:]))
 
     leaves = ENTRIES["func"].leaves(q, k, v)
     public_out = flash_attn.flash_attn_func(*leaves, softmax_scale=scale, causal=case.causal)
