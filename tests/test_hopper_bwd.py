@@ -30,7 +30,7 @@ COVERS = {
     "causal": (dict(params=_params(causal=True)), True),
     "head-dim-64": (dict(head_dim=64), True),
     "head-dim-96": (dict(head_dim=96), False),
-    "head-dim-256": (dict(head_dim=256), False),
+    "head-dim-256": (dict(head_dim=256), True),
     "deterministic": (dict(deterministic=True), False),
     "not-plain": (dict(plain=False), False),
     "softcap": (dict(params=_params(softcap=3.0)), False),

@@ -124,28 +124,25 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
 
 
 def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16"):
-    """The Gluon Hopper backward (kernels/bwd_hopper.py) with `config` (default configs.HOPPER_BWD[head_dim])."""
+    """The Gluon Hopper backward (kernels/bwd_hopper.py; bwd_hopper_d256.py at head dim 256) with `config` (default
+    configs.HOPPER_BWD[head_dim])."""
     from flashtriton import configs
-    from flashtriton.kernels.bwd_hopper import KEYS_PER_CONSUMER, attn_bwd_hopper_kernel
-    from flashtriton.ops.hopper_bwd import DQ_FEATURES
+    from flashtriton.ops.hopper_bwd import division
 
     config = config or configs.HOPPER_BWD[head_dim]
-
-    def descriptor(rows):
-        return _gluon_tile_type(rows, head_dim, dtype)
-
-    keys = 2 * KEYS_PER_CONSUMER.value
-    signature = {"k_desc": descriptor(keys), "v_desc": descriptor(keys), "q_desc": descriptor(config.query_rows),
-                 "do_desc": descriptor(config.query_rows),
-                 "dq_desc": _gluon_tile_type(config.query_rows, DQ_FEATURES, "fp32"),
+    kernel, keys, qdo_features, dq_rows, dq_features = division(head_dim)
+    signature = {"k_desc": _gluon_tile_type(keys, head_dim, dtype), "v_desc": _gluon_tile_type(keys, head_dim, dtype),
+                 "q_desc": _gluon_tile_type(config.query_rows, qdo_features, dtype),
+                 "do_desc": _gluon_tile_type(config.query_rows, qdo_features, dtype),
+                 "dq_desc": _gluon_tile_type(dq_rows, dq_features, "fp32"),
                  "lse_desc": _gluon_descriptor_type([1, config.query_rows], "fp32"),
                  "delta_desc": _gluon_descriptor_type([1, config.query_rows], "fp32"),
                  "DK": f"*{dtype}", "DV": f"*{dtype}"}
-    names = list(inspect.signature(attn_bwd_hopper_kernel.fn).parameters)
+    names = list(inspect.signature(kernel.fn).parameters)
     signature.update({name: "i32" for name in names[len(signature):] if name.startswith("stride") or name in (
         "num_heads_k", "group_size", "seqlen_q", "seqlen_k", "heads_per_group")})
     signature.update(softmax_scale="fp32", qk_scale_log2="fp32")
-    return _compile_gluon(attn_bwd_hopper_kernel, signature, dict(CAUSAL=causal, STAGES=config.stages,
+    return _compile_gluon(kernel, signature, dict(CAUSAL=causal, STAGES=config.stages,
                                                                   CONSUMER_REGS=config.consumer_regs, num_warps=4))
 
 

@@ -1,9 +1,10 @@
-"""Launcher of the warp-specialized Hopper backward (kernels/bwd_hopper.py: dK, dV and dQ in one kernel) and the rule
-for when it runs.
+"""Launcher of the warp-specialized Hopper backward (dK, dV and dQ in one kernel: kernels/bwd_hopper.py at head dims
+64 and 128, kernels/bwd_hopper_d256.py at 256) and the rule for when it runs.
 
 backend.launch_bwd asks `runs_on` before the preprocess (delta, and zeros into the dQ accumulator) and falls back to
 the Triton kernels (kernels/bwd.py) for everything else. configs.HOPPER_BWD_ALLOWED (FLASHTRITON_GLUON_BWD=0 turns it
-off; testing.forced_gluon_backward in tests) switches it. It adds dQ with TMA reductions in no fixed order, so deterministic=True never takes it.
+off; testing.forced_gluon_backward in tests) switches it. It adds dQ with TMA reductions in no fixed order, so
+deterministic=True never takes it.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..kernels.bwd_hopper import KEYS_PER_CONSUMER, attn_bwd_hopper_kernel
+    from ..kernels.bwd_hopper_d256 import KEYS_PER_PROGRAM, attn_bwd_hopper_d256_kernel
     KEY_BLOCK = 2 * KEYS_PER_CONSUMER.value
+    KEY_BLOCK_D256 = KEYS_PER_PROGRAM.value
 except Exception:  # Triton without Gluon's Hopper API, or its interpreter: the Triton kernels run everything
-    attn_bwd_hopper_kernel = None
-    KEY_BLOCK = 128
+    attn_bwd_hopper_kernel = attn_bwd_hopper_d256_kernel = None
+    KEY_BLOCK, KEY_BLOCK_D256 = 128, 64
 
 # Launches of this kernel since import; tests read it to know that the path they check ran.
 launch_count = 0
@@ -40,6 +43,15 @@ def covers(head_dim: int, dtype: torch.dtype, seqlen_q: int, seqlen_k: int, para
 
 # dQ columns per consumer warpgroup and TMA reduction: half of head dim 128, all of head dim 64 (kernels/bwd_hopper)
 DQ_FEATURES = 64
+# Head dim 256 (kernels/bwd_hopper_d256): Q / dO move in feature halves, dQ in [32 rows, 64 features] pieces
+D256_QDO_FEATURES, D256_DQ_ROWS = 128, 32
+
+
+def division(head_dim: int):
+    """(kernel, keys per program, features per Q / dO box, rows and features per dQ reduction) of a head dim."""
+    if head_dim == 256:
+        return attn_bwd_hopper_d256_kernel, KEY_BLOCK_D256, D256_QDO_FEATURES, D256_DQ_ROWS, DQ_FEATURES
+    return attn_bwd_hopper_kernel, KEY_BLOCK, head_dim, configs.HOPPER_BWD[head_dim].query_rows, DQ_FEATURES
 
 
 def runs_on(q, k, v, dout, params, seqlen_q: int, seqlen_k: int, plain: bool, deterministic: bool) -> bool:
@@ -74,10 +86,11 @@ def launch(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tuple[i
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k = k.shape[-2]
     config = configs.HOPPER_BWD[head_dim]
-    grid = (triton_cdiv(seqlen_k, KEY_BLOCK) * batch * num_heads_k,)
-    attn_bwd_hopper_kernel[grid](
-        tile_descriptor(k, KEY_BLOCK), tile_descriptor(v, KEY_BLOCK), tile_descriptor(q, config.query_rows),
-        tile_descriptor(dout, config.query_rows), tile_descriptor(dq_accum, config.query_rows, DQ_FEATURES),
+    kernel, keys, qdo_features, dq_rows, dq_features = division(head_dim)
+    grid = (triton_cdiv(seqlen_k, keys) * batch * num_heads_k,)
+    kernel[grid](
+        tile_descriptor(k, keys), tile_descriptor(v, keys), tile_descriptor(q, config.query_rows, qdo_features),
+        tile_descriptor(dout, config.query_rows, qdo_features), tile_descriptor(dq_accum, dq_rows, dq_features),
         *(_row_statistic_descriptor(stat, strides, batch, num_heads, seqlen_q, config.query_rows)
           for stat, strides in ((lse, lse_strides), (delta, delta_strides))),
         dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
