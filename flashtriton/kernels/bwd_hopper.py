@@ -71,6 +71,47 @@ def _query_block(iteration, blocks_per_head, m_block_lo, head_k, group_size, ROW
 
 
 @gluon.jit
+def _key_block_of_program(num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, KEYS: gl.constexpr,
+                          ROWS: gl.constexpr, CAUSAL: gl.constexpr):
+    """(batch, kv head, first key, first query block, query blocks per head, loop iterations) of this program: key
+    blocks of KEYS keys in order (under a causal mask the blocks seen by the most query rows first), in
+    launch-order groups of heads_per_group (batch, kv head) pairs; the query blocks of ROWS rows that see a key of
+    the block, all or, under the causal mask (bottom-right aligned), those from row n_start - (seqlen_k - seqlen_q)
+    on; the loop runs over the group's query heads too."""
+    n_key_blocks = gl.cdiv(seqlen_k, KEYS)
+    n_block, batch_head = _grouped_tile_of(gl.program_id(0), n_key_blocks, gl.num_programs(0) // n_key_blocks,
+                                           heads_per_group)
+    batch = batch_head // num_heads_k
+    head_k = batch_head % num_heads_k
+    n_start = n_block * KEYS
+    m_block_lo = 0
+    if CAUSAL:
+        m_block_lo = gl.maximum(n_start - (seqlen_k - seqlen_q), 0) // ROWS
+    blocks_per_head = gl.cdiv(seqlen_q, ROWS) - m_block_lo
+    return batch, head_k, n_start, m_block_lo, blocks_per_head, group_size * blocks_per_head
+
+
+@gluon.jit
+def _store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
+                    batch, head_k, first_row, feature0, seqlen_k, softmax_scale):
+    """Store dk * softmax_scale and dv ([KEY_ROWS, FEATURES] fp32 accumulators) into key rows [first_row, +
+    KEY_ROWS) below seqlen_k and features [feature0, + FEATURES) of DK and DV, in their dtype."""
+    KEY_ROWS: gl.constexpr = dk.shape[0]
+    FEATURES: gl.constexpr = dk.shape[1]
+    dtype: gl.constexpr = DK.dtype.element_ty
+    # [KEY_ROWS] key rows, [FEATURES] features
+    rows = first_row + gl.arange(0, KEY_ROWS, gl.SliceLayout(1, dk.type.layout))
+    features = feature0 + gl.arange(0, FEATURES, gl.SliceLayout(0, dk.type.layout))
+    store_mask = gl.expand_dims(rows < seqlen_k, 1)
+    dk_ptrs = (DK + batch.to(gl.int64) * stride_dk_b + head_k.to(gl.int64) * stride_dk_h
+               + gl.expand_dims(rows.to(gl.int64) * stride_dk_n, 1) + gl.expand_dims(features, 0))
+    dv_ptrs = (DV + batch.to(gl.int64) * stride_dv_b + head_k.to(gl.int64) * stride_dv_h
+               + gl.expand_dims(rows.to(gl.int64) * stride_dv_n, 1) + gl.expand_dims(features, 0))
+    gl.store(dk_ptrs, (dk * softmax_scale).to(dtype), mask=store_mask)
+    gl.store(dv_ptrs, dv.to(dtype), mask=store_mask)
+
+
+@gluon.jit
 def _producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
               delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads, group_size, m_block_lo,
               blocks_per_head, n_iterations):
@@ -232,16 +273,9 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
             _finish_dq(n_iterations - 1, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc,
                        dq_tile, batch, head_k, group_size, m_block_lo, blocks_per_head, softmax_scale, feature0,
                        OVER_ALL_KEYS)
-    # [OWN, HEAD_DIM] stores of this consumer's key rows below seqlen_k
-    rows = n_start + key0 + gl.arange(0, OWN, gl.SliceLayout(1, dkv_layout))
-    features = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, dkv_layout))
-    store_mask = gl.expand_dims(rows < seqlen_k, 1)
-    dk_ptrs = (DK + batch.to(gl.int64) * stride_dk_b + head_k.to(gl.int64) * stride_dk_h
-               + gl.expand_dims(rows.to(gl.int64) * stride_dk_n, 1) + gl.expand_dims(features, 0))
-    dv_ptrs = (DV + batch.to(gl.int64) * stride_dv_b + head_k.to(gl.int64) * stride_dv_h
-               + gl.expand_dims(rows.to(gl.int64) * stride_dv_n, 1) + gl.expand_dims(features, 0))
-    gl.store(dk_ptrs, (dk * softmax_scale).to(dtype), mask=store_mask)
-    gl.store(dv_ptrs, dv.to(dtype), mask=store_mask)
+    # [OWN, HEAD_DIM] this consumer's key rows
+    _store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
+                    batch, head_k, n_start + key0, 0, seqlen_k, softmax_scale)
     tma.store_wait(0)
 
 
@@ -259,19 +293,8 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     dtype: gl.constexpr = k_desc.dtype
-    n_key_blocks = gl.cdiv(seqlen_k, KEYS)
-    n_block, batch_head = _grouped_tile_of(gl.program_id(0), n_key_blocks, gl.num_programs(0) // n_key_blocks,
-                                           heads_per_group)
-    batch = batch_head // num_heads_k
-    head_k = batch_head % num_heads_k
-    n_start = n_block * KEYS
-    # query blocks that see a key of this block: all, or under the causal mask (bottom-right aligned) the rows
-    # from n_start - (seqlen_k - seqlen_q) on
-    m_block_lo = 0
-    if CAUSAL:
-        m_block_lo = gl.maximum(n_start - (seqlen_k - seqlen_q), 0) // ROWS
-    blocks_per_head = gl.cdiv(seqlen_q, ROWS) - m_block_lo
-    n_iterations = group_size * blocks_per_head
+    batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations = _key_block_of_program(
+        num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, KEYS, ROWS, CAUSAL)
     # [1, KEYS, 1, HEAD_DIM] K, V; [STAGES, 1, ROWS, 1, HEAD_DIM] Q, dO; [KEYS, ROWS] dS^T
     k_smem = gl.allocate_shared_memory(dtype, [1, KEYS, 1, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, KEYS, 1, HEAD_DIM], v_desc.layout)
