@@ -1,0 +1,119 @@
+"""Time copies of a kernel module with source edits against the module as it is, in one process (ablations and A/B
+tests of kernel changes before building them).
+
+    python benchmarks/ablate_kernel.py --variants FILE [--shapes 4] [--mode bwd] [--out DIR]
+
+FILE is a Python file defining
+    MODULE = "flashtriton/kernels/bwd_hopper_d256.py"        # the kernel module to copy
+    TARGET = "flashtriton.ops.hopper_bwd:attn_bwd_hopper_d256_kernel"  # the name the launcher calls it by
+    KERNEL = "attn_bwd_hopper_d256_kernel"                  # that kernel's name in MODULE
+    VARIANTS = {"no dQ reductions": [("_async_reduce_add(dq_desc", "pass  # _async_reduce_add(dq_desc")], ...}
+Each variant is MODULE's source with every (old, new) replacement applied (each `old` must occur; results may be
+wrong, which is the point of an ablation: the error column says how far). A variant's module is loaded as a
+sibling of MODULE, so its relative imports resolve, and its kernel is swapped into TARGET while it is timed.
+Timing: the forward (mode fwd) or the backward on a graph built once (mode bwd) of flash_attn_func, bf16, causal
+and not, on BASELINES.md shapes (bench.select_shapes indices); the max abs difference of each variant's output
+(fwd) or gradients (bwd) from the unmodified module's. Writes DIR/ablate.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import runpy
+import sys
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def variant_module(module_path: str, edits, name: str, directory: str) -> ModuleType:
+    """A copy of the module at module_path (relative to the repository) with every (old, new) edit applied, written
+    to directory (Triton reads a kernel's source from its file) and loaded as a sibling module named `name`, so that
+    its relative imports resolve."""
+    source = (ROOT / module_path).read_text()
+    for old, new in edits:
+        if old not in source:
+            raise ValueError(f"{name}: {old!r} does not occur in {module_path}")
+        source = source.replace(old, new)
+    path = Path(directory) / f"{name}.py"
+    path.write_text(source)
+    package = ".".join(Path(module_path).with_suffix("").parts[:-1])
+    importlib.import_module(package)
+    spec = importlib.util.spec_from_file_location(f"{package}.{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_variants(spec_file: str, directory: str) -> tuple:
+    """(TARGET, KERNEL, {name: module}) of a variants file, the unmodified module first as 'as is'."""
+    spec = runpy.run_path(spec_file)
+    modules = {"as is": variant_module(spec["MODULE"], [], "ablate_as_is", directory)}
+    for index, (name, edits) in enumerate(spec["VARIANTS"].items()):
+        modules[name] = variant_module(spec["MODULE"], edits, f"ablate_variant_{index}", directory)
+    return spec["TARGET"], spec["KERNEL"], modules
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", required=True, help="Python file with MODULE, TARGET, KERNEL and VARIANTS")
+    parser.add_argument("--shapes", default="4", help="indices into bench.BASELINE_SHAPES, e.g. 1,4")
+    parser.add_argument("--mode", choices=("fwd", "bwd"), default="bwd")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+
+    import flashtriton
+    from flashtriton.bench import attention_flops, median_ms, select_shapes
+
+    target, kernel_name, modules = load_variants(args.variants, tempfile.mkdtemp(prefix="ablate-"))
+    owner_name, attribute = target.split(":")
+    owner = importlib.import_module(owner_name)
+    original = getattr(owner, attribute)
+    rows = []
+    for batch, seqlen, heads, dim in select_shapes(args.shapes):
+        for causal in (False, True):
+            q, k, v = (torch.randn(batch, seqlen, heads, dim, device="cuda", dtype=torch.bfloat16,
+                                   requires_grad=args.mode == "bwd") for _ in range(3))
+            dout = torch.randn_like(q)
+            flops = attention_flops(batch, heads, seqlen, seqlen, dim, causal, args.mode)
+            results, reference = {}, None
+            for name, module in modules.items():
+                setattr(owner, attribute, getattr(module, kernel_name))
+                try:
+                    if args.mode == "fwd":
+                        def run():
+                            with torch.no_grad():
+                                return (flashtriton.flash_attn_func(q, k, v, causal=causal), )
+                    else:
+                        out = flashtriton.flash_attn_func(q, k, v, causal=causal)
+
+                        def run():
+                            return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+                    values = run()
+                    reference = reference if reference is not None else values
+                    error = max(float((a.float() - b.float()).abs().max()) for a, b in zip(values, reference))
+                    tflops = flops / median_ms(run) * 1e-9
+                finally:
+                    setattr(owner, attribute, original)
+                results[name] = dict(tflops=tflops, max_abs_difference=error)
+                rows.append(dict(batch=batch, seqlen=seqlen, heads=heads, dim=dim, causal=causal, variant=name,
+                                 tflops=tflops, max_abs_difference=error))
+            print(f"{batch}x{seqlen}x{heads}x{dim} causal={causal} {args.mode} TF/s: "
+                  + ", ".join(f"{name} {r['tflops']:.1f} (diff {r['max_abs_difference']:.1e})"
+                              for name, r in results.items()), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "ablate.json"), "w") as handle:
+        json.dump(rows, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()

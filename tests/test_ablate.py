@@ -1,0 +1,41 @@
+"""benchmarks/ablate_kernel.py's variant modules: an edited copy of a kernel module runs the edited kernel (checked
+through Triton's interpreter on CPU), the unmodified copy the original, and an edit that does not apply is an error."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashtriton.ops.backend import KERNELS_INTERPRETED
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import ablate_kernel  # noqa: E402
+
+FILL = "flashtriton/kernels/fill.py"
+
+
+def _filled(module, value: float) -> torch.Tensor:
+    """Rows 6..9 of a (10, 3, 4) zero tensor filled with `value` by the module's fill kernel (covered rows: 0..5)."""
+    tensor = torch.zeros(10, 3, 4)
+    cu_seqlens = torch.tensor([0, 6], dtype=torch.int32)
+    module.fill_uncovered_rows_kernel[(2, 3)](tensor, cu_seqlens, 1, 10, 4, *tensor.stride(), value, BLOCK_R=8,
+                                              BLOCK_B=4)
+    return tensor
+
+
+@pytest.mark.skipif(not KERNELS_INTERPRETED, reason="runs the kernel through Triton's interpreter (TRITON_INTERPRET=1)")
+def test_variant_module_runs_the_edited_kernel(tmp_path):
+    as_is = ablate_kernel.variant_module(FILL, [], "ablate_test_as_is", str(tmp_path))
+    doubled = ablate_kernel.variant_module(FILL, [("tl.full([BLOCK_R, BLOCK_B], fill,",
+                                                   "tl.full([BLOCK_R, BLOCK_B], 2 * fill,")],
+                                           "ablate_test_doubled", str(tmp_path))
+    for module, expected in ((as_is, 1.5), (doubled, 3.0)):
+        out = _filled(module, 1.5)
+        assert torch.equal(out[:6], torch.zeros(6, 3, 4))
+        assert torch.equal(out[6:], torch.full((4, 3, 4), expected))
+
+
+def test_variant_module_rejects_an_edit_that_does_not_apply(tmp_path):
+    with pytest.raises(ValueError, match="does not occur"):
+        ablate_kernel.variant_module(FILL, [("no such text", "")], "ablate_test_missing", str(tmp_path))
