@@ -112,14 +112,17 @@ def _store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, strid
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
+def _producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_pieces, do_pieces, lse_smem,
               delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads, group_size, m_block_lo,
               blocks_per_head, n_iterations):
     """One warp: the key block's K and V once, then Q_i, dO_i and their rows' log2(e) * lse and delta of every
-    iteration into stage i % STAGES."""
-    STAGES: gl.constexpr = q_smem.shape[0]
+    iteration into stage i % STAGES. Q and dO are staged in feature pieces (q_pieces, do_pieces: tuples of
+    [STAGES, 1, ROWS, 1, PIECE] buffers, piece j holding features [j PIECE, + PIECE); one piece at head dims 64 and
+    128, two at 256)."""
+    STAGES: gl.constexpr = q_pieces[0].shape[0]
     KEYS: gl.constexpr = k_smem.shape[1]
-    ROWS: gl.constexpr = q_smem.shape[2]
+    ROWS: gl.constexpr = q_pieces[0].shape[2]
+    PIECE: gl.constexpr = q_pieces[0].shape[4]
     HEAD_DIM: gl.constexpr = k_smem.shape[3]
     element_bytes: gl.constexpr = k_desc.dtype.primitive_bitwidth // 8
     mbarrier.expect(kv_ready, 2 * KEYS * HEAD_DIM * element_bytes)
@@ -130,9 +133,12 @@ def _producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_s
         mbarrier.wait(q_empty.index(stage), ((i // STAGES) - 1) & 1, pred=i >= STAGES)
         head, m_start = _query_block(i, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
         mbarrier.expect(q_ready.index(stage), 2 * ROWS * HEAD_DIM * element_bytes + 2 * ROWS * 4)
-        tma.async_copy_global_to_shared(q_desc, [batch, m_start, head, 0], q_ready.index(stage), q_smem.index(stage))
-        tma.async_copy_global_to_shared(do_desc, [batch, m_start, head, 0], q_ready.index(stage),
-                                        do_smem.index(stage))
+        for piece in gl.static_range(len(q_pieces)):
+            tma.async_copy_global_to_shared(q_desc, [batch, m_start, head, piece * PIECE], q_ready.index(stage),
+                                            q_pieces[piece].index(stage))
+        for piece in gl.static_range(len(do_pieces)):
+            tma.async_copy_global_to_shared(do_desc, [batch, m_start, head, piece * PIECE], q_ready.index(stage),
+                                            do_pieces[piece].index(stage))
         row = batch * num_heads + head
         tma.async_copy_global_to_shared(lse_desc, [row, m_start], q_ready.index(stage), lse_smem.index(stage))
         tma.async_copy_global_to_shared(delta_desc, [row, m_start], q_ready.index(stage), delta_smem.index(stage))
@@ -357,7 +363,7 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
     gl.warp_specialize([
         (_consumer, first + barriers + pointers + (gl.to_tensor(0), gl.to_tensor(0)) + loop),
         (_consumer, second + barriers + pointers + (gl.to_tensor(OWN), gl.to_tensor(second_feature)) + loop),
-        (_producer, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                     delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads_k * group_size,
+        (_producer, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, (q_smem, ), (do_smem, ),
+                     lse_smem, delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads_k * group_size,
                      group_size, m_block_lo, blocks_per_head, n_iterations)),
     ], [4, 1], [CONSUMER_REGS, 24])
