@@ -115,3 +115,20 @@ def test_gluon_backward_features(feature):
                                     **FEATURES[feature]))
     assert ran, "the Gluon backward did not run"
     assert_checks_ok(checks)
+
+
+def _gluon_hopper_api() -> bool:
+    try:
+        from triton._C.libtriton import gluon_ir
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce")
+
+
+@pytest.mark.skipif(not _gluon_hopper_api(), reason="this Triton has no Gluon Hopper API with TMA reductions")
+def test_gluon_backward_modules_import():
+    """ops/hopper_bwd turns an import error of the kernel modules into 'the Triton backward runs' (for Tritons without
+    the API); where the API is there, both kernel modules must import, or a broken kernel file would only show as a
+    slower backward on the GPU. Runs on CPU."""
+    assert hopper_bwd.attn_bwd_hopper_kernel is not None and hopper_bwd.attn_bwd_hopper_d256_kernel is not None
