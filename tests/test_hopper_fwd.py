@@ -167,3 +167,19 @@ def test_grid_sizes(monkeypatch, persistent, causal):
         assert hopper_fwd.grid(num_tiles, batch_heads, config, causal, "cuda") == (expected, paired)
     monkeypatch.setattr(hopper_fwd, "PROGRAMS_CAP", 3)
     assert hopper_fwd.grid(8, 256, config, causal, "cuda") == (3, paired)
+
+
+def _gluon_hopper_api() -> bool:
+    try:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _gluon_hopper_api(), reason="this Triton has no Gluon Hopper API")
+def test_gluon_forward_module_imports():
+    """ops/hopper_fwd turns an import error of kernels/fwd_hopper.py into 'the Triton kernel runs' (for Tritons
+    without the API); where the API is there the module must import, or a broken kernel file would only show as a
+    slower forward on the GPU. Runs on CPU."""
+    assert hopper_fwd.attn_fwd_hopper_kernel is not None
