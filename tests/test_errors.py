@@ -313,3 +313,23 @@ def test_gpus_older_than_sm80_are_rejected(monkeypatch):
     q, k, v = _q(device="cuda")(), _kv(device="cuda")(), _kv(device="cuda")()
     with _raises("FlashAttention only supports Ampere GPUs or newer."):
         flash_attn.flash_attn_func(q, k, v)
+
+
+GRADIENT_BUFFER_CASES = {
+    "dq-shape": (0, lambda t: torch.empty(t.shape[0], t.shape[1] + 1, *t.shape[2:], dtype=t.dtype),
+                 "dq must have the shape of its input"),
+    "dk-dtype": (1, lambda t: torch.empty_like(t, dtype=torch.bfloat16), "dk must have the dtype of q"),
+    "dv-strided": (2, lambda t: torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)[..., ::2],
+                   "dv must have contiguous last dimension"),
+}
+
+
+@pytest.mark.parametrize("index,make,message", GRADIENT_BUFFER_CASES.values(), ids=GRADIENT_BUFFER_CASES.keys())
+def test_low_level_backward_rejects_gradient_buffers(index, make, message):
+    """dq / dk / dv buffers the kernels cannot write into (wrong shape, dtype, or a strided last dim) are named in
+    the error, before any launch."""
+    q, k, v = _tensor(B, S, H, D), _tensor(B, S, HK, D), _tensor(B, S, HK, D)
+    args = list(_backward_args(q, k, v))
+    args[6 + index] = make((q, k, v)[index])
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        fai._flash_attn_backward(*args)

@@ -376,10 +376,13 @@ def _check_bwd_outputs(dout, q, out, dq, dk, dv, k, v) -> None:
     checks.check(dout.dtype == q.dtype, "query and dout must have the same dtype")
     checks.check(checks.has_contiguous_last_dim(dout), "dout tensor must have contiguous last dimension")
     for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        checks.check(tuple(grad.shape) == tuple(like.shape),
-                     f"{name} must have the shape of its input {tuple(like.shape)}, got {tuple(grad.shape)}")
-        checks.check(grad.dtype == q.dtype, f"{name} must have the dtype of q ({q.dtype}), got {grad.dtype}")
-        checks.check(checks.has_contiguous_last_dim(grad), f"{name} must have contiguous last dimension")
+        # messages are built only on failure (host time per backward call)
+        if grad.shape != like.shape:
+            raise RuntimeError(f"{name} must have the shape of its input {tuple(like.shape)}, got {tuple(grad.shape)}")
+        if grad.dtype != q.dtype:
+            raise RuntimeError(f"{name} must have the dtype of q ({q.dtype}), got {grad.dtype}")
+        if not checks.has_contiguous_last_dim(grad):
+            raise RuntimeError(f"{name} must have contiguous last dimension")
     checks.check_same_device(q, dout=dout, out=out, dq=dq, dk=dk, dv=dv)
 
 
