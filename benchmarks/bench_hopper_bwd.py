@@ -1,14 +1,17 @@
-"""The Gluon Hopper backward (kernels/bwd_hopper.py) against the Triton backward and SDPA FLASH / CUDNN, same process.
+"""The Gluon Hopper backward (kernels/bwd_hopper.py, bwd_hopper_d256.py) against the Triton backward and SDPA FLASH /
+CUDNN, same process.
 
     python benchmarks/bench_hopper_bwd.py [--shapes 1,3] [--out DIR]
 
-Times the backward only (torch.autograd.grad on a graph built once), bf16, causal and not; every Gluon result is
-compared with the Triton backward's gradients (max abs difference printed). Results go to DIR/hopper-bwd.json.
+Times the backward only (torch.autograd.grad on a graph built once), bf16, causal and not; at head dim 256 also
+both dQ divisions (configs.HopperBwdConfig.dq_kernel) and deterministic=True. Every result is compared with the
+Triton backward's gradients (max abs difference printed). Results go to DIR/hopper-bwd.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -21,6 +24,19 @@ from flashtriton import configs
 from flashtriton.bench import attention_flops, median_ms, select_shapes
 from flashtriton.ops import hopper_bwd
 from flashtriton.testing import forced_gluon_backward
+
+
+def _variants(head_dim: int):
+    """(name, Gluon backward allowed, configs.HopperBwdConfig.dq_kernel or None for the table's, deterministic)."""
+    variants = [("triton", False, None, False), ("gluon", True, None, False)]
+    if head_dim == 256:  # the two dQ divisions, and deterministic=True (which only the dQ kernel division takes)
+        variants += [("gluon-dq-reductions", True, False, False), ("gluon-dq-kernel", True, True, False),
+                     ("triton-deterministic", False, None, True), ("gluon-dq-kernel-deterministic", True, True, True)]
+    return variants
+
+
+def _difference(grads, reference) -> float:
+    return max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads, reference))
 
 
 def main():
@@ -39,13 +55,19 @@ def main():
             flops = attention_flops(batch, heads, seqlen, seqlen, dim, causal, "bwd")
             tag = dict(batch=batch, seqlen=seqlen, heads=heads, dim=dim, causal=causal)
             times, grads, ran_gluon = {}, {}, {}
-            for name, gluon in (("triton", False), ("gluon", True)):
-                with forced_gluon_backward(gluon):
-                    out = flashtriton.flash_attn_func(q, k, v, causal=causal)
-                    launches = hopper_bwd.launch_count
-                    grads[name] = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-                    ran_gluon[name] = hopper_bwd.launch_count > launches
-                    times[name] = median_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+            for name, gluon, dq_kernel, deterministic in _variants(dim):
+                table = configs.HOPPER_BWD[dim]
+                if dq_kernel is not None:
+                    configs.HOPPER_BWD[dim] = dataclasses.replace(table, dq_kernel=dq_kernel)
+                try:
+                    with forced_gluon_backward(gluon):
+                        out = flashtriton.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+                        launches = hopper_bwd.launch_count
+                        grads[name] = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+                        ran_gluon[name] = hopper_bwd.launch_count > launches
+                        times[name] = median_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+                finally:
+                    configs.HOPPER_BWD[dim] = table
                 rows.append(dict(tag, provider=f"flashtriton-{name}", ran_gluon=ran_gluon[name], ms=times[name],
                                  tflops=flops / times[name] * 1e-9))
             qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
@@ -55,12 +77,11 @@ def main():
                     times[name] = median_ms(lambda: torch.autograd.grad(out_t, (qt, kt, vt), dout.transpose(1, 2),
                                                                         retain_graph=True))
                 rows.append(dict(tag, provider=name, ms=times[name], tflops=flops / times[name] * 1e-9))
-            difference = max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads["gluon"], grads["triton"]))
             tf = {name: flops / ms * 1e-9 for name, ms in times.items()}
-            print(f"{tag} bwd TF/s: gluon {tf['gluon']:.1f} (ran {ran_gluon['gluon']}, triton row {ran_gluon['triton']}) "
-                  f"triton {tf['triton']:.1f} flash {tf['sdpa-flash']:.1f} cudnn {tf['sdpa-cudnn']:.1f} | "
-                  f"gluon/flash {tf['gluon'] / tf['sdpa-flash']:.2f}x | max |gluon - triton| {difference:.2e}",
-                  flush=True)
+            print(f"{tag} bwd TF/s: " + ", ".join(
+                f"{name} {tf[name]:.1f}" + (f" (ran gluon {ran_gluon[name]}, x flash {tf[name] / tf['sdpa-flash']:.2f}, "
+                                            f"max |diff from triton| {_difference(grads[name], grads['triton']):.2e})"
+                                            if name in grads else "") for name in tf), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "hopper-bwd.json"), "w") as handle:
         json.dump(rows, handle, indent=1)

@@ -1,5 +1,5 @@
 """Sweep the Gluon Hopper forward's configurations (configs.HopperFwdConfig: key tile, stages, consumer registers,
-persistent grid) on the BASELINES.md shapes, with SDPA FLASH and CUDNN timed in the same process.
+persistent grid, ping-pong) on the BASELINES.md shapes, with SDPA FLASH and CUDNN timed in the same process.
 
     python benchmarks/sweep_hopper_fwd.py [--shapes 0,1] [--out DIR]
 
@@ -28,12 +28,12 @@ from flashtriton.ops import hopper_fwd
 # shared memory: Q and O 2 x 64 rows each (O staged in Q at d256), K and V `stages` x block_n rows (227 KiB per
 # program on sm_90)
 CANDIDATES = {
-    64: [HopperFwdConfig(128, 2, 232), HopperFwdConfig(128, 2, 232, persistent=True),
-         HopperFwdConfig(128, 2, 240, persistent=True)],
-    128: [HopperFwdConfig(128, 2, 240), HopperFwdConfig(128, 2, 240, persistent=True),
-          HopperFwdConfig(128, 2, 232, persistent=True)],
-    256: [HopperFwdConfig(64, 2, 232), HopperFwdConfig(64, 2, 232, persistent=True),
-          HopperFwdConfig(64, 2, 240, persistent=True)],
+    64: [HopperFwdConfig(128, 2, 232, persistent=True), HopperFwdConfig(128, 2, 232, persistent=True, pingpong=True),
+         HopperFwdConfig(128, 2, 240, persistent=True, pingpong=True)],
+    128: [HopperFwdConfig(128, 2, 240, persistent=True), HopperFwdConfig(128, 2, 240, persistent=True, pingpong=True),
+          HopperFwdConfig(128, 2, 232, persistent=True, pingpong=True)],
+    256: [HopperFwdConfig(64, 2, 232), HopperFwdConfig(64, 2, 232, pingpong=True),
+          HopperFwdConfig(64, 2, 232, persistent=True, pingpong=True)],
 }
 
 

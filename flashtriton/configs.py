@@ -212,15 +212,22 @@ L2_GROUP_BYTES = {False: 0, True: 16 << 20}
 # of tiles of different lengths); with tiles paired longest + shortest (ops/hopper_fwd.grid, second run):
 # 16x1024 328 -> 373 (419), 4x4096 509 -> 534 (516), 1x16384 595 -> 585 (551), d64 385 -> 403 (416), d256 593 -> 588
 # (566). d256 stays one program per tile (its O is staged in Q, so a tile's end cannot overlap the next's start).
+# Ping-pong (eleventh session, 2026-12-01, sweep_hopper_fwd.py, same process, off -> on at the table's registers,
+# cuDNN in brackets): d128 16x1024 541 -> 544 (574) and causal 425 (424; the "off" reading, 262, was host-bound: an
+# eager call of this size is ~160 us of GPU time), 4x4096 587 -> 597 (618) / 551 -> 551 (522), 1x16384 611 -> 610
+# (623) / 597 -> 600 (565); d64 446 -> 434 (455) / 423 -> 407 (418); d256 659 -> 628 (665) / 590 -> 586 (574).
+# ablate_kernel.py at 16x1024 (same process): 538 -> 547 and causal 412 -> 428. On at d128 only.
 @dataclass(frozen=True)
 class HopperFwdConfig:
     block_n: int         # keys per K/V stage
     stages: int          # K/V stages in shared memory
     consumer_regs: int   # registers per thread of the second consumer warpgroup
     persistent: bool = False  # one program per SM taking work items in turn (ops/hopper_fwd.grid), else one per tile
+    pingpong: bool = False    # the consumers issue their wgmmas in alternation (kernels/fwd_hopper._wait_turn)
 
 
-HOPPER_FWD = {64: HopperFwdConfig(128, 2, 232, persistent=True), 128: HopperFwdConfig(128, 2, 240, persistent=True),
+HOPPER_FWD = {64: HopperFwdConfig(128, 2, 232, persistent=True),
+              128: HopperFwdConfig(128, 2, 240, persistent=True, pingpong=True),
               256: HopperFwdConfig(64, 2, 232)}
 GLUON_ALLOWED = os.environ.get("FLASHTRITON_GLUON", "1") != "0"
 
@@ -256,13 +263,24 @@ class HopperBwdConfig:
     query_rows: int      # rows per Q / dO block (the M of the S and dP wgmmas)
     stages: int          # Q / dO stages in shared memory
     consumer_regs: int   # registers per thread of the second consumer warpgroup
+    dq_kernel: bool = False  # dQ by the Triton dQ kernel (kernels/bwd.py) after this one, not by TMA reductions in
+    #                          it (head dim 256 only): no fp32 accumulator, deterministic
 
 
 # Head dim 256 (kernels/bwd_hopper_d256.py, tenth session): 64-key programs, both consumers in phase; offline 231 KB
 # of shared memory, the worker consumer (240 registers) 42 / 47 static local loads non-causal / causal. H200, same
 # process (bench_hopper_bwd.py, 4x4096x8x256): 284 / 240 TF/s against 190 / 166 for the Triton backward (FA2 255 /
 # 232, cuDNN 379 / 362).
-HOPPER_BWD = {64: HopperBwdConfig(64, 2, 240), 128: HopperBwdConfig(64, 2, 248), 256: HopperBwdConfig(64, 2, 240)}
+# Eleventh session: an ablation (benchmarks/ablations/bwd_hopper_d256.py) put the cost in dQ: without its TMA
+# reductions 437 / 357, without dQ at all 595 / 531, the reductions' serialization not the cause (no wait for their
+# shared-memory reads: 285). dQ by the Triton dQ kernel after the Gluon dK / dV kernel (dq_kernel, no fp32
+# accumulator, no reductions; bench_hopper_bwd.py, same process): 351.5 / 328.4 against 285.2 / 251.2 with the
+# reductions, FA2 252.8 / 230.3 (1.39 / 1.43x), cuDNN 378.1 / 346.3; deterministic=True then takes the same path
+# (349.8 / 324.8; the Triton backward 189.7 / 165.7). GPU time per backward (torch.profiler): dK / dV kernel 1951 /
+# 1033 us, Triton dQ kernel 1893 / 988 us (its tile 128x32 w8 s2 the best of sweep_configs.py --bwd-candidates dq:
+# 353 / 329 against 323 / 281 for 64x32 w4, 281 / 255 for 64x64 w8, 214 / 197 for 64x32 w8), preprocess 43 us.
+HOPPER_BWD = {64: HopperBwdConfig(64, 2, 240), 128: HopperBwdConfig(64, 2, 248),
+              256: HopperBwdConfig(64, 2, 240, dq_kernel=True)}
 HOPPER_BWD_ALLOWED = os.environ.get("FLASHTRITON_GLUON_BWD", "1") != "0"
 
 

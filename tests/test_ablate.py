@@ -39,3 +39,19 @@ def test_variant_module_runs_the_edited_kernel(tmp_path):
 def test_variant_module_rejects_an_edit_that_does_not_apply(tmp_path):
     with pytest.raises(ValueError, match="does not occur"):
         ablate_kernel.variant_module(FILL, [("no such text", "")], "ablate_test_missing", str(tmp_path))
+
+
+@pytest.mark.parametrize("variants_file", sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "ablations")
+                                                 .glob("*.py")), ids=lambda path: path.stem)
+def test_ablation_edits_apply_to_their_kernel_module(variants_file):
+    """Every edit of every checked-in ablation still finds its text in the kernel it edits (so a GPU run of it
+    cannot fail on a kernel changed since), and its TARGET names the kernel."""
+    import runpy
+
+    spec = runpy.run_path(str(variants_file))
+    source = (Path(__file__).resolve().parents[1] / spec["MODULE"]).read_text()
+    assert f"def {spec['KERNEL']}(" in source
+    assert spec["TARGET"].endswith(":" + spec["KERNEL"])
+    for name, edits in spec["VARIANTS"].items():
+        for old, _ in edits:
+            assert old in source, (name, old)

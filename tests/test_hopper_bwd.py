@@ -6,6 +6,8 @@ the kernel on (testing.forced_gluon_backward), asserts that it ran, NaN-poisons 
 rule of API.md §4.10 to dq, dk and dv.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -48,6 +50,17 @@ def test_gluon_backward_coverage_rule(name):
     assert hopper_bwd.covers(**call) == expected
 
 
+@pytest.mark.parametrize("dq_kernel", [False, True], ids=["dq-reductions", "dq-kernel"])
+def test_deterministic_d256_follows_its_dq_division(monkeypatch, dq_kernel):
+    """deterministic=True takes the Gluon backward only where dQ is left to the Triton dQ kernel (no reductions in
+    no fixed order); head dim 128 never leaves it."""
+    monkeypatch.setitem(configs.HOPPER_BWD, 256, dataclasses.replace(configs.HOPPER_BWD[256], dq_kernel=dq_kernel))
+    call = dict(dtype=torch.bfloat16, seqlen_q=100, seqlen_k=100, params=_params(), plain=True, deterministic=True)
+    assert hopper_bwd.covers(head_dim=256, **call) == dq_kernel
+    assert hopper_bwd.computes_dq(256) == (not dq_kernel)
+    assert not hopper_bwd.covers(head_dim=128, **call)
+
+
 ROW_LAYOUTS = {
     "aligned": (2, 3, 256, None),        # (B, H, S) contiguous, rows 16-byte aligned: used in place
     "odd-length": (2, 3, 333, None),     # rows of 333 floats: copied to rows of 336
@@ -70,17 +83,21 @@ def test_row_statistic_descriptor_covers_every_row(layout):
     assert (matrix.data_ptr() == stat.data_ptr()) == (layout != "odd-length")
 
 
-def run_backward(case: Case):
-    """Forward (whichever kernel) and the backward forced onto the Gluon kernel; (tolerance checks, whether it ran)."""
+def run_backward(case: Case, deterministic: bool = False, repeats: int = 1):
+    """Forward (whichever kernel) and the backward forced onto the Gluon kernel; (tolerance checks, whether it ran).
+    With repeats > 1 the backward runs that many times and must give the same bits each time."""
     q, k, v, _ = make_case_inputs(case, "cuda", requires_grad=True)
     before = hopper_bwd.launch_count
     with poisoned_outputs(), forced_gluon_backward():
         out, lse, _ = flashtriton.flash_attn_func(q, k, v, 0.0, case.softmax_scale, case.causal, case.window_size,
-                                                  return_attn_probs=True)
+                                                  deterministic=deterministic, return_attn_probs=True)
         dout = torch.randn_like(out)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
-    ran = hopper_bwd.launch_count > before
-    return compare_with_reference(case, out, lse, q, k, v, None, grads, dout), ran
+        runs = [torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) for _ in range(repeats)]
+    ran = hopper_bwd.launch_count >= before + repeats
+    for grads in runs[1:]:
+        for name, first, again in zip(("dq", "dk", "dv"), runs[0], grads):
+            assert torch.equal(first, again), f"{name} differs between two deterministic backward calls"
+    return compare_with_reference(case, out, lse, q, k, v, None, runs[0], dout), ran
 
 
 SHAPES = [(17, 17), (128, 128), (200, 333), (333, 200), (1000, 1000)]
@@ -97,6 +114,24 @@ def test_gluon_backward_matches_reference(seqlen_q, seqlen_k, head_dim, dtype, c
     checks, ran = run_backward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
                                     head_dim=head_dim, dtype=dtype, causal=causal))
     assert ran, "the Gluon backward did not run"
+    assert_checks_ok(checks)
+
+
+@needs_hopper
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dq_kernel", [False, True], ids=["dq-reductions", "dq-kernel"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (333, 200), (1000, 1000)],
+                         ids=["sq17-sk17", "sq333-sk200", "sq1000-sk1000"])
+def test_gluon_backward_d256_dq_division(monkeypatch, seqlen_q, seqlen_k, dq_kernel, causal, deterministic):
+    """Head dim 256 with dQ by the kernel's reductions or by the Triton dQ kernel after it (configs.HopperBwdConfig.
+    dq_kernel), whatever the table says; with the dQ kernel deterministic=True runs the Gluon kernel too and two
+    calls give the same bits."""
+    monkeypatch.setitem(configs.HOPPER_BWD, 256, dataclasses.replace(configs.HOPPER_BWD[256], dq_kernel=dq_kernel))
+    checks, ran = run_backward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
+                                    head_dim=256, dtype=torch.bfloat16, causal=causal), deterministic,
+                               repeats=2 if deterministic else 1)
+    assert ran == (dq_kernel or not deterministic)
     assert_checks_ok(checks)
 
 

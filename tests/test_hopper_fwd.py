@@ -5,6 +5,8 @@ checks the routing rule and the configs. Every GPU case asserts that the Gluon k
 cases it does not cover, that it did not), NaN-poisons the outputs and applies the tolerance rule of API.md §4.10.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -90,6 +92,25 @@ def test_gluon_forward_matches_reference(seqlen_q, seqlen_k, head_dim, dtype, ca
     with forced_hopper_grid(programs):
         checks, ran = run_forward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
                                        head_dim=head_dim, dtype=dtype, causal=causal))
+    assert ran, "the Gluon forward did not run"
+    assert_checks_ok(checks)
+
+
+@needs_hopper
+@pytest.mark.parametrize("programs", [None, 3], ids=["configured-grid", "3-programs"])
+@pytest.mark.parametrize("pingpong", [False, True], ids=["no-pingpong", "pingpong"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_FWD), ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (700, 300), (1000, 1000)],
+                         ids=["sq17-sk17", "sq700-sk300", "sq1000-sk1000"])
+def test_gluon_forward_pingpong(monkeypatch, seqlen_q, seqlen_k, head_dim, causal, pingpong, programs):
+    """Both settings of the consumers' ping-pong (configs.HopperFwdConfig.pingpong) whatever the table says: turns
+    counted across tiles of different lengths (3 programs run many), a single key block, rows without keys."""
+    monkeypatch.setitem(configs.HOPPER_FWD, head_dim, dataclasses.replace(configs.HOPPER_FWD[head_dim],
+                                                                          pingpong=pingpong))
+    with forced_hopper_grid(programs):
+        checks, ran = run_forward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
+                                       head_dim=head_dim, dtype=torch.bfloat16, causal=causal))
     assert ran, "the Gluon forward did not run"
     assert_checks_ok(checks)
 

@@ -1,10 +1,12 @@
 """Compile flashtriton kernels for sm_90 on a machine without a GPU; print registers, spills, shared memory.
 
     python tools/offline_compile.py [--head-dim 128] [--local] [--kernel fwd|dkdv|dq] [--config M,N,WARPS,STAGES]
-    python tools/offline_compile.py --kernel fwd-hopper [--head-dim 128] [--causal] [--hopper-config N,STAGES,REGS]
+    python tools/offline_compile.py --kernel fwd-hopper [--head-dim 128] [--causal] [--hopper-config N,STAGES,REGS[,P,PP]]
                                                        # the Gluon forward; default: its configs.HOPPER_FWD entry
-    python tools/offline_compile.py --kernel bwd-hopper [--head-dim 128] [--causal] [--hopper-config ROWS,STAGES,REGS]
+                                                       # (P, PP: persistent, ping-pong, 0 or 1)
+    python tools/offline_compile.py --kernel bwd-hopper [--head-dim 128] [--causal] [--hopper-config ROWS,STAGES,REGS[,K]]
                                                        # the Gluon backward; default: its configs.HOPPER_BWD entry
+                                                       # (K: 1 for dQ by a kernel of its own, head dim 256)
 
 Uses Triton's bundled ptxas. Integer arguments are compiled as plain i32 with the pointer/stride
 divisibility hints a contiguous (B, S, H, D) launch would get, so the numbers approximate the real compile.
@@ -120,7 +122,8 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
                                                "seqlen_q", "seqlen_k", "heads_per_group", "paired")})
     signature["qk_scale_log2"] = "fp32"
     return _compile_gluon(attn_fwd_hopper_kernel, signature, dict(CAUSAL=causal, STAGES=config.stages,
-                                                                  CONSUMER_REGS=config.consumer_regs, num_warps=4))
+                                                                  CONSUMER_REGS=config.consumer_regs,
+                                                                  PINGPONG=config.pingpong, num_warps=4))
 
 
 def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16"):
@@ -142,8 +145,12 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     signature.update({name: "i32" for name in names[len(signature):] if name.startswith("stride") or name in (
         "num_heads_k", "group_size", "seqlen_q", "seqlen_k", "heads_per_group")})
     signature.update(softmax_scale="fp32", qk_scale_log2="fp32")
-    return _compile_gluon(kernel, signature, dict(CAUSAL=causal, STAGES=config.stages,
-                                                                  CONSUMER_REGS=config.consumer_regs, num_warps=4))
+    constexprs = dict(CAUSAL=causal, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4)
+    if head_dim == 256:
+        constexprs["DQ"] = not config.dq_kernel
+        if config.dq_kernel:
+            constexprs["dq_desc"] = None  # stays in its place in the signature (update keeps the key's position)
+    return _compile_gluon(kernel, signature, constexprs)
 
 
 def main():
@@ -152,8 +159,8 @@ def main():
     parser.add_argument("--local", action="store_true")
     parser.add_argument("--kernel", default="fwd", choices=[*KERNELS, "fwd-hopper", "bwd-hopper"])
     parser.add_argument("--causal", action="store_true", help="fwd-hopper only: the causal variant")
-    parser.add_argument("--hopper-config", help="fwd-hopper: BLOCK_N,STAGES,REGS, bwd-hopper: "
-                                                "ROWS,STAGES,REGS instead of the configs.HOPPER_FWD / HOPPER_BWD entry")
+    parser.add_argument("--hopper-config", help="fwd-hopper: BLOCK_N,STAGES,REGS[,PERSISTENT,PINGPONG], bwd-hopper: "
+                                                "ROWS,STAGES,REGS[,DQ_KERNEL] instead of the configs.HOPPER_FWD / HOPPER_BWD entry")
     parser.add_argument("--config", default="128,128,8,3")
     parser.add_argument("--dropout", action="store_true")
     parser.add_argument("--pack-gqa", action="store_true", help="forward only: packed GQA decode tiles")
@@ -169,7 +176,8 @@ def main():
         if args.hopper_config:
             from flashtriton.configs import HopperBwdConfig
 
-            config = HopperBwdConfig(*(int(x) for x in args.hopper_config.split(",")))
+            rows, stages, regs, *flags = (int(x) for x in args.hopper_config.split(","))
+            config = HopperBwdConfig(rows, stages, regs, *(bool(flag) for flag in flags))
         compiled = compile_hopper_bwd(args.head_dim, args.causal, config)
         ptx = compiled.asm["ptx"]
         print(f"bwd-hopper d{args.head_dim} causal={args.causal} {args.hopper_config or 'table'}: "
@@ -181,8 +189,8 @@ def main():
         if args.hopper_config:
             from flashtriton.configs import HopperFwdConfig
 
-            block_n, stages, regs = (int(x) for x in args.hopper_config.split(","))
-            config = HopperFwdConfig(block_n, stages, regs)
+            block_n, stages, regs, *flags = (int(x) for x in args.hopper_config.split(","))
+            config = HopperFwdConfig(block_n, stages, regs, *(bool(flag) for flag in flags))
         compiled = compile_hopper_fwd(args.head_dim, args.causal, config)
         print(f"fwd-hopper d{args.head_dim} causal={args.causal} {args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} "

@@ -36,39 +36,60 @@ _grouped_tile_of = gluon.jit(grouped_tile_of.fn)
 
 
 @gluon.jit
+def _add_dq_pieces(k_feat, ds_smem, dq_tile, dq_desc, batch, m_start, head, feature0, softmax_scale):
+    """dQ_i[:, feature0 + 64 fj : + 64][32 rj : + 32]^T = K[:, features]^T dS[32 rj : + 32]^T, scaled, for this
+    consumer's features (k_feat [KEYS, FEAT]: K's columns; ds_smem [ROWS, KEYS]), each piece added to the fp32 dQ
+    accumulator by a TMA reduction (dq_desc) through the staging tile dq_tile [1, DQ_ROWS, 1, DQ_FEAT]."""
+    ROWS: gl.constexpr = ds_smem.shape[0]
+    FEAT: gl.constexpr = k_feat.shape[1]
+    DQ_ROWS: gl.constexpr = dq_tile.shape[1]    # 32
+    DQ_FEAT: gl.constexpr = dq_tile.shape[3]    # 64
+    # [DQ_FEAT, DQ_ROWS] a piece of dQ^T, and its view of the staging tile
+    dqt_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, DQ_ROWS, 16])
+    zero_dqt = gl.zeros([DQ_FEAT, DQ_ROWS], gl.float32, dqt_layout)
+    dq_stage = dq_tile.reshape([DQ_ROWS, DQ_FEAT]).permute((1, 0))
+    for fj in gl.static_range(FEAT // DQ_FEAT):
+        for rj in gl.static_range(ROWS // DQ_ROWS):
+            dqt = warpgroup_mma(k_feat.slice(fj * DQ_FEAT, DQ_FEAT, dim=1).permute((1, 0)),
+                                ds_smem.slice(rj * DQ_ROWS, DQ_ROWS, dim=0).permute((1, 0)), zero_dqt,
+                                use_acc=False, is_async=True)
+            dqt = warpgroup_mma_wait(0, deps=(dqt, ))
+            # the previous piece's reduction has read the tile
+            tma.store_wait(0)
+            dq_stage.store(dqt * softmax_scale)
+            fence_async_shared()
+            _async_reduce_add(dq_desc, [batch, m_start + rj * DQ_ROWS, head, feature0 + fj * DQ_FEAT], dq_tile)
+
+
+@gluon.jit
 def _consumer(k_own, v_own, k_feat, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse_smem, delta_smem, p_smem, ds_smem,
-              p_own, ds_own, dq_tile, kv_ready, q_ready, q_empty, pds_ready, pds_free, dq_desc, DK, DV, stride_dk_b,
+              p_own, ds_own, dq_out, kv_ready, q_ready, q_empty, pds_ready, pds_free, DK, DV, stride_dk_b,
               stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, key0, feature0,
               group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
               causal):
     """One warpgroup: S / dP of keys [n_start + key0, + OWN) (k_own, v_own [OWN, HEAD_DIM]; p_own, ds_own: its
     [ROWS, OWN] halves of the P and dS tiles), dK / dV / dQ of features [feature0, + FEAT) (k_feat [KEYS, FEAT]: K's
     columns; q_own, do_own: the staged Q / dO halves holding them). q_lo / q_hi, do_lo / do_hi: both feature halves
-    of every Q / dO stage ([STAGES, 1, ROWS, 1, FEAT]); dq_tile [1, DQ_ROWS, 1, DQ_FEAT] fp32 stages each dQ piece
-    for its TMA reduction (dq_desc)."""
+    of every Q / dO stage ([STAGES, 1, ROWS, 1, FEAT]); dq_out: ((the fp32 tile [1, DQ_ROWS, 1, DQ_FEAT] that stages
+    each dQ piece for its TMA reduction, dq_desc), ) or, for dK and dV only, () (the launcher runs a dQ kernel of its
+    own; constexprs do not reach partitions in Triton 3.6, a tuple's length does)."""
     STAGES: gl.constexpr = q_lo.shape[0]
     ROWS: gl.constexpr = q_lo.shape[2]
     OWN: gl.constexpr = k_own.shape[0]          # 32 keys: this consumer's S / dP columns
     KEYS: gl.constexpr = k_feat.shape[0]        # 64 keys of the block
     FEAT: gl.constexpr = k_feat.shape[1]        # 128 features: this consumer's dK / dV / dQ columns
-    DQ_ROWS: gl.constexpr = dq_tile.shape[1]    # 32
-    DQ_FEAT: gl.constexpr = dq_tile.shape[3]    # 64
     dtype: gl.constexpr = k_own.dtype
-    # [ROWS, OWN] scores; [KEYS, FEAT] dK / dV; [DQ_FEAT, DQ_ROWS] a piece of dQ^T
+    # [ROWS, OWN] scores; [KEYS, FEAT] dK / dV
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, OWN, 16])
     dkv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, FEAT, 16])
-    dqt_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, DQ_ROWS, 16])
     row_of_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     key_of_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     zero_s = gl.zeros([ROWS, OWN], gl.float32, s_layout)
-    zero_dqt = gl.zeros([DQ_FEAT, DQ_ROWS], gl.float32, dqt_layout)
     dk = gl.zeros([KEYS, FEAT], gl.float32, dkv_layout)
     dv = gl.zeros([KEYS, FEAT], gl.float32, dkv_layout)
     last_key = n_start + key0 + OWN - 1
-    # [DQ_FEAT, DQ_ROWS] view of the fp32 staging tile [DQ_ROWS, DQ_FEAT]
-    dq_stage = dq_tile.reshape([DQ_ROWS, DQ_FEAT]).permute((1, 0))
     mbarrier.wait(kv_ready, 0)
     for i in range(n_iterations):
         stage = i % STAGES
@@ -117,21 +138,13 @@ def _consumer(k_own, v_own, k_feat, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse
         do_half = do_own.index(stage).reshape([ROWS, FEAT])
         dv = warpgroup_mma(p_smem.permute((1, 0)), do_half, dv, is_async=True)
         dk = warpgroup_mma(ds_smem.permute((1, 0)), q_half, dk, is_async=True)
-        # dQ_i[:, feature0 + 64 fj : + 64][32 rj : + 32]^T = K[:, features]^T dS[32 rj : + 32]^T, scaled
-        for fj in gl.static_range(FEAT // DQ_FEAT):
-            for rj in gl.static_range(ROWS // DQ_ROWS):
-                dqt = warpgroup_mma(k_feat.slice(fj * DQ_FEAT, DQ_FEAT, dim=1).permute((1, 0)),
-                                    ds_smem.slice(rj * DQ_ROWS, DQ_ROWS, dim=0).permute((1, 0)), zero_dqt,
-                                    use_acc=False, is_async=True)
-                dqt = warpgroup_mma_wait(0, deps=(dqt, ))
-                # the previous piece's reduction has read the tile
-                tma.store_wait(0)
-                dq_stage.store(dqt * softmax_scale)
-                fence_async_shared()
-                _async_reduce_add(dq_desc, [batch, m_start + rj * DQ_ROWS, head, feature0 + fj * DQ_FEAT], dq_tile)
+        for with_dq in gl.static_range(len(dq_out)):
+            # the pieces' waits (wgmma groups complete in order) cover dV and dK too
+            _add_dq_pieces(k_feat, ds_smem, dq_out[with_dq][0], dq_out[with_dq][1], batch, m_start, head, feature0,
+                           softmax_scale)
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         # every read of P and dS (dV, dK and the dQ pieces) completed
         mbarrier.arrive(pds_free)
-        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         mbarrier.arrive(q_empty.index(stage))
     # [KEYS, FEAT] stores of this consumer's features of the key rows below seqlen_k
     rows = n_start + gl.arange(0, KEYS, gl.SliceLayout(1, dkv_layout))
@@ -181,11 +194,11 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_de
                                 stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                                 num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, softmax_scale,
                                 qk_scale_log2, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                                CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                                CONSUMER_REGS: gl.constexpr, DQ: gl.constexpr, num_warps: gl.constexpr):
     """One program per (64-key block, batch * kv head), in kernels/bwd_hopper.py's order and launch-order groups.
-    q_desc / do_desc move [1, ROWS, 1, HEAD_DIM / 2] feature halves, dq_desc [1, 32, 1, 64] fp32 pieces. num_warps
-    (4) is the first consumer's; the second consumer (4 warps, CONSUMER_REGS registers) and the producer (1 warp)
-    are worker partitions."""
+    q_desc / do_desc move [1, ROWS, 1, HEAD_DIM / 2] feature halves, dq_desc [1, 32, 1, 64] fp32 pieces (DQ; without
+    DQ the kernel computes dK and dV only and dq_desc is None). num_warps (4) is the first consumer's; the second
+    consumer (4 warps, CONSUMER_REGS registers) and the producer (1 warp) are worker partitions."""
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
@@ -218,7 +231,11 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_de
     # [STAGES, 1, ROWS] log2(e) * lse and delta; [2, 1, 32, 1, 64] each consumer's fp32 dQ piece
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    if DQ:
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+        dq_tiles = (((dq_smem.index(0), dq_desc), ), ((dq_smem.index(1), dq_desc), ))
+    else:
+        dq_tiles = ((), ())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -235,7 +252,7 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_de
     OWN: gl.constexpr = KEYS // 2
     k_flat = k_smem.reshape([KEYS, HEAD_DIM])
     v_flat = v_smem.reshape([KEYS, HEAD_DIM])
-    pointers = (dq_desc, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch,
+    pointers = (DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch,
                 head_k, n_start)
     loop = (group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
             causal)
@@ -243,9 +260,9 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_de
     staged = (q_lo, q_hi, do_lo, do_hi, lse_smem, delta_smem, p_smem, ds_smem)
     # consumer w: keys [OWN w, + OWN) for S / dP, features [FEAT w, + FEAT) for dK / dV / dQ
     first = (k_flat.slice(0, OWN, dim=0), v_flat.slice(0, OWN, dim=0), k_flat.slice(0, FEAT, dim=1), q_lo,
-             do_lo) + staged + (p_smem.slice(0, OWN, dim=1), ds_smem.slice(0, OWN, dim=1), dq_smem.index(0))
+             do_lo) + staged + (p_smem.slice(0, OWN, dim=1), ds_smem.slice(0, OWN, dim=1), dq_tiles[0])
     second = (k_flat.slice(OWN, OWN, dim=0), v_flat.slice(OWN, OWN, dim=0), k_flat.slice(FEAT, FEAT, dim=1), q_hi,
-              do_hi) + staged + (p_smem.slice(OWN, OWN, dim=1), ds_smem.slice(OWN, OWN, dim=1), dq_smem.index(1))
+              do_hi) + staged + (p_smem.slice(OWN, OWN, dim=1), ds_smem.slice(OWN, OWN, dim=1), dq_tiles[1])
     gl.warp_specialize([
         (_consumer, first + barriers + pointers + (gl.to_tensor(0), gl.to_tensor(0)) + loop),
         (_consumer, second + barriers + pointers + (gl.to_tensor(OWN), gl.to_tensor(FEAT)) + loop),

@@ -304,7 +304,8 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
     delta (fp32, (batch, head) strides delta_strides, rows contiguous) receives rowsum(dout * out), and 0 in rows
     [seqlen_q, delta_rows) (a dense softmax_d's padding). dQ is added into an fp32 accumulator, which the
     preprocess zeroes, by the Gluon Hopper backward (TMA reductions) or, with configs that have dq_atomic, by
-    atomics in the dK/dV kernel, then converted into dq; deterministic=True uses neither.
+    atomics in the dK/dV kernel, then converted into dq; deterministic=True uses neither. Otherwise the Triton dQ
+    kernel computes dq (also after a Gluon backward that computes dK and dV only: hopper_bwd.computes_dq).
     """
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k = k.shape[-2]
@@ -320,9 +321,10 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
                  IS_VARLEN=is_varlen, HAS_DROPOUT=dropout_p > 0.0, USE_TMA=use_tma)
     plain = not (is_varlen or dropout_p > 0.0 or alibi_slopes is not None)
     gluon = hopper_bwd.runs_on(q, k, v, dout, params, seqlen_q, seqlen_k, plain, deterministic)
+    gluon_dq = gluon and hopper_bwd.computes_dq(head_dim)
     dq_atomic = not gluon and config.dq_atomic and not deterministic and seqlen_q > 0
     # fp32 dQ accumulator in q's (B, S, H, D) / (T, H, D) shape, contiguous, zeroed by the preprocess
-    dq_accum = new_empty(q.shape, torch.float32, q.device) if gluon or dq_atomic else None
+    dq_accum = new_empty(q.shape, torch.float32, q.device) if gluon_dq or dq_atomic else None
     dropout_args = (dropout_p, 1.0 / (1.0 - dropout_p))
     score_args = params.kernel_args()
     alibi_stride = _alibi_batch_stride(alibi_slopes)
@@ -341,8 +343,9 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
         if gluon:
             hopper_bwd.launch(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides, delta_strides, params,
                               seqlen_q, seqlen_k, batch, dkdv_heads_per_group)
-            return
-        if seqlen_k > 0:
+            if gluon_dq:
+                return
+        elif seqlen_k > 0:
             dkdv_grid = (triton_cdiv(seqlen_k, config.dkdv.block_n) * batch * num_heads_k,)
             attn_bwd_dkdv_kernel[dkdv_grid](
                 q, k, v, dout, lse, delta, dk, dv, dq_accum, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,

@@ -4,7 +4,8 @@
 backend.launch_bwd asks `runs_on` before the preprocess (delta, and zeros into the dQ accumulator) and falls back to
 the Triton kernels (kernels/bwd.py) for everything else. configs.HOPPER_BWD_ALLOWED (FLASHTRITON_GLUON_BWD=0 turns it
 off; testing.forced_gluon_backward in tests) switches it. It adds dQ with TMA reductions in no fixed order, so
-deterministic=True never takes it.
+deterministic=True does not take it, except where its config has dq_kernel (head dim 256): then the kernel computes
+dK and dV only and backend.launch_bwd runs the Triton dQ kernel after it (no reductions, no accumulator).
 """
 
 from __future__ import annotations
@@ -36,9 +37,14 @@ def covers(head_dim: int, dtype: torch.dtype, seqlen_q: int, seqlen_k: int, para
            deterministic: bool) -> bool:
     """Whether the Gluon backward computes this call (device and layouts aside): the forward's rule (dense, no
     window but the causal one, no softcap, ALiBi or dropout), a head dim with a configs.HOPPER_BWD entry, and not
-    deterministic (dQ is added with atomics)."""
-    return (head_dim in configs.HOPPER_BWD and not deterministic
+    deterministic unless the entry leaves dQ to a kernel of its own (dQ reductions come in no fixed order)."""
+    return (head_dim in configs.HOPPER_BWD and (not deterministic or configs.HOPPER_BWD[head_dim].dq_kernel)
             and forward_covers(head_dim, dtype, seqlen_q, seqlen_k, params, plain))
+
+
+def computes_dq(head_dim: int) -> bool:
+    """Whether the Gluon backward adds dQ itself (into the fp32 accumulator), or leaves it to the Triton dQ kernel."""
+    return not configs.HOPPER_BWD[head_dim].dq_kernel
 
 
 # dQ columns per consumer warpgroup and TMA reduction: half of head dim 128, all of head dim 64 (kernels/bwd_hopper)
@@ -81,21 +87,27 @@ def launch(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tuple[i
     """dK, dV into dk, dv and dQ into dq (B, S, H, D each) from lse and delta (fp32, rows contiguous, (batch,
     head) strides lse_strides / delta_strides), which the kernel loads by TMA with each Q / dO block. The kernel
     adds its scaled dQ products into dq_accum (fp32, q's shape, contiguous, zeroed) by TMA reductions (which clip
-    rows past seqlen_q), copied into dq at the end."""
+    rows past seqlen_q), copied into dq at the end; where it does not compute dQ (`computes_dq`), dq_accum is None
+    and dq is left to the caller."""
     global launch_count
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k = k.shape[-2]
     config = configs.HOPPER_BWD[head_dim]
     kernel, keys, qdo_features, dq_rows, dq_features = division(head_dim)
     grid = (triton_cdiv(seqlen_k, keys) * batch * num_heads_k,)
+    # the d256 kernel's DQ switch (the d64 / d128 kernel always adds dQ)
+    dq_switch = dict(DQ=dq_accum is not None) if head_dim == 256 else {}
     kernel[grid](
         tile_descriptor(k, keys), tile_descriptor(v, keys), tile_descriptor(q, config.query_rows, qdo_features),
-        tile_descriptor(dout, config.query_rows, qdo_features), tile_descriptor(dq_accum, dq_rows, dq_features),
+        tile_descriptor(dout, config.query_rows, qdo_features),
+        None if dq_accum is None else tile_descriptor(dq_accum, dq_rows, dq_features),
         *(_row_statistic_descriptor(stat, strides, batch, num_heads, seqlen_q, config.query_rows)
           for stat, strides in ((lse, lse_strides), (delta, delta_strides))),
         dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), num_heads_k, num_heads // num_heads_k, seqlen_q, seqlen_k,
         heads_per_group, params.softmax_scale, params.kernel_args()[0],
-        CAUSAL=params.causal_like, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4)
-    dq.copy_(dq_accum)
+        CAUSAL=params.causal_like, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4,
+        **dq_switch)
+    if dq_accum is not None:
+        dq.copy_(dq_accum)
     launch_count += 1

@@ -1,0 +1,28 @@
+"""Suspects of the Gluon Hopper forward's per-tile cost (kernels/fwd_hopper.py), for benchmarks/ablate_kernel.py:
+
+    python benchmarks/ablate_kernel.py --variants benchmarks/ablations/fwd_hopper.py --mode fwd --shapes 0,1
+
+At 16x1024 (8 key blocks per 128-row tile) the forward reads 0.93x cuDNN, at 1x16384 (128 blocks) 1.01x: what a
+tile costs besides its key blocks is the suspect. Each variant removes one piece of the tile's epilogue (its output
+is wrong; the timing says what the piece costs), or switches the consumers' ping-pong (configs.HopperFwdConfig).
+Written in the eleventh session.
+"""
+
+MODULE = "flashtriton/kernels/fwd_hopper.py"
+TARGET = "flashtriton.ops.hopper_fwd:attn_fwd_hopper_kernel"
+KERNEL = "attn_fwd_hopper_kernel"
+
+_LSE_STORE = "gl.store(Lse + lse_row_base + offs_m, lse, mask=offs_m < seqlen_q)"
+_O_STORE = "tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_tile)"
+_PINGPONG = "pingpong = gl.to_tensor(PINGPONG).to(gl.int32)"
+
+VARIANTS = {
+    # the LSE rows' global stores
+    "no LSE store": [(_LSE_STORE, "pass")],
+    # O's TMA store (the tile is still normalized and written to shared memory)
+    "no O store": [(_O_STORE, "pass")],
+    # both: the tile's results never leave the program
+    "no stores": [(_LSE_STORE, "pass"), (_O_STORE, "pass")],
+    # the consumers' ping-pong on whatever configs.HOPPER_FWD says
+    "ping-pong on": [(_PINGPONG, "pingpong = gl.to_tensor(1).to(gl.int32)")],
+}
