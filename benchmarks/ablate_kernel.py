@@ -15,7 +15,11 @@ wrong, which is the point of an ablation: the error column says how far). A vari
 sibling of MODULE, so its relative imports resolve, and its kernel is swapped into TARGET while it is timed.
 Timing: the forward (mode fwd) or the backward on a graph built once (mode bwd) of flash_attn_func, bf16, causal
 and not, on BASELINES.md shapes (bench.select_shapes indices); the max abs difference of each variant's output
-(fwd) or gradients (bwd) from the unmodified module's. Writes DIR/ablate.json.
+(fwd) or gradients (bwd) from the unmodified module's. --timing wall (default): median time per call
+(triton.testing.do_bench), which includes host time where a call's GPU time is shorter than it (the device
+machine's host is slow and noisy: 16x1024 rows read up to 30% apart between processes); --timing kernels: the GPU
+time of the call's kernels (torch.profiler, mean of 20 calls), which leaves host time out. Writes
+DIR/ablate.json.
 """
 
 from __future__ import annotations
@@ -56,6 +60,19 @@ def variant_module(module_path: str, edits, name: str, directory: str) -> Module
     return module
 
 
+def kernel_ms(run, calls: int = 20) -> float:
+    """Mean GPU time in ms of the kernels one call of run launches (torch.profiler; host time left out)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+    return sum(event.device_time_total for event in prof.key_averages()) / calls * 1e-3
+
+
 def load_variants(spec_file: str, directory: str) -> tuple:
     """(TARGET, KERNEL, {name: module}) of a variants file, the unmodified module first as 'as is'; runs the file's
     SETUP on flashtriton.configs if it has one."""
@@ -75,6 +92,7 @@ def main():
     parser.add_argument("--variants", required=True, help="Python file with MODULE, TARGET, KERNEL and VARIANTS")
     parser.add_argument("--shapes", default="4", help="indices into bench.BASELINE_SHAPES, e.g. 1,4")
     parser.add_argument("--mode", choices=("fwd", "bwd"), default="bwd")
+    parser.add_argument("--timing", choices=("wall", "kernels"), default="wall")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
 
@@ -108,7 +126,7 @@ def main():
                     values = run()
                     reference = reference if reference is not None else values
                     error = max(float((a.float() - b.float()).abs().max()) for a, b in zip(values, reference))
-                    tflops = flops / median_ms(run) * 1e-9
+                    tflops = flops / (median_ms(run) if args.timing == "wall" else kernel_ms(run)) * 1e-9
                 finally:
                     setattr(owner, attribute, original)
                 results[name] = dict(tflops=tflops, max_abs_difference=error)

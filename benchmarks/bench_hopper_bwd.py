@@ -3,15 +3,14 @@ CUDNN, same process.
 
     python benchmarks/bench_hopper_bwd.py [--shapes 1,3] [--out DIR]
 
-Times the backward only (torch.autograd.grad on a graph built once), bf16, causal and not; at head dim 256 also
-both dQ divisions (configs.HopperBwdConfig.dq_kernel) and deterministic=True. Every result is compared with the
+Times the backward only (torch.autograd.grad on a graph built once), bf16, causal and not; at head dim 256 (dK / dV
+by the Gluon kernel, dQ by the Triton kernel) deterministic=True too. Every result is compared with the
 Triton backward's gradients (max abs difference printed). Results go to DIR/hopper-bwd.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 
@@ -27,11 +26,10 @@ from flashtriton.testing import forced_gluon_backward
 
 
 def _variants(head_dim: int):
-    """(name, Gluon backward allowed, configs.HopperBwdConfig.dq_kernel or None for the table's, deterministic)."""
-    variants = [("triton", False, None, False), ("gluon", True, None, False)]
-    if head_dim == 256:  # the two dQ divisions, and deterministic=True (which only the dQ kernel division takes)
-        variants += [("gluon-dq-reductions", True, False, False), ("gluon-dq-kernel", True, True, False),
-                     ("triton-deterministic", False, None, True), ("gluon-dq-kernel-deterministic", True, True, True)]
+    """(name, Gluon backward allowed, deterministic)."""
+    variants = [("triton", False, False), ("gluon", True, False)]
+    if not hopper_bwd.computes_dq(head_dim):  # dK / dV by Gluon and dQ by Triton: deterministic=True takes it too
+        variants += [("triton-deterministic", False, True), ("gluon-deterministic", True, True)]
     return variants
 
 
@@ -55,19 +53,13 @@ def main():
             flops = attention_flops(batch, heads, seqlen, seqlen, dim, causal, "bwd")
             tag = dict(batch=batch, seqlen=seqlen, heads=heads, dim=dim, causal=causal)
             times, grads, ran_gluon = {}, {}, {}
-            for name, gluon, dq_kernel, deterministic in _variants(dim):
-                table = configs.HOPPER_BWD[dim]
-                if dq_kernel is not None:
-                    configs.HOPPER_BWD[dim] = dataclasses.replace(table, dq_kernel=dq_kernel)
-                try:
-                    with forced_gluon_backward(gluon):
-                        out = flashtriton.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
-                        launches = hopper_bwd.launch_count
-                        grads[name] = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-                        ran_gluon[name] = hopper_bwd.launch_count > launches
-                        times[name] = median_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
-                finally:
-                    configs.HOPPER_BWD[dim] = table
+            for name, gluon, deterministic in _variants(dim):
+                with forced_gluon_backward(gluon):
+                    out = flashtriton.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+                    launches = hopper_bwd.launch_count
+                    grads[name] = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+                    ran_gluon[name] = hopper_bwd.launch_count > launches
+                    times[name] = median_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
                 rows.append(dict(tag, provider=f"flashtriton-{name}", ran_gluon=ran_gluon[name], ms=times[name],
                                  tflops=flops / times[name] * 1e-9))
             qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))

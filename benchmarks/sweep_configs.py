@@ -87,15 +87,14 @@ def main():
     parser.add_argument("--bwd-candidates", default="all", choices=("all", "base", "atomic", "dq"),
                         help="base: only the current backward entry, with and without tensor descriptors; "
                              "atomic: the current entry, then it and ATOMIC_DKDV_CANDIDATES with dQ by atomics; "
-                             "dq: the current entry, then DQ_CANDIDATES (what runs after a Gluon backward that "
-                             "leaves dQ to the Triton kernel: configs.HopperBwdConfig.dq_kernel)")
+                             "dq: the current entry, then DQ_CANDIDATES (the dQ kernel alone changes: at head "
+                             "dim 256 what runs after the Gluon dK / dV kernel)")
     args = parser.parse_args()
     modes = args.modes.split(",")
     shapes = select_shapes(args.shapes)
     arch = configs.arch_class(torch.device("cuda"))
     rows = []
     original_fwd, original_bwd = configs.fwd_config, configs.bwd_config
-    original_hopper_bwd = dict(configs.HOPPER_BWD)
     for batch, seqlen, heads, dim in shapes:
         size = "large" if dim > 128 else "small"
         for causal in (False, True):
@@ -130,8 +129,6 @@ def main():
                                            for c in [base.dkdv] + ATOMIC_DKDV_CANDIDATES[size]]
                 if args.bwd_candidates == "dq":
                     candidates = [base] + [replace(base, dq=c) for c in DQ_CANDIDATES[size] if c != base.dq]
-                    if dim in configs.HOPPER_BWD:  # the Gluon dK / dV kernel, then the candidate's dQ kernel
-                        configs.HOPPER_BWD[dim] = replace(original_hopper_bwd[dim], dq_kernel=True)
                 for tma in BWD_TMA if args.bwd_candidates == "all" else ():
                     candidates += [replace(base, dkdv=c, use_tma=tma) for c in DKDV_CANDIDATES[size]]
                     candidates += [replace(base, dq=c, use_tma=tma) for c in DQ_CANDIDATES[size]]
@@ -146,7 +143,6 @@ def main():
                                      tflops=flops(batch, seqlen, heads, dim, causal, "bwd") / ms * 1e-9))
                     print(f"  bwd {rows[-1]['tflops']:.0f} TF/s {asdict(cand)}", flush=True)
                 configs.bwd_config = original_bwd
-                configs.HOPPER_BWD.update(original_hopper_bwd)
             summary = [r for r in rows if all(r[key] == tag[key] for key in tag)]
             for mode in modes:
                 ours = [r for r in summary if r["provider"] == "flashtriton" and r["mode"] == mode and r["ms"] == r["ms"]]

@@ -263,8 +263,6 @@ class HopperBwdConfig:
     query_rows: int      # rows per Q / dO block (the M of the S and dP wgmmas)
     stages: int          # Q / dO stages in shared memory
     consumer_regs: int   # registers per thread of the second consumer warpgroup
-    dq_kernel: bool = False  # dQ by the Triton dQ kernel (kernels/bwd.py) after this one, not by TMA reductions in
-    #                          it (head dim 256 only): no fp32 accumulator, deterministic
 
 
 # Head dim 256 (kernels/bwd_hopper_d256.py, tenth session): 64-key programs, both consumers in phase; offline 231 KB
@@ -273,14 +271,14 @@ class HopperBwdConfig:
 # 232, cuDNN 379 / 362).
 # Eleventh session: an ablation (benchmarks/ablations/bwd_hopper_d256.py) put the cost in dQ: without its TMA
 # reductions 437 / 357, without dQ at all 595 / 531, the reductions' serialization not the cause (no wait for their
-# shared-memory reads: 285). dQ by the Triton dQ kernel after the Gluon dK / dV kernel (dq_kernel, no fp32
-# accumulator, no reductions; bench_hopper_bwd.py, same process): 351.5 / 328.4 against 285.2 / 251.2 with the
+# shared-memory reads: 285). dQ by the Triton dQ kernel after the Gluon dK / dV kernel (no fp32 accumulator, no
+# reductions; bench_hopper_bwd.py, same process): 351.5 / 328.4 against 285.2 / 251.2 with the
 # reductions, FA2 252.8 / 230.3 (1.39 / 1.43x), cuDNN 378.1 / 346.3; deterministic=True then takes the same path
 # (349.8 / 324.8; the Triton backward 189.7 / 165.7). GPU time per backward (torch.profiler): dK / dV kernel 1951 /
 # 1033 us, Triton dQ kernel 1893 / 988 us (its tile 128x32 w8 s2 the best of sweep_configs.py --bwd-candidates dq:
 # 353 / 329 against 323 / 281 for 64x32 w4, 281 / 255 for 64x64 w8, 214 / 197 for 64x32 w8), preprocess 43 us.
-HOPPER_BWD = {64: HopperBwdConfig(64, 2, 240), 128: HopperBwdConfig(64, 2, 248),
-              256: HopperBwdConfig(64, 2, 240, dq_kernel=True)}
+# So the d256 kernel computes dK and dV only (ops/hopper_bwd.computes_dq).
+HOPPER_BWD = {64: HopperBwdConfig(64, 2, 240), 128: HopperBwdConfig(64, 2, 248), 256: HopperBwdConfig(64, 2, 240)}
 HOPPER_BWD_ALLOWED = os.environ.get("FLASHTRITON_GLUON_BWD", "1") != "0"
 
 

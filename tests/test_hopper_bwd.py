@@ -6,8 +6,6 @@ the kernel on (testing.forced_gluon_backward), asserts that it ran, NaN-poisons 
 rule of API.md §4.10 to dq, dk and dv.
 """
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -34,6 +32,7 @@ COVERS = {
     "head-dim-96": (dict(head_dim=96), False),
     "head-dim-256": (dict(head_dim=256), True),
     "deterministic": (dict(deterministic=True), False),
+    "deterministic-d256": (dict(deterministic=True, head_dim=256), True),
     "not-plain": (dict(plain=False), False),
     "softcap": (dict(params=_params(softcap=3.0)), False),
     "local-window": (dict(params=_params(window=(10, 0))), False),
@@ -50,15 +49,13 @@ def test_gluon_backward_coverage_rule(name):
     assert hopper_bwd.covers(**call) == expected
 
 
-@pytest.mark.parametrize("dq_kernel", [False, True], ids=["dq-reductions", "dq-kernel"])
-def test_deterministic_d256_follows_its_dq_division(monkeypatch, dq_kernel):
-    """deterministic=True takes the Gluon backward only where dQ is left to the Triton dQ kernel (no reductions in
-    no fixed order); head dim 128 never leaves it."""
-    monkeypatch.setitem(configs.HOPPER_BWD, 256, dataclasses.replace(configs.HOPPER_BWD[256], dq_kernel=dq_kernel))
+def test_deterministic_takes_the_gluon_backward_only_without_dq_reductions():
+    """deterministic=True takes the Gluon backward at head dim 256 (dK / dV only, then the Triton dQ kernel), never
+    where the kernel adds dQ by reductions in no fixed order (64, 128)."""
     call = dict(dtype=torch.bfloat16, seqlen_q=100, seqlen_k=100, params=_params(), plain=True, deterministic=True)
-    assert hopper_bwd.covers(head_dim=256, **call) == dq_kernel
-    assert hopper_bwd.computes_dq(256) == (not dq_kernel)
-    assert not hopper_bwd.covers(head_dim=128, **call)
+    assert hopper_bwd.covers(head_dim=256, **call) and not hopper_bwd.computes_dq(256)
+    for head_dim in (64, 128):
+        assert not hopper_bwd.covers(head_dim=head_dim, **call) and hopper_bwd.computes_dq(head_dim)
 
 
 ROW_LAYOUTS = {
@@ -118,20 +115,15 @@ def test_gluon_backward_matches_reference(seqlen_q, seqlen_k, head_dim, dtype, c
 
 
 @needs_hopper
-@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dq_kernel", [False, True], ids=["dq-reductions", "dq-kernel"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (333, 200), (1000, 1000)],
                          ids=["sq17-sk17", "sq333-sk200", "sq1000-sk1000"])
-def test_gluon_backward_d256_dq_division(monkeypatch, seqlen_q, seqlen_k, dq_kernel, causal, deterministic):
-    """Head dim 256 with dQ by the kernel's reductions or by the Triton dQ kernel after it (configs.HopperBwdConfig.
-    dq_kernel), whatever the table says; with the dQ kernel deterministic=True runs the Gluon kernel too and two
-    calls give the same bits."""
-    monkeypatch.setitem(configs.HOPPER_BWD, 256, dataclasses.replace(configs.HOPPER_BWD[256], dq_kernel=dq_kernel))
+def test_gluon_backward_d256_deterministic(seqlen_q, seqlen_k, causal):
+    """Head dim 256 with deterministic=True runs the Gluon dK / dV kernel (then the Triton dQ kernel), and two calls
+    give the same bits."""
     checks, ran = run_backward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
-                                    head_dim=256, dtype=torch.bfloat16, causal=causal), deterministic,
-                               repeats=2 if deterministic else 1)
-    assert ran == (dq_kernel or not deterministic)
+                                    head_dim=256, dtype=torch.bfloat16, causal=causal), deterministic=True, repeats=2)
+    assert ran, "the Gluon backward did not run"
     assert_checks_ok(checks)
 
 

@@ -5,7 +5,7 @@
 #
 #   bash tools/gpu_check.sh [STEPS]     STEPS: comma list of tests,reliability,sanitize,bench,decode,varlen,dropout,cold,
 #                                       host,decode-sweep,bwd-atomic,fwd-short,l2-groups,fuzz,fwd-triton,
-#                                       hopper-sweep,hopper-bwd,ablate-d256
+#                                       hopper-sweep,hopper-bwd,ablate-bwd,ablate-fwd
 #                                       (default tests,reliability,decode)
 # Environment: FLASHTRITON_COMMIT (the device copy has no .git), OUT, FUZZ_EXAMPLES (fuzz step, default 120),
 # TESTS_LIMIT (tests step seconds, default 300; a fresh machine compiles every kernel and needs ~400).
@@ -43,9 +43,12 @@ step hopper-sweep 240 python benchmarks/sweep_hopper_fwd.py --out "$out/hopper-s
 # the Gluon backward's tests (they force it on), then Gluon vs Triton vs SDPA backward timing
 step hopper-bwd 300 bash -c "python -m pytest tests/test_hopper_bwd.py -q -n 8 -p no:cacheprovider -rfE --maxfail=6 \
   && python benchmarks/bench_hopper_bwd.py --out '$out/hopper-bwd'"
-# the d256 Gluon backward with one suspect removed per variant (benchmarks/ablations/bwd_hopper_d256.py), same process
-step ablate-d256 200 python benchmarks/ablate_kernel.py --variants benchmarks/ablations/bwd_hopper_d256.py --shapes 4 \
-  --out "$out/ablate-d256"
+# the d64 / d128 Gluon backward against its previous epilogue and mask, and the forward's epilogue / ping-pong
+# variants (benchmarks/ablations/), each in one process
+step ablate-bwd 240 python benchmarks/ablate_kernel.py --variants benchmarks/ablations/bwd_hopper.py --shapes 0,1,3 \
+  --out "$out/ablate-bwd"
+step ablate-fwd 150 python benchmarks/ablate_kernel.py --variants benchmarks/ablations/fwd_hopper.py --mode fwd \
+  --shapes 0,1 --out "$out/ablate-fwd"
 step decode 90 python benchmarks/bench_decode.py --paged 0,64,256 --graph --repeat 2
 step varlen 60 python benchmarks/bench_varlen.py --causal
 step dropout 110 python benchmarks/bench_dropout.py --out "$out/dropout"

@@ -4,9 +4,8 @@
     python tools/offline_compile.py --kernel fwd-hopper [--head-dim 128] [--causal] [--hopper-config N,STAGES,REGS[,P,PP]]
                                                        # the Gluon forward; default: its configs.HOPPER_FWD entry
                                                        # (P, PP: persistent, ping-pong, 0 or 1)
-    python tools/offline_compile.py --kernel bwd-hopper [--head-dim 128] [--causal] [--hopper-config ROWS,STAGES,REGS[,K]]
+    python tools/offline_compile.py --kernel bwd-hopper [--head-dim 128] [--causal] [--hopper-config ROWS,STAGES,REGS]
                                                        # the Gluon backward; default: its configs.HOPPER_BWD entry
-                                                       # (K: 1 for dQ by a kernel of its own, head dim 256)
 
 Uses Triton's bundled ptxas. Integer arguments are compiled as plain i32 with the pointer/stride
 divisibility hints a contiguous (B, S, H, D) launch would get, so the numbers approximate the real compile.
@@ -133,24 +132,21 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     from flashtriton.ops.hopper_bwd import division
 
     config = config or configs.HOPPER_BWD[head_dim]
-    kernel, keys, qdo_features, dq_rows, dq_features = division(head_dim)
+    kernel, keys, qdo_features, dq_box = division(head_dim)
     signature = {"k_desc": _gluon_tile_type(keys, head_dim, dtype), "v_desc": _gluon_tile_type(keys, head_dim, dtype),
                  "q_desc": _gluon_tile_type(config.query_rows, qdo_features, dtype),
                  "do_desc": _gluon_tile_type(config.query_rows, qdo_features, dtype),
-                 "dq_desc": _gluon_tile_type(dq_rows, dq_features, "fp32"),
                  "lse_desc": _gluon_descriptor_type([1, config.query_rows], "fp32"),
                  "delta_desc": _gluon_descriptor_type([1, config.query_rows], "fp32"),
-                 "DK": f"*{dtype}", "DV": f"*{dtype}"}
+                 "DK": f"*{dtype}", "DV": f"*{dtype}", "softmax_scale": "fp32", "qk_scale_log2": "fp32"}
+    if dq_box is not None:  # the d64 / d128 kernel's dQ accumulator
+        signature["dq_desc"] = _gluon_tile_type(*dq_box, "fp32")
     names = list(inspect.signature(kernel.fn).parameters)
-    signature.update({name: "i32" for name in names[len(signature):] if name.startswith("stride") or name in (
+    signature.update({name: "i32" for name in names if name.startswith("stride") or name in (
         "num_heads_k", "group_size", "seqlen_q", "seqlen_k", "heads_per_group")})
-    signature.update(softmax_scale="fp32", qk_scale_log2="fp32")
-    constexprs = dict(CAUSAL=causal, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4)
-    if head_dim == 256:
-        constexprs["DQ"] = not config.dq_kernel
-        if config.dq_kernel:
-            constexprs["dq_desc"] = None  # stays in its place in the signature (update keeps the key's position)
-    return _compile_gluon(kernel, signature, constexprs)
+    signature = {name: signature[name] for name in names if name in signature}  # in the kernel's order
+    return _compile_gluon(kernel, signature, dict(CAUSAL=causal, STAGES=config.stages,
+                                                  CONSUMER_REGS=config.consumer_regs, num_warps=4))
 
 
 def main():
@@ -160,7 +156,7 @@ def main():
     parser.add_argument("--kernel", default="fwd", choices=[*KERNELS, "fwd-hopper", "bwd-hopper"])
     parser.add_argument("--causal", action="store_true", help="fwd-hopper only: the causal variant")
     parser.add_argument("--hopper-config", help="fwd-hopper: BLOCK_N,STAGES,REGS[,PERSISTENT,PINGPONG], bwd-hopper: "
-                                                "ROWS,STAGES,REGS[,DQ_KERNEL] instead of the configs.HOPPER_FWD / HOPPER_BWD entry")
+                                                "ROWS,STAGES,REGS instead of the configs.HOPPER_FWD / HOPPER_BWD entry")
     parser.add_argument("--config", default="128,128,8,3")
     parser.add_argument("--dropout", action="store_true")
     parser.add_argument("--pack-gqa", action="store_true", help="forward only: packed GQA decode tiles")
@@ -176,8 +172,7 @@ def main():
         if args.hopper_config:
             from flashtriton.configs import HopperBwdConfig
 
-            rows, stages, regs, *flags = (int(x) for x in args.hopper_config.split(","))
-            config = HopperBwdConfig(rows, stages, regs, *(bool(flag) for flag in flags))
+            config = HopperBwdConfig(*(int(x) for x in args.hopper_config.split(",")))
         compiled = compile_hopper_bwd(args.head_dim, args.causal, config)
         ptx = compiled.asm["ptx"]
         print(f"bwd-hopper d{args.head_dim} causal={args.causal} {args.hopper_config or 'table'}: "

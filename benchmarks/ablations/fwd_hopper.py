@@ -4,8 +4,10 @@
 
 At 16x1024 (8 key blocks per 128-row tile) the forward reads 0.93x cuDNN, at 1x16384 (128 blocks) 1.01x: what a
 tile costs besides its key blocks is the suspect. Each variant removes one piece of the tile's epilogue (its output
-is wrong; the timing says what the piece costs), or switches the consumers' ping-pong (configs.HopperFwdConfig).
-Written in the eleventh session.
+is wrong; the timing says what the piece costs), or switches the consumers' ping-pong off (configs.HopperFwdConfig).
+First run (eleventh session, H200, 16x1024x16x128 forward TF/s non-causal / causal; ping-pong then off by default):
+as is 538 / 412, no LSE store 569 / 352, no O store 564 / 435, no stores 569 / 324, ping-pong on 547 / 428 (the
+causal rows are host-bound at this size: ~160 us of GPU time per call).
 """
 
 MODULE = "flashtriton/kernels/fwd_hopper.py"
@@ -14,7 +16,7 @@ KERNEL = "attn_fwd_hopper_kernel"
 
 _LSE_STORE = "gl.store(Lse + lse_row_base + offs_m, lse, mask=offs_m < seqlen_q)"
 _O_STORE = "tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_tile)"
-_PINGPONG = "pingpong = gl.to_tensor(PINGPONG).to(gl.int32)"
+_PINGPONG = "    if PINGPONG:\n        # one allocation each"
 
 VARIANTS = {
     # the LSE rows' global stores
@@ -23,6 +25,6 @@ VARIANTS = {
     "no O store": [(_O_STORE, "pass")],
     # both: the tile's results never leave the program
     "no stores": [(_LSE_STORE, "pass"), (_O_STORE, "pass")],
-    # the consumers' ping-pong on whatever configs.HOPPER_FWD says
-    "ping-pong on": [(_PINGPONG, "pingpong = gl.to_tensor(1).to(gl.int32)")],
+    # the consumers' ping-pong off whatever configs.HOPPER_FWD says (on at d128)
+    "ping-pong off": [(_PINGPONG, "    if False:\n        # one allocation each")],
 }

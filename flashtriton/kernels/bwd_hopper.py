@@ -95,20 +95,26 @@ def _key_block_of_program(num_heads_k, group_size, seqlen_q, seqlen_k, heads_per
 def _store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                     batch, head_k, first_row, feature0, seqlen_k, softmax_scale):
     """Store dk * softmax_scale and dv ([KEY_ROWS, FEATURES] fp32 accumulators) into key rows [first_row, +
-    KEY_ROWS) below seqlen_k and features [feature0, + FEATURES) of DK and DV, in their dtype."""
+    KEY_ROWS) below seqlen_k and features [feature0, + FEATURES) of DK and DV, in their dtype. The rows go out in
+    16-byte pieces (a blocked layout, converted through shared memory): stored straight from the wgmma layout, every
+    32-byte sector was written in two halves (ncu: 50% excessive sectors)."""
     KEY_ROWS: gl.constexpr = dk.shape[0]
     FEATURES: gl.constexpr = dk.shape[1]
     dtype: gl.constexpr = DK.dtype.element_ty
+    VECTOR: gl.constexpr = 16 // (dtype.primitive_bitwidth // 8)
+    ROW_THREADS: gl.constexpr = 32 // (FEATURES // VECTOR)
+    layout: gl.constexpr = gl.BlockedLayout([1, VECTOR], [ROW_THREADS, FEATURES // VECTOR], [gl.num_warps(), 1],
+                                            [1, 0])
     # [KEY_ROWS] key rows, [FEATURES] features
-    rows = first_row + gl.arange(0, KEY_ROWS, gl.SliceLayout(1, dk.type.layout))
-    features = feature0 + gl.arange(0, FEATURES, gl.SliceLayout(0, dk.type.layout))
+    rows = first_row + gl.arange(0, KEY_ROWS, gl.SliceLayout(1, layout))
+    features = feature0 + gl.arange(0, FEATURES, gl.SliceLayout(0, layout))
     store_mask = gl.expand_dims(rows < seqlen_k, 1)
     dk_ptrs = (DK + batch.to(gl.int64) * stride_dk_b + head_k.to(gl.int64) * stride_dk_h
                + gl.expand_dims(rows.to(gl.int64) * stride_dk_n, 1) + gl.expand_dims(features, 0))
     dv_ptrs = (DV + batch.to(gl.int64) * stride_dv_b + head_k.to(gl.int64) * stride_dv_h
                + gl.expand_dims(rows.to(gl.int64) * stride_dv_n, 1) + gl.expand_dims(features, 0))
-    gl.store(dk_ptrs, (dk * softmax_scale).to(dtype), mask=store_mask)
-    gl.store(dv_ptrs, dv.to(dtype), mask=store_mask)
+    gl.store(dk_ptrs, gl.convert_layout((dk * softmax_scale).to(dtype), layout), mask=store_mask)
+    gl.store(dv_ptrs, gl.convert_layout(dv.to(dtype), layout), mask=store_mask)
 
 
 @gluon.jit
@@ -142,6 +148,33 @@ def _producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_s
         row = batch * num_heads + head
         tma.async_copy_global_to_shared(lse_desc, [row, m_start], q_ready.index(stage), lse_smem.index(stage))
         tma.async_copy_global_to_shared(delta_desc, [row, m_start], q_ready.index(stage), delta_smem.index(stage))
+
+
+@gluon.jit
+def _masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal):
+    """P = exp2(s * qk_scale_log2 - lse_log2) of scores s [ROWS, KEYS] (query rows from m_start, keys from first_key),
+    0 where a key is past seqlen_k or, causal (bottom-right aligned), after the row's last key; blocks that need
+    neither come back without mask arithmetic. One comparison per element against each row's last visible key,
+    and nothing kept live across the caller's loop (key vectors held across it cost the d128 causal consumers ~40
+    spilled registers). Query rows past seqlen_q are not masked: their Q, dO, lse and delta read as zeros, so P = 1
+    there but dS = 0 and dO = 0, and every product they enter adds zeros. Keys past seqlen_k are (their K rows are
+    zeros, so P would be exp2(-lse_log2), which may overflow)."""
+    ROWS: gl.constexpr = s.shape[0]
+    KEYS: gl.constexpr = s.shape[1]
+    p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(lse_log2, 1))
+    last_key = first_key + KEYS - 1
+    if (last_key >= seqlen_k) | ((causal != 0) & (last_key > m_start + (seqlen_k - seqlen_q))):
+        row_layout: gl.constexpr = gl.SliceLayout(1, s.type.layout)
+        # [ROWS] each row's last visible key, counted from first_key
+        row_last = gl.full([ROWS], seqlen_k - 1 - first_key, gl.int32, row_layout)
+        if causal != 0:
+            diagonal = m_start + gl.arange(0, ROWS, row_layout) + (seqlen_k - seqlen_q) - first_key
+            row_last = gl.minimum(row_last, diagonal)
+        # [ROWS, KEYS]
+        visible = (gl.expand_dims(gl.arange(0, KEYS, gl.SliceLayout(0, s.type.layout)), 0)
+                   <= gl.expand_dims(row_last, 1))
+        p = gl.where(visible, p, 0.0)
+    return p
 
 
 @gluon.jit
@@ -217,21 +250,15 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, FEATURES, 16])
     row_of_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    key_of_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     zero_s = gl.zeros([ROWS, OWN], gl.float32, s_layout)
     zero_dq = gl.zeros([ROWS, FEATURES], gl.float32, dq_layout)
     dk = gl.zeros([OWN, HEAD_DIM], gl.float32, dkv_layout)
     dv = gl.zeros([OWN, HEAD_DIM], gl.float32, dkv_layout)
-    # [OWN] this consumer's keys
-    offs_n = n_start + key0 + gl.arange(0, OWN, key_of_s)
-    key_in = offs_n < seqlen_k
-    last_key = n_start + key0 + OWN - 1
+    first_key = n_start + key0
     mbarrier.wait(kv_ready, 0)
     for i in range(n_iterations):
         stage = i % STAGES
         head, m_start = _query_block(i, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
-        # [ROWS] query rows of the block
-        offs_m = m_start + gl.arange(0, ROWS, row_of_s)
         mbarrier.wait(q_ready.index(stage), (i // STAGES) & 1)
         q_tile = q_smem.index(stage).reshape([ROWS, HEAD_DIM])
         do_tile = do_smem.index(stage).reshape([ROWS, HEAD_DIM])
@@ -242,13 +269,8 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
         s = warpgroup_mma(q_tile, k_own.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dp = warpgroup_mma(do_tile, v_own.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s, ))
-        # [ROWS, OWN] P; masked where a key is past seqlen_k or, causal, after the row's last key
-        p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(lse_log2, 1))
-        if (last_key >= seqlen_k) | ((causal != 0) & (last_key > m_start + (seqlen_k - seqlen_q))):
-            visible = gl.expand_dims(key_in, 0) & gl.expand_dims(offs_m < seqlen_q, 1)
-            if causal != 0:
-                visible = visible & (gl.expand_dims(offs_n, 0) <= gl.expand_dims(offs_m + (seqlen_k - seqlen_q), 1))
-            p = gl.where(visible, p, 0.0)
+        # [ROWS, OWN] P
+        p = _masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal)
         # this consumer's previous dV product (the reader of p_own) completed last iteration
         p_own.store(p.to(dtype))
         dp = warpgroup_mma_wait(0, deps=(dp, ))

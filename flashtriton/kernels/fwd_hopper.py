@@ -148,23 +148,26 @@ def _softmax_block(s, m_i, l_i, qk_scale_log2):
 
 
 @gluon.jit
-def _wait_turn(turns, step, lead, pingpong):
-    """Ping-pong between the consumers (pingpong != 0): before its step-th issue of wgmmas (steps counted across
-    the program's tiles) a consumer waits until the other one has issued its own wgmmas of the step before
-    (lead = 1: the first consumer, which goes first) or of the same step (lead = 0), so that the two issue in
-    alternation and one's softmax runs while the other's wgmmas do (FA3's warp-scheduler barrier). turns: (this
-    consumer's barrier, the other's); after issuing, the consumer arrives on the other's (_pass_turn)."""
-    mbarrier.wait(turns[0], (step - lead) & 1, pred=(pingpong != 0) & (step >= lead))
+def _wait_turn(turns, step, lead):
+    """Ping-pong between the consumers (turns: (this consumer's barrier, the other's), or () without it): before its
+    step-th issue of wgmmas (steps counted across the program's tiles) a consumer waits until the other one has
+    issued its own wgmmas of the step before (lead = 1: the first consumer, which goes first) or of the same step
+    (lead = 0), so that the two issue in alternation and one's softmax runs while the other's wgmmas do (FA3's
+    warp-scheduler barrier); after issuing, it arrives on the other's (_pass_turn). Constexprs do not reach
+    partitions in Triton 3.6, a tuple's length does: without ping-pong no code is left."""
+    for _ in gl.static_range(len(turns) // 2):
+        mbarrier.wait(turns[0], (step - lead) & 1, pred=step >= lead)
 
 
 @gluon.jit
-def _pass_turn(turns, pingpong):
-    mbarrier.arrive(turns[1], pred=pingpong != 0)
+def _pass_turn(turns):
+    for _ in gl.static_range(len(turns) // 2):
+        mbarrier.arrive(turns[1])
 
 
 @gluon.jit
 def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, release_q, first_load, n_blocks, row0,
-                offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, pingpong, acc_layout: gl.constexpr):
+                offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, acc_layout: gl.constexpr):
     """One consumer's pass over a work item's key blocks (the program's loads first_load, first_load + 1, ...) for
     its Q tile q [ROWS, HEAD_DIM] (shared memory), overlapped inside the warpgroup: block 0's softmax first, then per
     block j S_j and P_{j-1} V_{j-1} issued together, softmax j while P_{j-1} V_{j-1} runs, then the rescale.
@@ -189,11 +192,11 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     l_i = gl.zeros([ROWS], gl.float32, row_s)
     stage = first_load % STAGES
     mbarrier.wait(k_ready.index(stage), (first_load // STAGES) & 1)
-    _wait_turn(turns, first_load, lead, pingpong)
+    _wait_turn(turns, first_load, lead)
     # [ROWS, BLOCK_N] raw q.k of block 0
     s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
                       is_async=True)
-    _pass_turn(turns, pingpong)
+    _pass_turn(turns)
     s = warpgroup_mma_wait(0, deps=(s, ))
     mbarrier.arrive(k_empty.index(stage))
     # [ROWS, BLOCK_N] probabilities of the block whose P.V is pending
@@ -205,12 +208,12 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         previous = (load - 1) % STAGES
         mbarrier.wait(k_ready.index(stage), (load // STAGES) & 1)
         mbarrier.wait(v_ready.index(previous), ((load - 1) // STAGES) & 1)
-        _wait_turn(turns, load, lead, pingpong)
+        _wait_turn(turns, load, lead)
         s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
                           is_async=True)
         acc = warpgroup_mma(gl.convert_layout(p.to(q.dtype), p_layout),
                             v_smem.index(previous).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-        _pass_turn(turns, pingpong)
+        _pass_turn(turns)
         # S_j done (wgmma groups complete in order); P_{j-1} V_{j-1} may still run
         s = warpgroup_mma_wait(1, deps=(s, ))
         mbarrier.arrive(k_empty.index(stage))
@@ -231,13 +234,13 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
 @gluon.jit
 def _consumer(o_desc, Lse, q_tile, o_tile, q_ready, q_empty, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns,
               stride_lse_b, stride_lse_h, row_offset, num_heads, num_tiles, num_batch_heads, heads_per_group, seqlen_q,
-              seqlen_k, qk_scale_log2, causal, o_in_q, paired, pingpong):
+              seqlen_k, qk_scale_log2, causal, o_in_q, paired):
     """One warpgroup: query rows [m_start + row_offset, + ROWS) of every tile of this program. Per tile: wait
     for its Q tile (q_tile [1, ROWS, 1, HEAD_DIM], shared), run the key blocks, normalize, store the natural-log
     LSE and O (through o_tile by TMA, which clips rows past seqlen_q). q_empty tells the producer that q_tile may
     be refilled: after the last S wgmma, or where O is staged in q_tile itself (o_in_q) once O's store has read it.
     Rows that saw no key: out 0, lse +inf (API.md §4.5). turns: the ping-pong barriers (_wait_turn), this
-    consumer's first; the first consumer (row_offset 0) leads."""
+    consumer's first, or (); the first consumer (row_offset 0) leads."""
     ROWS: gl.constexpr = q_tile.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
@@ -263,7 +266,7 @@ def _consumer(o_desc, Lse, q_tile, o_tile, q_ready, q_empty, k_smem, v_smem, k_r
             mbarrier.wait(q_ready, done & 1)
             acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,
                                         load, n_blocks, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal,
-                                        turns, lead, pingpong, acc_layout)
+                                        turns, lead, acc_layout)
             seen = l_i > 0.0
             out = acc / gl.expand_dims(gl.convert_layout(gl.where(seen, l_i, 1.0), row_o), 1)
             lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("inf"))
@@ -318,11 +321,18 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for consumer in gl.static_range(2):
         mbarrier.init(q_ready.index(consumer), count=1)
         mbarrier.init(q_empty.index(consumer), count=1)
-        mbarrier.init(turn.index(consumer), count=1)
+    if PINGPONG:
+        # one allocation each: waits on one and arrivals on the other would otherwise be ordered by a barrier
+        first_turn = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        second_turn = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(first_turn, count=1)
+        mbarrier.init(second_turn, count=1)
+        turns = ((first_turn, second_turn), (second_turn, first_turn))
+    else:
+        turns = ((), ())
     for stage in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(stage), count=1)
         mbarrier.init(v_ready.index(stage), count=1)
@@ -331,14 +341,13 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
     # constexprs arrive in partitions as plain ints (Triton 3.6): the flags travel as tensors
     causal = gl.to_tensor(CAUSAL).to(gl.int32)
     o_in_q = gl.to_tensor(O_IN_Q).to(gl.int32)
-    pingpong = gl.to_tensor(PINGPONG).to(gl.int32)
     shared = (stride_lse_b, stride_lse_h)
     work = (num_heads, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, qk_scale_log2, causal, o_in_q,
-            paired, pingpong)
+            paired)
     first_args = (o_desc, Lse, q_smem.index(0), o_smem.index(0), q_ready.index(0), q_empty.index(0), k_smem, v_smem,
-                  k_ready, v_ready, k_empty, v_empty, (turn.index(0), turn.index(1))) + shared + (0, ) + work
+                  k_ready, v_ready, k_empty, v_empty, turns[0]) + shared + (0, ) + work
     second_args = (o_desc, Lse, q_smem.index(1), o_smem.index(1), q_ready.index(1), q_empty.index(1), k_smem, v_smem,
-                   k_ready, v_ready, k_empty, v_empty, (turn.index(1), turn.index(0))) + shared + (ROWS, ) + work
+                   k_ready, v_ready, k_empty, v_empty, turns[1]) + shared + (ROWS, ) + work
     producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k,
                      causal, paired)

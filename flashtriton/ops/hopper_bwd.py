@@ -3,9 +3,9 @@
 
 backend.launch_bwd asks `runs_on` before the preprocess (delta, and zeros into the dQ accumulator) and falls back to
 the Triton kernels (kernels/bwd.py) for everything else. configs.HOPPER_BWD_ALLOWED (FLASHTRITON_GLUON_BWD=0 turns it
-off; testing.forced_gluon_backward in tests) switches it. It adds dQ with TMA reductions in no fixed order, so
-deterministic=True does not take it, except where its config has dq_kernel (head dim 256): then the kernel computes
-dK and dV only and backend.launch_bwd runs the Triton dQ kernel after it (no reductions, no accumulator).
+off; testing.forced_gluon_backward in tests) switches it. At head dims 64 and 128 it adds dQ with TMA reductions in
+no fixed order, so deterministic=True does not take it; at 256 it computes dK and dV only and backend.launch_bwd
+runs the Triton dQ kernel after it (no reductions, no accumulator: deterministic).
 """
 
 from __future__ import annotations
@@ -37,27 +37,30 @@ def covers(head_dim: int, dtype: torch.dtype, seqlen_q: int, seqlen_k: int, para
            deterministic: bool) -> bool:
     """Whether the Gluon backward computes this call (device and layouts aside): the forward's rule (dense, no
     window but the causal one, no softcap, ALiBi or dropout), a head dim with a configs.HOPPER_BWD entry, and not
-    deterministic unless the entry leaves dQ to a kernel of its own (dQ reductions come in no fixed order)."""
-    return (head_dim in configs.HOPPER_BWD and (not deterministic or configs.HOPPER_BWD[head_dim].dq_kernel)
+    deterministic where the kernel adds dQ itself (its reductions come in no fixed order)."""
+    return (head_dim in configs.HOPPER_BWD and not (deterministic and computes_dq(head_dim))
             and forward_covers(head_dim, dtype, seqlen_q, seqlen_k, params, plain))
 
 
 def computes_dq(head_dim: int) -> bool:
-    """Whether the Gluon backward adds dQ itself (into the fp32 accumulator), or leaves it to the Triton dQ kernel."""
-    return not configs.HOPPER_BWD[head_dim].dq_kernel
+    """Whether the Gluon backward adds dQ itself (into the fp32 accumulator: head dims 64 and 128), or computes dK
+    and dV only and leaves dQ to the Triton dQ kernel (head dim 256: there the reductions cost the kernel a fifth of
+    its speed, configs.HOPPER_BWD)."""
+    return head_dim != 256
 
 
 # dQ columns per consumer warpgroup and TMA reduction: half of head dim 128, all of head dim 64 (kernels/bwd_hopper)
 DQ_FEATURES = 64
-# Head dim 256 (kernels/bwd_hopper_d256): Q / dO move in feature halves, dQ in [32 rows, 64 features] pieces
-D256_QDO_FEATURES, D256_DQ_ROWS = 128, 32
+# Head dim 256 (kernels/bwd_hopper_d256): Q / dO move in feature halves
+D256_QDO_FEATURES = 128
 
 
 def division(head_dim: int):
-    """(kernel, keys per program, features per Q / dO box, rows and features per dQ reduction) of a head dim."""
+    """(kernel, keys per program, features per Q / dO box, (rows, features) per dQ reduction or None) of a head
+    dim."""
     if head_dim == 256:
-        return attn_bwd_hopper_d256_kernel, KEY_BLOCK_D256, D256_QDO_FEATURES, D256_DQ_ROWS, DQ_FEATURES
-    return attn_bwd_hopper_kernel, KEY_BLOCK, head_dim, configs.HOPPER_BWD[head_dim].query_rows, DQ_FEATURES
+        return attn_bwd_hopper_d256_kernel, KEY_BLOCK_D256, D256_QDO_FEATURES, None
+    return attn_bwd_hopper_kernel, KEY_BLOCK, head_dim, (configs.HOPPER_BWD[head_dim].query_rows, DQ_FEATURES)
 
 
 def runs_on(q, k, v, dout, params, seqlen_q: int, seqlen_k: int, plain: bool, deterministic: bool) -> bool:
@@ -87,27 +90,24 @@ def launch(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tuple[i
     """dK, dV into dk, dv and dQ into dq (B, S, H, D each) from lse and delta (fp32, rows contiguous, (batch,
     head) strides lse_strides / delta_strides), which the kernel loads by TMA with each Q / dO block. The kernel
     adds its scaled dQ products into dq_accum (fp32, q's shape, contiguous, zeroed) by TMA reductions (which clip
-    rows past seqlen_q), copied into dq at the end; where it does not compute dQ (`computes_dq`), dq_accum is None
+    rows past seqlen_q), copied into dq at the end; where it does not compute dQ (`computes_dq`) dq_accum is None
     and dq is left to the caller."""
     global launch_count
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k = k.shape[-2]
     config = configs.HOPPER_BWD[head_dim]
-    kernel, keys, qdo_features, dq_rows, dq_features = division(head_dim)
+    kernel, keys, qdo_features, dq_box = division(head_dim)
     grid = (triton_cdiv(seqlen_k, keys) * batch * num_heads_k,)
-    # the d256 kernel's DQ switch (the d64 / d128 kernel always adds dQ)
-    dq_switch = dict(DQ=dq_accum is not None) if head_dim == 256 else {}
     kernel[grid](
         tile_descriptor(k, keys), tile_descriptor(v, keys), tile_descriptor(q, config.query_rows, qdo_features),
         tile_descriptor(dout, config.query_rows, qdo_features),
-        None if dq_accum is None else tile_descriptor(dq_accum, dq_rows, dq_features),
+        *(() if dq_box is None else (tile_descriptor(dq_accum, *dq_box), )),
         *(_row_statistic_descriptor(stat, strides, batch, num_heads, seqlen_q, config.query_rows)
           for stat, strides in ((lse, lse_strides), (delta, delta_strides))),
         dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), num_heads_k, num_heads // num_heads_k, seqlen_q, seqlen_k,
         heads_per_group, params.softmax_scale, params.kernel_args()[0],
-        CAUSAL=params.causal_like, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4,
-        **dq_switch)
+        CAUSAL=params.causal_like, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4)
     if dq_accum is not None:
         dq.copy_(dq_accum)
     launch_count += 1

@@ -1,0 +1,57 @@
+"""A / B of the d64 / d128 Gluon backward (kernels/bwd_hopper.py) against its previous epilogue and mask, for
+benchmarks/ablate_kernel.py:
+
+    python benchmarks/ablate_kernel.py --variants benchmarks/ablations/bwd_hopper.py --shapes 0,1,3
+
+Eleventh session: ncu on the 16x1024 causal backward counted 50% excessive global sectors (the dK / dV stores
+straight from the wgmma layout) and the offline SASS showed 41 / 29 spilled loads in the causal consumers' loops
+(key vectors held across the loop for the mask). "as is" stores dK / dV in 16-byte pieces through a layout
+conversion and masks with one comparison per element against each row's last key; each variant restores one of the
+previous versions (same gradients).
+"""
+
+MODULE = "flashtriton/kernels/bwd_hopper.py"
+TARGET = "flashtriton.ops.hopper_bwd:attn_bwd_hopper_kernel"
+KERNEL = "attn_bwd_hopper_kernel"
+
+_STORE_EDITS = [
+    ("gl.store(dk_ptrs, gl.convert_layout((dk * softmax_scale).to(dtype), layout), mask=store_mask)",
+     "gl.store(dk_ptrs, (dk * softmax_scale).to(dtype), mask=store_mask)"),
+    ("gl.store(dv_ptrs, gl.convert_layout(dv.to(dtype), layout), mask=store_mask)",
+     "gl.store(dv_ptrs, dv.to(dtype), mask=store_mask)"),
+    ("rows = first_row + gl.arange(0, KEY_ROWS, gl.SliceLayout(1, layout))",
+     "rows = first_row + gl.arange(0, KEY_ROWS, gl.SliceLayout(1, dk.type.layout))"),
+    ("features = feature0 + gl.arange(0, FEATURES, gl.SliceLayout(0, layout))",
+     "features = feature0 + gl.arange(0, FEATURES, gl.SliceLayout(0, dk.type.layout))"),
+]
+_MASK_EDITS = [
+    ("""    first_key = n_start + key0
+    mbarrier.wait(kv_ready, 0)
+    for i in range(n_iterations):
+        stage = i % STAGES
+        head, m_start = _query_block(i, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
+""", """    first_key = n_start + key0
+    offs_n = n_start + key0 + gl.arange(0, OWN, gl.SliceLayout(0, s_layout))
+    key_in = offs_n < seqlen_k
+    last_key = n_start + key0 + OWN - 1
+    mbarrier.wait(kv_ready, 0)
+    for i in range(n_iterations):
+        stage = i % STAGES
+        head, m_start = _query_block(i, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
+        offs_m = m_start + gl.arange(0, ROWS, row_of_s)
+"""),
+    ("""        p = _masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal)
+""", """        p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(lse_log2, 1))
+        if (last_key >= seqlen_k) | ((causal != 0) & (last_key > m_start + (seqlen_k - seqlen_q))):
+            visible = gl.expand_dims(key_in, 0) & gl.expand_dims(offs_m < seqlen_q, 1)
+            if causal != 0:
+                visible = visible & (gl.expand_dims(offs_n, 0) <= gl.expand_dims(offs_m + (seqlen_k - seqlen_q), 1))
+            p = gl.where(visible, p, 0.0)
+"""),
+]
+
+VARIANTS = {
+    "stores from the wgmma layout": _STORE_EDITS,
+    "key vectors held across the loop": _MASK_EDITS,
+    "both (the previous kernel)": _STORE_EDITS + _MASK_EDITS,
+}
