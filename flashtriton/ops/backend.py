@@ -314,13 +314,15 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
     is_varlen = cu_seqlens_q is not None
     seq_strides = _varlen_strides if is_varlen else _bsh_strides
     block_dim = configs.block_d(head_dim)
-    use_tma = config.use_tma and all(tma_compatible(t) for t in (q, k, v, dout))
+    # one check serves the Triton kernels' descriptors and the Gluon backward's rule (host time per backward)
+    descriptors_ok = all(tma_compatible(t) for t in (q, k, v, dout))
+    use_tma = config.use_tma and descriptors_ok
     if use_tma:
         _ensure_scratch_allocator()
     flags = dict(IS_LOCAL=params.is_local, HAS_SOFTCAP=params.softcap > 0.0, HAS_ALIBI=alibi_slopes is not None,
                  IS_VARLEN=is_varlen, HAS_DROPOUT=dropout_p > 0.0, USE_TMA=use_tma)
     plain = not (is_varlen or dropout_p > 0.0 or alibi_slopes is not None)
-    gluon = hopper_bwd.runs_on(q, k, v, dout, params, seqlen_q, seqlen_k, plain, deterministic)
+    gluon = hopper_bwd.runs_on(q, params, seqlen_q, seqlen_k, plain, deterministic, descriptors_ok)
     gluon_dq = gluon and hopper_bwd.computes_dq(head_dim)
     dq_atomic = not gluon and config.dq_atomic and not deterministic and seqlen_q > 0
     # fp32 dQ accumulator in q's (B, S, H, D) / (T, H, D) shape, contiguous, zeroed by the preprocess

@@ -63,11 +63,12 @@ def division(head_dim: int):
     return attn_bwd_hopper_kernel, KEY_BLOCK, head_dim, (configs.HOPPER_BWD[head_dim].query_rows, DQ_FEATURES)
 
 
-def runs_on(q, k, v, dout, params, seqlen_q: int, seqlen_k: int, plain: bool, deterministic: bool) -> bool:
-    """`covers`, the kernel switched on and present, sm_90, and layouts tensor descriptors can address."""
+def runs_on(q, params, seqlen_q: int, seqlen_k: int, plain: bool, deterministic: bool, descriptors_ok: bool) -> bool:
+    """`covers`, the kernel switched on and present, sm_90, and (descriptors_ok, the caller's check of q, k, v and
+    dout with launching.tma_compatible) layouts tensor descriptors can address."""
     return (attn_bwd_hopper_kernel is not None and configs.HOPPER_BWD_ALLOWED and configs.TMA_ALLOWED and q.is_cuda
-            and covers(q.shape[-1], q.dtype, seqlen_q, seqlen_k, params, plain, deterministic)
-            and all(tma_compatible(t) for t in (q, k, v, dout)) and is_hopper(q.device))
+            and descriptors_ok and covers(q.shape[-1], q.dtype, seqlen_q, seqlen_k, params, plain, deterministic)
+            and is_hopper(q.device))
 
 
 def _row_statistic_descriptor(stat: torch.Tensor, strides: Tuple[int, int], batch: int, num_heads: int,
