@@ -4,7 +4,7 @@ CUDNN, same process.
     python benchmarks/bench_hopper_bwd.py [--shapes 1,3] [--out DIR]
 
 Times the backward only (torch.autograd.grad on a graph built once), bf16, causal and not; at head dim 256 (dK / dV
-by the Gluon kernel, dQ by the Triton kernel) deterministic=True too. Every result is compared with the
+by the Gluon kernel, dQ by the Triton kernel or the Gluon dQ kernel) deterministic=True too. Every result is compared with the
 Triton backward's gradients (max abs difference printed). Results go to DIR/hopper-bwd.json.
 """
 
@@ -22,14 +22,15 @@ import flashtriton
 from flashtriton import configs
 from flashtriton.bench import attention_flops, median_ms, select_shapes
 from flashtriton.ops import hopper_bwd
-from flashtriton.testing import forced_gluon_backward
+from flashtriton.testing import forced_gluon_backward, forced_gluon_dq
 
 
 def _variants(head_dim: int):
-    """(name, Gluon backward allowed, deterministic)."""
-    variants = [("triton", False, False), ("gluon", True, False)]
-    if not hopper_bwd.computes_dq(head_dim):  # dK / dV by Gluon and dQ by Triton: deterministic=True takes it too
-        variants += [("triton-deterministic", False, True), ("gluon-deterministic", True, True)]
+    """(name, Gluon backward allowed, deterministic, Gluon dQ kernel allowed)."""
+    variants = [("triton", False, False, False), ("gluon", True, False, False)]
+    if not hopper_bwd.computes_dq(head_dim):  # dK / dV by Gluon, dQ by Triton or Gluon; deterministic=True too
+        variants += [("gluon+gluon-dq", True, False, True), ("triton-deterministic", False, True, False),
+                     ("gluon-deterministic", True, True, False), ("gluon+gluon-dq-deterministic", True, True, True)]
     return variants
 
 
@@ -53,8 +54,8 @@ def main():
             flops = attention_flops(batch, heads, seqlen, seqlen, dim, causal, "bwd")
             tag = dict(batch=batch, seqlen=seqlen, heads=heads, dim=dim, causal=causal)
             times, grads, ran_gluon = {}, {}, {}
-            for name, gluon, deterministic in _variants(dim):
-                with forced_gluon_backward(gluon):
+            for name, gluon, deterministic, gluon_dq in _variants(dim):
+                with forced_gluon_backward(gluon), forced_gluon_dq(gluon_dq):
                     out = flashtriton.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
                     launches = hopper_bwd.launch_count
                     grads[name] = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)

@@ -282,6 +282,20 @@ HOPPER_BWD = {64: HopperBwdConfig(64, 2, 240), 128: HopperBwdConfig(64, 2, 248),
 HOPPER_BWD_ALLOWED = os.environ.get("FLASHTRITON_GLUON_BWD", "1") != "0"
 
 
+@dataclass(frozen=True)
+class HopperDqConfig:
+    block_n: int         # keys per K / V stage
+    stages: int          # K / V stages in shared memory
+    consumer_regs: int   # registers per thread of the second consumer warpgroup
+
+
+# Gluon dQ kernel (kernels/bwd_hopper_dq.py), keyed by the head dims whose Gluon dK / dV kernel leaves dQ to a
+# kernel of its own; where a head dim is missing (or the kernel is off) the Triton dQ kernel runs. Eleventh session:
+# written and compiled offline (192 KB of shared memory at d256), not yet run on a GPU, so off: HOPPER_DQ_ALLOWED.
+HOPPER_DQ = {256: HopperDqConfig(32, 2, 240)}
+HOPPER_DQ_ALLOWED = os.environ.get("FLASHTRITON_GLUON_DQ", "0") == "1"
+
+
 def heads_per_l2_group(bytes_per_head: int, batch_heads: int, causal: bool) -> int:
     """(batch, head) pairs per launch-order group: as many as fit L2_GROUP_BYTES[causal], at least 1."""
     return max(1, min(batch_heads, L2_GROUP_BYTES[causal] // max(1, bytes_per_head)))

@@ -99,6 +99,14 @@ def forced_gluon_backward(enabled: bool = True):
     return _overridden(configs, "HOPPER_BWD_ALLOWED", enabled)
 
 
+def forced_gluon_dq(enabled: bool = True):
+    """Within this block the Gluon dQ kernel (ops/hopper_bwd.launch_dq) computes dQ where a Gluon dK / dV kernel
+    leaves it (True) or the Triton dQ kernel always does (False), whatever FLASHTRITON_GLUON_DQ says."""
+    from . import configs
+
+    return _overridden(configs, "HOPPER_DQ_ALLOWED", enabled)
+
+
 def forced_hopper_grid(programs: Optional[int]):
     """Within this block the Gluon Hopper forward's grid has at most `programs` programs (None: as configured), so
     each program runs many work items (ops/hopper_fwd.grid)."""

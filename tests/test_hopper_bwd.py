@@ -14,7 +14,7 @@ from flashtriton import configs
 from flashtriton.ops import hopper_bwd
 from flashtriton.ops.backend import score_params
 from flashtriton.testing import Case, assert_checks_ok, compare_with_reference, forced_gluon_backward, \
-    make_case_inputs, poisoned_outputs
+    forced_gluon_dq, make_case_inputs, poisoned_outputs
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 needs_hopper = pytest.mark.skipif(not ON_HOPPER or hopper_bwd.attn_bwd_hopper_kernel is None,
@@ -80,6 +80,19 @@ def test_row_statistic_descriptor_covers_every_row(layout):
     assert (matrix.data_ptr() == stat.data_ptr()) == (layout != "odd-length")
 
 
+def test_gluon_dq_kernel_rule():
+    """The Gluon dQ kernel runs only where switched on, for a head dim with a configs.HOPPER_DQ entry, on a dq that
+    a tensor descriptor can address; checked on CPU tensors (a pure rule)."""
+    dq = torch.empty(2, 100, 3, 256, dtype=torch.bfloat16)
+    available = hopper_bwd.attn_bwd_hopper_dq_kernel is not None
+    with forced_gluon_dq(False):
+        assert not hopper_bwd.dq_kernel_runs(dq)
+    with forced_gluon_dq(True):
+        assert hopper_bwd.dq_kernel_runs(dq) == available
+        assert not hopper_bwd.dq_kernel_runs(torch.empty(2, 100, 3, 128, dtype=torch.bfloat16))
+        assert not hopper_bwd.dq_kernel_runs(torch.empty(2, 100, 3, 260, dtype=torch.bfloat16)[..., 1:257])
+
+
 def run_backward(case: Case, deterministic: bool = False, repeats: int = 1):
     """Forward (whichever kernel) and the backward forced onto the Gluon kernel; (tolerance checks, whether it ran).
     With repeats > 1 the backward runs that many times and must give the same bits each time."""
@@ -127,6 +140,24 @@ def test_gluon_backward_d256_deterministic(seqlen_q, seqlen_k, causal):
     assert_checks_ok(checks)
 
 
+@needs_hopper
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(17, 17, 3, 3), (333, 200, 3, 3), (200, 333, 6, 2), (1000, 1000, 4, 1)],
+                         ids=["sq17-sk17", "sq333-sk200", "sq200-sk333-gqa", "sq1000-sk1000-mqa"])
+def test_gluon_dq_kernel_matches_reference(shape, causal, deterministic):
+    """Head dim 256 with dQ by the Gluon dQ kernel (forced on): partial query tiles and key blocks, sq > sk under
+    the causal mask (rows without keys), GQA / MQA; deterministic=True gives the same bits twice."""
+    seqlen_q, seqlen_k, heads, heads_k = shape
+    before = hopper_bwd.dq_launch_count
+    with forced_gluon_dq():
+        checks, ran = run_backward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads,
+                                        num_heads_k=heads_k, head_dim=256, dtype=torch.bfloat16, causal=causal),
+                                   deterministic, repeats=2 if deterministic else 1)
+    assert ran and hopper_bwd.dq_launch_count > before, "the Gluon dQ kernel did not run"
+    assert_checks_ok(checks)
+
+
 FEATURES = {
     "gqa": dict(num_heads=6, num_heads_k=2),
     "mqa-causal": dict(num_heads=4, num_heads_k=1, causal=True),
@@ -156,6 +187,7 @@ def _gluon_hopper_api() -> bool:
 @pytest.mark.skipif(not _gluon_hopper_api(), reason="this Triton has no Gluon Hopper API with TMA reductions")
 def test_gluon_backward_modules_import():
     """ops/hopper_bwd turns an import error of the kernel modules into 'the Triton backward runs' (for Tritons without
-    the API); where the API is there, both kernel modules must import, or a broken kernel file would only show as a
+    the API); where the API is there, the kernel modules must import, or a broken kernel file would only show as a
     slower backward on the GPU. Runs on CPU."""
     assert hopper_bwd.attn_bwd_hopper_kernel is not None and hopper_bwd.attn_bwd_hopper_d256_kernel is not None
+    assert hopper_bwd.attn_bwd_hopper_dq_kernel is not None

@@ -6,6 +6,8 @@
                                                        # (P, PP: persistent, ping-pong, 0 or 1)
     python tools/offline_compile.py --kernel bwd-hopper [--head-dim 128] [--causal] [--hopper-config ROWS,STAGES,REGS]
                                                        # the Gluon backward; default: its configs.HOPPER_BWD entry
+    python tools/offline_compile.py --kernel bwd-hopper-dq [--head-dim 256] [--causal]
+                                                       # the Gluon dQ kernel with its configs.HOPPER_DQ entry
 
 Uses Triton's bundled ptxas. Integer arguments are compiled as plain i32 with the pointer/stride
 divisibility hints a contiguous (B, S, H, D) launch would get, so the numbers approximate the real compile.
@@ -149,11 +151,29 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
                                                   CONSUMER_REGS=config.consumer_regs, num_warps=4))
 
 
+def compile_hopper_dq(head_dim: int, causal: bool, dtype: str = "bf16"):
+    """The Gluon dQ kernel (kernels/bwd_hopper_dq.py) with its configs.HOPPER_DQ entry."""
+    from flashtriton import configs
+    from flashtriton.kernels.bwd_hopper_dq import ROWS_PER_CONSUMER, attn_bwd_hopper_dq_kernel
+
+    config = configs.HOPPER_DQ[head_dim]
+    rows = ROWS_PER_CONSUMER.value
+    signature = {"q_desc": _gluon_tile_type(rows, head_dim, dtype), "do_desc": _gluon_tile_type(rows, head_dim, dtype),
+                 "k_desc": _gluon_tile_type(config.block_n, head_dim, dtype),
+                 "v_desc": _gluon_tile_type(config.block_n, head_dim, dtype),
+                 "dq_desc": _gluon_tile_type(rows, head_dim, dtype), "Lse": "*fp32", "Delta": "*fp32"}
+    signature.update({name: "i32" for name in ("stride_lse_b", "stride_lse_h", "stride_delta_b", "stride_delta_h",
+                                               "num_heads", "group_size", "seqlen_q", "seqlen_k")})
+    signature.update(softmax_scale="fp32", qk_scale_log2="fp32")
+    return _compile_gluon(attn_bwd_hopper_dq_kernel, signature, dict(CAUSAL=causal, STAGES=config.stages,
+                                                                     CONSUMER_REGS=config.consumer_regs, num_warps=4))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--local", action="store_true")
-    parser.add_argument("--kernel", default="fwd", choices=[*KERNELS, "fwd-hopper", "bwd-hopper"])
+    parser.add_argument("--kernel", default="fwd", choices=[*KERNELS, "fwd-hopper", "bwd-hopper", "bwd-hopper-dq"])
     parser.add_argument("--causal", action="store_true", help="fwd-hopper only: the causal variant")
     parser.add_argument("--hopper-config", help="fwd-hopper: BLOCK_N,STAGES,REGS[,PERSISTENT,PINGPONG], bwd-hopper: "
                                                 "ROWS,STAGES,REGS instead of the configs.HOPPER_FWD / HOPPER_BWD entry")
@@ -178,6 +198,11 @@ def main():
         print(f"bwd-hopper d{args.head_dim} causal={args.causal} {args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} shared {compiled.metadata.shared} wgmma {ptx.count('wgmma.mma_async')} "
               f"atomics {ptx.count('atom.global')} reductions {ptx.count('cp.reduce.async.bulk')}")
+        return
+    if args.kernel == "bwd-hopper-dq":
+        compiled = compile_hopper_dq(args.head_dim, args.causal)
+        print(f"bwd-hopper-dq d{args.head_dim} causal={args.causal}: {resource_usage(compiled)} "
+              f"shared {compiled.metadata.shared} wgmma {compiled.asm['ptx'].count('wgmma.mma_async')}")
         return
     if args.kernel == "fwd-hopper":
         config = None

@@ -305,7 +305,8 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
     [seqlen_q, delta_rows) (a dense softmax_d's padding). dQ is added into an fp32 accumulator, which the
     preprocess zeroes, by the Gluon Hopper backward (TMA reductions) or, with configs that have dq_atomic, by
     atomics in the dK/dV kernel, then converted into dq; deterministic=True uses neither. Otherwise the Triton dQ
-    kernel computes dq (also after a Gluon backward that computes dK and dV only: hopper_bwd.computes_dq).
+    kernel computes dq (also after a Gluon backward that computes dK and dV only, hopper_bwd.computes_dq, unless the
+    Gluon dQ kernel takes it: hopper_bwd.dq_kernel_runs).
     """
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k = k.shape[-2]
@@ -346,6 +347,10 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
             hopper_bwd.launch(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides, delta_strides, params,
                               seqlen_q, seqlen_k, batch, dkdv_heads_per_group)
             if gluon_dq:
+                return
+            if seqlen_q > 0 and hopper_bwd.dq_kernel_runs(dq):
+                hopper_bwd.launch_dq(q, k, v, dout, lse, delta, dq, lse_strides, delta_strides, params, seqlen_q,
+                                     seqlen_k, batch)
                 return
         elif seqlen_k > 0:
             dkdv_grid = (triton_cdiv(seqlen_k, config.dkdv.block_n) * batch * num_heads_k,)

@@ -23,14 +23,18 @@ try:
 
     from ..kernels.bwd_hopper import KEYS_PER_CONSUMER, attn_bwd_hopper_kernel
     from ..kernels.bwd_hopper_d256 import KEYS_PER_PROGRAM, attn_bwd_hopper_d256_kernel
+    from ..kernels.bwd_hopper_dq import ROWS_PER_CONSUMER, attn_bwd_hopper_dq_kernel
     KEY_BLOCK = 2 * KEYS_PER_CONSUMER.value
     KEY_BLOCK_D256 = KEYS_PER_PROGRAM.value
+    DQ_ROWS = ROWS_PER_CONSUMER.value
 except Exception:  # Triton without Gluon's Hopper API, or its interpreter: the Triton kernels run everything
-    attn_bwd_hopper_kernel = attn_bwd_hopper_d256_kernel = None
-    KEY_BLOCK, KEY_BLOCK_D256 = 128, 64
+    attn_bwd_hopper_kernel = attn_bwd_hopper_d256_kernel = attn_bwd_hopper_dq_kernel = None
+    KEY_BLOCK, KEY_BLOCK_D256, DQ_ROWS = 128, 64, 64
 
-# Launches of this kernel since import; tests read it to know that the path they check ran.
+# Launches of the dK / dV (and dQ) kernel and of the dQ kernel since import; tests read them to know that the path
+# they check ran.
 launch_count = 0
+dq_launch_count = 0
 
 
 def covers(head_dim: int, dtype: torch.dtype, seqlen_q: int, seqlen_k: int, params, plain: bool,
@@ -112,3 +116,27 @@ def launch(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tuple[i
     if dq_accum is not None:
         dq.copy_(dq_accum)
     launch_count += 1
+
+
+def dq_kernel_runs(dq) -> bool:
+    """Whether the Gluon dQ kernel (kernels/bwd_hopper_dq.py) computes dq after a Gluon dK / dV kernel that leaves it
+    (`computes_dq` false): a configs.HOPPER_DQ entry, the switch on, and dq addressable by a tensor descriptor; else
+    the Triton dQ kernel does."""
+    return (attn_bwd_hopper_dq_kernel is not None and configs.HOPPER_DQ_ALLOWED and dq.shape[-1] in configs.HOPPER_DQ
+            and tma_compatible(dq))
+
+
+def launch_dq(q, k, v, dout, lse, delta, dq, lse_strides: Tuple[int, int], delta_strides: Tuple[int, int], params,
+              seqlen_q: int, seqlen_k: int, batch: int) -> None:
+    """dQ into dq (B, S, H, D) from lse and delta (fp32, rows contiguous, (batch, head) strides), by the Gluon dQ
+    kernel: one program per 128 query rows of a (batch, head), no atomics."""
+    global dq_launch_count
+    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    config = configs.HOPPER_DQ[head_dim]
+    grid = (triton_cdiv(seqlen_q, 2 * DQ_ROWS) * batch * num_heads,)
+    attn_bwd_hopper_dq_kernel[grid](
+        tile_descriptor(q, DQ_ROWS), tile_descriptor(dout, DQ_ROWS), tile_descriptor(k, config.block_n),
+        tile_descriptor(v, config.block_n), tile_descriptor(dq, DQ_ROWS), lse, delta, *lse_strides, *delta_strides,
+        num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, params.softmax_scale, params.kernel_args()[0],
+        CAUSAL=params.causal_like, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4)
+    dq_launch_count += 1
