@@ -290,8 +290,11 @@ class HopperDqConfig:
 
 
 # Gluon dQ kernel (kernels/bwd_hopper_dq.py), keyed by the head dims whose Gluon dK / dV kernel leaves dQ to a
-# kernel of its own; where a head dim is missing (or the kernel is off) the Triton dQ kernel runs. Eleventh session:
-# written and compiled offline (192 KB of shared memory at d256), not yet run on a GPU, so off: HOPPER_DQ_ALLOWED.
+# kernel of its own; where a head dim is missing (or the kernel is off) the Triton dQ kernel runs. Eleventh session
+# (H200, bench_hopper_bwd.py, 4x4096x8x256, same process, backward TF/s non-causal / causal): correct (test_hopper_bwd
+# forces it on; gradients equal to the Triton dQ kernel's bit for bit here) but slower: with it 307.7 / 325.3, with
+# the Triton dQ kernel 358.4 / 330.9. Not tuned (32-key S / dP wgmmas, every block's waits in order, consumers not
+# in ping-pong), so off: FLASHTRITON_GLUON_DQ=1 turns it on.
 HOPPER_DQ = {256: HopperDqConfig(32, 2, 240)}
 HOPPER_DQ_ALLOWED = os.environ.get("FLASHTRITON_GLUON_DQ", "0") == "1"
 
