@@ -32,9 +32,9 @@ Synchronisation: kv_ready (K and V landed), q_ready[s] (Q_i, dO_i, lse_i and del
 each per dS buffer. Each consumer's P tile is read only by its own dV product, which it waits for before the next
 iteration; its dQ tile is rewritten after tma.store_wait(0) says the previous reduction has read it.
 
-Measured (H200, 2026-12-01, configs.HOPPER_BWD has the steps): d128 4x4096 490 / 430 TF/s non-causal / causal, d64
-388 / 359, against 363 / 333 and 283 / 238 for the Triton backward (kernels/bwd.py), which keeps every call this
-kernel does not cover and deterministic=True.
+Measured (H200, 2026-12-01, configs.HOPPER_BWD has the steps; library bench of the eleventh session): d128 4x4096
+499 / 459 TF/s non-causal / causal, d64 375 / 354, against 363 / 333 and 283 / 238 for the Triton backward
+(kernels/bwd.py), which keeps every call this kernel does not cover and deterministic=True.
 """
 
 from triton._C.libtriton import gluon_ir, ir
