@@ -49,8 +49,8 @@ def covers(head_dim: int, dtype: torch.dtype, seqlen_q: int, seqlen_k: int, para
 def computes_dq(head_dim: int) -> bool:
     """Whether the Gluon backward adds dQ itself (into the fp32 accumulator: head dims 64 and 128), or computes dK
     and dV only and leaves dQ to the Triton dQ kernel (head dim 256: there the reductions cost the kernel a fifth of
-    its speed, configs.HOPPER_BWD)."""
-    return head_dim != 256
+    its speed, configs.HOPPER_BWD). head_dim must have a configs.HOPPER_BWD entry."""
+    return division(head_dim)[3] is not None
 
 
 # dQ columns per consumer warpgroup and TMA reduction: half of head dim 128, all of head dim 64 (kernels/bwd_hopper)
