@@ -114,7 +114,8 @@ def device_info(index: int) -> DeviceInfo:
             elif not (configs.HOPPER_BWD_ALLOWED and configs.TMA_ALLOWED):
                 info.unsupported["Gluon backward"] = "switched off (FLASHTRITON_GLUON_BWD=0 or FLASHTRITON_TMA=0)"
             else:
-                info.supported.append("Gluon backward (dense, no window but causal, d64/128/256, not deterministic)")
+                info.supported.append("Gluon backward (dense, no window but causal, d64/128/256; "
+                                      "deterministic only at d256)")
     else:
         info.unsupported = {"every feature": OLD_GPU_REASON}
     return info

@@ -10,8 +10,9 @@ Per key block j (BLOCK_N keys), consumer c (rows [m_start + 64 c, + 64)):
   dQ += dS K_j                                   [64 rows, HEAD_DIM] fp32 in registers; dS is the wgmma's A operand
                                                  from registers, so it never goes to shared memory
 The dQ product of block j is issued with block j + 1's S and dP and runs while block j + 1's P and dS are computed;
-K_j's stage is released once that product completed, V_j's once dP_j did. At the end dQ * softmax_scale goes to the consumer's Q
-tile (no wgmma reads it any more) and out by TMA (rows past seqlen_q clipped). No atomics: deterministic.
+K_j's stage is released once that product completed, V_j's once dP_j did. At the end dQ * softmax_scale goes to the
+consumer's Q tile (no wgmma reads it any more) and out by TMA (rows past seqlen_q clipped). No atomics:
+deterministic.
 
 Rows past seqlen_q read Q, dO as zeros and lse, delta as 0: P = 1 there but dS = 0. Keys past seqlen_k are masked
 (their K rows read as zeros). Scope: what ops/hopper_bwd covers, at the head dims configs.HOPPER_DQ lists.
@@ -30,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from .bwd_hopper import _masked_probabilities
+from .fwd_hopper import _load_key_block, _tile_work
 
 ROWS_PER_CONSUMER = gl.constexpr(64)  # one wgmma M tile; a program covers 2 * ROWS_PER_CONSUMER query rows
 
@@ -37,20 +39,14 @@ ROWS_PER_CONSUMER = gl.constexpr(64)  # one wgmma M tile; a program covers 2 * R
 @gluon.jit
 def _tile_of_program(num_heads, group_size, seqlen_q, seqlen_k, causal, TILE_ROWS: gl.constexpr,
                      BLOCK_N: gl.constexpr):
-    """(batch, head, kv head, first row, key blocks) of this program: tiles of TILE_ROWS query rows, the longest
-    first (under the causal mask the last rows), every (batch, head) of a tile rank before the next rank. At least
-    one key block, even for a causal tile whose rows all precede the first key (it comes back fully masked)."""
+    """(batch, head, kv head, first row, key blocks) of this program: tiles of TILE_ROWS query rows numbered longest
+    first (kernels/fwd_hopper._tile_work: under the causal mask the last rows first, at least one key block), every
+    (batch, head) of a tile rank before the next rank."""
     num_tiles = gl.cdiv(seqlen_q, TILE_ROWS)
     batch_heads = gl.num_programs(0) // num_tiles
-    rank = gl.program_id(0) // batch_heads
-    batch_head = gl.program_id(0) % batch_heads
-    m_start = (num_tiles - 1 - rank) * TILE_ROWS
-    key_end = seqlen_k
-    if causal != 0:
-        key_end = gl.minimum(m_start + TILE_ROWS + (seqlen_k - seqlen_q), seqlen_k)
-    head = batch_head % num_heads
-    return (batch_head // num_heads, head, head // group_size, m_start,
-            gl.maximum(gl.cdiv(key_end, BLOCK_N), 1))
+    batch, head, m_start, n_blocks = _tile_work(gl.program_id(0) // batch_heads, gl.program_id(0) % batch_heads,
+                                                num_tiles, num_heads, seqlen_q, seqlen_k, causal, TILE_ROWS, BLOCK_N)
+    return batch, head, head // group_size, m_start, n_blocks
 
 
 @gluon.jit
@@ -59,8 +55,6 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, 
     """One warp: both consumers' Q and dO rows once (qdo_ready), then K and V of every key block j into stage
     j % STAGES once both consumers released that stage's previous K (resp. V)."""
     ROWS: gl.constexpr = q_smem.shape[2]
-    STAGES: gl.constexpr = k_smem.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     element_bytes: gl.constexpr = k_desc.dtype.primitive_bitwidth // 8
     mbarrier.expect(qdo_ready, 4 * ROWS * HEAD_DIM * element_bytes)
@@ -70,16 +64,7 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, 
         tma.async_copy_global_to_shared(do_desc, [batch, m_start + consumer * ROWS, head, 0], qdo_ready,
                                         do_smem.index(consumer))
     for j in range(n_blocks):
-        stage = j % STAGES
-        previous_use_phase = ((j // STAGES) - 1) & 1
-        mbarrier.wait(k_empty.index(stage), previous_use_phase, pred=j >= STAGES)
-        mbarrier.expect(k_ready.index(stage), BLOCK_N * HEAD_DIM * element_bytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, j * BLOCK_N, head_k, 0], k_ready.index(stage),
-                                        k_smem.index(stage))
-        mbarrier.wait(v_empty.index(stage), previous_use_phase, pred=j >= STAGES)
-        mbarrier.expect(v_ready.index(stage), BLOCK_N * HEAD_DIM * element_bytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, j * BLOCK_N, head_k, 0], v_ready.index(stage),
-                                        v_smem.index(stage))
+        _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, j, batch, j, head_k)
 
 
 @gluon.jit

@@ -71,17 +71,36 @@ def _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, causa
 
 
 @gluon.jit
+def _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch, block, head_k):
+    """The producer's load number `load`: K and V of key block `block` ([STAGES, 1, BLOCK_N, 1, HEAD_DIM] stages)
+    into stage load % STAGES, each once both consumers released that stage's previous K (resp. V), landing on
+    k_ready / v_ready (TMA transaction bytes)."""
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[2]
+    HEAD_DIM: gl.constexpr = k_smem.shape[4]
+    kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8
+    stage = load % STAGES
+    previous_use_phase = ((load // STAGES) - 1) & 1
+    mbarrier.wait(k_empty.index(stage), previous_use_phase, pred=load >= STAGES)
+    mbarrier.expect(k_ready.index(stage), kv_bytes)
+    tma.async_copy_global_to_shared(k_desc, [batch, block * BLOCK_N, head_k, 0], k_ready.index(stage),
+                                    k_smem.index(stage))
+    mbarrier.wait(v_empty.index(stage), previous_use_phase, pred=load >= STAGES)
+    mbarrier.expect(v_ready.index(stage), kv_bytes)
+    tma.async_copy_global_to_shared(v_desc, [batch, block * BLOCK_N, head_k, 0], v_ready.index(stage),
+                                    v_smem.index(stage))
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, causal, paired):
     """One warp, per tile of this program's work items: both consumers' Q tiles once each consumer released its
     previous one, then K and V of the tile's key blocks; the program's load number l (counted across tiles) goes to
     stage l % STAGES once both consumers freed that stage's K (resp. V)."""
     ROWS: gl.constexpr = q_smem.shape[2]
-    STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     q_bytes: gl.constexpr = ROWS * HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8
-    kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8
     load = 0
     done = 0
     for item in range(gl.program_id(0), _slots(num_tiles, paired) * num_batch_heads, gl.num_programs(0)):
@@ -97,16 +116,8 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
                 tma.async_copy_global_to_shared(q_desc, [batch, m_start + consumer * ROWS, head, 0],
                                                 q_ready.index(consumer), q_smem.index(consumer))
             for j in range(n_blocks):
-                stage = load % STAGES
-                previous_use_phase = ((load // STAGES) - 1) & 1
-                mbarrier.wait(k_empty.index(stage), previous_use_phase, pred=load >= STAGES)
-                mbarrier.expect(k_ready.index(stage), kv_bytes)
-                tma.async_copy_global_to_shared(k_desc, [batch, j * BLOCK_N, head_k, 0], k_ready.index(stage),
-                                                k_smem.index(stage))
-                mbarrier.wait(v_empty.index(stage), previous_use_phase, pred=load >= STAGES)
-                mbarrier.expect(v_ready.index(stage), kv_bytes)
-                tma.async_copy_global_to_shared(v_desc, [batch, j * BLOCK_N, head_k, 0], v_ready.index(stage),
-                                                v_smem.index(stage))
+                _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch, j,
+                                head_k)
                 load += 1
             done += 1
 
