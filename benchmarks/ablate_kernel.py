@@ -4,12 +4,11 @@ tests of kernel changes before building them).
     python benchmarks/ablate_kernel.py --variants FILE [--shapes 4] [--mode bwd] [--out DIR]
 
 FILE is a Python file defining
-    MODULE = "flashtriton/kernels/bwd_hopper_d256.py"        # the kernel module to copy
-    TARGET = "flashtriton.ops.hopper_bwd:attn_bwd_hopper_d256_kernel"  # the name the launcher calls it by
-    KERNEL = "attn_bwd_hopper_d256_kernel"                  # that kernel's name in MODULE
-    VARIANTS = {"no dQ reductions": [("_async_reduce_add(dq_desc", "pass  # _async_reduce_add(dq_desc")], ...}
-    SETUP = lambda configs: ...   # optional: adjusts flashtriton.configs before anything runs (e.g. the entry
-                                  # that makes the launcher take the kernel's path under test)
+    MODULE = "flashtriton/kernels/fwd_hopper.py"                    # the kernel module to copy
+    TARGET = "flashtriton.ops.hopper_fwd:attn_fwd_hopper_kernel"    # the name the launcher calls it by
+    KERNEL = "attn_fwd_hopper_kernel"                               # that kernel's name in MODULE
+    VARIANTS = {"no LSE store": [("gl.store(Lse + ...)", "pass")], ...}
+(benchmarks/ablations/ holds the checked-in ones.)
 Each variant is MODULE's source with every (old, new) replacement applied (each `old` must occur; results may be
 wrong, which is the point of an ablation: the error column says how far). A variant's module is loaded as a
 sibling of MODULE, so its relative imports resolve, and its kernel is swapped into TARGET while it is timed.
@@ -74,13 +73,8 @@ def kernel_ms(run, calls: int = 20) -> float:
 
 
 def load_variants(spec_file: str, directory: str) -> tuple:
-    """(TARGET, KERNEL, {name: module}) of a variants file, the unmodified module first as 'as is'; runs the file's
-    SETUP on flashtriton.configs if it has one."""
+    """(TARGET, KERNEL, {name: module}) of a variants file, the unmodified module first as 'as is'."""
     spec = runpy.run_path(spec_file)
-    if "SETUP" in spec:
-        from flashtriton import configs
-
-        spec["SETUP"](configs)
     modules = {"as is": variant_module(spec["MODULE"], [], "ablate_as_is", directory)}
     for index, (name, edits) in enumerate(spec["VARIANTS"].items()):
         modules[name] = variant_module(spec["MODULE"], edits, f"ablate_variant_{index}", directory)
