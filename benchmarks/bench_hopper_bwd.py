@@ -4,7 +4,8 @@ CUDNN, same process.
     python benchmarks/bench_hopper_bwd.py [--shapes 1,3] [--out DIR]
 
 Times the backward only (torch.autograd.grad on a graph built once), bf16, causal and not; at head dim 256 (dK / dV
-by the Gluon kernel, dQ by the Triton kernel or the Gluon dQ kernel) deterministic=True too. Every result is compared with the
+by the Gluon kernel, dQ by the Triton kernel or the Gluon dQ kernel) and 128 (dQ reductions in a fixed order)
+deterministic=True too. Every result is compared with the
 Triton backward's gradients (max abs difference printed). Results go to DIR/hopper-bwd.json.
 """
 
@@ -31,6 +32,8 @@ def _variants(head_dim: int):
     if not hopper_bwd.computes_dq(head_dim):  # dK / dV by Gluon, dQ by Triton or Gluon; deterministic=True too
         variants += [("gluon+gluon-dq", True, False, True), ("triton-deterministic", False, True, False),
                      ("gluon-deterministic", True, True, False), ("gluon+gluon-dq-deterministic", True, True, True)]
+    elif hopper_bwd.can_order_dq(head_dim):  # deterministic=True: the same kernel with its dQ reductions ordered
+        variants += [("triton-deterministic", False, True, False), ("gluon-deterministic", True, True, False)]
     return variants
 
 

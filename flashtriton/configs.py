@@ -280,6 +280,9 @@ class HopperBwdConfig:
 # So the d256 kernel computes dK and dV only (ops/hopper_bwd.computes_dq).
 HOPPER_BWD = {64: HopperBwdConfig(64, 2, 240), 128: HopperBwdConfig(64, 2, 248), 256: HopperBwdConfig(64, 2, 240)}
 HOPPER_BWD_ALLOWED = os.environ.get("FLASHTRITON_GLUON_BWD", "1") != "0"
+# dQ reductions of the head dim 128 kernel in a fixed order (bitwise reproducible) on every call, not only with
+# deterministic=True (ops/hopper_bwd.orders_dq): FLASHTRITON_ORDERED_DQ=1.
+HOPPER_BWD_ORDERED = os.environ.get("FLASHTRITON_ORDERED_DQ", "0") == "1"
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,14 @@ def forced_gluon_dq(enabled: bool = True):
     return _overridden(configs, "HOPPER_DQ_ALLOWED", enabled)
 
 
+def forced_ordered_dq(enabled: bool = True):
+    """Within this block the head dim 128 Gluon backward adds dQ in its fixed order on every call (True) or only with
+    deterministic=True (False), whatever FLASHTRITON_ORDERED_DQ says (ops/hopper_bwd.orders_dq)."""
+    from . import configs
+
+    return _overridden(configs, "HOPPER_BWD_ORDERED", enabled)
+
+
 def forced_hopper_grid(programs: Optional[int]):
     """Within this block the Gluon Hopper forward's grid has at most `programs` programs (None: as configured), so
     each program runs many work items (ops/hopper_fwd.grid)."""

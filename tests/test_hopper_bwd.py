@@ -11,10 +11,11 @@ import torch
 
 import flashtriton
 from flashtriton import configs
+from flashtriton.kernels import bwd_hopper
 from flashtriton.ops import hopper_bwd
 from flashtriton.ops.backend import score_params
 from flashtriton.testing import Case, assert_checks_ok, compare_with_reference, forced_gluon_backward, \
-    forced_gluon_dq, make_case_inputs, poisoned_outputs
+    forced_gluon_dq, forced_ordered_dq, make_case_inputs, poisoned_outputs
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 needs_hopper = pytest.mark.skipif(not ON_HOPPER or hopper_bwd.attn_bwd_hopper_kernel is None,
@@ -31,7 +32,8 @@ COVERS = {
     "head-dim-64": (dict(head_dim=64), True),
     "head-dim-96": (dict(head_dim=96), False),
     "head-dim-256": (dict(head_dim=256), True),
-    "deterministic": (dict(deterministic=True), False),
+    "deterministic": (dict(deterministic=True), True),
+    "deterministic-d64": (dict(deterministic=True, head_dim=64), False),
     "deterministic-d256": (dict(deterministic=True, head_dim=256), True),
     "not-plain": (dict(plain=False), False),
     "softcap": (dict(params=_params(softcap=3.0)), False),
@@ -49,13 +51,85 @@ def test_gluon_backward_coverage_rule(name):
     assert hopper_bwd.covers(**call) == expected
 
 
-def test_deterministic_takes_the_gluon_backward_only_without_dq_reductions():
-    """deterministic=True takes the Gluon backward at head dim 256 (dK / dV only, then the Triton dQ kernel), never
-    where the kernel adds dQ by reductions in no fixed order (64, 128)."""
+def test_deterministic_takes_the_gluon_backward_only_without_unordered_dq_reductions():
+    """deterministic=True takes the Gluon backward at head dim 256 (dK / dV only, then the Triton dQ kernel) and 128
+    (dQ reductions in a fixed order), never at 64 (both consumers add into the same dQ features, unordered)."""
     call = dict(dtype=torch.bfloat16, seqlen_q=100, seqlen_k=100, params=_params(), plain=True, deterministic=True)
     assert hopper_bwd.covers(head_dim=256, **call) and not hopper_bwd.computes_dq(256)
-    for head_dim in (64, 128):
-        assert not hopper_bwd.covers(head_dim=head_dim, **call) and hopper_bwd.computes_dq(head_dim)
+    assert hopper_bwd.covers(head_dim=128, **call) and hopper_bwd.orders_dq(128, deterministic=True)
+    assert not hopper_bwd.covers(head_dim=64, **call) and not hopper_bwd.can_order_dq(64)
+    with forced_ordered_dq(False):
+        assert not hopper_bwd.orders_dq(128, deterministic=False)
+    with forced_ordered_dq(True):
+        assert hopper_bwd.orders_dq(128, deterministic=False) and not hopper_bwd.orders_dq(64, deterministic=False)
+
+
+def _ordered_schedule(seqlen_q, seqlen_k, group_size, causal, rows=64, keys=128):
+    """Each key block's reductions, in its loop order, as (query head in the group, query block, rank), computed with
+    the kernel's own schedule functions (plain arithmetic) over which query blocks a key block's loop covers,
+    derived here from the mask: some row of the block sees some key of the key block."""
+    n_key_blocks, n_query_blocks = -(-seqlen_k // keys), -(-seqlen_q // rows)
+    schedule = []
+    for n in range(n_key_blocks):
+        seen = [m for m in range(n_query_blocks)
+                if not causal or min((m + 1) * rows, seqlen_q) - 1 + seqlen_k - seqlen_q >= n * keys]
+        assert seen == list(range(seen[0] if seen else n_query_blocks, n_query_blocks))  # a suffix, as the loop has
+        blocks, m_lo = len(seen), (seen[0] if seen else 0)
+        iterations = group_size * blocks
+        first = bwd_hopper._first_visit.fn(n, iterations, 0 if causal else 1, keys // rows)
+        visits = []
+        for i in range(iterations):
+            visit = bwd_hopper._visit.fn(i, first, iterations)
+            m = m_lo + visit % blocks
+            visits.append((visit // blocks, m, bwd_hopper._reduction_rank.fn(
+                n, n_key_blocks, visit, m, seqlen_q, seqlen_k, int(causal), rows, keys)))
+        schedule.append(visits)
+    return schedule
+
+
+ORDER_SHAPES = [(1024, 1024, 1), (1000, 1000, 2), (300, 700, 1), (700, 300, 3), (64, 2048, 1), (2048, 64, 2),
+                (129, 1, 1), (1, 129, 1)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,group_size", ORDER_SHAPES,
+                         ids=[f"sq{a}-sk{b}-g{g}" for a, b, g in ORDER_SHAPES])
+def test_ordered_dq_schedule(seqlen_q, seqlen_k, group_size, causal):
+    """The fixed order of the dQ reductions (kernels/bwd_hopper.py, ORDERED): every query block's contributors hold
+    the ranks 0..n-1 once each, and with all key blocks of a head running in step (each takes one reduction per
+    step if the tile's counter, as it stood at the step's start, is its rank; a reduction is released at the step
+    after it, when its program reaches the next one, and counts from the step after that) every reduction goes
+    through:
+    without the causal mask where a head's loops have room for its key blocks two query blocks apart, and with it
+    where no two key blocks start at the same query block (sk <= sq), in as many steps as the longest loop;
+    otherwise with waits but no deadlock."""
+    schedule = _ordered_schedule(seqlen_q, seqlen_k, group_size, causal)
+    ranks = {}
+    for visits in schedule:
+        for g, m, rank in visits:
+            ranks.setdefault((g, m), []).append(rank)
+    for tile, tile_ranks in ranks.items():
+        assert sorted(tile_ranks) == list(range(len(tile_ranks))), f"ranks of query block {tile}: {tile_ranks}"
+    counters = dict.fromkeys(ranks, 0)
+    done = [0] * len(schedule)
+    pending = [None] * len(schedule)
+    steps = 0
+    while any(d < len(v) for d, v in zip(done, schedule)) or any(pending):
+        steps += 1
+        assert steps <= 4 * sum(len(v) for v in schedule), "the order deadlocks"
+        released = []
+        for n, visits in enumerate(schedule):
+            # the previous reduction is released as the program reaches its next one (before waiting for its turn)
+            released.append(pending[n])
+            pending[n] = None
+            if done[n] < len(visits) and counters[visits[done[n]][:2]] == visits[done[n]][2]:
+                pending[n] = visits[done[n]][:2]
+                done[n] += 1
+        for tile in filter(None, released):
+            counters[tile] += 1
+    longest = max(len(v) for v in schedule)
+    if (not causal and group_size * -(-seqlen_q // 64) >= 2 * len(schedule)) or (causal and seqlen_k <= seqlen_q):
+        assert steps == longest + 1  # the last reduction's release is one step more
 
 
 ROW_LAYOUTS = {
@@ -136,6 +210,29 @@ def test_gluon_backward_d256_deterministic(seqlen_q, seqlen_k, causal):
     give the same bits."""
     checks, ran = run_backward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
                                     head_dim=256, dtype=torch.bfloat16, causal=causal), deterministic=True, repeats=2)
+    assert ran, "the Gluon backward did not run"
+    assert_checks_ok(checks)
+
+
+ORDERED_CASES = {
+    "sq1000-sk1000": dict(seqlen_q=1000, seqlen_k=1000),
+    "sq2048-sk2048-causal": dict(seqlen_q=2048, seqlen_k=2048, causal=True),
+    "sq700-sk300-gqa": dict(seqlen_q=700, seqlen_k=300, num_heads=6, num_heads_k=2),
+    "sq300-sk700-gqa-causal": dict(seqlen_q=300, seqlen_k=700, num_heads=6, num_heads_k=2, causal=True),
+    "sq700-sk300-mqa-causal": dict(seqlen_q=700, seqlen_k=300, num_heads=4, num_heads_k=1, causal=True),
+    "sq17-sk17": dict(seqlen_q=17, seqlen_k=17),
+}
+
+
+@needs_hopper
+@pytest.mark.parametrize("name", list(ORDERED_CASES))
+def test_gluon_backward_ordered_dq(name):
+    """Head dim 128 with deterministic=True: dQ reductions in the fixed order (many key blocks per head, GQA / MQA,
+    sq != sk under the causal mask: key blocks that start at the same query block, rows without keys) give the
+    reference's gradients and the same bits in three calls."""
+    case = Case(**{**dict(batch=2, num_heads=3, num_heads_k=3, head_dim=128, dtype=torch.bfloat16),
+                   **ORDERED_CASES[name]})
+    checks, ran = run_backward(case, deterministic=True, repeats=3)
     assert ran, "the Gluon backward did not run"
     assert_checks_ok(checks)
 

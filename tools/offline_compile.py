@@ -4,7 +4,8 @@
     python tools/offline_compile.py --kernel fwd-hopper [--head-dim 128] [--causal] [--hopper-config N,STAGES,REGS[,P,PP]]
                                                        # the Gluon forward; default: its configs.HOPPER_FWD entry
                                                        # (P, PP: persistent, ping-pong, 0 or 1)
-    python tools/offline_compile.py --kernel bwd-hopper [--head-dim 128] [--causal] [--hopper-config ROWS,STAGES,REGS]
+    python tools/offline_compile.py --kernel bwd-hopper [--head-dim 128] [--causal] [--ordered]
+                                    [--hopper-config ROWS,STAGES,REGS]
                                                        # the Gluon backward; default: its configs.HOPPER_BWD entry
     python tools/offline_compile.py --kernel bwd-hopper-dq [--head-dim 256] [--causal]
                                                        # the Gluon dQ kernel with its configs.HOPPER_DQ entry
@@ -127,9 +128,9 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
                                                                   PINGPONG=config.pingpong, num_warps=4))
 
 
-def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16"):
+def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", ordered: bool = False):
     """The Gluon Hopper backward (kernels/bwd_hopper.py; bwd_hopper_d256.py at head dim 256) with `config` (default
-    configs.HOPPER_BWD[head_dim])."""
+    configs.HOPPER_BWD[head_dim]); `ordered`: dQ reductions in a fixed order (head dim 128)."""
     from flashtriton import configs
     from flashtriton.ops.hopper_bwd import division
 
@@ -141,14 +142,16 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
                  "lse_desc": _gluon_descriptor_type([1, config.query_rows], "fp32"),
                  "delta_desc": _gluon_descriptor_type([1, config.query_rows], "fp32"),
                  "DK": f"*{dtype}", "DV": f"*{dtype}", "softmax_scale": "fp32", "qk_scale_log2": "fp32"}
-    if dq_box is not None:  # the d64 / d128 kernel's dQ accumulator
+    constexprs = dict(CAUSAL=causal, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4)
+    if dq_box is not None:  # the d64 / d128 kernel's dQ accumulator and the counters of ordered dQ
         signature["dq_desc"] = _gluon_tile_type(*dq_box, "fp32")
+        signature["dq_counters"] = "*i32"
+        constexprs["ORDERED"] = ordered
     names = list(inspect.signature(kernel.fn).parameters)
     signature.update({name: "i32" for name in names if name.startswith("stride") or name in (
         "num_heads_k", "group_size", "seqlen_q", "seqlen_k", "heads_per_group")})
     signature = {name: signature[name] for name in names if name in signature}  # in the kernel's order
-    return _compile_gluon(kernel, signature, dict(CAUSAL=causal, STAGES=config.stages,
-                                                  CONSUMER_REGS=config.consumer_regs, num_warps=4))
+    return _compile_gluon(kernel, signature, constexprs)
 
 
 def compile_hopper_dq(head_dim: int, causal: bool, dtype: str = "bf16"):
@@ -186,6 +189,7 @@ def main():
     parser.add_argument("--packed", action="store_true",
                         help="forward only: varlen with host descriptors over the packed tensors (TMA_PACKED)")
     parser.add_argument("--dq-atomic", action="store_true", help="dkdv only: dQ added with atomics (DQ_ATOMIC)")
+    parser.add_argument("--ordered", action="store_true", help="bwd-hopper d128: dQ reductions in a fixed order")
     args = parser.parse_args()
     if args.kernel == "bwd-hopper":
         config = None
@@ -193,9 +197,10 @@ def main():
             from flashtriton.configs import HopperBwdConfig
 
             config = HopperBwdConfig(*(int(x) for x in args.hopper_config.split(",")))
-        compiled = compile_hopper_bwd(args.head_dim, args.causal, config)
+        compiled = compile_hopper_bwd(args.head_dim, args.causal, config, ordered=args.ordered)
         ptx = compiled.asm["ptx"]
-        print(f"bwd-hopper d{args.head_dim} causal={args.causal} {args.hopper_config or 'table'}: "
+        print(f"bwd-hopper d{args.head_dim} causal={args.causal} ordered={args.ordered} "
+              f"{args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} shared {compiled.metadata.shared} wgmma {ptx.count('wgmma.mma_async')} "
               f"atomics {ptx.count('atom.global')} reductions {ptx.count('cp.reduce.async.bulk')}")
         return

@@ -71,6 +71,66 @@ def _query_block(iteration, blocks_per_head, m_block_lo, head_k, group_size, ROW
 
 
 @gluon.jit
+def _visit(i, first_visit, n_iterations):
+    """The loop position (query block of the group's heads, as _query_block counts them) of iteration i: the
+    program's n_iterations positions in turn from first_visit."""
+    return (first_visit + i) % n_iterations
+
+
+@gluon.jit
+def _first_visit(n_block, n_iterations, rotate, STRIDE: gl.constexpr):
+    """Where key block n_block's loop starts: at 0, or with `rotate` (ordered dQ without the causal mask) at position
+    STRIDE * n_block where it has one (STRIDE: query blocks per key block, so that the programs of a head are
+    spread over its query blocks as they are along the causal diagonal). Plain arithmetic: tests run it on ints."""
+    first = STRIDE * n_block
+    return first * (first < n_iterations) * rotate
+
+
+@gluon.jit
+def _reduction_rank(n_block, n_key_blocks, visit, m_block, seqlen_q, seqlen_k, causal, ROWS: gl.constexpr,
+                    KEYS: gl.constexpr):
+    """With ordered dQ, how many programs' reductions into query block m_block (loop position `visit`) come
+    before key block n_block's. Without the causal mask every key block adds into every position, program n at
+    loop step (visit - S n) mod P (_first_visit's rotation, S = KEYS // ROWS, P = max(positions, S * key blocks)):
+    in that order a position's contributors are n = min(visit // S, N - 1), then n - 1, ..., cyclically, each S
+    steps after the one before it. Under the causal mask (bottom-right aligned) the key blocks that see a row of
+    m_block are 0 .. n_hi, and key block n reaches m_block (m_block - m_lo(n)) steps into its loop, S fewer for
+    each later key block: they come from n_hi down to 0. Either way a contributor finds the one before it released
+    (a reduction is released when its program issues its next one) without waiting, where no two key blocks start
+    at the same query block. Plain arithmetic (tests run it on Python ints)."""
+    if causal != 0:
+        n_hi = ((m_block + 1) * ROWS - 1 + seqlen_k - seqlen_q) // KEYS
+        n_hi = n_hi + (n_key_blocks - 1 - n_hi) * (n_key_blocks - 1 < n_hi)
+        rank = n_hi - n_block
+    else:
+        first = visit // (KEYS // ROWS)
+        first = first + (n_key_blocks - 1 - first) * (n_key_blocks - 1 < first)
+        rank = (first - n_block + n_key_blocks) % n_key_blocks
+    return rank
+
+
+@gluon.jit
+def _release_turn(counter):
+    """This warpgroup's last dQ reduction (into the tile of `counter`) has completed: let the next one in.
+    cp.async.bulk.wait_group 0 waits for the reduction's global writes (tma.store_wait waits with .read, for its
+    reads of shared memory only), the proxy fence orders them before the generic-proxy release."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
+    gl.thread_barrier()
+    gl.atomic_add(counter, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _wait_turn(counter, rank, seen):
+    """Spin until `rank` reductions into this dQ tile have completed (its counter reads rank; `seen`: a value read
+    earlier, which usually already does), then order the async-proxy reduction that follows after that read."""
+    while seen != rank:
+        seen = gl.load(counter, volatile=True)
+    gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
 def _key_block_of_program(num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, KEYS: gl.constexpr,
                           ROWS: gl.constexpr, CAUSAL: gl.constexpr):
     """(batch, kv head, first key, first query block, query blocks per head, loop iterations) of this program: key
@@ -120,9 +180,9 @@ def _store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, strid
 @gluon.jit
 def _producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_pieces, do_pieces, lse_smem,
               delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads, group_size, m_block_lo,
-              blocks_per_head, n_iterations):
+              blocks_per_head, n_iterations, first_visit):
     """One warp: the key block's K and V once, then Q_i, dO_i and their rows' log2(e) * lse and delta of every
-    iteration into stage i % STAGES. Q and dO are staged in feature pieces (q_pieces, do_pieces: tuples of
+    iteration (loop position _visit(i)) into stage i % STAGES. Q and dO are staged in feature pieces (q_pieces, do_pieces: tuples of
     [STAGES, 1, ROWS, 1, PIECE] buffers, piece j holding features [j PIECE, + PIECE); one piece at head dims 64 and
     128, two at 256)."""
     STAGES: gl.constexpr = q_pieces[0].shape[0]
@@ -137,7 +197,8 @@ def _producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_s
     for i in range(n_iterations):
         stage = i % STAGES
         mbarrier.wait(q_empty.index(stage), ((i // STAGES) - 1) & 1, pred=i >= STAGES)
-        head, m_start = _query_block(i, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
+        head, m_start = _query_block(_visit(i, first_visit, n_iterations), blocks_per_head, m_block_lo, head_k,
+                                     group_size, ROWS)
         mbarrier.expect(q_ready.index(stage), 2 * ROWS * HEAD_DIM * element_bytes + 2 * ROWS * 4)
         for piece in gl.static_range(len(q_pieces)):
             tma.async_copy_global_to_shared(q_desc, [batch, m_start, head, piece * PIECE], q_ready.index(stage),
@@ -194,29 +255,57 @@ def _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, buffer, use, zero_dq
 
 @gluon.jit
 def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch, head_k,
-               group_size, m_block_lo, blocks_per_head, softmax_scale, feature0, OVER_ALL_KEYS: gl.constexpr):
+               group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, seqlen_k, causal,
+               softmax_scale, feature0, order, previous, OVER_ALL_KEYS: gl.constexpr):
     """Loop iteration `block`'s dQ: its product (_dq_product; waiting for it also completes every wgmma this
     consumer issued before it, as wgmma groups complete in order), then, with the split by features, its dS buffer
-    released for block + 2 (ds_free), and the scaled product added to the accumulator (_add_dq)."""
+    released for block + 2 (ds_free), and the scaled product added to the accumulator (_add_dq). With ordered dQ
+    (order: (counters of this program's (batch, kv head), key block, key blocks, query blocks); empty otherwise)
+    the previous reduction's counter (`previous`, from block - 1) is released first, then this one waits for its
+    turn (_reduction_rank) on its tile's counter, which comes back (0 when not ordered): a reduction is released
+    when its consumer issues the next one (by then it has long completed) or at the end."""
     ROWS: gl.constexpr = zero_dq.shape[0]
+    FEATURES: gl.constexpr = zero_dq.shape[1]
+    KEYS: gl.constexpr = 2 * k_lo.shape[0]
     dq = _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, block % 2, block // 2, zero_dq, OVER_ALL_KEYS)
-    dq = warpgroup_mma_wait(0, deps=(dq, ))
-    if OVER_ALL_KEYS:
-        mbarrier.arrive(ds_free.index(block % 2))
-    head, m_start = _query_block(block, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
-    _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, m_start, head, feature0)
+    visit = _visit(block, first_visit, n_iterations)
+    head, m_start = _query_block(visit, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
+    counter = 0
+    if len(order) > 0:
+        m_block = m_start // ROWS
+        rank = _reduction_rank(order[1], order[2], visit, m_block, seqlen_q, seqlen_k, causal, ROWS, KEYS)
+        counter = order[0] + ((visit // blocks_per_head) * order[3] + m_block) * 2 + feature0 // FEATURES
+        # read while the products complete: its latency is off the path when the turn has come
+        seen = gl.load(counter, volatile=True)
+        dq = warpgroup_mma_wait(0, deps=(dq, ))
+        if OVER_ALL_KEYS:
+            mbarrier.arrive(ds_free.index(block % 2))
+        if block > 0:
+            _release_turn(previous)
+        _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, m_start, head, feature0, (counter, rank, seen))
+    else:
+        dq = warpgroup_mma_wait(0, deps=(dq, ))
+        if OVER_ALL_KEYS:
+            mbarrier.arrive(ds_free.index(block % 2))
+        _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, m_start, head, feature0, ())
+    return counter
 
 
 @gluon.jit
-def _add_dq(dq, dq_desc, dq_tile, batch, m_start, head, feature0):
+def _add_dq(dq, dq_desc, dq_tile, batch, m_start, head, feature0, turn):
     """Add the (scaled) dQ product dq [ROWS, FEATURES] of query rows [m_start, + ROWS) of `head` into the fp32
     accumulator's features [feature0, + FEATURES): through dq_tile ([1, ROWS, 1, FEATURES], shared) by one TMA
-    reduction, once the previous one has read dq_tile. Rows past seqlen_q are clipped by the reduction."""
+    reduction, once the previous one has read dq_tile, and with ordered dQ (turn: (the tile's counter, this
+    reduction's rank, a value of the counter read earlier); empty otherwise) once the reductions before it in the
+    fixed order have completed. Rows past
+    seqlen_q are clipped by the reduction."""
     ROWS: gl.constexpr = dq.shape[0]
     FEATURES: gl.constexpr = dq.shape[1]
     tma.store_wait(0)
     dq_tile.reshape([ROWS, FEATURES]).store(dq)
     fence_async_shared()
+    if len(turn) > 0:
+        _wait_turn(turn[0], turn[1], turn[2])
     _async_reduce_add(dq_desc, [batch, m_start, head, feature0], dq_tile)
 
 
@@ -225,13 +314,15 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
               kv_ready, q_ready, q_empty, ds_ready, ds_free, dq_desc, DK, DV, stride_dk_b,
               stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, key0, feature0,
               group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
-              causal):
+              causal, first_visit, order):
     """One warpgroup: keys [n_start + key0, + OWN) of the block (k_own, v_own: their K and V rows [OWN, HEAD_DIM];
     p_own, ds_own: its [ROWS, OWN] P and dS tiles in shared memory); dK / dV over every query block, and the dQ
     features [feature0, + FEATURES) of each block: with the split by features dS (both halves: ds_lo, ds_hi) times
     the K rows of each half restricted to those features (k_lo, k_hi [OWN, FEATURES]); with the split by keys this
     consumer's dS times its K rows (k_lo [OWN, HEAD_DIM]; k_hi and ds_hi unused). Each block's dQ product goes
-    through dq_tile ([1, ROWS, 1, FEATURES] fp32, shared) into the accumulator by a TMA reduction (dq_desc)."""
+    through dq_tile ([1, ROWS, 1, FEATURES] fp32, shared) into the accumulator by a TMA reduction (dq_desc); with
+    ordered dQ (`order`, see _finish_dq) in a fixed order, each reduction's counter released when the next one is
+    issued (the next contributor reduces into that query block at least a block later)."""
     STAGES: gl.constexpr = q_smem.shape[0]
     ROWS: gl.constexpr = q_smem.shape[2]
     HEAD_DIM: gl.constexpr = q_smem.shape[4]
@@ -255,10 +346,16 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     dk = gl.zeros([OWN, HEAD_DIM], gl.float32, dkv_layout)
     dv = gl.zeros([OWN, HEAD_DIM], gl.float32, dkv_layout)
     first_key = n_start + key0
+    pending = 0
+    if len(order) > 0:
+        gl.static_assert(OVER_ALL_KEYS, "ordered dQ takes the split by features (head dim 128)")
+        # the counter of the last reduction issued, released when the next one is
+        pending = order[0]
     mbarrier.wait(kv_ready, 0)
     for i in range(n_iterations):
         stage = i % STAGES
-        head, m_start = _query_block(i, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
+        head, m_start = _query_block(_visit(i, first_visit, n_iterations), blocks_per_head, m_block_lo, head_k,
+                                     group_size, ROWS)
         mbarrier.wait(q_ready.index(stage), (i // STAGES) & 1)
         q_tile = q_smem.index(stage).reshape([ROWS, HEAD_DIM])
         do_tile = do_smem.index(stage).reshape([ROWS, HEAD_DIM])
@@ -291,16 +388,23 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
             # block i - LAG's dQ: with the split by features one block late, as the other consumer wrote its dS a
             # block ago (not waiting for it lets the two consumers drift out of phase); its wait completes this
             # block's dV and dK products too
-            _finish_dq(i - LAG, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch,
-                       head_k, group_size, m_block_lo, blocks_per_head, softmax_scale, feature0, OVER_ALL_KEYS)
+            counter = _finish_dq(i - LAG, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc,
+                                 dq_tile, batch, head_k, group_size, m_block_lo, blocks_per_head, n_iterations,
+                                 first_visit, seqlen_q, seqlen_k, causal, softmax_scale, feature0, order, pending,
+                                 OVER_ALL_KEYS)
+            if len(order) > 0:
+                pending = counter
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         mbarrier.arrive(q_empty.index(stage))
     if OVER_ALL_KEYS:
         # the last block's dQ (its ds_free arrival has no waiter)
         if n_iterations > 0:
-            _finish_dq(n_iterations - 1, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc,
-                       dq_tile, batch, head_k, group_size, m_block_lo, blocks_per_head, softmax_scale, feature0,
-                       OVER_ALL_KEYS)
+            counter = _finish_dq(n_iterations - 1, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq,
+                                 dq_desc, dq_tile, batch, head_k, group_size, m_block_lo, blocks_per_head,
+                                 n_iterations, first_visit, seqlen_q, seqlen_k, causal, softmax_scale, feature0,
+                                 order, pending, OVER_ALL_KEYS)
+            if len(order) > 0:
+                _release_turn(counter)
     # [OWN, HEAD_DIM] this consumer's key rows
     _store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                     batch, head_k, n_start + key0, 0, seqlen_k, softmax_scale)
@@ -308,15 +412,18 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "heads_per_group"])
-def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, delta_desc, DK, DV,
+def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, delta_desc, DK, DV, dq_counters,
                            stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                            num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, softmax_scale, qk_scale_log2,
-                           CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           CAUSAL: gl.constexpr, ORDERED: gl.constexpr, STAGES: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """One program per (128-key block, batch * kv head), key blocks in order (under a causal mask the blocks seen
     by the most query rows first), in launch-order groups of heads_per_group (batch, kv head) pairs. num_warps (4)
     is the first consumer's; the second consumer (4 warps, CONSUMER_REGS registers) and the producer (1 warp) are
-    worker partitions."""
+    worker partitions. ORDERED (head dim 128): every query block's dQ reductions come in one fixed order
+    (_reduction_rank; dq_counters: zeroed int32, two per (batch, head, 64-row query block), one per feature half),
+    so dQ is the same bits every call; its waits only resolve if all key blocks of a (batch, kv head) are resident
+    together, so the launcher gives it launch-order groups of one head and at most one key block per SM."""
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
@@ -363,8 +470,19 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
     v_flat = v_smem.reshape([KEYS, HEAD_DIM])
     pointers = (dq_desc, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch,
                 head_k, n_start)
+    if ORDERED:
+        n_block = n_start // KEYS
+        n_query_blocks = gl.cdiv(seqlen_q, ROWS)
+        # the loop starts at position n_block (not under the causal mask), and order: the counters of this
+        # (batch, kv head)'s query heads, key block, key blocks, query blocks
+        first_visit = _first_visit(n_block, n_iterations, 1 - causal, KEYS // ROWS)
+        order = (dq_counters + (batch * num_heads_k + head_k) * (group_size * n_query_blocks * 2), n_block,
+                 gl.cdiv(seqlen_k, KEYS), n_query_blocks)
+    else:
+        first_visit = gl.to_tensor(0)
+        order = ()
     loop = (group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
-            causal)
+            causal, first_visit, order)
     barriers = (kv_ready, q_ready, q_empty, ds_ready, ds_free)
     k_halves = (k_flat.slice(0, OWN, dim=0), k_flat.slice(OWN, OWN, dim=0))
     v_halves = (v_flat.slice(0, OWN, dim=0), v_flat.slice(OWN, OWN, dim=0))
@@ -387,5 +505,5 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
         (_consumer, second + barriers + pointers + (gl.to_tensor(OWN), gl.to_tensor(second_feature)) + loop),
         (_producer, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, (q_smem, ), (do_smem, ),
                      lse_smem, delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads_k * group_size,
-                     group_size, m_block_lo, blocks_per_head, n_iterations)),
+                     group_size, m_block_lo, blocks_per_head, n_iterations, first_visit)),
     ], [4, 1], [CONSUMER_REGS, 24])

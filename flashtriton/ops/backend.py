@@ -345,7 +345,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
                                                           batch * num_heads_k, params.causal_like)
         if gluon:
             hopper_bwd.launch(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides, delta_strides, params,
-                              seqlen_q, seqlen_k, batch, dkdv_heads_per_group)
+                              seqlen_q, seqlen_k, batch, dkdv_heads_per_group, deterministic)
             if gluon_dq:
                 return
             if seqlen_q > 0 and hopper_bwd.dq_kernel_runs(dq):
