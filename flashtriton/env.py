@@ -115,7 +115,7 @@ def device_info(index: int) -> DeviceInfo:
                 info.unsupported["Gluon backward"] = "switched off (FLASHTRITON_GLUON_BWD=0 or FLASHTRITON_TMA=0)"
             else:
                 info.supported.append("Gluon backward (dense, no window but causal, d64/128/256; "
-                                      "deterministic only at d256)")
+                                      "deterministic at d128 (ordered dQ) and d256)")
     else:
         info.unsupported = {"every feature": OLD_GPU_REASON}
     return info

@@ -26,22 +26,16 @@ _STORE_EDITS = [
 ]
 _MASK_EDITS = [
     ("""    first_key = n_start + key0
-    pending = 0
     if len(order) > 0:
         gl.static_assert(OVER_ALL_KEYS, "ordered dQ takes the split by features (head dim 128)")
-        # the counter of the last reduction issued, released when the next one is
-        pending = order[0]
     mbarrier.wait(kv_ready, 0)
     for i in range(n_iterations):
         stage = i % STAGES
         head, m_start = _query_block(_visit(i, first_visit, n_iterations), blocks_per_head, m_block_lo, head_k,
                                      group_size, ROWS)
 """, """    first_key = n_start + key0
-    pending = 0
     if len(order) > 0:
         gl.static_assert(OVER_ALL_KEYS, "ordered dQ takes the split by features (head dim 128)")
-        # the counter of the last reduction issued, released when the next one is
-        pending = order[0]
     offs_n = n_start + key0 + gl.arange(0, OWN, gl.SliceLayout(0, s_layout))
     key_in = offs_n < seqlen_k
     last_key = n_start + key0 + OWN - 1

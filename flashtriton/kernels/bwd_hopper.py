@@ -20,6 +20,17 @@ Per query block i (64 rows), consumer w (keys [64w, 64w + 64) of the block), eve
   converts the accumulator into dq. dK is scaled here. GQA: the loop runs over the group's query heads too (dK/dV
   summed in registers).
 
+Ordered dQ (ORDERED, head dim 128; deterministic=True, ops/hopper_bwd.orders_dq): the reductions into each (query
+block, feature half) come in one fixed order, so dQ is the same bits on every call. A zeroed int32 counter per tile
+counts the reductions that have completed; a reduction waits until it reads its rank (_reduction_rank; the counter
+is read while the dQ product runs, and spun on only if the turn has not come). When a consumer starts its next
+block's dQ it reports the previous reduction (cp.async.bulk.wait_group 0: its writes have landed) to a one-warp
+releaser partition of its own (_releaser), which advances the counter with a GPU-scope release: that fence costs
+the issuing warp over a microsecond under load, which in the consumer was 10-15% of the kernel. Without the causal
+mask the key blocks' loops are a rotation, two query blocks apart, and under it they start at the diagonal, so each
+contributor finds the one before it (a later key block) released: the later key blocks launch first and all of a
+head's key blocks must be resident together (the launcher's groups of one head, at most one key block per SM).
+
 Scope (ops/hopper_bwd.covers): what ops/hopper_fwd covers (dense bf16/fp16, no window or the causal one, bottom-right
 aligned, no softcap, ALiBi or dropout), head dim 64 / 128. Keys past seqlen_k are masked out of P (their dK/dV rows
 are never stored; their K rows read as zeros, but P would not be 0); query rows past seqlen_q read Q, dO, lse and
@@ -34,7 +45,9 @@ iteration; its dQ tile is rewritten after tma.store_wait(0) says the previous re
 
 Measured (H200, 2026-12-01, configs.HOPPER_BWD has the steps; library bench of the eleventh session): d128 4x4096
 499 / 459 TF/s non-causal / causal, d64 375 / 354, against 363 / 333 and 283 / 238 for the Triton backward
-(kernels/bwd.py), which keeps every call this kernel does not cover and deterministic=True.
+(kernels/bwd.py), which keeps every call this kernel does not cover and deterministic=True at head dim 64. Ordered
+(twelfth session, kernel time, same process, default / ordered): 16x1024 431 / 387, causal 314 / 257; 4x4096 537 /
+493, 496 / 398; 1x16384 542 / 497, 548 / 456 (the Triton deterministic backward: 303 / 221, 366 / 336, 383 / 380).
 """
 
 from triton._C.libtriton import gluon_ir, ir
@@ -110,14 +123,33 @@ def _reduction_rank(n_block, n_key_blocks, visit, m_block, seqlen_q, seqlen_k, c
 
 
 @gluon.jit
-def _release_turn(counter):
-    """This warpgroup's last dQ reduction (into the tile of `counter`) has completed: let the next one in.
-    cp.async.bulk.wait_group 0 waits for the reduction's global writes (tma.store_wait waits with .read, for its
-    reads of shared memory only), the proxy fence orders them before the generic-proxy release."""
+def _report_reduction(reduced, freed, block):
+    """Tell this consumer's releaser (_releaser) that block `block`'s dQ reduction has completed: cp.async.bulk.
+    wait_group 0 waits for its global writes (tma.store_wait waits with .read, for its reads of shared memory only),
+    the proxy fence orders them before the generic-proxy arrival, which a warpgroup barrier puts after every
+    thread's wait (mbarrier.arrive). reduced / freed: [2, 1] barriers used by blocks in turn; the releaser must have
+    taken block - 2's report first (freed), or a barrier would complete two phases before it looks."""
+    mbarrier.wait(freed.index(block % 2), ((block // 2) - 1) & 1, pred=block >= 2)
     gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [],
                               dtype=gl.int32, is_pure=False, pack=1)
-    gl.thread_barrier()
-    gl.atomic_add(counter, 1, sem="release", scope="gpu")
+    mbarrier.arrive(reduced.index(block % 2))
+
+
+@gluon.jit
+def _releaser(reduced, freed, counters, half, first_visit, n_iterations, blocks_per_head, m_block_lo,
+              n_query_blocks):
+    """One warp per consumer with ordered dQ: as the consumer reports each block's reduction completed
+    (_report_reduction), advance that tile's counter (a release at GPU scope: its fence waits for the reduction's
+    writes to be visible everywhere, which takes the issuing warp over a microsecond under load; here it costs the
+    consumers nothing) and hand the report barrier back (freed). counters: this program's (batch, kv head); half:
+    the consumer's feature half."""
+    for block in range(n_iterations):
+        mbarrier.wait(reduced.index(block % 2), (block // 2) & 1)
+        visit = _visit(block, first_visit, n_iterations)
+        m_block = m_block_lo + visit % blocks_per_head
+        gl.atomic_add(counters + ((visit // blocks_per_head) * n_query_blocks + m_block) * 2 + half, 1, sem="release",
+                      scope="gpu")
+        mbarrier.arrive(freed.index(block % 2))
 
 
 @gluon.jit
@@ -132,15 +164,18 @@ def _wait_turn(counter, rank, seen):
 
 @gluon.jit
 def _key_block_of_program(num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, KEYS: gl.constexpr,
-                          ROWS: gl.constexpr, CAUSAL: gl.constexpr):
+                          ROWS: gl.constexpr, CAUSAL: gl.constexpr, LAST_FIRST: gl.constexpr = False):
     """(batch, kv head, first key, first query block, query blocks per head, loop iterations) of this program: key
-    blocks of KEYS keys in order (under a causal mask the blocks seen by the most query rows first), in
-    launch-order groups of heads_per_group (batch, kv head) pairs; the query blocks of ROWS rows that see a key of
-    the block, all or, under the causal mask (bottom-right aligned), those from row n_start - (seqlen_k - seqlen_q)
-    on; the loop runs over the group's query heads too."""
+    blocks of KEYS keys in order (under a causal mask the blocks seen by the most query rows first; LAST_FIRST: the
+    last key block first, as ordered dQ needs: a block's reductions wait for the next block's), in launch-order
+    groups of heads_per_group (batch, kv head) pairs; the query blocks of ROWS rows that see a key of the block, all
+    or, under the causal mask (bottom-right aligned), those from row n_start - (seqlen_k - seqlen_q) on; the loop
+    runs over the group's query heads too."""
     n_key_blocks = gl.cdiv(seqlen_k, KEYS)
     n_block, batch_head = _grouped_tile_of(gl.program_id(0), n_key_blocks, gl.num_programs(0) // n_key_blocks,
                                            heads_per_group)
+    if LAST_FIRST:
+        n_block = n_key_blocks - 1 - n_block
     batch = batch_head // num_heads_k
     head_k = batch_head % num_heads_k
     n_start = n_block * KEYS
@@ -256,14 +291,14 @@ def _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, buffer, use, zero_dq
 @gluon.jit
 def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch, head_k,
                group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, seqlen_k, causal,
-               softmax_scale, feature0, order, previous, OVER_ALL_KEYS: gl.constexpr):
+               softmax_scale, feature0, order, OVER_ALL_KEYS: gl.constexpr):
     """Loop iteration `block`'s dQ: its product (_dq_product; waiting for it also completes every wgmma this
     consumer issued before it, as wgmma groups complete in order), then, with the split by features, its dS buffer
     released for block + 2 (ds_free), and the scaled product added to the accumulator (_add_dq). With ordered dQ
-    (order: (counters of this program's (batch, kv head), key block, key blocks, query blocks); empty otherwise)
-    the previous reduction's counter (`previous`, from block - 1) is released first, then this one waits for its
-    turn (_reduction_rank) on its tile's counter, which comes back (0 when not ordered): a reduction is released
-    when its consumer issues the next one (by then it has long completed) or at the end."""
+    (order: (counters of this program's (batch, kv head), key block, key blocks, query blocks, this consumer's
+    reduced and freed barriers); empty otherwise) the previous block's reduction is reported completed while the
+    products run (by then it has long completed), then this one waits for its turn (_reduction_rank) on its tile's
+    counter."""
     ROWS: gl.constexpr = zero_dq.shape[0]
     FEATURES: gl.constexpr = zero_dq.shape[1]
     KEYS: gl.constexpr = 2 * k_lo.shape[0]
@@ -277,18 +312,17 @@ def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_
         counter = order[0] + ((visit // blocks_per_head) * order[3] + m_block) * 2 + feature0 // FEATURES
         # read while the products complete: its latency is off the path when the turn has come
         seen = gl.load(counter, volatile=True)
+        if block > 0:
+            _report_reduction(order[4], order[5], block - 1)
         dq = warpgroup_mma_wait(0, deps=(dq, ))
         if OVER_ALL_KEYS:
             mbarrier.arrive(ds_free.index(block % 2))
-        if block > 0:
-            _release_turn(previous)
         _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, m_start, head, feature0, (counter, rank, seen))
     else:
         dq = warpgroup_mma_wait(0, deps=(dq, ))
         if OVER_ALL_KEYS:
             mbarrier.arrive(ds_free.index(block % 2))
         _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, m_start, head, feature0, ())
-    return counter
 
 
 @gluon.jit
@@ -321,8 +355,9 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     the K rows of each half restricted to those features (k_lo, k_hi [OWN, FEATURES]); with the split by keys this
     consumer's dS times its K rows (k_lo [OWN, HEAD_DIM]; k_hi and ds_hi unused). Each block's dQ product goes
     through dq_tile ([1, ROWS, 1, FEATURES] fp32, shared) into the accumulator by a TMA reduction (dq_desc); with
-    ordered dQ (`order`, see _finish_dq) in a fixed order, each reduction's counter released when the next one is
-    issued (the next contributor reduces into that query block at least a block later)."""
+    ordered dQ (`order`, see _finish_dq) in a fixed order, each reduction reported completed to this consumer's
+    releaser partition while the next block's products run (the next contributor reduces into that query block at
+    least a block later)."""
     STAGES: gl.constexpr = q_smem.shape[0]
     ROWS: gl.constexpr = q_smem.shape[2]
     HEAD_DIM: gl.constexpr = q_smem.shape[4]
@@ -346,11 +381,8 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     dk = gl.zeros([OWN, HEAD_DIM], gl.float32, dkv_layout)
     dv = gl.zeros([OWN, HEAD_DIM], gl.float32, dkv_layout)
     first_key = n_start + key0
-    pending = 0
     if len(order) > 0:
         gl.static_assert(OVER_ALL_KEYS, "ordered dQ takes the split by features (head dim 128)")
-        # the counter of the last reduction issued, released when the next one is
-        pending = order[0]
     mbarrier.wait(kv_ready, 0)
     for i in range(n_iterations):
         stage = i % STAGES
@@ -388,23 +420,19 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
             # block i - LAG's dQ: with the split by features one block late, as the other consumer wrote its dS a
             # block ago (not waiting for it lets the two consumers drift out of phase); its wait completes this
             # block's dV and dK products too
-            counter = _finish_dq(i - LAG, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc,
-                                 dq_tile, batch, head_k, group_size, m_block_lo, blocks_per_head, n_iterations,
-                                 first_visit, seqlen_q, seqlen_k, causal, softmax_scale, feature0, order, pending,
-                                 OVER_ALL_KEYS)
-            if len(order) > 0:
-                pending = counter
+            _finish_dq(i - LAG, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch,
+                       head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, seqlen_k,
+                       causal, softmax_scale, feature0, order, OVER_ALL_KEYS)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         mbarrier.arrive(q_empty.index(stage))
     if OVER_ALL_KEYS:
         # the last block's dQ (its ds_free arrival has no waiter)
         if n_iterations > 0:
-            counter = _finish_dq(n_iterations - 1, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq,
-                                 dq_desc, dq_tile, batch, head_k, group_size, m_block_lo, blocks_per_head,
-                                 n_iterations, first_visit, seqlen_q, seqlen_k, causal, softmax_scale, feature0,
-                                 order, pending, OVER_ALL_KEYS)
+            _finish_dq(n_iterations - 1, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc,
+                       dq_tile, batch, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit,
+                       seqlen_q, seqlen_k, causal, softmax_scale, feature0, order, OVER_ALL_KEYS)
             if len(order) > 0:
-                _release_turn(counter)
+                _report_reduction(order[4], order[5], n_iterations - 1)
     # [OWN, HEAD_DIM] this consumer's key rows
     _store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                     batch, head_k, n_start + key0, 0, seqlen_k, softmax_scale)
@@ -420,16 +448,19 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
     """One program per (128-key block, batch * kv head), key blocks in order (under a causal mask the blocks seen
     by the most query rows first), in launch-order groups of heads_per_group (batch, kv head) pairs. num_warps (4)
     is the first consumer's; the second consumer (4 warps, CONSUMER_REGS registers) and the producer (1 warp) are
-    worker partitions. ORDERED (head dim 128): every query block's dQ reductions come in one fixed order
+    worker partitions, and with ORDERED the two releasers (1 warp each). ORDERED (head dim 128): every query
+    block's dQ reductions come in one fixed order
     (_reduction_rank; dq_counters: zeroed int32, two per (batch, head, 64-row query block), one per feature half),
-    so dQ is the same bits every call; its waits only resolve if all key blocks of a (batch, kv head) are resident
-    together, so the launcher gives it launch-order groups of one head and at most one key block per SM."""
+    so dQ is the same bits every call; a key block's reductions wait for the next key block's, so those launch
+    first (LAST_FIRST), and without the causal mask the first key block's for the last's (the loops are a
+    rotation), so the launcher gives it launch-order groups of one head and at most one key block per SM (all of a
+    head's key blocks resident together)."""
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     dtype: gl.constexpr = k_desc.dtype
     batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations = _key_block_of_program(
-        num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, KEYS, ROWS, CAUSAL)
+        num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, KEYS, ROWS, CAUSAL, ORDERED)
     # [1, KEYS, 1, HEAD_DIM] K, V; [STAGES, 1, ROWS, 1, HEAD_DIM] Q, dO; [KEYS, ROWS] dS^T
     k_smem = gl.allocate_shared_memory(dtype, [1, KEYS, 1, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, KEYS, 1, HEAD_DIM], v_desc.layout)
@@ -473,16 +504,25 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
     if ORDERED:
         n_block = n_start // KEYS
         n_query_blocks = gl.cdiv(seqlen_q, ROWS)
-        # the loop starts at position n_block (not under the causal mask), and order: the counters of this
-        # (batch, kv head)'s query heads, key block, key blocks, query blocks
+        # the loop starts at position 2 n_block (not under the causal mask); the counters of this (batch, kv
+        # head)'s query heads; each consumer's reduced / freed barriers (_report_reduction, _releaser)
         first_visit = _first_visit(n_block, n_iterations, 1 - causal, KEYS // ROWS)
-        order = (dq_counters + (batch * num_heads_k + head_k) * (group_size * n_query_blocks * 2), n_block,
-                 gl.cdiv(seqlen_k, KEYS), n_query_blocks)
+        counters = dq_counters + (batch * num_heads_k + head_k) * (group_size * n_query_blocks * 2)
+        reduced = (gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()),
+                   gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()))
+        freed = (gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()),
+                 gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()))
+        for w in gl.static_range(2):
+            for buffer in gl.static_range(2):
+                mbarrier.init(reduced[w].index(buffer), count=1)
+                mbarrier.init(freed[w].index(buffer), count=1)
+        order_of = ((counters, n_block, gl.cdiv(seqlen_k, KEYS), n_query_blocks, reduced[0], freed[0]),
+                    (counters, n_block, gl.cdiv(seqlen_k, KEYS), n_query_blocks, reduced[1], freed[1]))
     else:
         first_visit = gl.to_tensor(0)
-        order = ()
+        order_of = ((), ())
     loop = (group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
-            causal, first_visit, order)
+            causal, first_visit)
     barriers = (kv_ready, q_ready, q_empty, ds_ready, ds_free)
     k_halves = (k_flat.slice(0, OWN, dim=0), k_flat.slice(OWN, OWN, dim=0))
     v_halves = (v_flat.slice(0, OWN, dim=0), v_flat.slice(OWN, OWN, dim=0))
@@ -500,10 +540,17 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
         dq_smem.index(0), )
     second = (k_halves[1], v_halves[1]) + second_dq + staged + (p_smem.index(1), ds_smem[1]) + ds_smem + (
         dq_smem.index(1), )
-    gl.warp_specialize([
-        (_consumer, first + barriers + pointers + (gl.to_tensor(0), gl.to_tensor(0)) + loop),
-        (_consumer, second + barriers + pointers + (gl.to_tensor(OWN), gl.to_tensor(second_feature)) + loop),
-        (_producer, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, (q_smem, ), (do_smem, ),
-                     lse_smem, delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads_k * group_size,
-                     group_size, m_block_lo, blocks_per_head, n_iterations, first_visit)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    first = first + barriers + pointers + (gl.to_tensor(0), gl.to_tensor(0)) + loop + (order_of[0], )
+    second = second + barriers + pointers + (gl.to_tensor(OWN), gl.to_tensor(second_feature)) + loop + (order_of[1], )
+    producer = (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, (q_smem, ), (do_smem, ),
+                lse_smem, delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads_k * group_size,
+                group_size, m_block_lo, blocks_per_head, n_iterations, first_visit)
+    if ORDERED:
+        placement = (first_visit, n_iterations, blocks_per_head, m_block_lo, n_query_blocks)
+        gl.warp_specialize([(_consumer, first), (_consumer, second), (_producer, producer),
+                            (_releaser, (reduced[0], freed[0], counters, gl.to_tensor(0)) + placement),
+                            (_releaser, (reduced[1], freed[1], counters, gl.to_tensor(1)) + placement)],
+                           [4, 1, 1, 1], [CONSUMER_REGS, 24, 24, 24])
+    else:
+        gl.warp_specialize([(_consumer, first), (_consumer, second), (_producer, producer)], [4, 1],
+                           [CONSUMER_REGS, 24])

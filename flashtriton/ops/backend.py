@@ -303,8 +303,9 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
 
     delta (fp32, (batch, head) strides delta_strides, rows contiguous) receives rowsum(dout * out), and 0 in rows
     [seqlen_q, delta_rows) (a dense softmax_d's padding). dQ is added into an fp32 accumulator, which the
-    preprocess zeroes, by the Gluon Hopper backward (TMA reductions) or, with configs that have dq_atomic, by
-    atomics in the dK/dV kernel, then converted into dq; deterministic=True uses neither. Otherwise the Triton dQ
+    preprocess zeroes, by the Gluon Hopper backward (TMA reductions; with deterministic=True in a fixed order,
+    hopper_bwd.orders_dq) or, with configs that have dq_atomic, by atomics in the dK/dV kernel, then converted
+    into dq; deterministic=True uses no atomics. Otherwise the Triton dQ
     kernel computes dq (also after a Gluon backward that computes dK and dV only, hopper_bwd.computes_dq, unless the
     Gluon dQ kernel takes it: hopper_bwd.dq_kernel_runs).
     """
@@ -408,8 +409,8 @@ def mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softm
             deterministic: bool, rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Dense backward into preallocated dq, dk, dv. Returns softmax_d (B, H, R(Sq)) = rowsum(dout * out).
 
-    With deterministic=True (or a config without dq_atomic) no atomics are used and the result is bitwise
-    reproducible.
+    With deterministic=True no atomics are used, and the Gluon backward's dQ reductions come in a fixed order: the
+    result is bitwise reproducible.
     """
     check_bwd(dout, q, k, v, out, dq, dk, dv, dropout_p, softcap, alibi_slopes)
     dropout.require_rng_state(rng_state, dropout_p)
