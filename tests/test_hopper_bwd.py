@@ -64,6 +64,16 @@ def test_deterministic_takes_the_gluon_backward_only_without_unordered_dq_reduct
         assert hopper_bwd.orders_dq(128, deterministic=False) and not hopper_bwd.orders_dq(64, deterministic=False)
 
 
+def test_ordered_dq_needs_a_heads_key_blocks_resident_together(monkeypatch):
+    """Ordered dQ waits resolve only with every key block of a head resident at once (one program per SM): longer
+    key sequences than 128 keys per multiprocessor leave deterministic=True at head dim 128 to the Triton backward
+    (ops/hopper_bwd.runs_on); a pure rule, checked with a stand-in device of 132 multiprocessors."""
+    monkeypatch.setattr(hopper_bwd, "_multiprocessors", lambda device: 132)
+    device = torch.device("cpu")
+    assert hopper_bwd.order_fits(132 * hopper_bwd.KEY_BLOCK, device)
+    assert not hopper_bwd.order_fits(132 * hopper_bwd.KEY_BLOCK + 1, device)
+
+
 def _ordered_schedule(seqlen_q, seqlen_k, group_size, causal, rows=64, keys=128):
     """Each key block's reductions, in its loop order, as (query head in the group, query block, rank), computed with
     the kernel's own schedule functions (plain arithmetic) over which query blocks a key block's loop covers,

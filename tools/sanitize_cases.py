@@ -160,6 +160,10 @@ case("dense-d256-gqa-bhsd", "d256 H4/Hk2 Sq200 Sk300 (B, H, S, D) memory, severa
     lambda: _dense(1, 200, 300, 4, 2, 256, layout="bhsd"))
 case("dense-gluon-bwd", "Gluon backward forced on, GQA causal Sq150 Sk170 d128 bf16")(
     lambda: _with_gluon_backward(lambda: _dense(2, 150, 170, 4, 2, 128, dtype=_bf16(), causal=True)))
+case("dense-ordered-dq-causal", "deterministic=True d128: dQ reductions in a fixed order, GQA causal Sq300 Sk350 bf16")(
+    lambda: _dense(2, 300, 350, 4, 2, 128, dtype=_bf16(), causal=True, deterministic=True))
+case("dense-ordered-dq-full", "deterministic=True d128: dQ reductions in a fixed order, Sq333 Sk200 bf16")(
+    lambda: _dense(2, 333, 200, 3, 3, 128, dtype=_bf16(), deterministic=True))
 case("dense-dq-atomic", "dQ added by the dK/dV kernel with atomics (BwdConfig.dq_atomic), GQA causal")(
     lambda: _with_dq_atomic(lambda: _dense(2, 150, 170, 4, 2, 128, causal=True)))
 # Varlen: fwd + bwd
