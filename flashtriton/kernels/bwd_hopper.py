@@ -109,8 +109,8 @@ def _reduction_rank(n_block, n_key_blocks, visit, m_block, seqlen_q, seqlen_k, c
     steps after the one before it. Under the causal mask (bottom-right aligned) the key blocks that see a row of
     m_block are 0 .. n_hi, and key block n reaches m_block (m_block - m_lo(n)) steps into its loop, S fewer for
     each later key block: they come from n_hi down to 0. Either way a contributor finds the one before it released
-    (a reduction is released when its program issues its next one) without waiting, where no two key blocks start
-    at the same query block. Plain arithmetic (tests run it on Python ints)."""
+    (a reduction is released once its consumer starts the next block's dQ) without waiting, where no two key blocks
+    start at the same query block. Plain arithmetic (tests run it on Python ints)."""
     if causal != 0:
         n_hi = ((m_block + 1) * ROWS - 1 + seqlen_k - seqlen_q) // KEYS
         n_hi = n_hi + (n_key_blocks - 1 - n_hi) * (n_key_blocks - 1 < n_hi)
@@ -120,6 +120,13 @@ def _reduction_rank(n_block, n_key_blocks, visit, m_block, seqlen_q, seqlen_k, c
         first = first + (n_key_blocks - 1 - first) * (n_key_blocks - 1 < first)
         rank = (first - n_block + n_key_blocks) % n_key_blocks
     return rank
+
+
+@gluon.jit
+def _counter(counters, visit, blocks_per_head, m_block, n_query_blocks, half):
+    """The counter of the dQ tile (query head of loop position `visit`, query block m_block, feature half) among
+    counters: this program's (batch, kv head)'s, [group size, n_query_blocks, 2] int32."""
+    return counters + ((visit // blocks_per_head) * n_query_blocks + m_block) * 2 + half
 
 
 @gluon.jit
@@ -146,9 +153,8 @@ def _releaser(reduced, freed, counters, half, first_visit, n_iterations, blocks_
     for block in range(n_iterations):
         mbarrier.wait(reduced.index(block % 2), (block // 2) & 1)
         visit = _visit(block, first_visit, n_iterations)
-        m_block = m_block_lo + visit % blocks_per_head
-        gl.atomic_add(counters + ((visit // blocks_per_head) * n_query_blocks + m_block) * 2 + half, 1, sem="release",
-                      scope="gpu")
+        counter = _counter(counters, visit, blocks_per_head, m_block_lo + visit % blocks_per_head, n_query_blocks, half)
+        gl.atomic_add(counter, 1, sem="release", scope="gpu")
         mbarrier.arrive(freed.index(block % 2))
 
 
@@ -217,9 +223,9 @@ def _producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_s
               delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads, group_size, m_block_lo,
               blocks_per_head, n_iterations, first_visit):
     """One warp: the key block's K and V once, then Q_i, dO_i and their rows' log2(e) * lse and delta of every
-    iteration (loop position _visit(i)) into stage i % STAGES. Q and dO are staged in feature pieces (q_pieces, do_pieces: tuples of
-    [STAGES, 1, ROWS, 1, PIECE] buffers, piece j holding features [j PIECE, + PIECE); one piece at head dims 64 and
-    128, two at 256)."""
+    iteration (loop position _visit(i)) into stage i % STAGES. Q and dO are staged in feature pieces (q_pieces,
+    do_pieces: tuples of [STAGES, 1, ROWS, 1, PIECE] buffers, piece j holding features [j PIECE, + PIECE); one piece
+    at head dims 64 and 128, two at 256)."""
     STAGES: gl.constexpr = q_pieces[0].shape[0]
     KEYS: gl.constexpr = k_smem.shape[1]
     ROWS: gl.constexpr = q_pieces[0].shape[2]
@@ -309,7 +315,7 @@ def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_
     if len(order) > 0:
         m_block = m_start // ROWS
         rank = _reduction_rank(order[1], order[2], visit, m_block, seqlen_q, seqlen_k, causal, ROWS, KEYS)
-        counter = order[0] + ((visit // blocks_per_head) * order[3] + m_block) * 2 + feature0 // FEATURES
+        counter = _counter(order[0], visit, blocks_per_head, m_block, order[3], feature0 // FEATURES)
         # read while the products complete: its latency is off the path when the turn has come
         seen = gl.load(counter, volatile=True)
         if block > 0:
@@ -331,8 +337,7 @@ def _add_dq(dq, dq_desc, dq_tile, batch, m_start, head, feature0, turn):
     accumulator's features [feature0, + FEATURES): through dq_tile ([1, ROWS, 1, FEATURES], shared) by one TMA
     reduction, once the previous one has read dq_tile, and with ordered dQ (turn: (the tile's counter, this
     reduction's rank, a value of the counter read earlier); empty otherwise) once the reductions before it in the
-    fixed order have completed. Rows past
-    seqlen_q are clipped by the reduction."""
+    fixed order have completed. Rows past seqlen_q are clipped by the reduction."""
     ROWS: gl.constexpr = dq.shape[0]
     FEATURES: gl.constexpr = dq.shape[1]
     tma.store_wait(0)
@@ -449,12 +454,11 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
     by the most query rows first), in launch-order groups of heads_per_group (batch, kv head) pairs. num_warps (4)
     is the first consumer's; the second consumer (4 warps, CONSUMER_REGS registers) and the producer (1 warp) are
     worker partitions, and with ORDERED the two releasers (1 warp each). ORDERED (head dim 128): every query
-    block's dQ reductions come in one fixed order
-    (_reduction_rank; dq_counters: zeroed int32, two per (batch, head, 64-row query block), one per feature half),
-    so dQ is the same bits every call; a key block's reductions wait for the next key block's, so those launch
-    first (LAST_FIRST), and without the causal mask the first key block's for the last's (the loops are a
-    rotation), so the launcher gives it launch-order groups of one head and at most one key block per SM (all of a
-    head's key blocks resident together)."""
+    block's dQ reductions come in one fixed order (_reduction_rank; dq_counters: zeroed int32, two per (batch, head,
+    64-row query block), one per feature half), so dQ is the same bits every call; a key block's reductions wait for
+    the next key block's, so those launch first (LAST_FIRST), and without the causal mask the first key block's for
+    the last's (the loops are a rotation), so the launcher gives it launch-order groups of one head and at most one
+    key block per SM (all of a head's key blocks resident together)."""
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
