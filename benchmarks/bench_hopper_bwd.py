@@ -1,12 +1,12 @@
 """The Gluon Hopper backward (kernels/bwd_hopper.py, bwd_hopper_d256.py) against the Triton backward and SDPA FLASH /
 CUDNN, same process.
 
-    python benchmarks/bench_hopper_bwd.py [--shapes 1,3] [--out DIR]
+    python benchmarks/bench_hopper_bwd.py [--shapes 1,3] [--timing kernels] [--out DIR]
 
 Times the backward only (torch.autograd.grad on a graph built once), bf16, causal and not; at head dim 256 (dK / dV
 by the Gluon kernel, dQ by the Triton kernel or the Gluon dQ kernel) and 128 (dQ reductions in a fixed order)
-deterministic=True too. Every result is compared with the
-Triton backward's gradients (max abs difference printed). Results go to DIR/hopper-bwd.json.
+deterministic=True too. Every result is compared with the Triton backward's gradients (max abs difference printed).
+Results go to DIR/hopper-bwd.json.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from flashtriton import configs
 from flashtriton.bench import attention_flops, median_ms, select_shapes
 from flashtriton.ops import hopper_bwd
 from flashtriton.testing import forced_gluon_backward, forced_gluon_dq
+
+from ablate_kernel import kernel_ms
 
 
 def _variants(head_dim: int):
@@ -46,7 +48,11 @@ def main():
     parser.add_argument("--shapes", default="all",
                         help="'all' or indices into bench.BASELINE_SHAPES, e.g. 1,3 (head dims the kernel takes)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--timing", choices=["wall", "kernels"], default="wall",
+                        help="wall: median wall clock (do_bench); kernels: the GPU time of the call's kernels "
+                             "(torch.profiler), which leaves host time out (16x1024 rows are host-bound eagerly)")
     args = parser.parse_args()
+    timed = kernel_ms if args.timing == "kernels" else median_ms
     shapes = [shape for shape in select_shapes(args.shapes) if shape.head_dim in configs.HOPPER_BWD]
     rows = []
     for batch, seqlen, heads, dim in shapes:
@@ -63,14 +69,14 @@ def main():
                     launches = hopper_bwd.launch_count
                     grads[name] = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
                     ran_gluon[name] = hopper_bwd.launch_count > launches
-                    times[name] = median_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+                    times[name] = timed(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
                 rows.append(dict(tag, provider=f"flashtriton-{name}", ran_gluon=ran_gluon[name], ms=times[name],
                                  tflops=flops / times[name] * 1e-9))
             qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
             for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
                 with sdpa_kernel(backend):
                     out_t = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                    times[name] = median_ms(lambda: torch.autograd.grad(out_t, (qt, kt, vt), dout.transpose(1, 2),
+                    times[name] = timed(lambda: torch.autograd.grad(out_t, (qt, kt, vt), dout.transpose(1, 2),
                                                                         retain_graph=True))
                 rows.append(dict(tag, provider=name, ms=times[name], tflops=flops / times[name] * 1e-9))
             tf = {name: flops / ms * 1e-9 for name, ms in times.items()}
