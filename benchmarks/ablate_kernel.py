@@ -8,6 +8,8 @@ FILE is a Python file defining
     TARGET = "flashtriton.ops.hopper_fwd:attn_fwd_hopper_kernel"    # the name the launcher calls it by
     KERNEL = "attn_fwd_hopper_kernel"                               # that kernel's name in MODULE
     VARIANTS = {"no LSE store": [("gl.store(Lse + ...)", "pass")], ...}
+    CALL = dict(deterministic=True)                                 # optional: flash_attn_func keyword arguments
+    OFFLINE = dict(kind="fwd-hopper", head_dim=128)                 # optional: what --offline compiles
 (benchmarks/ablations/ holds the checked-in ones.)
 Each variant is MODULE's source with every (old, new) replacement applied (each `old` must occur; results may be
 wrong, which is the point of an ablation: the error column says how far). A variant's module is loaded as a
@@ -18,7 +20,10 @@ and not, on BASELINES.md shapes (bench.select_shapes indices); the max abs diffe
 (triton.testing.do_bench), which includes host time where a call's GPU time is shorter than it (the device
 machine's host is slow and noisy: 16x1024 rows read up to 30% apart between processes); --timing kernels: the GPU
 time of the call's kernels (torch.profiler, mean of 20 calls), which leaves host time out. Writes
-DIR/ablate.json.
+DIR/ablate.json. --offline needs no GPU: it compiles every variant for sm_90 as OFFLINE says (tools/
+offline_compile.py: kind fwd-hopper or bwd-hopper, head_dim, ordered), causal and not, and prints its resource
+usage (registers, stack: spills show there), so that a variant that does not compile or spills is known before
+device time is spent on it.
 """
 
 from __future__ import annotations
@@ -73,12 +78,27 @@ def kernel_ms(run, calls: int = 20) -> float:
 
 
 def load_variants(spec_file: str, directory: str) -> tuple:
-    """(TARGET, KERNEL, {name: module}) of a variants file, the unmodified module first as 'as is'."""
+    """(spec, {name: module}) of a variants file (its variables), the unmodified module first as 'as is'."""
     spec = runpy.run_path(spec_file)
     modules = {"as is": variant_module(spec["MODULE"], [], "ablate_as_is", directory)}
     for index, (name, edits) in enumerate(spec["VARIANTS"].items()):
         modules[name] = variant_module(spec["MODULE"], edits, f"ablate_variant_{index}", directory)
-    return spec["TARGET"], spec["KERNEL"], modules
+    return spec, modules
+
+
+def compile_offline(spec: dict, modules: dict) -> None:
+    """Compile each variant's kernel for sm_90 without a GPU (tools/offline_compile.py) and print its resources."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import offline_compile
+
+    options = dict(spec["OFFLINE"])
+    kind, head_dim = options.pop("kind"), options.pop("head_dim")
+    compile_kernel = {"fwd-hopper": offline_compile.compile_hopper_fwd,
+                      "bwd-hopper": offline_compile.compile_hopper_bwd}[kind]
+    for name, module in modules.items():
+        for causal in (False, True):
+            compiled = compile_kernel(head_dim, causal, kernel=getattr(module, spec["KERNEL"]), **options)
+            print(f"{name} causal={causal}: {offline_compile.resource_usage(compiled)}", flush=True)
 
 
 def main():
@@ -88,12 +108,18 @@ def main():
     parser.add_argument("--mode", choices=("fwd", "bwd"), default="bwd")
     parser.add_argument("--timing", choices=("wall", "kernels"), default="wall")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--offline", action="store_true", help="compile the variants for sm_90, no GPU (see above)")
     args = parser.parse_args()
+
+    spec, modules = load_variants(args.variants, tempfile.mkdtemp(prefix="ablate-"))
+    if args.offline:
+        compile_offline(spec, modules)
+        return
 
     import flashtriton
     from flashtriton.bench import attention_flops, median_ms, select_shapes
 
-    target, kernel_name, modules = load_variants(args.variants, tempfile.mkdtemp(prefix="ablate-"))
+    target, kernel_name, call_options = spec["TARGET"], spec["KERNEL"], spec.get("CALL", {})
     owner_name, attribute = target.split(":")
     owner = importlib.import_module(owner_name)
     original = getattr(owner, attribute)
@@ -111,9 +137,9 @@ def main():
                     if args.mode == "fwd":
                         def run():
                             with torch.no_grad():
-                                return (flashtriton.flash_attn_func(q, k, v, causal=causal), )
+                                return (flashtriton.flash_attn_func(q, k, v, causal=causal, **call_options), )
                     else:
-                        out = flashtriton.flash_attn_func(q, k, v, causal=causal)
+                        out = flashtriton.flash_attn_func(q, k, v, causal=causal, **call_options)
 
                         def run():
                             return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)

@@ -55,3 +55,20 @@ def test_ablation_edits_apply_to_their_kernel_module(variants_file):
     for name, edits in spec["VARIANTS"].items():
         for old, _ in edits:
             assert old in source, (name, old)
+
+
+@pytest.mark.skipif(KERNELS_INTERPRETED, reason="compiles for sm_90 (with TRITON_INTERPRET=1 the kernels' Triton "
+                                                 "helpers are interpreter functions, which Gluon cannot compile)")
+def test_offline_compiles_every_variant(tmp_path, capsys):
+    """--offline compiles the unmodified kernel and each variant for sm_90 without a GPU (tools/offline_compile.py)
+    and prints each one's resource usage: a variant that does not compile fails here, before device time."""
+    spec = dict(MODULE="flashtriton/kernels/fwd_hopper.py", TARGET="flashtriton.ops.hopper_fwd:attn_fwd_hopper_kernel",
+                KERNEL="attn_fwd_hopper_kernel", OFFLINE=dict(kind="fwd-hopper", head_dim=64),
+                VARIANTS={"ping-pong off": [("    if PINGPONG:\n", "    if False:\n")]})
+    modules = {"as is": ablate_kernel.variant_module(spec["MODULE"], [], "ablate_offline_as_is", str(tmp_path)),
+               "ping-pong off": ablate_kernel.variant_module(spec["MODULE"], spec["VARIANTS"]["ping-pong off"],
+                                                             "ablate_offline_variant", str(tmp_path))}
+    ablate_kernel.compile_offline(spec, modules)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "REG:" in line]
+    assert [line.split(":")[0] for line in lines] == ["as is causal=False", "as is causal=True",
+                                                     "ping-pong off causal=False", "ping-pong off causal=True"]

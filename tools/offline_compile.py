@@ -106,9 +106,9 @@ def _compile_gluon(kernel, signature: dict, constexprs: dict):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
-def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16"):
-    """The Gluon Hopper forward (kernels/fwd_hopper.py) with `config` (default configs.HOPPER_FWD[head_dim]), as a
-    dense launch."""
+def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", kernel=None):
+    """The Gluon Hopper forward (kernels/fwd_hopper.py, or `kernel`: a copy of it, benchmarks/ablate_kernel.py) with
+    `config` (default configs.HOPPER_FWD[head_dim]), as a dense launch."""
     from flashtriton import configs
     from flashtriton.kernels.fwd_hopper import CONSUMER_ROWS, attn_fwd_hopper_kernel
 
@@ -123,19 +123,22 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     signature.update({name: "i32" for name in ("stride_lse_b", "stride_lse_h", "batch", "num_heads", "group_size",
                                                "seqlen_q", "seqlen_k", "heads_per_group", "paired")})
     signature["qk_scale_log2"] = "fp32"
-    return _compile_gluon(attn_fwd_hopper_kernel, signature, dict(CAUSAL=causal, STAGES=config.stages,
+    return _compile_gluon(kernel or attn_fwd_hopper_kernel, signature, dict(CAUSAL=causal, STAGES=config.stages,
                                                                   CONSUMER_REGS=config.consumer_regs,
                                                                   PINGPONG=config.pingpong, num_warps=4))
 
 
-def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", ordered: bool = False):
-    """The Gluon Hopper backward (kernels/bwd_hopper.py; bwd_hopper_d256.py at head dim 256) with `config` (default
-    configs.HOPPER_BWD[head_dim]); `ordered`: dQ reductions in a fixed order (head dim 128)."""
+def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", ordered: bool = False,
+                       kernel=None):
+    """The Gluon Hopper backward (kernels/bwd_hopper.py; bwd_hopper_d256.py at head dim 256; or `kernel`: a copy of
+    the head dim's kernel, benchmarks/ablate_kernel.py) with `config` (default configs.HOPPER_BWD[head_dim]);
+    `ordered`: dQ reductions in a fixed order (head dim 128)."""
     from flashtriton import configs
     from flashtriton.ops.hopper_bwd import division
 
     config = config or configs.HOPPER_BWD[head_dim]
-    kernel, keys, qdo_features, dq_box = division(head_dim)
+    table_kernel, keys, qdo_features, dq_box = division(head_dim)
+    kernel = kernel or table_kernel
     signature = {"k_desc": _gluon_tile_type(keys, head_dim, dtype), "v_desc": _gluon_tile_type(keys, head_dim, dtype),
                  "q_desc": _gluon_tile_type(config.query_rows, qdo_features, dtype),
                  "do_desc": _gluon_tile_type(config.query_rows, qdo_features, dtype),

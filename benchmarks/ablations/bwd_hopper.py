@@ -13,6 +13,7 @@ previous versions (same gradients).
 MODULE = "flashtriton/kernels/bwd_hopper.py"
 TARGET = "flashtriton.ops.hopper_bwd:attn_bwd_hopper_kernel"
 KERNEL = "attn_bwd_hopper_kernel"
+OFFLINE = dict(kind="bwd-hopper", head_dim=128)
 
 _STORE_EDITS = [
     ("gl.store(dk_ptrs, gl.convert_layout((dk * softmax_scale).to(dtype), layout), mask=store_mask)",

@@ -5,7 +5,8 @@
 At 16x1024 (8 key blocks per 128-row tile) the forward reads 0.93x cuDNN, at 1x16384 (128 blocks) 1.01x: what a
 tile costs besides its key blocks is the suspect. Each variant removes one piece of the tile's epilogue (its output
 is wrong; the timing says what the piece costs), or switches the consumers' ping-pong off (configs.HopperFwdConfig).
-First run (eleventh session, H200, 16x1024x16x128 forward TF/s non-causal / causal; ping-pong then off by default):
+"one release per key block" (prepared in the twelfth session, compiled offline only) prices the consumers'
+per-block barriers (ncu: 41% of the forward's stall cycles at barriers). First run (eleventh session, H200, 16x1024x16x128 forward TF/s non-causal / causal; ping-pong then off by default):
 as is 538 / 412, no LSE store 569 / 352, no O store 564 / 435, no stores 569 / 324, ping-pong on 547 / 428 (the
 causal rows are host-bound at this size: ~160 us of GPU time per call).
 """
@@ -13,6 +14,7 @@ causal rows are host-bound at this size: ~160 us of GPU time per call).
 MODULE = "flashtriton/kernels/fwd_hopper.py"
 TARGET = "flashtriton.ops.hopper_fwd:attn_fwd_hopper_kernel"
 KERNEL = "attn_fwd_hopper_kernel"
+OFFLINE = dict(kind="fwd-hopper", head_dim=128)
 
 _LSE_STORE = "gl.store(Lse + lse_row_base + offs_m, lse, mask=offs_m < seqlen_q)"
 _O_STORE = "tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_tile)"
@@ -27,4 +29,10 @@ VARIANTS = {
     "no stores": [(_LSE_STORE, "pass"), (_O_STORE, "pass")],
     # the consumers' ping-pong off whatever configs.HOPPER_FWD says (on at d128)
     "ping-pong off": [(_PINGPONG, "    if False:\n        # one allocation each")],
+    # one release per key block: K's stage is handed back with V's (after P V), not after S, so each consumer
+    # iteration has one mbarrier arrival (a warpgroup BAR.SYNC in Gluon 3.6) fewer, and the producer loads K of
+    # load l only once V of load l - STAGES is released (correct results; prefetch one wgmma later)
+    "one release per key block": [("mbarrier.arrive(k_empty.index(stage))", "pass"),
+                                  ("mbarrier.wait(k_empty.index(stage), previous_use_phase, pred=load >= STAGES)",
+                                   "mbarrier.wait(v_empty.index(stage), previous_use_phase, pred=load >= STAGES)")],
 }
