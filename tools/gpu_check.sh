@@ -5,7 +5,7 @@
 #
 #   bash tools/gpu_check.sh [STEPS]     STEPS: comma list of tests,reliability,sanitize,bench,decode,varlen,dropout,cold,
 #                                       host,decode-sweep,bwd-atomic,fwd-short,l2-groups,fuzz,fwd-triton,
-#                                       hopper-sweep,hopper-bwd,ablate-bwd,ablate-fwd
+#                                       hopper-sweep,hopper-bwd,ablate-bwd,ablate-fwd,ablate-ordered
 #                                       (default tests,reliability,decode)
 # Environment: FLASHTRITON_COMMIT (the device copy has no .git), OUT, FUZZ_EXAMPLES (fuzz step, default 120),
 # TESTS_LIMIT (tests step seconds, default 300; a fresh machine compiles every kernel and needs ~400).
@@ -48,7 +48,10 @@ step hopper-bwd 300 bash -c "python -m pytest tests/test_hopper_bwd.py -q -n 8 -
 step ablate-bwd 240 python benchmarks/ablate_kernel.py --variants benchmarks/ablations/bwd_hopper.py --shapes 0,1,3 \
   --out "$out/ablate-bwd"
 step ablate-fwd 150 python benchmarks/ablate_kernel.py --variants benchmarks/ablations/fwd_hopper.py --mode fwd \
-  --shapes 0,1 --out "$out/ablate-fwd"
+  --shapes 0,1 --timing kernels --out "$out/ablate-fwd"
+# deterministic=True at d128 (ordered dQ): where its cost goes (benchmarks/ablations/bwd_hopper_ordered.py)
+step ablate-ordered 240 python benchmarks/ablate_kernel.py --variants benchmarks/ablations/bwd_hopper_ordered.py \
+  --shapes 0,1,2 --timing kernels --out "$out/ablate-ordered"
 step decode 90 python benchmarks/bench_decode.py --paged 0,64,256 --graph --repeat 2
 step varlen 60 python benchmarks/bench_varlen.py --causal
 step dropout 110 python benchmarks/bench_dropout.py --out "$out/dropout"
