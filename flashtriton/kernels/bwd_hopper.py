@@ -311,24 +311,19 @@ def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_
     dq = _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, block % 2, block // 2, zero_dq, OVER_ALL_KEYS)
     visit = _visit(block, first_visit, n_iterations)
     head, m_start = _query_block(visit, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
-    counter = 0
+    turn = ()
     if len(order) > 0:
         m_block = m_start // ROWS
-        rank = _reduction_rank(order[1], order[2], visit, m_block, seqlen_q, seqlen_k, causal, ROWS, KEYS)
         counter = _counter(order[0], visit, blocks_per_head, m_block, order[3], feature0 // FEATURES)
         # read while the products complete: its latency is off the path when the turn has come
-        seen = gl.load(counter, volatile=True)
+        turn = (counter, _reduction_rank(order[1], order[2], visit, m_block, seqlen_q, seqlen_k, causal, ROWS, KEYS),
+                gl.load(counter, volatile=True))
         if block > 0:
             _report_reduction(order[4], order[5], block - 1)
-        dq = warpgroup_mma_wait(0, deps=(dq, ))
-        if OVER_ALL_KEYS:
-            mbarrier.arrive(ds_free.index(block % 2))
-        _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, m_start, head, feature0, (counter, rank, seen))
-    else:
-        dq = warpgroup_mma_wait(0, deps=(dq, ))
-        if OVER_ALL_KEYS:
-            mbarrier.arrive(ds_free.index(block % 2))
-        _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, m_start, head, feature0, ())
+    dq = warpgroup_mma_wait(0, deps=(dq, ))
+    if OVER_ALL_KEYS:
+        mbarrier.arrive(ds_free.index(block % 2))
+    _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, m_start, head, feature0, turn)
 
 
 @gluon.jit
@@ -520,8 +515,8 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
             for buffer in gl.static_range(2):
                 mbarrier.init(reduced[w].index(buffer), count=1)
                 mbarrier.init(freed[w].index(buffer), count=1)
-        order_of = ((counters, n_block, gl.cdiv(seqlen_k, KEYS), n_query_blocks, reduced[0], freed[0]),
-                    (counters, n_block, gl.cdiv(seqlen_k, KEYS), n_query_blocks, reduced[1], freed[1]))
+        common = (counters, n_block, gl.cdiv(seqlen_k, KEYS), n_query_blocks)
+        order_of = (common + (reduced[0], freed[0]), common + (reduced[1], freed[1]))
     else:
         first_visit = gl.to_tensor(0)
         order_of = ((), ())

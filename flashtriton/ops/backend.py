@@ -304,10 +304,10 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
     delta (fp32, (batch, head) strides delta_strides, rows contiguous) receives rowsum(dout * out), and 0 in rows
     [seqlen_q, delta_rows) (a dense softmax_d's padding). dQ is added into an fp32 accumulator, which the
     preprocess zeroes, by the Gluon Hopper backward (TMA reductions; with deterministic=True in a fixed order,
-    hopper_bwd.orders_dq) or, with configs that have dq_atomic, by atomics in the dK/dV kernel, then converted
-    into dq; deterministic=True uses no atomics. Otherwise the Triton dQ
-    kernel computes dq (also after a Gluon backward that computes dK and dV only, hopper_bwd.computes_dq, unless the
-    Gluon dQ kernel takes it: hopper_bwd.dq_kernel_runs).
+    hopper_bwd.orders_dq) or, with configs that have dq_atomic and not deterministic=True, by atomics in the dK/dV
+    kernel, then converted into dq. Otherwise the Triton dQ kernel computes dq (also after a Gluon backward that
+    computes dK and dV only, hopper_bwd.computes_dq, unless the Gluon dQ kernel takes it:
+    hopper_bwd.dq_kernel_runs).
     """
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k = k.shape[-2]
@@ -409,8 +409,8 @@ def mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softm
             deterministic: bool, rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Dense backward into preallocated dq, dk, dv. Returns softmax_d (B, H, R(Sq)) = rowsum(dout * out).
 
-    With deterministic=True no atomics are used, and the Gluon backward's dQ reductions come in a fixed order: the
-    result is bitwise reproducible.
+    With deterministic=True nothing is added in an arbitrary order (no atomics in the Triton kernels, the Gluon
+    backward's dQ reductions in a fixed order): the result is bitwise reproducible.
     """
     check_bwd(dout, q, k, v, out, dq, dk, dv, dropout_p, softcap, alibi_slopes)
     dropout.require_rng_state(rng_state, dropout_p)
