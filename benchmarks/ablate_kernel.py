@@ -77,12 +77,17 @@ def kernel_ms(run, calls: int = 20) -> float:
     return sum(event.device_time_total for event in prof.key_averages()) / calls * 1e-3
 
 
-def load_variants(spec_file: str, directory: str) -> tuple:
-    """(spec, {name: module}) of a variants file (its variables), the unmodified module first as 'as is'."""
+def load_variants(spec_file: str, directory: str, only=()) -> tuple:
+    """(spec, {name: module}) of a variants file (its variables), the unmodified module first as 'as is'; `only`:
+    the names of the variants to load (default all)."""
     spec = runpy.run_path(spec_file)
+    unknown = set(only) - set(spec["VARIANTS"])
+    if unknown:
+        raise ValueError(f"--only: no variant {sorted(unknown)} in {spec_file}; it has {list(spec['VARIANTS'])}")
     modules = {"as is": variant_module(spec["MODULE"], [], "ablate_as_is", directory)}
     for index, (name, edits) in enumerate(spec["VARIANTS"].items()):
-        modules[name] = variant_module(spec["MODULE"], edits, f"ablate_variant_{index}", directory)
+        if not only or name in only:
+            modules[name] = variant_module(spec["MODULE"], edits, f"ablate_variant_{index}", directory)
     return spec, modules
 
 
@@ -109,9 +114,11 @@ def main():
     parser.add_argument("--timing", choices=("wall", "kernels"), default="wall")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--offline", action="store_true", help="compile the variants for sm_90, no GPU (see above)")
+    parser.add_argument("--only", default="", help="comma list of the variants to run (default all; 'as is' always)")
     args = parser.parse_args()
 
-    spec, modules = load_variants(args.variants, tempfile.mkdtemp(prefix="ablate-"))
+    spec, modules = load_variants(args.variants, tempfile.mkdtemp(prefix="ablate-"),
+                                  [name for name in args.only.split(",") if name])
     if args.offline:
         compile_offline(spec, modules)
         return

@@ -58,6 +58,9 @@ _MASK_EDITS = [
 ]
 
 VARIANTS = {
+    # the consumers' ds_free / q_empty arrivals as mbarrier.arrive, each after a warpgroup BAR.SYNC (the kernel
+    # before the thirteenth session; kernels/hopper_sync.arrive_after_wgmma); same results bit for bit
+    "arrivals after BAR.SYNC": [("arrive_after_wgmma(", "mbarrier.arrive(")],
     "stores from the wgmma layout": _STORE_EDITS,
     "key vectors held across the loop": _MASK_EDITS,
     "both (the previous kernel)": _STORE_EDITS + _MASK_EDITS,

@@ -24,6 +24,8 @@ CALL = dict(deterministic=True)
 OFFLINE = dict(kind="bwd-hopper", head_dim=128, ordered=True)
 
 VARIANTS = {
+    # as in ablations/bwd_hopper.py: the arrivals of the kernel before the thirteenth session
+    "arrivals after BAR.SYNC": [("arrive_after_wgmma(", "mbarrier.arrive(")],
     "no spin": [("""    while seen != rank:
         seen = gl.load(counter, volatile=True)
 """, "")],

@@ -32,7 +32,13 @@ VARIANTS = {
     # one release per key block: K's stage is handed back with V's (after P V), not after S, so each consumer
     # iteration has one mbarrier arrival (a warpgroup BAR.SYNC in Gluon 3.6) fewer, and the producer loads K of
     # load l only once V of load l - STAGES is released (correct results; prefetch one wgmma later)
-    "one release per key block": [("mbarrier.arrive(k_empty.index(stage))", "pass"),
+    # the consumers' arrivals as mbarrier.arrive, each after a warpgroup BAR.SYNC (the kernel before the thirteenth
+    # session: four per key block; kernels/hopper_sync.arrive_after_wgmma); same results bit for bit
+    "arrivals after BAR.SYNC": [("arrive_after_wgmma(", "mbarrier.arrive(")],
+    # the output's rescale by alpha skipped (wrong results): what an exact rescale skip (max lagging, FA4's
+    # threshold) could save at most
+    "no output rescale": [("acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)", "acc = acc")],
+    "one release per key block": [("arrive_after_wgmma(k_empty.index(stage))", "pass"),
                                   ("mbarrier.wait(k_empty.index(stage), previous_use_phase, pred=load >= STAGES)",
                                    "mbarrier.wait(v_empty.index(stage), previous_use_phase, pred=load >= STAGES)")],
 }

@@ -58,6 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from .common import grouped_tile_of
+from .hopper_sync import arrive_after_wgmma
 
 if not hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce"):
     raise ImportError("this Triton's Gluon has no TMA reduction; the Triton backward runs instead")
@@ -322,7 +323,7 @@ def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_
             _report_reduction(order[4], order[5], block - 1)
     dq = warpgroup_mma_wait(0, deps=(dq, ))
     if OVER_ALL_KEYS:
-        mbarrier.arrive(ds_free.index(block % 2))
+        arrive_after_wgmma(ds_free.index(block % 2))
     _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, m_start, head, feature0, turn)
 
 
@@ -424,7 +425,7 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
                        head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, seqlen_k,
                        causal, softmax_scale, feature0, order, OVER_ALL_KEYS)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-        mbarrier.arrive(q_empty.index(stage))
+        arrive_after_wgmma(q_empty.index(stage))
     if OVER_ALL_KEYS:
         # the last block's dQ (its ds_free arrival has no waiter)
         if n_iterations > 0:

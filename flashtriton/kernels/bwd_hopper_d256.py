@@ -32,6 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from .bwd_hopper import _key_block_of_program, _masked_probabilities, _producer, _query_block, _store_key_rows
+from .hopper_sync import arrive_after_wgmma
 
 KEYS_PER_PROGRAM = gl.constexpr(64)  # the M of the dK / dV wgmmas; each consumer's S / dP covers half of them
 
@@ -101,8 +102,8 @@ def _consumer(k_own, v_own, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse_smem, d
         dk = warpgroup_mma(ds_smem.permute((1, 0)), q_half, dk, is_async=True)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         # every read of P and dS (both consumers' dV and dK products) completed
-        mbarrier.arrive(pds_free)
-        mbarrier.arrive(q_empty.index(stage))
+        arrive_after_wgmma(pds_free)
+        arrive_after_wgmma(q_empty.index(stage))
     # [KEYS, FEAT] this consumer's features of the key rows
     _store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                     batch, head_k, n_start, feature0, seqlen_k, softmax_scale)

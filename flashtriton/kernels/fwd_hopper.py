@@ -34,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from .common import grouped_tile_of
+from .hopper_sync import arrive_after_wgmma
 
 SHARED_BYTES_FOR_TILES = gl.constexpr(220 * 1024)  # sm_90: 227 KiB per program, less barriers and the compiler's
 CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M tile); a program covers 2 * CONSUMER_ROWS
@@ -175,7 +176,7 @@ def _wait_turn(turns, step, lead):
 @gluon.jit
 def _pass_turn(turns):
     for _ in gl.static_range(len(turns) // 2):
-        mbarrier.arrive(turns[1])
+        arrive_after_wgmma(turns[1])
 
 
 @gluon.jit
@@ -211,7 +212,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
                       is_async=True)
     _pass_turn(turns)
     s = warpgroup_mma_wait(0, deps=(s, ))
-    mbarrier.arrive(k_empty.index(stage))
+    arrive_after_wgmma(k_empty.index(stage))
     # [ROWS, BLOCK_N] probabilities of the block whose P.V is pending
     p, m_i, l_i, alpha = _softmax_block(_mask_block(s, 0, row0, offs_m, seqlen_q, seqlen_k, causal, col_s), m_i, l_i,
                                         qk_scale_log2)
@@ -229,18 +230,18 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         _pass_turn(turns)
         # S_j done (wgmma groups complete in order); P_{j-1} V_{j-1} may still run
         s = warpgroup_mma_wait(1, deps=(s, ))
-        mbarrier.arrive(k_empty.index(stage))
+        arrive_after_wgmma(k_empty.index(stage))
         p, m_i, l_i, alpha = _softmax_block(_mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s), m_i,
                                             l_i, qk_scale_log2)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(v_empty.index(previous))
+        arrive_after_wgmma(v_empty.index(previous))
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-    mbarrier.arrive(q_free, pred=release_q)
+    arrive_after_wgmma(q_free, pred=release_q)
     last = first_load + n_blocks - 1
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
     acc = warpgroup_mma(gl.convert_layout(p.to(q.dtype), p_layout),
                         v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM]), acc)
-    mbarrier.arrive(v_empty.index(last % STAGES))
+    arrive_after_wgmma(v_empty.index(last % STAGES))
     return acc, m_i, l_i
 
 
