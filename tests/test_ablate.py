@@ -72,3 +72,11 @@ def test_offline_compiles_every_variant(tmp_path, capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if "REG:" in line]
     assert [line.split(":")[0] for line in lines] == ["as is causal=False", "as is causal=True",
                                                      "ping-pong off causal=False", "ping-pong off causal=True"]
+
+
+def test_only_loads_the_named_variants(tmp_path):
+    variants = str(Path(__file__).resolve().parents[1] / "benchmarks" / "ablations" / "fwd_hopper.py")
+    _, modules = ablate_kernel.load_variants(variants, str(tmp_path), ["no LSE store"])
+    assert list(modules) == ["as is", "no LSE store"]
+    with pytest.raises(ValueError, match="no variant"):
+        ablate_kernel.load_variants(variants, str(tmp_path), ["no such variant"])

@@ -76,3 +76,48 @@ def test_tma_compatible_needs_16_byte_strides_and_a_contiguous_last_dim():
     assert not tma_compatible(base.transpose(1, 3))          # last dim not contiguous
     assert not tma_compatible(torch.empty(2, 8, 4, 20, dtype=torch.float16)[..., :12])  # head stride 40 bytes
     assert tma_compatible(torch.empty(2, 8, 4, 12, dtype=torch.float32))            # head stride 48 bytes
+
+
+def test_checked_descriptors_equal_the_validated_ones():
+    """launching.descriptor_builder skips TensorDescriptor's checks but must build the same object; a class of
+    other fields (another Triton version) keeps its own constructor."""
+    import dataclasses
+
+    from flashtriton.ops.launching import descriptor_builder
+    hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from triton.experimental.gluon import language as gl
+
+    tensor = torch.empty(2, 96, 4, 64, dtype=torch.bfloat16)[:, 5:]
+    block, layout = [1, 64, 1, 64], gl.NVMMASharedLayout.get_default_for([1, 64, 1, 64], gl.bfloat16)
+    checked = descriptor_builder(hopper.TensorDescriptor)(tensor, list(tensor.shape), list(tensor.stride()), block,
+                                                         layout)
+    validated = hopper.TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), block, layout)
+    assert type(checked) is hopper.TensorDescriptor
+    assert checked.base is validated.base
+    assert [getattr(checked, f.name) for f in dataclasses.fields(validated)][1:] == \
+        [getattr(validated, f.name) for f in dataclasses.fields(validated)][1:]
+
+    @dataclasses.dataclass
+    class Renamed:
+        tensor: object
+        shape: list
+        strides: list
+        block_shape: list
+        layout: object
+
+    class Plain:
+        pass
+
+    assert descriptor_builder(Renamed) is Renamed
+    assert descriptor_builder(Plain) is Plain
+
+
+def test_device_guard_is_a_no_op_off_the_gpu_and_on_the_current_device():
+    from flashtriton.ops.launching import device_guard
+
+    with device_guard(torch.empty(1)):
+        pass
+    if torch.cuda.is_available():
+        current = torch.cuda.current_device()
+        with device_guard(torch.empty(1, device=f"cuda:{current}")):
+            assert torch.cuda.current_device() == current

@@ -38,6 +38,15 @@ VARIANTS = {
     # the output's rescale by alpha skipped (wrong results): what an exact rescale skip (max lagging, FA4's
     # threshold) could save at most
     "no output rescale": [("acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)", "acc = acc")],
+    # FA4's exact rescale skip: a row's max moves only when a block raises it by more than 8 (log2 units; the
+    # probabilities stay below 2^8 against the lagging max, and O, the row sum and the LSE share that base), and
+    # the output is rescaled only when some row of the warpgroup moved (a warpgroup-wide min of alpha: a
+    # cross-warp reduction through shared memory per block)
+    "rescale skip (max lagging)": [
+        ("    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale_log2)\n",
+         "    m_block = gl.max(s, 1) * qk_scale_log2\n    m_new = gl.where(m_block > m_i + 8.0, m_block, m_i)\n"),
+        ("        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)",
+         "        if gl.min(alpha, 0) < 1.0:\n            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)")],
     "one release per key block": [("arrive_after_wgmma(k_empty.index(stage))", "pass"),
                                   ("mbarrier.wait(k_empty.index(stage), previous_use_phase, pred=load >= STAGES)",
                                    "mbarrier.wait(v_empty.index(stage), previous_use_phase, pred=load >= STAGES)")],

@@ -60,9 +60,10 @@ def _forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softca
     return (out, softmax_lse, s_dmask) if return_softmax else out
 
 
-def _backward(ctx, dout, dq, dk, dv):
-    """Run the backward op into the given gradient buffers (views allowed)."""
-    q, k, v, out, softmax_lse, rng_state, *cu_seqlens = ctx.saved_tensors
+def _backward(ctx, saved, dout, dq, dk, dv):
+    """Run the backward op into the given gradient buffers (views allowed); saved: ctx.saved_tensors, unpacked
+    once by the caller (each access unpacks every saved tensor again)."""
+    q, k, v, out, softmax_lse, rng_state, *cu_seqlens = saved
     dout = maybe_contiguous(dout)
     if ctx.max_seqlens is None:
         flash_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, *ctx.options, rng_state)
@@ -99,9 +100,10 @@ class FlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, *unused_grads):
-        q, k, v = ctx.saved_tensors[:3]
+        saved = ctx.saved_tensors
+        q, k, v = saved[:3]
         dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
-        _backward(ctx, dout, dq, dk, dv)
+        _backward(ctx, saved, dout, dq, dk, dv)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
@@ -117,9 +119,10 @@ class FlashAttnQKVPackedFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, *unused_grads):
-        q = ctx.saved_tensors[0]
+        saved = ctx.saved_tensors
+        q = saved[0]
         dqkv = new_empty(ctx.qkv_shape, q.dtype, q.device)
-        _backward(ctx, dout, dqkv[:, :, 0], dqkv[:, :, 1], dqkv[:, :, 2])
+        _backward(ctx, saved, dout, dqkv[:, :, 0], dqkv[:, :, 1], dqkv[:, :, 2])
         return dqkv, None, None, None, None, None, None, None, None, None
 
 
@@ -135,10 +138,11 @@ class FlashAttnKVPackedFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, *unused_grads):
-        q = ctx.saved_tensors[0]
+        saved = ctx.saved_tensors
+        q = saved[0]
         dq = empty_like(q)
         dkv = new_empty(ctx.kv_shape, q.dtype, q.device)
-        _backward(ctx, dout, dq, dkv[:, :, 0], dkv[:, :, 1])
+        _backward(ctx, saved, dout, dq, dkv[:, :, 0], dkv[:, :, 1])
         return dq, dkv, None, None, None, None, None, None, None, None, None
 
 
@@ -153,9 +157,10 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, *unused_grads):
-        q, k, v = ctx.saved_tensors[:3]
+        saved = ctx.saved_tensors
+        q, k, v = saved[:3]
         dq, dk, dv = empty_like(q), empty_like(k), empty_like(v)
-        _backward(ctx, dout, dq, dk, dv)
+        _backward(ctx, saved, dout, dq, dk, dv)
         return (dq, dk, dv) + (None,) * 14
 
 
@@ -172,9 +177,10 @@ class FlashAttnVarlenQKVPackedFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, *unused_grads):
-        q = ctx.saved_tensors[0]
+        saved = ctx.saved_tensors
+        q = saved[0]
         dqkv = new_empty(ctx.qkv_shape, q.dtype, q.device)
-        _backward(ctx, dout, dqkv[:, 0], dqkv[:, 1], dqkv[:, 2])
+        _backward(ctx, saved, dout, dqkv[:, 0], dqkv[:, 1], dqkv[:, 2])
         return (dqkv,) + (None,) * 11
 
 
@@ -191,8 +197,9 @@ class FlashAttnVarlenKVPackedFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, *unused_grads):
-        q = ctx.saved_tensors[0]
+        saved = ctx.saved_tensors
+        q = saved[0]
         dq = empty_like(q)
         dkv = new_empty(ctx.kv_shape, q.dtype, q.device)
-        _backward(ctx, dout, dq, dkv[:, 0], dkv[:, 1])
+        _backward(ctx, saved, dout, dq, dkv[:, 0], dkv[:, 1])
         return (dq, dkv) + (None,) * 13

@@ -20,14 +20,13 @@ from .hopper_fwd import _multiprocessors, covers as forward_covers, is_hopper, s
 from .launching import tma_compatible, triton_cdiv
 
 try:
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from ..kernels.bwd_hopper import KEYS_PER_CONSUMER, attn_bwd_hopper_kernel
     from ..kernels.bwd_hopper_d256 import KEYS_PER_PROGRAM, attn_bwd_hopper_d256_kernel
     from ..kernels.bwd_hopper_dq import ROWS_PER_CONSUMER, attn_bwd_hopper_dq_kernel
     KEY_BLOCK = 2 * KEYS_PER_CONSUMER.value
     KEY_BLOCK_D256 = KEYS_PER_PROGRAM.value
     DQ_ROWS = ROWS_PER_CONSUMER.value
+    from .hopper_fwd import checked_descriptor
 except Exception:  # Triton without Gluon's Hopper API, or its interpreter: the Triton kernels run everything
     attn_bwd_hopper_kernel = attn_bwd_hopper_d256_kernel = attn_bwd_hopper_dq_kernel = None
     KEY_BLOCK, KEY_BLOCK_D256, DQ_ROWS = 128, 64, 64
@@ -108,8 +107,8 @@ def _row_statistic_descriptor(stat: torch.Tensor, strides: Tuple[int, int], batc
         padded = torch.empty(batch * num_heads, triton_cdiv(seqlen_q, 4) * 4, dtype=torch.float32, device=stat.device)
         matrix = padded[:, :seqlen_q]
         matrix.view(batch, num_heads, seqlen_q).copy_(stat.as_strided((batch, num_heads, seqlen_q), (*strides, 1)))
-    return TensorDescriptor(matrix, list(matrix.shape), list(matrix.stride()), [1, rows],
-                            shared_layout((1, rows), torch.float32))
+    return checked_descriptor(matrix, list(matrix.shape), list(matrix.stride()), [1, rows],
+                              shared_layout((1, rows), torch.float32))
 
 
 def launch(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tuple[int, int],

@@ -13,7 +13,7 @@ from typing import Tuple
 import torch
 
 from .. import configs
-from .launching import tma_compatible, triton_cdiv
+from .launching import descriptor_builder, tma_compatible, triton_cdiv
 
 try:
     from triton.experimental.gluon import language as gl
@@ -21,6 +21,8 @@ try:
 
     from ..kernels.fwd_hopper import CONSUMER_ROWS, attn_fwd_hopper_kernel
     TILE_ROWS = 2 * CONSUMER_ROWS.value
+    # host descriptors of tensors runs_on / the launchers checked (tma_compatible)
+    checked_descriptor = descriptor_builder(TensorDescriptor)
 except Exception:  # Triton without Gluon's Hopper API, or its interpreter: the Triton kernel runs everything
     attn_fwd_hopper_kernel = None
     TILE_ROWS = 128
@@ -65,8 +67,8 @@ def tile_descriptor(tensor: torch.Tensor, rows: int, columns: int = 0):
     """Host descriptor of a (B, S, H, D) tensor moving [1, rows, 1, columns] tiles (columns 0: all D); out-of-bounds
     rows read 0 and are never stored."""
     columns = columns or tensor.shape[-1]
-    return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), [1, rows, 1, columns],
-                            shared_layout((1, rows, 1, columns), tensor.dtype))
+    return checked_descriptor(tensor, list(tensor.shape), list(tensor.stride()), [1, rows, 1, columns],
+                              shared_layout((1, rows, 1, columns), tensor.dtype))
 
 
 # Tests cap the grid (testing.forced_hopper_grid) so that every program runs many work items.
