@@ -29,6 +29,9 @@ VARIANTS = {
     "no stores": [(_LSE_STORE, "pass"), (_O_STORE, "pass")],
     # the consumers' ping-pong off whatever configs.HOPPER_FWD says (on at d128)
     "ping-pong off": [(_PINGPONG, "    if False:\n        # one allocation each")],
+    # and on whatever it says (off at d64 and d256: 2-5% lower by wall clock in the eleventh session, before the
+    # arrivals lost their BAR.SYNC)
+    "ping-pong on": [(_PINGPONG, "    if True:\n        # one allocation each")],
     # one release per key block: K's stage is handed back with V's (after P V), not after S, so each consumer
     # iteration has one mbarrier arrival (a warpgroup BAR.SYNC in Gluon 3.6) fewer, and the producer loads K of
     # load l only once V of load l - STAGES is released (correct results; prefetch one wgmma later)
