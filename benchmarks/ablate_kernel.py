@@ -64,19 +64,6 @@ def variant_module(module_path: str, edits, name: str, directory: str) -> Module
     return module
 
 
-def kernel_ms(run, calls: int = 20) -> float:
-    """Mean GPU time in ms of the kernels one call of run launches (torch.profiler; host time left out)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            run()
-        torch.cuda.synchronize()
-    return sum(event.device_time_total for event in prof.key_averages()) / calls * 1e-3
-
-
 def load_variants(spec_file: str, directory: str, only=()) -> tuple:
     """(spec, {name: module}) of a variants file (its variables), the unmodified module first as 'as is'; `only`:
     the names of the variants to load (default all)."""
@@ -124,7 +111,7 @@ def main():
         return
 
     import flashtriton
-    from flashtriton.bench import attention_flops, median_ms, select_shapes
+    from flashtriton.bench import attention_flops, kernel_ms, median_ms, select_shapes
 
     target, kernel_name, call_options = spec["TARGET"], spec["KERNEL"], spec.get("CALL", {})
     owner_name, attribute = target.split(":")

@@ -21,11 +21,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtriton
 from flashtriton import configs
-from flashtriton.bench import attention_flops, median_ms, select_shapes
+from flashtriton.bench import attention_flops, kernel_ms, median_ms, select_shapes
 from flashtriton.ops import hopper_bwd
 from flashtriton.testing import forced_gluon_backward, forced_gluon_dq
-
-from ablate_kernel import kernel_ms
 
 
 def _variants(head_dim: int):

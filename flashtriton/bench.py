@@ -256,6 +256,27 @@ def median_ms(fn: Callable, warmup: int = 25, rep: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def kernel_ms(fn: Callable, calls: int = 20) -> float:
+    """Mean GPU time in ms of the kernels one call of fn launches (torch.profiler's CUDA activity): host time and
+    the gaps between kernels are left out, so eager calls shorter than their host time read their GPU cost."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(event.device_time_total for event in prof.key_averages())
+    if total_us <= 0:
+        raise RuntimeError("kernel_ms: the profiler recorded no GPU kernel time for this call")
+    return total_us / calls * 1e-3
+
+
+TIMINGS = {"wall": "median of triton.testing.do_bench (events around each call, L2 flushed between calls)",
+           "kernels": "mean GPU time of the call's kernels over 20 calls (torch.profiler; host time left out)"}
+
+
 def graphed(call: Callable) -> Callable:
     """call captured into a CUDA graph; the returned function replays it and returns its (static) output."""
     stream = torch.cuda.Stream()
@@ -326,13 +347,13 @@ def _unavailable(error: Exception) -> str:
 
 
 def bench_config(provider: str, shape: Shape, causal: bool, dtype: torch.dtype, mode: str, q, k, v,
-                 warmup: int = 25, rep: int = 100) -> BenchRow:
-    """Time one configuration; failures of the provider become an unavailable row."""
+                 warmup: int = 25, rep: int = 100, timing: str = "wall") -> BenchRow:
+    """Time one configuration (timing: a TIMINGS key); failures of the provider become an unavailable row."""
     dtype_name = next(name for name, value in DTYPES.items() if value == dtype)
     row = BenchRow(provider, shape.batch, shape.seqlen, shape.heads, shape.head_dim, causal, dtype_name, mode)
     try:
         fn = timed_callable(provider, mode, causal, q, k, v)
-        row.ms = median_ms(fn, warmup=warmup, rep=rep)
+        row.ms = median_ms(fn, warmup=warmup, rep=rep) if timing == "wall" else kernel_ms(fn)
         if mode == "fwd+bwd":
             row.peak_mem_mib = peak_memory_mib(fn)
     except Exception as error:  # noqa: BLE001 - any provider failure is data, not a crash
@@ -346,8 +367,8 @@ def bench_config(provider: str, shape: Shape, causal: bool, dtype: torch.dtype, 
 
 def run_benchmarks(shapes: Sequence[Shape], providers: Sequence[str], modes: Sequence[str], dtype: torch.dtype,
                    causal_values: Sequence[bool] = (False, True), warmup: int = 25, rep: int = 100,
-                   progress: Optional[Callable[[int, int, str], None]] = None) -> BenchResult:
-    """Time every (shape, causal, mode, provider) on the current CUDA device."""
+                   progress: Optional[Callable[[int, int, str], None]] = None, timing: str = "wall") -> BenchResult:
+    """Time every (shape, causal, mode, provider) on the current CUDA device (timing: a TIMINGS key)."""
     configs = [(s, c) for s in shapes for c in causal_values]
     total = len(configs) * len(modes) * len(providers)
     rows, done = [], 0
@@ -364,13 +385,13 @@ def run_benchmarks(shapes: Sequence[Shape], providers: Sequence[str], modes: Seq
                 done += 1
                 if progress:
                     progress(done, total, f"{provider} {shape.label()} causal={causal} {mode}")
-                row = bench_config(provider, shape, causal, dtype, mode, q, k, v, warmup, rep)
+                row = bench_config(provider, shape, causal, dtype, mode, q, k, v, warmup, rep, timing)
                 if provider == "flashtriton":
                     _attach_check(row, check)
                 rows.append(row)
         del q, k, v
         torch.cuda.empty_cache()
-    return BenchResult(rows, run_metadata())
+    return BenchResult(rows, {**run_metadata(), "timing": timing})
 
 
 def _attach_check(row: BenchRow, check) -> None:

@@ -92,6 +92,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser, default_out: str = "ben
     parser.add_argument("--causal", choices=("both", "on", "off"), default="both")
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup in ms")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms")
+    parser.add_argument("--timing", choices=sorted(bench.TIMINGS), default="wall",
+                        help="; ".join(f"{name}: {text}" for name, text in bench.TIMINGS.items()))
     parser.add_argument("--out", type=Path, default=Path(default_out),
                         help="directory for bench.json, bench.md and (with matplotlib) bench.png")
 
@@ -106,7 +108,8 @@ def bench_command(args) -> int:
     progress = Progress(0)
     result = bench.run_benchmarks(bench.SHAPE_SETS[args.shapes], args.providers, args.modes,
                                   bench.DTYPES[args.dtype], causal_values, args.warmup, args.rep,
-                                  progress=lambda done, total, label: progress.update(done, label, total))
+                                  progress=lambda done, total, label: progress.update(done, label, total),
+                                  timing=args.timing)
     progress.finish()
     out(bench.results_markdown(result.rows, result.metadata))
     for path in bench.write_results(result, args.out):

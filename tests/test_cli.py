@@ -266,6 +266,51 @@ def test_bench_config_rows_without_gpu(monkeypatch):
     assert missing.status.startswith("unavailable: ") and missing.ms is None and missing.tflops is None
 
 
+def test_bench_kernel_timing_reaches_every_row(monkeypatch):
+    """--timing kernels times every provider's rows by kernel_ms (not do_bench) and says so in the metadata."""
+    monkeypatch.setattr(bench, "median_ms", lambda fn, warmup, rep: pytest.fail("do_bench used"))
+    monkeypatch.setattr(bench, "kernel_ms", lambda fn: (fn(), 4.0)[1])
+    shape = bench.Shape(1, 32, 2, 16)
+    q, k, v = bench.random_inputs(shape, torch.bfloat16, device="cpu")
+    row = bench.bench_config("flashtriton", shape, False, torch.bfloat16, "fwd", q, k, v, timing="kernels")
+    assert row.status == "ok" and row.ms == 4.0, row
+    assert "kernels" in bench.TIMINGS and "wall" in bench.TIMINGS
+    args = cli.build_parser().parse_args(["bench", "--timing", "kernels"])
+    assert args.timing == "kernels"
+
+
+def test_kernel_ms_refuses_a_call_without_gpu_kernels(monkeypatch):
+    """A call the profiler saw no GPU kernel of is an error, never 0 ms (infinite TF/s); with kernels, their mean
+    time per call. (The profiler is a stand-in: CPU-only torch has no CUDA activity.)"""
+    import torch.profiler
+
+    class Event:
+        def __init__(self, us):
+            self.device_time_total = us
+
+    def profiler(events):
+        class Profile:
+            def __init__(self, activities):
+                assert activities == [torch.profiler.ProfilerActivity.CUDA]
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def key_averages(self):
+                return [Event(us) for us in events]
+        return Profile
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.profiler, "profile", profiler([]))
+    with pytest.raises(RuntimeError, match="no GPU kernel time"):
+        bench.kernel_ms(lambda: None, calls=2)
+    monkeypatch.setattr(torch.profiler, "profile", profiler([300.0, 100.0]))
+    assert bench.kernel_ms(lambda: None, calls=4) == pytest.approx(0.1)
+
+
 # ---- kernel_inspect.py and env.py: pure parts ---------------------------------------------------------------------
 
 FAKE_SASS = """
