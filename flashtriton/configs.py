@@ -217,6 +217,8 @@ L2_GROUP_BYTES = {False: 0, True: 16 << 20}
 # eager call of this size is ~160 us of GPU time), 4x4096 587 -> 597 (618) / 551 -> 551 (522), 1x16384 611 -> 610
 # (623) / 597 -> 600 (565); d64 446 -> 434 (455) / 423 -> 407 (418); d256 659 -> 628 (665) / 590 -> 586 (574).
 # ablate_kernel.py at 16x1024 (same process): 538 -> 547 and causal 412 -> 428. On at d128 only.
+# Thirteenth session (arrivals without BAR.SYNC, kernels/hopper_sync.py; ablate_kernel.py kernel time, two rounds):
+# on at d64 / d256 still 2-4% slower (442 / 461, 408 / 424; 691 / 704, 651 / 661 TF/s on / off).
 @dataclass(frozen=True)
 class HopperFwdConfig:
     block_n: int         # keys per K/V stage

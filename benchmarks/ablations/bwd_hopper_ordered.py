@@ -15,6 +15,9 @@ Each variant below changes one suspect (results stay correct sums; only their or
   first the waits follow the later blocks' start);
 - "relaxed release": the releaser's counter update without the GPU-scope fence (the fence now runs in the
   releaser warp; this says whether it still costs the consumers anything).
+Thirteenth session (--shapes 0,1, kernel time, as is / variant): no spin 387 / 398, 261 / 280, 495 / 492, 397 /
+433: the waits are about 8% of the causal rows and nothing without the mask; longest key block first 386, 257,
+488, 398 (no better); the old arrivals 389, 259, 495, 400 (level).
 """
 
 MODULE = "flashtriton/kernels/bwd_hopper.py"

@@ -9,6 +9,9 @@ is wrong; the timing says what the piece costs), or switches the consumers' ping
 per-block barriers (ncu: 41% of the forward's stall cycles at barriers). First run (eleventh session, H200, 16x1024x16x128 forward TF/s non-causal / causal; ping-pong then off by default):
 as is 538 / 412, no LSE store 569 / 352, no O store 564 / 435, no stores 569 / 324, ping-pong on 547 / 428 (the
 causal rows are host-bound at this size: ~160 us of GPU time per call).
+Thirteenth session (kernel time, --shapes 0,1,2,3,4, docs/perf-notes.md): "arrivals after BAR.SYNC" (the old
+arrivals) 0-4% slower at d128, level at d64 / d256; "one release per key block" -15 to -25%; "no output rescale" +1
+to +6%; "rescale skip (max lagging)" -2 to -7%; "ping-pong on" at d64 / d256 -2 to -4%.
 """
 
 MODULE = "flashtriton/kernels/fwd_hopper.py"

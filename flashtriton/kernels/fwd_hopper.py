@@ -16,10 +16,10 @@ last wgmmas, normalization, O store).
 Synchronisation: q_ready[c] completes when consumer c's Q tile has landed, q_empty[c] when consumer c no longer
 reads it (after its last S wgmma; where O is staged in the Q tile, after O's store). k_ready[s] / v_ready[s]
 complete when stage s's K / V tile has landed (TMA transaction bytes); k_empty[s] / v_empty[s] when both consumers
-are done with stage s's K / V tile (count 2: one arrival per consumer warpgroup), so the producer refills K before
-V is free. The program's loads are numbered across its items: load l goes to stage l % STAGES and is the
-(l // STAGES)-th use of that stage, whose parity the waits check; the program's i-th tile's Q tiles are the i-th
-use of q_ready / q_empty.
+are done with stage s's K / V tile (count 2: one arrival per consumer warpgroup, by one thread without a
+warpgroup barrier: hopper_sync.arrive_after_wgmma), so the producer refills K before V is free. The program's
+loads are numbered across its items: load l goes to stage l % STAGES and is the (l // STAGES)-th use of that
+stage, whose parity the waits check; the program's i-th tile's Q tiles are the i-th use of q_ready / q_empty.
 
 Consumer schedule (FA3's intra-warpgroup pipelining): S_j and P_{j-1} V_{j-1} are issued together, the softmax of
 block j runs while P_{j-1} V_{j-1} is on the tensor cores, and the output rescale waits for it. (An in-order
