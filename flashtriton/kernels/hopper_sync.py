@@ -1,4 +1,5 @@
-"""Synchronisation helpers shared by the Gluon Hopper kernels (kernels/fwd_hopper.py, kernels/bwd_hopper.py)."""
+"""Synchronisation helpers shared by the Gluon Hopper kernels (kernels/fwd_hopper.py, bwd_hopper.py and
+bwd_hopper_d256.py)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
@@ -12,5 +13,7 @@ def arrive_after_wgmma(barrier, pred=True):
     barrier pass orders every shared-memory access of the partition before an arrival, and the next barrier
     operation after it), which the forward paid four times per key block. A wgmma completes for its whole
     warpgroup, so the thread that waited for it may arrive alone (CUTLASS's clustered consumer release relies on
-    the same). Not for shared memory the warpgroup's threads wrote with plain stores: those need the barrier."""
+    the same). Not for shared memory the warpgroup's threads also read or wrote with plain loads / stores, unless
+    a warpgroup barrier (gl.thread_barrier) follows the last of those before the arrival (the backward's Q / dO
+    stages: lse and delta are loaded by every thread, then the dS store's barrier)."""
     mbarrier.expect(barrier, 0, pred=pred)
