@@ -80,7 +80,8 @@ def test_tma_compatible_needs_16_byte_strides_and_a_contiguous_last_dim():
 
 def test_checked_descriptors_equal_the_validated_ones():
     """launching.descriptor_builder skips TensorDescriptor's checks but must build the same object; a class of
-    other fields (another Triton version) keeps its own constructor."""
+    other fields, or one whose __post_init__ adds or changes attributes (another Triton version), keeps its own
+    constructor."""
     import dataclasses
 
     from flashtriton.ops.launching import descriptor_builder
@@ -89,13 +90,27 @@ def test_checked_descriptors_equal_the_validated_ones():
 
     tensor = torch.empty(2, 96, 4, 64, dtype=torch.bfloat16)[:, 5:]
     block, layout = [1, 64, 1, 64], gl.NVMMASharedLayout.get_default_for([1, 64, 1, 64], gl.bfloat16)
-    checked = descriptor_builder(hopper.TensorDescriptor)(tensor, list(tensor.shape), list(tensor.stride()), block,
-                                                         layout)
+    build = descriptor_builder(hopper.TensorDescriptor)
     validated = hopper.TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), block, layout)
-    assert type(checked) is hopper.TensorDescriptor
-    assert checked.base is validated.base
-    assert [getattr(checked, f.name) for f in dataclasses.fields(validated)][1:] == \
-        [getattr(validated, f.name) for f in dataclasses.fields(validated)][1:]
+    for _ in range(3):  # the first call compares the two ways, the later ones skip the checks
+        checked = build(tensor, list(tensor.shape), list(tensor.stride()), block, layout)
+        assert type(checked) is hopper.TensorDescriptor and checked.base is tensor
+        assert {k: v for k, v in vars(checked).items() if k != "base"} == \
+            {k: v for k, v in vars(validated).items() if k != "base"}
+
+    @dataclasses.dataclass
+    class Derived:
+        base: object
+        shape: list
+        strides: list
+        block_shape: list
+        layout: object
+
+        def __post_init__(self):
+            self.rank = len(self.shape)
+
+    build_derived = descriptor_builder(Derived)
+    assert all(build_derived(tensor, [1], [1], [1], None).rank == 1 for _ in range(3))
 
     @dataclasses.dataclass
     class Renamed:

@@ -36,8 +36,9 @@ def tma_compatible(tensor: torch.Tensor) -> bool:
 def descriptor_builder(descriptor_class):
     """A function (base, shape, strides, block_shape, layout) -> descriptor_class instance that skips the class's
     __post_init__ checks (alignment, strides, block shape: ~3 us per descriptor, seven per backward launch) for
-    callers that checked their tensors with tma_compatible; the class's own constructor where it is not the plain
-    dataclass of these fields (another Triton version), so nothing is built wrong."""
+    callers that checked their tensors with tma_compatible. The first call builds through the constructor and
+    compares: where the class is not the plain dataclass of these fields, or its __post_init__ sets or changes
+    anything (another Triton version), every call keeps using the constructor, so nothing is built wrong."""
     fields = [field.name for field in dataclasses.fields(descriptor_class)] if dataclasses.is_dataclass(
         descriptor_class) else []
     defaults = {field.name: field.default for field in dataclasses.fields(descriptor_class)
@@ -46,10 +47,29 @@ def descriptor_builder(descriptor_class):
             hasattr(descriptor_class, "__slots__"):
         return descriptor_class
 
-    def build(base, shape, strides, block_shape, layout):
+    def unchecked(base, shape, strides, block_shape, layout):
         descriptor = object.__new__(descriptor_class)
         descriptor.__dict__.update(defaults, base=base, shape=shape, strides=strides, block_shape=block_shape,
                                    layout=layout)
         return descriptor
 
+    fast = []  # [bool] once the first call compared the two ways
+
+    def build(base, shape, strides, block_shape, layout):
+        if fast == [True]:
+            return unchecked(base, shape, strides, block_shape, layout)
+        validated = descriptor_class(base, shape, strides, block_shape, layout)
+        if not fast:
+            fast.append(_same_attributes(validated, unchecked(base, list(shape), list(strides), list(block_shape),
+                                                              layout)))
+        return validated
+
     return build
+
+
+def _same_attributes(a, b) -> bool:
+    """Both objects hold the same attributes: tensors by identity, everything else by equality."""
+    first, second = vars(a), vars(b)
+    return first.keys() == second.keys() and all(
+        x is y or (not torch.is_tensor(x) and not torch.is_tensor(y) and x == y)
+        for x, y in ((first[key], second[key]) for key in first))
