@@ -41,6 +41,8 @@ from types import ModuleType
 
 import torch
 
+from flashtriton.bench import TIMINGS, attention_flops, select_shapes, time_ms
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -98,7 +100,7 @@ def main():
     parser.add_argument("--variants", required=True, help="Python file with MODULE, TARGET, KERNEL and VARIANTS")
     parser.add_argument("--shapes", default="4", help="indices into bench.BASELINE_SHAPES, e.g. 1,4")
     parser.add_argument("--mode", choices=("fwd", "bwd"), default="bwd")
-    parser.add_argument("--timing", choices=("wall", "kernels"), default="wall")
+    parser.add_argument("--timing", choices=sorted(TIMINGS), default="wall")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--offline", action="store_true", help="compile the variants for sm_90, no GPU (see above)")
     parser.add_argument("--only", default="", help="comma list of the variants to run (default all; 'as is' always)")
@@ -111,7 +113,6 @@ def main():
         return
 
     import flashtriton
-    from flashtriton.bench import attention_flops, kernel_ms, median_ms, select_shapes
 
     target, kernel_name, call_options = spec["TARGET"], spec["KERNEL"], spec.get("CALL", {})
     owner_name, attribute = target.split(":")
@@ -140,7 +141,7 @@ def main():
                     values = run()
                     reference = reference if reference is not None else values
                     error = max(float((a.float() - b.float()).abs().max()) for a, b in zip(values, reference))
-                    tflops = flops / (median_ms(run) if args.timing == "wall" else kernel_ms(run)) * 1e-9
+                    tflops = flops / time_ms(run, args.timing) * 1e-9
                 finally:
                     setattr(owner, attribute, original)
                 results[name] = dict(tflops=tflops, max_abs_difference=error)

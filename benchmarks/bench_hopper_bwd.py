@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtriton
 from flashtriton import configs
-from flashtriton.bench import attention_flops, kernel_ms, median_ms, select_shapes
+from flashtriton.bench import TIMINGS, attention_flops, select_shapes, time_ms
 from flashtriton.ops import hopper_bwd
 from flashtriton.testing import forced_gluon_backward, forced_gluon_dq
 
@@ -46,11 +46,10 @@ def main():
     parser.add_argument("--shapes", default="all",
                         help="'all' or indices into bench.BASELINE_SHAPES, e.g. 1,3 (head dims the kernel takes)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--timing", choices=["wall", "kernels"], default="wall",
+    parser.add_argument("--timing", choices=sorted(TIMINGS), default="wall",
                         help="wall: median wall clock (do_bench); kernels: the GPU time of the call's kernels "
                              "(torch.profiler), which leaves host time out (16x1024 rows are host-bound eagerly)")
     args = parser.parse_args()
-    timed = kernel_ms if args.timing == "kernels" else median_ms
     shapes = [shape for shape in select_shapes(args.shapes) if shape.head_dim in configs.HOPPER_BWD]
     rows = []
     for batch, seqlen, heads, dim in shapes:
@@ -67,15 +66,16 @@ def main():
                     launches = hopper_bwd.launch_count
                     grads[name] = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
                     ran_gluon[name] = hopper_bwd.launch_count > launches
-                    times[name] = timed(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+                    times[name] = time_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+                                          args.timing)
                 rows.append(dict(tag, provider=f"flashtriton-{name}", ran_gluon=ran_gluon[name], ms=times[name],
                                  tflops=flops / times[name] * 1e-9))
             qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
             for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
                 with sdpa_kernel(backend):
                     out_t = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                    times[name] = timed(lambda: torch.autograd.grad(out_t, (qt, kt, vt), dout.transpose(1, 2),
-                                                                        retain_graph=True))
+                    times[name] = time_ms(lambda: torch.autograd.grad(out_t, (qt, kt, vt), dout.transpose(1, 2),
+                                                                      retain_graph=True), args.timing)
                 rows.append(dict(tag, provider=name, ms=times[name], tflops=flops / times[name] * 1e-9))
             tf = {name: flops / ms * 1e-9 for name, ms in times.items()}
             print(f"{tag} bwd TF/s: " + ", ".join(

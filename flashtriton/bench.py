@@ -277,6 +277,13 @@ TIMINGS = {"wall": "median of triton.testing.do_bench (events around each call, 
            "kernels": "mean GPU time of the call's kernels over 20 calls (torch.profiler; host time left out)"}
 
 
+def time_ms(fn: Callable, timing: str = "wall", warmup: int = 25, rep: int = 100) -> float:
+    """Milliseconds per call of fn by one of TIMINGS (warmup / rep: do_bench's, for "wall")."""
+    if timing not in TIMINGS:
+        raise ValueError(f"timing must be one of {sorted(TIMINGS)}, got {timing!r}")
+    return median_ms(fn, warmup=warmup, rep=rep) if timing == "wall" else kernel_ms(fn)
+
+
 def graphed(call: Callable) -> Callable:
     """call captured into a CUDA graph; the returned function replays it and returns its (static) output."""
     stream = torch.cuda.Stream()
@@ -353,7 +360,7 @@ def bench_config(provider: str, shape: Shape, causal: bool, dtype: torch.dtype, 
     row = BenchRow(provider, shape.batch, shape.seqlen, shape.heads, shape.head_dim, causal, dtype_name, mode)
     try:
         fn = timed_callable(provider, mode, causal, q, k, v)
-        row.ms = median_ms(fn, warmup=warmup, rep=rep) if timing == "wall" else kernel_ms(fn)
+        row.ms = time_ms(fn, timing, warmup, rep)
         if mode == "fwd+bwd":
             row.peak_mem_mib = peak_memory_mib(fn)
     except Exception as error:  # noqa: BLE001 - any provider failure is data, not a crash

@@ -275,6 +275,8 @@ def test_bench_kernel_timing_reaches_every_row(monkeypatch):
     row = bench.bench_config("flashtriton", shape, False, torch.bfloat16, "fwd", q, k, v, timing="kernels")
     assert row.status == "ok" and row.ms == 4.0, row
     assert "kernels" in bench.TIMINGS and "wall" in bench.TIMINGS
+    with pytest.raises(ValueError, match="timing must be one of"):
+        bench.time_ms(lambda: None, "cycles")
     args = cli.build_parser().parse_args(["bench", "--timing", "kernels"])
     assert args.timing == "kernels"
 

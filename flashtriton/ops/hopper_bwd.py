@@ -23,10 +23,10 @@ try:
     from ..kernels.bwd_hopper import KEYS_PER_CONSUMER, attn_bwd_hopper_kernel
     from ..kernels.bwd_hopper_d256 import KEYS_PER_PROGRAM, attn_bwd_hopper_d256_kernel
     from ..kernels.bwd_hopper_dq import ROWS_PER_CONSUMER, attn_bwd_hopper_dq_kernel
+    from .hopper_fwd import checked_descriptor  # exists where the Gluon forward imported
     KEY_BLOCK = 2 * KEYS_PER_CONSUMER.value
     KEY_BLOCK_D256 = KEYS_PER_PROGRAM.value
     DQ_ROWS = ROWS_PER_CONSUMER.value
-    from .hopper_fwd import checked_descriptor
 except Exception:  # Triton without Gluon's Hopper API, or its interpreter: the Triton kernels run everything
     attn_bwd_hopper_kernel = attn_bwd_hopper_d256_kernel = attn_bwd_hopper_dq_kernel = None
     KEY_BLOCK, KEY_BLOCK_D256, DQ_ROWS = 128, 64, 64
