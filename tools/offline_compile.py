@@ -3,7 +3,7 @@
     python tools/offline_compile.py [--head-dim 128] [--local] [--kernel fwd|dkdv|dq] [--config M,N,WARPS,STAGES]
     python tools/offline_compile.py --kernel fwd-hopper [--head-dim 128] [--causal] [--hopper-config N,STAGES,REGS[,P,PP]]
                                                        # the Gluon forward; default: its configs.HOPPER_FWD entry
-                                                       # (P, PP: persistent, ping-pong, 0 or 1)
+                                                       # (P, PP, H: persistent, ping-pong, hold_schedule, 0 or 1)
     python tools/offline_compile.py --kernel bwd-hopper [--head-dim 128] [--causal] [--ordered]
                                     [--hopper-config ROWS,STAGES,REGS]
                                                        # the Gluon backward; default: its configs.HOPPER_BWD entry
@@ -125,7 +125,7 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     signature["qk_scale_log2"] = "fp32"
     return _compile_gluon(kernel or attn_fwd_hopper_kernel, signature, dict(CAUSAL=causal, STAGES=config.stages,
                                                                   CONSUMER_REGS=config.consumer_regs,
-                                                                  PINGPONG=config.pingpong, num_warps=4))
+                                                                  PINGPONG=config.pingpong, HOLD_SCHEDULE=config.hold_schedule, num_warps=4))
 
 
 def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", ordered: bool = False,
@@ -181,7 +181,7 @@ def main():
     parser.add_argument("--local", action="store_true")
     parser.add_argument("--kernel", default="fwd", choices=[*KERNELS, "fwd-hopper", "bwd-hopper", "bwd-hopper-dq"])
     parser.add_argument("--causal", action="store_true", help="fwd-hopper only: the causal variant")
-    parser.add_argument("--hopper-config", help="fwd-hopper: BLOCK_N,STAGES,REGS[,PERSISTENT,PINGPONG], bwd-hopper: "
+    parser.add_argument("--hopper-config", help="fwd-hopper: BLOCK_N,STAGES,REGS[,PERSISTENT,PINGPONG,HOLD], bwd-hopper: "
                                                 "ROWS,STAGES,REGS instead of the configs.HOPPER_FWD / HOPPER_BWD entry")
     parser.add_argument("--config", default="128,128,8,3")
     parser.add_argument("--dropout", action="store_true")

@@ -23,45 +23,6 @@ _LSE_STORE = "gl.store(Lse + lse_row_base + offs_m, lse, mask=offs_m < seqlen_q)
 _O_STORE = "tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_tile)"
 _PINGPONG = "    if PINGPONG:\n        # one allocation each"
 
-_EXP2_ON_FMA = """@gluon.jit
-def _exp2_on_fma(x):
-    # 2^x for x <= 0 on the FMA and integer pipes (no MUFU, no conversions): x = j + f with j = round(x) (adding
-    # 1.5 * 2^23 leaves j in the low mantissa bits) and f in [-0.5, 0.5], 2^f by a degree-3 polynomial (relative
-    # error 2.1e-4), j shifted into the exponent bits; below 2^-126 (and -inf: masked keys, rows without keys) 0
-    clamped = gl.maximum(x, -126.0)
-    shifted = clamped + 12582912.0
-    frac = clamped - (shifted - 12582912.0)
-    poly = ((0.05484627802025906 * frac + 0.24180230420460921) * frac + 0.6932480584853659) * frac + 0.9999888786075574
-    bits = poly.to(gl.int32, bitcast=True) + (shifted.to(gl.int32, bitcast=True) << 23)
-    return gl.where(x < -126.0, 0.0, bits.to(gl.float32, bitcast=True))
-
-
-@gluon.jit
-def _exp2_half_on_fma(x):
-    # x [ROWS, N]: the even columns by MUFU (gl.exp2), the odd ones on the FMA pipe (each thread holds column pairs)
-    ROWS: gl.constexpr = x.shape[0]
-    N: gl.constexpr = x.shape[1]
-    even, odd = gl.split(x.reshape([ROWS, N // 2, 2]))
-    # the same registers as x's layout (a linear layout equal to it): the conversion moves nothing
-    return gl.convert_layout(gl.join(gl.exp2(even), _exp2_on_fma(odd)).reshape([ROWS, N]), x.type.layout)
-
-
-@gluon.jit
-def _exp2_quarter_on_fma(x):
-    # x [ROWS, N]: three columns in four by MUFU, one on the FMA pipe (the odd columns split once more by pairs)
-    ROWS: gl.constexpr = x.shape[0]
-    N: gl.constexpr = x.shape[1]
-    even, odd = gl.split(x.reshape([ROWS, N // 2, 2]))
-    # odd's columns: bits 0-1 across lanes, bit 2 in registers: split by bit 2 (moved last)
-    odd_lo, odd_hi = gl.split(gl.permute(odd.reshape([ROWS, N // 16, 2, 4]), (0, 1, 3, 2)))
-    odd = gl.permute(gl.join(gl.exp2(odd_lo), _exp2_on_fma(odd_hi)), (0, 1, 3, 2)).reshape([ROWS, N // 2])
-    # both halves in one layout object again (they hold the same registers), then x's
-    odd = gl.convert_layout(odd, even.type.layout)
-    return gl.convert_layout(gl.join(gl.exp2(even), odd).reshape([ROWS, N]), x.type.layout)
-
-
-"""
-
 VARIANTS = {
     # the LSE rows' global stores
     "no LSE store": [(_LSE_STORE, "pass")],
@@ -89,22 +50,26 @@ VARIANTS = {
          "    m_block = gl.max(s, 1) * qk_scale_log2\n    m_new = gl.where(m_block > m_i + 8.0, m_block, m_i)\n"),
         ("        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)",
          "        if gl.min(alpha, 0) < 1.0:\n            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)")],
-    # half of each block's exp2 on the FMA pipe instead of MUFU (FA4's emulation on Blackwell): the odd columns by
-    # 2^round(x) * p(x - round(x)), p of degree 3 (relative error 2.1e-4, below bf16's rounding of P); the offline
-    # SASS put the softmax's 64 MUFU.EX2 per thread and block at ~52% of the block's tensor-core time per SM
-    # (MUFU 66 -> 34, FFMA 66 -> 162, FADD 68 -> 164 per iteration; no shuffles or shared memory added)
-    "half the exp2 on FMA": [
-        ("    p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(pivot, 1))\n",
-         "    p = _exp2_half_on_fma(s * qk_scale_log2 - gl.expand_dims(pivot, 1))\n"),
-        ("@gluon.jit\ndef _softmax_block(", _EXP2_ON_FMA + "@gluon.jit\ndef _softmax_block(")],
     # one release per key block: K's stage is handed back with V's (after P V), not after S, so each consumer
     # iteration has one mbarrier arrival fewer, and the producer loads K of
     # load l only once V of load l - STAGES is released (correct results; prefetch one wgmma later)
-    # the same with one column in four on the FMA pipe (MUFU does three quarters)
-    "a quarter of the exp2 on FMA": [
-        ("    p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(pivot, 1))\n",
-         "    p = _exp2_quarter_on_fma(s * qk_scale_log2 - gl.expand_dims(pivot, 1))\n"),
-        ("@gluon.jit\ndef _softmax_block(", _EXP2_ON_FMA + "@gluon.jit\ndef _softmax_block(")],
+    # the P V wait before the softmax, as the kernel was until the fourteenth session: P converted where P V is
+    # issued (LLVM then carries fp32 P around the loop) and no fence, so ptxas schedules the conversion into the
+    # exp2s and the wait with it (offline SASS: no MUFU.EX2 between the S wait and the P V wait)
+    "P V waited before the softmax": [
+        ("        _hold_schedule(fences)\n", ""),
+        ("    p = _operand_of(p, q.dtype, p_layout)\n    for j", "    for j"),
+        ("        p = _operand_of(p, q.dtype, p_layout)\n", ""),
+        ("acc = warpgroup_mma(p, v_smem.index(previous)",
+         "acc = warpgroup_mma(gl.convert_layout(p.to(q.dtype), p_layout), v_smem.index(previous)"),
+        ("acc = warpgroup_mma(p, v_smem.index(last % STAGES)",
+         "acc = warpgroup_mma(gl.convert_layout(p.to(q.dtype), p_layout), v_smem.index(last % STAGES)")],
+    # the fence that keeps the exp2s ahead of the P V wait (kernels/fwd_hopper._hold_schedule) off or on whatever
+    # configs.HOPPER_FWD says (the conversion stays after the wait either way)
+    "no schedule fence": [("    if HOLD_SCHEDULE:\n        fences = (0, )", "    if False:\n        fences = (0, )")],
+    "schedule fence": [("    if HOLD_SCHEDULE:\n        fences = (0, )", "    if True:\n        fences = (0, )")],
+    # the P operand without the opaque copy (LLVM may carry fp32 P around the loop again)
+    "no opaque P copy": [("    return gl.inline_asm_elementwise(\"mov.b32 $0, $1;\"", "    return operand\n    gl.inline_asm_elementwise(\"mov.b32 $0, $1;\"")],
     "one release per key block": [("arrive_after_wgmma(k_empty.index(stage))", "pass"),
                                   ("mbarrier.wait(k_empty.index(stage), previous_use_phase, pred=load >= STAGES)",
                                    "mbarrier.wait(v_empty.index(stage), previous_use_phase, pred=load >= STAGES)")],

@@ -162,6 +162,29 @@ def _softmax_block(s, m_i, l_i, qk_scale_log2):
 
 
 @gluon.jit
+def _operand_of(p, dtype: gl.constexpr, p_layout: gl.constexpr):
+    """P [ROWS, BLOCK_N] fp32 -> the P V wgmma's A operand in dtype, through an opaque register copy: LLVM folds a
+    loop-carried value made by the same conversion on every path into one conversion of a loop-carried fp32 P at
+    the loop's top (InstCombine), which keeps 64 fp32 registers live across the next S wgmma and made ptxas wait
+    for P V before the softmax; the copy keeps the conversion where it is written."""
+    operand = gl.convert_layout(p.to(dtype), p_layout)
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [operand], dtype=operand.dtype, is_pure=True,
+                                    pack=2)
+
+
+@gluon.jit
+def _hold_schedule(fences):
+    """fences: (0, ) or (): a CTA memory fence (MEMBAR.ALL.CTA; a consumer has no memory operation of its own in
+    flight here but barrier arrivals) that ptxas does not move instructions across, so the softmax's exp2s before it
+    stay ahead of the P V wait after it. Without it ptxas scheduled P's conversion into the exp2s and the wait with
+    it (offline SASS: no MUFU.EX2 between the S wait and the P V wait), so P V never overlapped the softmax. On where
+    configs.HOPPER_FWD says (the fence's cost exceeds the overlap's gain without ping-pong)."""
+    for _ in gl.static_range(len(fences)):
+        gl.inline_asm_elementwise("fence.acq_rel.cta;\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+
+@gluon.jit
 def _wait_turn(turns, step, lead):
     """Ping-pong between the consumers (turns: (this consumer's barrier, the other's), or () without it): before its
     step-th issue of wgmmas (steps counted across the program's tiles) a consumer waits until the other one has
@@ -181,7 +204,7 @@ def _pass_turn(turns):
 
 @gluon.jit
 def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, release_q, first_load, n_blocks, row0,
-                offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, acc_layout: gl.constexpr):
+                offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, fences, acc_layout: gl.constexpr):
     """One consumer's pass over a work item's key blocks (the program's loads first_load, first_load + 1, ...) for
     its Q tile q [ROWS, HEAD_DIM] (shared memory), overlapped inside the warpgroup: block 0's softmax first, then per
     block j S_j and P_{j-1} V_{j-1} issued together, softmax j while P_{j-1} V_{j-1} runs, then the rescale.
@@ -216,6 +239,9 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     # [ROWS, BLOCK_N] probabilities of the block whose P.V is pending
     p, m_i, l_i, alpha = _softmax_block(_mask_block(s, 0, row0, offs_m, seqlen_q, seqlen_k, causal, col_s), m_i, l_i,
                                         qk_scale_log2)
+    # [ROWS, BLOCK_N] the wgmma's A operand, made where the softmax ends: only these half-width registers stay live
+    # across the next S issue (fp32 p live there pushed ptxas to wait for P V before the softmax, serializing them)
+    p = _operand_of(p, q.dtype, p_layout)
     for j in range(1, n_blocks):
         load = first_load + j
         stage = load % STAGES
@@ -225,36 +251,36 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         _wait_turn(turns, load, lead)
         s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
                           is_async=True)
-        acc = warpgroup_mma(gl.convert_layout(p.to(q.dtype), p_layout),
-                            v_smem.index(previous).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        acc = warpgroup_mma(p, v_smem.index(previous).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
         _pass_turn(turns)
         # S_j done (wgmma groups complete in order); P_{j-1} V_{j-1} may still run
         s = warpgroup_mma_wait(1, deps=(s, ))
         arrive_after_wgmma(k_empty.index(stage))
         p, m_i, l_i, alpha = _softmax_block(_mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s), m_i,
                                             l_i, qk_scale_log2)
+        _hold_schedule(fences)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         arrive_after_wgmma(v_empty.index(previous))
+        p = _operand_of(p, q.dtype, p_layout)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
     arrive_after_wgmma(q_free, pred=release_q)
     last = first_load + n_blocks - 1
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-    acc = warpgroup_mma(gl.convert_layout(p.to(q.dtype), p_layout),
-                        v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM]), acc)
+    acc = warpgroup_mma(p, v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM]), acc)
     arrive_after_wgmma(v_empty.index(last % STAGES))
     return acc, m_i, l_i
 
 
 @gluon.jit
 def _consumer(o_desc, Lse, q_tile, o_tile, q_ready, q_empty, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns,
-              stride_lse_b, stride_lse_h, row_offset, num_heads, num_tiles, num_batch_heads, heads_per_group, seqlen_q,
-              seqlen_k, qk_scale_log2, causal, o_in_q, paired):
+              fences, stride_lse_b, stride_lse_h, row_offset, num_heads, num_tiles, num_batch_heads, heads_per_group,
+              seqlen_q, seqlen_k, qk_scale_log2, causal, o_in_q, paired):
     """One warpgroup: query rows [m_start + row_offset, + ROWS) of every tile of this program. Per tile: wait
     for its Q tile (q_tile [1, ROWS, 1, HEAD_DIM], shared), run the key blocks, normalize, store the natural-log
     LSE and O (through o_tile by TMA, which clips rows past seqlen_q). q_empty tells the producer that q_tile may
     be refilled: after the last S wgmma, or where O is staged in q_tile itself (o_in_q) once O's store has read it.
     Rows that saw no key: out 0, lse +inf (API.md §4.5). turns: the ping-pong barriers (_wait_turn), this
-    consumer's first, or (); the first consumer (row_offset 0) leads."""
+    consumer's first, or (); the first consumer (row_offset 0) leads. fences: _hold_schedule's."""
     ROWS: gl.constexpr = q_tile.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
@@ -280,7 +306,7 @@ def _consumer(o_desc, Lse, q_tile, o_tile, q_ready, q_empty, k_smem, v_smem, k_r
             mbarrier.wait(q_ready, done & 1)
             acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,
                                         load, n_blocks, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal,
-                                        turns, lead, acc_layout)
+                                        turns, lead, fences, acc_layout)
             seen = l_i > 0.0
             out = acc / gl.expand_dims(gl.convert_layout(gl.where(seen, l_i, 1.0), row_o), 1)
             lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("inf"))
@@ -303,7 +329,7 @@ def _consumer(o_desc, Lse, q_tile, o_tile, q_ready, q_empty, k_smem, v_smem, k_r
 def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, stride_lse_h, batch, num_heads,
                            group_size, seqlen_q, seqlen_k, heads_per_group, paired, qk_scale_log2,
                            CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                           PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+                           PINGPONG: gl.constexpr, HOLD_SCHEDULE: gl.constexpr, num_warps: gl.constexpr):
     """Work items: 128-row query tiles of every (batch, head), longest first, in launch-order groups of
     heads_per_group (batch, head) pairs like kernels/fwd.py, or with `paired` (1) pairs of tiles of equal total
     length (_item_tiles); program p takes items p, p + P, p + 2P, ... of a grid of P programs (one per item, or
@@ -347,6 +373,11 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
         turns = ((first_turn, second_turn), (second_turn, first_turn))
     else:
         turns = ((), ())
+    # _hold_schedule's fence, present or not (a tuple's length reaches the partitions where a constexpr does not)
+    if HOLD_SCHEDULE:
+        fences = (0, )
+    else:
+        fences = ()
     for stage in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(stage), count=1)
         mbarrier.init(v_ready.index(stage), count=1)
@@ -359,9 +390,9 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
     work = (num_heads, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, qk_scale_log2, causal, o_in_q,
             paired)
     first_args = (o_desc, Lse, q_smem.index(0), o_smem.index(0), q_ready.index(0), q_empty.index(0), k_smem, v_smem,
-                  k_ready, v_ready, k_empty, v_empty, turns[0]) + shared + (0, ) + work
+                  k_ready, v_ready, k_empty, v_empty, turns[0], fences) + shared + (0, ) + work
     second_args = (o_desc, Lse, q_smem.index(1), o_smem.index(1), q_ready.index(1), q_empty.index(1), k_smem, v_smem,
-                   k_ready, v_ready, k_empty, v_empty, turns[1]) + shared + (ROWS, ) + work
+                   k_ready, v_ready, k_empty, v_empty, turns[1], fences) + shared + (ROWS, ) + work
     producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k,
                      causal, paired)

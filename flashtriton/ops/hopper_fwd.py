@@ -105,5 +105,5 @@ def launch(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: in
         tile_descriptor(v, config.block_n), tile_descriptor(out, CONSUMER_ROWS.value), lse, *lse_strides, batch,
         num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, heads_per_group, int(paired),
         params.kernel_args()[0], CAUSAL=params.causal_like, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs,
-        PINGPONG=config.pingpong, num_warps=4)
+        PINGPONG=config.pingpong, HOLD_SCHEDULE=config.hold_schedule, num_warps=4)
     launch_count += 1
