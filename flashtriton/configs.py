@@ -219,6 +219,10 @@ L2_GROUP_BYTES = {False: 0, True: 16 << 20}
 # ablate_kernel.py at 16x1024 (same process): 538 -> 547 and causal 412 -> 428. On at d128 only.
 # Thirteenth session (arrivals without BAR.SYNC, kernels/hopper_sync.py; ablate_kernel.py kernel time, two rounds):
 # on at d64 / d256 still 2-4% slower (442 / 461, 408 / 424; 691 / 704, 651 / 661 TF/s on / off).
+# hold_schedule (fourteenth session, ablations/fwd_hopper.py, kernel time, two processes; on / off as the median of
+# the readings of each kernel, 2-4 each): d128 4x4096 682 / 668 and causal 626 / 614, 1x16384 658 / 640, causal 657 /
+# 652, 16x1024 level; d64 449 / 470 and causal 414 / 439, d256 706 / 709 and causal 649 / 667: on at d128 only
+# (docs/perf-notes.md).
 @dataclass(frozen=True)
 class HopperFwdConfig:
     block_n: int         # keys per K/V stage

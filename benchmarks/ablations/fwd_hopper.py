@@ -12,6 +12,9 @@ causal rows are host-bound at this size: ~160 us of GPU time per call).
 Thirteenth session (kernel time, --shapes 0,1,2,3,4, docs/perf-notes.md): "arrivals after BAR.SYNC" (the old
 arrivals) 0-4% slower at d128, level at d64 / d256; "one release per key block" -15 to -25%; "no output rescale" +1
 to +6%; "rescale skip (max lagging)" -2 to -7%; "ping-pong on" at d64 / d256 -2 to -4%.
+Fourteenth session: "P V waited before the softmax" (the kernel before `a536212`) 3-9% slower at d128 4x4096 /
+1x16384, level at 16x1024 and d256, 1.5-3.5% faster at d64 only where the fence is on ("schedule fence"); "no
+schedule fence" at d128 level to -3%; "no opaque P copy" and "ping-pong off" at d128 within noise (docs/perf-notes.md).
 """
 
 MODULE = "flashtriton/kernels/fwd_hopper.py"
