@@ -6,6 +6,8 @@ cases it does not cover, that it did not), NaN-poisons the outputs and applies t
 """
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,10 +15,11 @@ import torch
 import flashtriton
 from flashtriton import configs
 from flashtriton.ops import hopper_fwd
-from flashtriton.ops.backend import score_params
+from flashtriton.ops.backend import KERNELS_INTERPRETED, score_params
 from flashtriton.testing import Case, assert_checks_ok, compare_with_reference, forced_heads_per_group, \
     forced_hopper_grid, make_case_inputs, poisoned_outputs
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 needs_hopper = pytest.mark.skipif(not ON_HOPPER or hopper_fwd.attn_fwd_hopper_kernel is None,
                                   reason="the Gluon forward runs on sm_90 only")
@@ -115,6 +118,22 @@ def test_gluon_forward_pingpong(monkeypatch, seqlen_q, seqlen_k, head_dim, causa
     assert_checks_ok(checks)
 
 
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_FWD), ids=lambda d: f"d{d}")
+def test_gluon_forward_hold_schedule(monkeypatch, head_dim, causal):
+    """The other setting of the fence that keeps the softmax ahead of the P V wait (configs.HopperFwdConfig.
+    hold_schedule) than the table's: tiles of different lengths on 3 programs, rows without keys (sq > sk causal)."""
+    config = configs.HOPPER_FWD[head_dim]
+    flipped = dataclasses.replace(config, hold_schedule=not config.hold_schedule)
+    monkeypatch.setitem(configs.HOPPER_FWD, head_dim, flipped)
+    with forced_hopper_grid(3):
+        checks, ran = run_forward(Case(batch=2, seqlen_q=700, seqlen_k=300, num_heads=3, num_heads_k=3,
+                                       head_dim=head_dim, dtype=torch.bfloat16, causal=causal))
+    assert ran, "the Gluon forward did not run"
+    assert_checks_ok(checks)
+
+
 FEATURES = {
     "gqa": dict(num_heads=6, num_heads_k=2),
     "mqa": dict(num_heads=4, num_heads_k=1, causal=True),
@@ -204,3 +223,23 @@ def test_gluon_forward_module_imports():
     without the API); where the API is there the module must import, or a broken kernel file would only show as a
     slower forward on the GPU. Runs on CPU."""
     assert hopper_fwd.attn_fwd_hopper_kernel is not None
+
+
+@pytest.mark.skipif(not _gluon_hopper_api() or KERNELS_INTERPRETED,
+                    reason="compiles for sm_90 (needs the Gluon Hopper API and compiled, not interpreted, kernels)")
+@pytest.mark.parametrize("head_dim", [d for d in sorted(configs.HOPPER_FWD) if configs.HOPPER_FWD[d].hold_schedule],
+                         ids=lambda d: f"d{d}")
+def test_softmax_runs_under_its_p_v_product(head_dim):
+    """Offline SASS (tools/offline_compile.exp2_before_pv_wait): where the table holds the schedule, every exp2 of a
+    block's softmax comes before the wait for the previous block's P V product in both consumers' loops, causal or
+    not (the in-warpgroup overlap the kernel is written for). Built without the fence, this Triton's ptxas waits
+    first (no exp2 before the wait): if that stops being true, the fence may no longer be needed (re-measure)."""
+    import offline_compile
+
+    config = configs.HOPPER_FWD[head_dim]
+    per_block = config.block_n // 2 + 2  # a thread's exp2s per block: its BLOCK_N / 2 probabilities and 2 alphas
+    for causal in (False, True):
+        held = offline_compile.exp2_before_pv_wait(offline_compile.compile_hopper_fwd(head_dim, causal).asm["cubin"])
+        assert held == [per_block, per_block], (causal, held)
+    loose = offline_compile.compile_hopper_fwd(head_dim, False, dataclasses.replace(config, hold_schedule=False))
+    assert offline_compile.exp2_before_pv_wait(loose.asm["cubin"]) == [0, 0]

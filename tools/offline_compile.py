@@ -9,6 +9,7 @@
                                                        # the Gluon backward; default: its configs.HOPPER_BWD entry
     python tools/offline_compile.py --kernel bwd-hopper-dq [--head-dim 256] [--causal]
                                                        # the Gluon dQ kernel with its configs.HOPPER_DQ entry
+    (fwd-hopper also prints exp2_before_pv_wait: how much of each consumer loop's softmax runs under its P V product)
 
 Uses Triton's bundled ptxas. Integer arguments are compiled as plain i32 with the pointer/stride
 divisibility hints a contiguous (B, S, H, D) launch would get, so the numbers approximate the real compile.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+import re
 import subprocess
 import tempfile
 
@@ -123,9 +125,9 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     signature.update({name: "i32" for name in ("stride_lse_b", "stride_lse_h", "batch", "num_heads", "group_size",
                                                "seqlen_q", "seqlen_k", "heads_per_group", "paired")})
     signature["qk_scale_log2"] = "fp32"
-    return _compile_gluon(kernel or attn_fwd_hopper_kernel, signature, dict(CAUSAL=causal, STAGES=config.stages,
-                                                                  CONSUMER_REGS=config.consumer_regs,
-                                                                  PINGPONG=config.pingpong, HOLD_SCHEDULE=config.hold_schedule, num_warps=4))
+    constexprs = dict(CAUSAL=causal, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs,
+                      PINGPONG=config.pingpong, HOLD_SCHEDULE=config.hold_schedule, num_warps=4)
+    return _compile_gluon(kernel or attn_fwd_hopper_kernel, signature, constexprs)
 
 
 def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", ordered: bool = False,
@@ -223,7 +225,8 @@ def main():
         print(f"fwd-hopper d{args.head_dim} causal={args.causal} {args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} "
               f"shared {compiled.metadata.shared} wgmma {compiled.asm['ptx'].count('wgmma.mma_async')} "
-              f"setmaxnreg {compiled.asm['ptx'].count('setmaxnreg')}")
+              f"setmaxnreg {compiled.asm['ptx'].count('setmaxnreg')} "
+              f"exp2_before_pv_wait {exp2_before_pv_wait(compiled.asm['cubin'])}")
         return
     block_m, block_n, warps, stages = (int(x) for x in args.config.split(","))
     compiled = compile_kernel(KERNELS[args.kernel], args.head_dim, args.local, block_m, block_n, warps, stages,
@@ -236,9 +239,57 @@ def main():
           f"shared {compiled.metadata.shared} wgmma {compiled.asm['ptx'].count('wgmma.mma_async')}")
 
 
+def _bundled_tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def sass_of(cubin: bytes) -> tuple:
+    """(instructions, labels) of a cubin by the bundled nvdisasm: instruction texts in address order, and each
+    branch label's index into them."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        text = subprocess.run([_bundled_tool("nvdisasm"), "-c", handle.name], capture_output=True, text=True,
+                              check=True).stdout
+    instructions, labels = [], {}
+    for line in text.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(instructions)
+        elif re.search(r"/\*[0-9a-f]{4,}\*/", line):
+            instructions.append(line.strip())
+    return instructions, labels
+
+
+def exp2_before_pv_wait(cubin: bytes) -> list:
+    """For each consumer loop of the Gluon forward (kernels/fwd_hopper._key_blocks), the MUFU.EX2 count between its
+    S wait (WARPGROUP.DEPBAR.LE gsb0, 0x1) and its P V wait (0x0), following the unmasked block's path (taken
+    `@P BRA`s and plain `BRA`s; `@!P BRA`s are barrier-wait retries): the part of the softmax that overlaps P V.
+    A block's softmax is BLOCK_N / 2 + 2 exp2s per thread, so BLOCK_N / 2 + 2 means all of it; 0, that ptxas waited
+    for P V first (docs/perf-notes.md, session 14). None for a loop whose walk did not reach a wait."""
+    instructions, labels = sass_of(cubin)
+    counts = []
+    for start, text in enumerate(instructions):
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" not in text:
+            continue
+        index, exp2s, count = start + 1, 0, None
+        for _ in range(len(instructions)):
+            if index >= len(instructions) or "HGMMA" in instructions[index]:
+                break
+            line = instructions[index]
+            if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
+                count = exp2s
+                break
+            exp2s += "MUFU.EX2" in line
+            branch = re.search(r"^/\*[0-9a-f]+\*/\s+(@P\d+\s+)?BRA `\((\.L_x_\d+)\)", line)
+            index = labels[branch.group(2)] if branch else index + 1
+        counts.append(count)
+    return counts
+
+
 def resource_usage(compiled) -> str:
     """REG / STACK / local-memory line of `cuobjdump --dump-resource-usage` on the cubin."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tool = _bundled_tool("cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(compiled.asm["cubin"])
         handle.flush()
