@@ -183,8 +183,9 @@ def main():
     parser.add_argument("--local", action="store_true")
     parser.add_argument("--kernel", default="fwd", choices=[*KERNELS, "fwd-hopper", "bwd-hopper", "bwd-hopper-dq"])
     parser.add_argument("--causal", action="store_true", help="fwd-hopper only: the causal variant")
-    parser.add_argument("--hopper-config", help="fwd-hopper: BLOCK_N,STAGES,REGS[,PERSISTENT,PINGPONG,HOLD], bwd-hopper: "
-                                                "ROWS,STAGES,REGS instead of the configs.HOPPER_FWD / HOPPER_BWD entry")
+    parser.add_argument("--hopper-config", help="fwd-hopper: BLOCK_N,STAGES,REGS[,PERSISTENT,PINGPONG,HOLD], "
+                                                "bwd-hopper: ROWS,STAGES,REGS instead of the configs.HOPPER_FWD / "
+                                                "HOPPER_BWD entry")
     parser.add_argument("--config", default="128,128,8,3")
     parser.add_argument("--dropout", action="store_true")
     parser.add_argument("--pack-gqa", action="store_true", help="forward only: packed GQA decode tiles")

@@ -22,10 +22,11 @@ loads are numbered across its items: load l goes to stage l % STAGES and is the 
 stage, whose parity the waits check; the program's i-th tile's Q tiles are the i-th use of q_ready / q_empty.
 
 Consumer schedule (FA3's intra-warpgroup pipelining): S_j and P_{j-1} V_{j-1} are issued together, the softmax of
-block j runs while P_{j-1} V_{j-1} is on the tensor cores, and the output rescale waits for it. (An in-order
-schedule, S_j, softmax j, P_j V_j, was 2-9% slower on every BASELINES row: configs.py.) With ping-pong (config,
-on at head dim 128) the two consumers also take turns issuing those wgmmas, so that one's softmax runs while the
-other's products do (_wait_turn).
+block j runs while P_{j-1} V_{j-1} is on the tensor cores, and the output rescale waits for it. In the binary the
+softmax runs under P V only where configs.HOPPER_FWD holds the schedule (_hold_schedule; ptxas otherwise waits for
+P V first: tools/offline_compile.exp2_before_pv_wait). (An in-order schedule, S_j, softmax j, P_j V_j, was 2-9%
+slower on every BASELINES row: configs.py.) With ping-pong (config, on at head dim 128) the two consumers also take
+turns issuing those wgmmas, so that one's softmax runs while the other's products do (_wait_turn).
 """
 
 from triton.experimental import gluon
