@@ -80,19 +80,24 @@ def load_variants(spec_file: str, directory: str, only=()) -> tuple:
     return spec, modules
 
 
-def compile_offline(spec: dict, modules: dict) -> None:
-    """Compile each variant's kernel for sm_90 without a GPU (tools/offline_compile.py) and print its resources."""
+def compile_offline(spec: dict, modules: dict, head_dim=None) -> None:
+    """Compile each variant's kernel for sm_90 without a GPU (tools/offline_compile.py) and print its resources
+    (and for the Gluon forward how much of each consumer loop's softmax runs under its P V product); head_dim
+    overrides OFFLINE's."""
     sys.path.insert(0, str(ROOT / "tools"))
     import offline_compile
 
     options = dict(spec["OFFLINE"])
-    kind, head_dim = options.pop("kind"), options.pop("head_dim")
+    kind, spec_head_dim = options.pop("kind"), options.pop("head_dim")
     compile_kernel = {"fwd-hopper": offline_compile.compile_hopper_fwd,
                       "bwd-hopper": offline_compile.compile_hopper_bwd}[kind]
     for name, module in modules.items():
         for causal in (False, True):
-            compiled = compile_kernel(head_dim, causal, kernel=getattr(module, spec["KERNEL"]), **options)
-            print(f"{name} causal={causal}: {offline_compile.resource_usage(compiled)}", flush=True)
+            compiled = compile_kernel(head_dim or spec_head_dim, causal, kernel=getattr(module, spec["KERNEL"]),
+                                      **options)
+            overlap = (f" exp2_before_pv_wait {offline_compile.exp2_before_pv_wait(compiled.asm['cubin'])}"
+                       if kind == "fwd-hopper" else "")
+            print(f"{name} causal={causal}: {offline_compile.resource_usage(compiled)}{overlap}", flush=True)
 
 
 def main():
@@ -103,13 +108,14 @@ def main():
     parser.add_argument("--timing", choices=sorted(TIMINGS), default="wall")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--offline", action="store_true", help="compile the variants for sm_90, no GPU (see above)")
+    parser.add_argument("--offline-head-dim", type=int, help="--offline: this head dim instead of OFFLINE's")
     parser.add_argument("--only", default="", help="comma list of the variants to run (default all; 'as is' always)")
     args = parser.parse_args()
 
     spec, modules = load_variants(args.variants, tempfile.mkdtemp(prefix="ablate-"),
                                   [name for name in args.only.split(",") if name])
     if args.offline:
-        compile_offline(spec, modules)
+        compile_offline(spec, modules, args.offline_head_dim)
         return
 
     import flashtriton
