@@ -85,7 +85,8 @@ VARIANTS = {
     "never-executed fence everywhere": _NEVER_EXECUTED_FENCE + [("    if HOLD_SCHEDULE:\n        fences = (0, )",
                                                                  "    if True:\n        fences = (0, )")],
     # the P operand without the opaque copy (LLVM may carry fp32 P around the loop again)
-    "no opaque P copy": [("    return gl.inline_asm_elementwise(\"mov.b32 $0, $1;\"", "    return operand\n    gl.inline_asm_elementwise(\"mov.b32 $0, $1;\"")],
+    "no opaque P copy": [('    return gl.inline_asm_elementwise("mov.b32 $0, $1;"',
+                          '    return operand\n    gl.inline_asm_elementwise("mov.b32 $0, $1;"')],
     "one release per key block": [("arrive_after_wgmma(k_empty.index(stage))", "pass"),
                                   ("mbarrier.wait(k_empty.index(stage), previous_use_phase, pred=load >= STAGES)",
                                    "mbarrier.wait(v_empty.index(stage), previous_use_phase, pred=load >= STAGES)")],
