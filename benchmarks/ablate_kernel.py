@@ -9,6 +9,7 @@ FILE is a Python file defining
     KERNEL = "attn_fwd_hopper_kernel"                               # that kernel's name in MODULE
     VARIANTS = {"no LSE store": [("gl.store(Lse + ...)", "pass")], ...}
     CALL = dict(deterministic=True)                                 # optional: flash_attn_func keyword arguments
+    CONFIGS = {"wide keys": {"HOPPER_FWD": {256: dict(block_n=128)}}} # optional: config fields a variant changes
     OFFLINE = dict(kind="fwd-hopper", head_dim=128)                 # optional: what --offline compiles
 (benchmarks/ablations/ holds the checked-in ones.)
 Each variant is MODULE's source with every (old, new) replacement applied (each `old` must occur; results may be
@@ -29,6 +30,8 @@ device time is spent on it.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -66,6 +69,25 @@ def variant_module(module_path: str, edits, name: str, directory: str) -> Module
     return module
 
 
+@contextlib.contextmanager
+def config_overrides(spec: dict, name: str):
+    """flashtriton.configs' tables with the fields CONFIGS[name] changes ({table: {key: {field: value}}}) while the
+    variant runs or compiles (its kernel may need another tile or stage count); restored after."""
+    from flashtriton import configs
+
+    saved = []
+    try:
+        for table_name, entries in spec.get("CONFIGS", {}).get(name, {}).items():
+            table = getattr(configs, table_name)
+            for key, fields in entries.items():
+                saved.append((table, key, table[key]))
+                table[key] = dataclasses.replace(table[key], **fields)
+        yield
+    finally:
+        for table, key, entry in reversed(saved):
+            table[key] = entry
+
+
 def load_variants(spec_file: str, directory: str, only=()) -> tuple:
     """(spec, {name: module}) of a variants file (its variables), the unmodified module first as 'as is'; `only`:
     the names of the variants to load (default all)."""
@@ -93,8 +115,9 @@ def compile_offline(spec: dict, modules: dict, head_dim=None) -> None:
                       "bwd-hopper": offline_compile.compile_hopper_bwd}[kind]
     for name, module in modules.items():
         for causal in (False, True):
-            compiled = compile_kernel(head_dim or spec_head_dim, causal, kernel=getattr(module, spec["KERNEL"]),
-                                      **options)
+            with config_overrides(spec, name):
+                compiled = compile_kernel(head_dim or spec_head_dim, causal, kernel=getattr(module, spec["KERNEL"]),
+                                          **options)
             overlap = (f" exp2_before_pv_wait {offline_compile.exp2_before_pv_wait(compiled.asm['cubin'])}"
                        if kind == "fwd-hopper" else "")
             print(f"{name} causal={causal}: {offline_compile.resource_usage(compiled)}{overlap}", flush=True)
@@ -135,19 +158,20 @@ def main():
             for name, module in modules.items():
                 setattr(owner, attribute, getattr(module, kernel_name))
                 try:
-                    if args.mode == "fwd":
-                        def run():
-                            with torch.no_grad():
-                                return (flashtriton.flash_attn_func(q, k, v, causal=causal, **call_options), )
-                    else:
-                        out = flashtriton.flash_attn_func(q, k, v, causal=causal, **call_options)
+                    with config_overrides(spec, name):
+                        if args.mode == "fwd":
+                            def run():
+                                with torch.no_grad():
+                                    return (flashtriton.flash_attn_func(q, k, v, causal=causal, **call_options), )
+                        else:
+                            out = flashtriton.flash_attn_func(q, k, v, causal=causal, **call_options)
 
-                        def run():
-                            return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-                    values = run()
-                    reference = reference if reference is not None else values
-                    error = max(float((a.float() - b.float()).abs().max()) for a, b in zip(values, reference))
-                    tflops = flops / time_ms(run, args.timing) * 1e-9
+                            def run():
+                                return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+                        values = run()
+                        reference = reference if reference is not None else values
+                        error = max(float((a.float() - b.float()).abs().max()) for a, b in zip(values, reference))
+                        tflops = flops / time_ms(run, args.timing) * 1e-9
                 finally:
                     setattr(owner, attribute, original)
                 results[name] = dict(tflops=tflops, max_abs_difference=error)

@@ -55,6 +55,27 @@ def test_ablation_edits_apply_to_their_kernel_module(variants_file):
     for name, edits in spec["VARIANTS"].items():
         for old, _ in edits:
             assert old in source, (name, old)
+    for name in spec.get("CONFIGS", {}):
+        assert name in spec["VARIANTS"], name
+        with ablate_kernel.config_overrides(spec, name):  # every field it names exists
+            pass
+
+
+def test_config_overrides_apply_while_the_variant_runs_and_are_restored():
+    from flashtriton import configs
+
+    before = dict(configs.HOPPER_FWD)
+    spec = {"CONFIGS": {"wide": {"HOPPER_FWD": {256: dict(block_n=128, stages=1)}}}}
+    with ablate_kernel.config_overrides(spec, "wide"):
+        assert (configs.HOPPER_FWD[256].block_n, configs.HOPPER_FWD[256].stages) == (128, 1)
+        assert configs.HOPPER_FWD[128] is before[128]
+    assert configs.HOPPER_FWD == before
+    with ablate_kernel.config_overrides(spec, "as is"):
+        assert configs.HOPPER_FWD == before
+    with pytest.raises(TypeError):
+        with ablate_kernel.config_overrides({"CONFIGS": {"bad": {"HOPPER_FWD": {256: dict(no_such_field=1)}}}}, "bad"):
+            pass
+    assert configs.HOPPER_FWD == before
 
 
 @pytest.mark.skipif(KERNELS_INTERPRETED, reason="compiles for sm_90 (with TRITON_INTERPRET=1 the kernels' Triton "

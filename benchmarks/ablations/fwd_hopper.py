@@ -6,7 +6,8 @@ At 16x1024 (8 key blocks per 128-row tile) the forward reads 0.93x cuDNN, at 1x1
 tile costs besides its key blocks is the suspect. Each variant removes one piece of the tile's epilogue (its output
 is wrong; the timing says what the piece costs), or switches the consumers' ping-pong off (configs.HopperFwdConfig).
 "one release per key block" (prepared in the twelfth session, compiled offline only) prices the consumers'
-per-block barriers (ncu: 41% of the forward's stall cycles at barriers). First run (eleventh session, H200, 16x1024x16x128 forward TF/s non-causal / causal; ping-pong then off by default):
+per-block barriers (ncu: 41% of the forward's stall cycles at barriers). First run (eleventh session, H200,
+16x1024x16x128 forward TF/s non-causal / causal; ping-pong then off by default):
 as is 538 / 412, no LSE store 569 / 352, no O store 564 / 435, no stores 569 / 324, ping-pong on 547 / 428 (the
 causal rows are host-bound at this size: ~160 us of GPU time per call).
 Thirteenth session (kernel time, --shapes 0,1,2,3,4, docs/perf-notes.md): "arrivals after BAR.SYNC" (the old
@@ -32,6 +33,39 @@ _NEVER_EXECUTED_FENCE = [
      'gl.inline_asm_elementwise("{ .reg .pred %never; setp.lt.f32 %never, $1, 0f00000000; @%never fence.acq_rel.cta; '
      '}\\n\\tmov.u32 $0, 0;", "=r,r", [row_sum], dtype=gl.int32'),
     ("        _hold_schedule(fences)\n", "        _hold_schedule(fences, l_i)\n")]
+
+# the key-block loop in order: P_{j-1} V_{j-1} completes before S_j is issued (no softmax under P V), which frees the
+# registers of one P and lets d256 take 128-key blocks (offline: 176 bytes of stack, against 416 with the overlap)
+_IN_ORDER = [(
+    """        s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, """
+    """use_acc=False,
+                          is_async=True)
+        acc = warpgroup_mma(p, v_smem.index(previous).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        _pass_turn(turns)
+        # S_j done (wgmma groups complete in order); P_{j-1} V_{j-1} may still run
+        s = warpgroup_mma_wait(1, deps=(s, ))
+        arrive_after_wgmma(k_empty.index(stage))
+        p, m_i, l_i, alpha = _softmax_block(_mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s), m_i,
+                                            l_i, qk_scale_log2)
+        _hold_schedule(fences)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        arrive_after_wgmma(v_empty.index(previous))
+""",
+    """        acc = warpgroup_mma(p, v_smem.index(previous).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        arrive_after_wgmma(v_empty.index(previous))
+        s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, """
+    """use_acc=False,
+                          is_async=True)
+        _pass_turn(turns)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        arrive_after_wgmma(k_empty.index(stage))
+        p, m_i, l_i, alpha = _softmax_block(_mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s), m_i,
+                                            l_i, qk_scale_log2)
+""")]
+
+# d256 with cuDNN's 128-key blocks: one K / V stage (192 KB with O staged in Q)
+CONFIGS = {"in-order with 128-key blocks at d256": {"HOPPER_FWD": {256: dict(block_n=128, stages=1)}}}
 
 VARIANTS = {
     # the LSE rows' global stores
@@ -84,6 +118,9 @@ VARIANTS = {
     "never-executed fence": _NEVER_EXECUTED_FENCE,
     "never-executed fence everywhere": _NEVER_EXECUTED_FENCE + [("    if HOLD_SCHEDULE:\n        fences = (0, )",
                                                                  "    if True:\n        fences = (0, )")],
+    # the loop in order (see _IN_ORDER), as configured and with 128-key blocks at d256 (not yet run)
+    "in-order": _IN_ORDER,
+    "in-order with 128-key blocks at d256": _IN_ORDER,
     # the P operand without the opaque copy (LLVM may carry fp32 P around the loop again)
     "no opaque P copy": [('    return gl.inline_asm_elementwise("mov.b32 $0, $1;"',
                           '    return operand\n    gl.inline_asm_elementwise("mov.b32 $0, $1;"')],
