@@ -7,7 +7,8 @@
 #                                       host,decode-sweep,bwd-atomic,fwd-short,l2-groups,fuzz,fwd-triton,
 #                                       hopper-sweep,hopper-bwd,ablate-bwd,ablate-fwd,ablate-ordered
 #                                       (default tests,reliability,decode)
-# Environment: FLASHTRITON_COMMIT (the device copy has no .git), OUT, FUZZ_EXAMPLES (fuzz step, default 120),
+# Environment: FLASHTRITON_COMMIT (give it: the device copy's git may name another commit), OUT, FUZZ_EXAMPLES
+# (fuzz step, default 120), FWD_VARIANTS (ablate-fwd: the variants of benchmarks/ablations/fwd_hopper.py to time),
 # TESTS_LIMIT (tests step seconds, default 300; a fresh machine compiles every kernel and needs ~400).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -17,6 +18,9 @@ unset TRITON_INTERPRET
 out="${OUT:-gpu-check}"
 mkdir -p "$out"
 steps=",${1:-tests,reliability,decode},"
+default_fwd_variants="never-executed fence,never-executed fence everywhere,in-order"
+default_fwd_variants="$default_fwd_variants,in-order with 128-key blocks at d256"
+fwd_variants="${FWD_VARIANTS:-$default_fwd_variants}"
 
 step() {  # step NAME SECONDS COMMAND...
   local name="$1" seconds="$2"
@@ -43,12 +47,13 @@ step hopper-sweep 240 python benchmarks/sweep_hopper_fwd.py --out "$out/hopper-s
 # the Gluon backward's tests (they force it on), then Gluon vs Triton vs SDPA backward timing
 step hopper-bwd 300 bash -c "python -m pytest tests/test_hopper_bwd.py -q -n 8 -p no:cacheprovider -rfE --maxfail=6 \
   && python benchmarks/bench_hopper_bwd.py --out '$out/hopper-bwd'"
-# the d64 / d128 Gluon backward against its previous epilogue and mask, and the forward's epilogue / ping-pong
-# variants (benchmarks/ablations/), each in one process
+# the d64 / d128 Gluon backward against its previous epilogue and mask, and the forward's variants not yet run
+# (FWD_VARIANTS; benchmarks/ablations/), each in one process
 step ablate-bwd 240 python benchmarks/ablate_kernel.py --variants benchmarks/ablations/bwd_hopper.py --shapes 0,1,3 \
   --out "$out/ablate-bwd"
-step ablate-fwd 150 python benchmarks/ablate_kernel.py --variants benchmarks/ablations/fwd_hopper.py --mode fwd \
-  --shapes 0,1 --timing kernels --out "$out/ablate-fwd"
+step ablate-fwd 300 python benchmarks/ablate_kernel.py --variants benchmarks/ablations/fwd_hopper.py --mode fwd \
+  --shapes 0,1,2,3,4 --timing kernels --out "$out/ablate-fwd" \
+  --only "$fwd_variants"
 # deterministic=True at d128 (ordered dQ): where its cost goes (benchmarks/ablations/bwd_hopper_ordered.py)
 step ablate-ordered 240 python benchmarks/ablate_kernel.py --variants benchmarks/ablations/bwd_hopper_ordered.py \
   --shapes 0,1,2 --timing kernels --out "$out/ablate-ordered"
