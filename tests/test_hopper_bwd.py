@@ -6,6 +6,9 @@ the kernel on (testing.forced_gluon_backward), asserts that it ran, NaN-poisons 
 rule of API.md §4.10 to dq, dk and dv.
 """
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -13,10 +16,11 @@ import flashtriton
 from flashtriton import configs
 from flashtriton.kernels import bwd_hopper
 from flashtriton.ops import hopper_bwd
-from flashtriton.ops.backend import score_params
+from flashtriton.ops.backend import KERNELS_INTERPRETED, score_params
 from flashtriton.testing import Case, assert_checks_ok, compare_with_reference, forced_gluon_backward, \
     forced_gluon_dq, forced_ordered_dq, make_case_inputs, poisoned_outputs
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 needs_hopper = pytest.mark.skipif(not ON_HOPPER or hopper_bwd.attn_bwd_hopper_kernel is None,
                                   reason="the Gluon backward runs on sm_90 only")
@@ -298,3 +302,18 @@ def test_gluon_backward_modules_import():
     slower backward on the GPU. Runs on CPU."""
     assert hopper_bwd.attn_bwd_hopper_kernel is not None and hopper_bwd.attn_bwd_hopper_d256_kernel is not None
     assert hopper_bwd.attn_bwd_hopper_dq_kernel is not None
+
+
+@pytest.mark.skipif(not _gluon_hopper_api() or KERNELS_INTERPRETED,
+                    reason="compiles for sm_90 (needs the Gluon Hopper API and compiled, not interpreted, kernels)")
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+def test_probabilities_run_under_the_dp_product(head_dim):
+    """Offline SASS (tools/offline_compile.exp2_before_pv_wait): in both consumers' loops every exp2 of P comes
+    between the S wait and the dP wait, so P is computed while dP = dO V^T is on the tensor cores (ptxas moved the
+    forward's equivalent wait ahead of its exp2s until session 14; this guards the backward against the same)."""
+    import offline_compile
+
+    per_block = configs.HOPPER_BWD[head_dim].query_rows * 64 // 128  # a thread's share of P [rows, 64 keys]
+    for causal in (False, True):
+        cubin = offline_compile.compile_hopper_bwd(head_dim, causal).asm["cubin"]
+        assert offline_compile.exp2_before_pv_wait(cubin) == [per_block, per_block], causal

@@ -267,7 +267,8 @@ def exp2_before_pv_wait(cubin: bytes) -> list:
     S wait (WARPGROUP.DEPBAR.LE gsb0, 0x1) and its P V wait (0x0), following the unmasked block's path (taken
     `@P BRA`s and plain `BRA`s; `@!P BRA`s are barrier-wait retries): the part of the softmax that overlaps P V.
     A block's softmax is BLOCK_N / 2 + 2 exp2s per thread, so BLOCK_N / 2 + 2 means all of it; 0, that ptxas waited
-    for P V first (docs/perf-notes.md, session 14). None for a loop whose walk did not reach a wait."""
+    for P V first (docs/perf-notes.md, session 14). None for a loop whose walk did not reach a wait. The same walk
+    on the Gluon backward (kernels/bwd_hopper.py) counts P's exp2s between its S wait and its dP wait."""
     instructions, labels = sass_of(cubin)
     counts = []
     for start, text in enumerate(instructions):
