@@ -70,14 +70,19 @@ def count_patterns(text: str, patterns: dict) -> dict:
     return {name: len(re.findall(pattern, text)) for name, pattern in patterns.items()}
 
 
+def bundled_tool(name: str) -> Path:
+    """Where Triton keeps its own copy of a CUDA binary tool (ptxas, nvdisasm, cuobjdump)."""
+    import triton
+
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+
+
 def find_tool(name: str) -> Optional[str]:
     """A CUDA binary tool on PATH, else the one bundled with Triton."""
     found = shutil.which(name)
     if found:
         return found
-    import triton
-
-    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    bundled = bundled_tool(name)
     return str(bundled) if bundled.is_file() else None
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import os
 import re
 import subprocess
 import tempfile
@@ -28,6 +27,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from flashtriton.kernel_inspect import bundled_tool
 from flashtriton.kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 from flashtriton.kernels.fwd import attn_fwd_kernel
 
@@ -240,17 +240,13 @@ def main():
           f"shared {compiled.metadata.shared} wgmma {compiled.asm['ptx'].count('wgmma.mma_async')}")
 
 
-def _bundled_tool(name: str) -> str:
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-
-
 def sass_of(cubin: bytes) -> tuple:
     """(instructions, labels) of a cubin by the bundled nvdisasm: instruction texts in address order, and each
     branch label's index into them."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(cubin)
         handle.flush()
-        text = subprocess.run([_bundled_tool("nvdisasm"), "-c", handle.name], capture_output=True, text=True,
+        text = subprocess.run([bundled_tool("nvdisasm"), "-c", handle.name], capture_output=True, text=True,
                               check=True).stdout
     instructions, labels = [], {}
     for line in text.splitlines():
@@ -291,7 +287,7 @@ def exp2_before_pv_wait(cubin: bytes) -> list:
 
 def resource_usage(compiled) -> str:
     """REG / STACK / local-memory line of `cuobjdump --dump-resource-usage` on the cubin."""
-    tool = _bundled_tool("cuobjdump")
+    tool = bundled_tool("cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(compiled.asm["cubin"])
         handle.flush()
