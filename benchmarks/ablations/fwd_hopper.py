@@ -26,6 +26,7 @@ OFFLINE = dict(kind="fwd-hopper", head_dim=128)
 _LSE_STORE = "gl.store(Lse + lse_row_base + offs_m, lse, mask=offs_m < seqlen_q)"
 _O_STORE = "tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_tile)"
 _PINGPONG = "    if PINGPONG:\n        # one allocation each"
+_HOLD = "    if HOLD_SCHEDULE:\n        fences = (0, )"
 
 _NEVER_EXECUTED_FENCE = [
     ("def _hold_schedule(fences):", "def _hold_schedule(fences, row_sum):"),
@@ -76,9 +77,6 @@ VARIANTS = {
          "    m_block = gl.max(s, 1) * qk_scale_log2\n    m_new = gl.where(m_block > m_i + 8.0, m_block, m_i)\n"),
         ("        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)",
          "        if gl.min(alpha, 0) < 1.0:\n            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)")],
-    # one release per key block: K's stage is handed back with V's (after P V), not after S, so each consumer
-    # iteration has one mbarrier arrival fewer, and the producer loads K of
-    # load l only once V of load l - STAGES is released (correct results; prefetch one wgmma later)
     # the P V wait before the softmax, as the kernel was until the fourteenth session: P converted where P V is
     # issued (LLVM then carries fp32 P around the loop) and no fence, so ptxas schedules the conversion into the
     # exp2s and the wait with it (offline SASS: no MUFU.EX2 between the S wait and the P V wait)
@@ -92,20 +90,22 @@ VARIANTS = {
          "acc = warpgroup_mma(gl.convert_layout(p.to(q.dtype), p_layout), v_smem.index(last % STAGES)")],
     # the fence that keeps the exp2s ahead of the P V wait (kernels/fwd_hopper._hold_schedule) off or on whatever
     # configs.HOPPER_FWD says (the conversion stays after the wait either way)
-    "no schedule fence": [("    if HOLD_SCHEDULE:\n        fences = (0, )", "    if False:\n        fences = (0, )")],
-    "schedule fence": [("    if HOLD_SCHEDULE:\n        fences = (0, )", "    if True:\n        fences = (0, )")],
+    "no schedule fence": [(_HOLD, "    if False:\n        fences = (0, )")],
+    "schedule fence": [(_HOLD, "    if True:\n        fences = (0, )")],
     # the fence predicated on the row sum being negative, which never holds, so it never executes (ptxas still keeps
     # the exp2s ahead of the wait: offline SASS, session 14); "everywhere": also at d64 / d256, where the executed
     # fence cost 4-6% (not yet run)
     "never-executed fence": _NEVER_EXECUTED_FENCE,
-    "never-executed fence everywhere": _NEVER_EXECUTED_FENCE + [("    if HOLD_SCHEDULE:\n        fences = (0, )",
-                                                                 "    if True:\n        fences = (0, )")],
+    "never-executed fence everywhere": _NEVER_EXECUTED_FENCE + [(_HOLD, "    if True:\n        fences = (0, )")],
     # the loop in order (see _IN_ORDER), as configured and with 128-key blocks at d256 (not yet run)
     "in-order": _IN_ORDER,
     "in-order with 128-key blocks at d256": _IN_ORDER,
     # the P operand without the opaque copy (LLVM may carry fp32 P around the loop again)
     "no opaque P copy": [('    return gl.inline_asm_elementwise("mov.b32 $0, $1;"',
                           '    return operand\n    gl.inline_asm_elementwise("mov.b32 $0, $1;"')],
+    # one release per key block: K's stage is handed back with V's (after P V), not after S, so each consumer
+    # iteration has one mbarrier arrival fewer, and the producer loads K of load l only once V of load l - STAGES is
+    # released (correct results; prefetch one wgmma later)
     "one release per key block": [("arrive_after_wgmma(k_empty.index(stage))", "pass"),
                                   ("mbarrier.wait(k_empty.index(stage), previous_use_phase, pred=load >= STAGES)",
                                    "mbarrier.wait(v_empty.index(stage), previous_use_phase, pred=load >= STAGES)")],
