@@ -231,10 +231,12 @@ class HopperFwdConfig:
     persistent: bool = False  # one program per SM taking work items in turn (ops/hopper_fwd.grid), else one per tile
     pingpong: bool = False    # the consumers issue their wgmmas in alternation (kernels/fwd_hopper._wait_turn)
     hold_schedule: bool = False  # a fence keeps the softmax ahead of the P V wait (kernels/fwd_hopper._hold_schedule)
+    rescale_threshold: float = 0.0  # the A-1 rescale skip's (log2 units; kernels/fwd_hopper._rescale), 0: none
 
 
 HOPPER_FWD = {64: HopperFwdConfig(128, 2, 232, persistent=True),
-              128: HopperFwdConfig(128, 2, 240, persistent=True, pingpong=True, hold_schedule=True),
+              128: HopperFwdConfig(128, 2, 240, persistent=True, pingpong=True, hold_schedule=True,
+                                   rescale_threshold=8.0),
               256: HopperFwdConfig(64, 2, 232)}
 GLUON_ALLOWED = os.environ.get("FLASHTRITON_GLUON", "1") != "0"
 

@@ -134,6 +134,42 @@ def test_gluon_forward_hold_schedule(monkeypatch, head_dim, causal):
     assert_checks_ok(checks)
 
 
+def late_jumping_inputs(case: Case, jump: float):
+    """(q, k, v) where every query row meets one key of its own, in a key block after the first, that scores about
+    `jump` (natural units) above the row's random scores: each row's max moves by far more than the rescale skip's
+    threshold once, at a block drawn per row, so the rows of one warp move at different blocks (key blocks of 128:
+    blocks 1 .. seqlen_k / 128 - 1)."""
+    q, k, v, _ = make_case_inputs(case, "cuda")
+    generator = torch.Generator().manual_seed(case.seqlen_q * case.head_dim)
+    for head in range(case.num_heads):
+        keys = 128 + torch.randperm(case.seqlen_k - 128, generator=generator)[:case.seqlen_q]
+        rows = q[:, :, head].float()
+        # score (q_r . c q_r) * d^-1/2 ~ c * d^1/2
+        k[:, keys, head] = (rows * (jump / case.head_dim ** 0.5)).to(case.dtype)
+    return q, k, v
+
+
+@needs_hopper
+@pytest.mark.parametrize("threshold", [0.0, 8.0], ids=["no-skip", "skip"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_FWD), ids=lambda d: f"d{d}")
+def test_gluon_forward_rows_whose_max_moves_late(monkeypatch, head_dim, causal, threshold):
+    """The A-1 rescale skip (configs.HopperFwdConfig.rescale_threshold, kernels/fwd_hopper._rescale: a warp skips
+    its output rescale when none of its 16 rows moved) on and off at every head dim, on rows whose max jumps by
+    ~10 (natural units) at a key block of their own: a warp whose vote missed a moved row (e.g. the row r + 8 of a
+    thread) would leave that row's earlier blocks unscaled, far outside the tolerance."""
+    monkeypatch.setitem(configs.HOPPER_FWD, head_dim, dataclasses.replace(configs.HOPPER_FWD[head_dim],
+                                                                          rescale_threshold=threshold))
+    case = Case(batch=1, seqlen_q=256, seqlen_k=1024, num_heads=2, num_heads_k=2, head_dim=head_dim,
+                dtype=torch.bfloat16, causal=causal)
+    q, k, v = late_jumping_inputs(case, jump=10.0)
+    before = hopper_fwd.launch_count
+    with poisoned_outputs():
+        out, lse, _ = flashtriton.flash_attn_func(q, k, v, 0.0, None, causal, return_attn_probs=True)
+    assert hopper_fwd.launch_count > before, "the Gluon forward did not run"
+    assert_checks_ok(compare_with_reference(case, out, lse, q, k, v, None))
+
+
 FEATURES = {
     "gqa": dict(num_heads=6, num_heads_k=2),
     "mqa": dict(num_heads=4, num_heads_k=1, causal=True),

@@ -47,8 +47,11 @@ _IN_ORDER = [
     ("        _hold_schedule(fences)\n        acc = warpgroup_mma_wait(0, deps=(acc, ))\n"
      "        arrive_after_wgmma(v_empty.index(previous))\n", "")]
 
-# d256 with cuDNN's 128-key blocks: one K / V stage (192 KB with O staged in Q)
-CONFIGS = {"in-order with 128-key blocks at d256": {"HOPPER_FWD": {256: dict(block_n=128, stages=1)}}}
+# d256 with cuDNN's 128-key blocks: one K / V stage (192 KB with O staged in Q); the rescale skip's variants
+CONFIGS = {"in-order with 128-key blocks at d256": {"HOPPER_FWD": {256: dict(block_n=128, stages=1)}},
+           "no rescale skip": {"HOPPER_FWD": {128: dict(rescale_threshold=0.0)}},
+           "rescale skip everywhere": {"HOPPER_FWD": {64: dict(rescale_threshold=8.0),
+                                                      256: dict(rescale_threshold=8.0)}}}
 
 VARIANTS = {
     # the LSE rows' global stores
@@ -67,16 +70,12 @@ VARIANTS = {
     "arrivals after BAR.SYNC": [("arrive_after_wgmma(", "mbarrier.arrive(")],
     # the output's rescale by alpha skipped (wrong results): what an exact rescale skip (max lagging, FA4's
     # threshold) could save at most
-    "no output rescale": [("acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)", "acc = acc")],
-    # FA4's exact rescale skip: a row's max moves only when a block raises it by more than 8 (log2 units; the
-    # probabilities stay below 2^8 against the lagging max, and O, the row sum and the LSE share that base), and
-    # the output is rescaled only when some row of the warpgroup moved (a warpgroup-wide min of alpha: a
-    # cross-warp reduction through shared memory per block)
-    "rescale skip (max lagging)": [
-        ("    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale_log2)\n",
-         "    m_block = gl.max(s, 1) * qk_scale_log2\n    m_new = gl.where(m_block > m_i + 8.0, m_block, m_i)\n"),
-        ("        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)",
-         "        if gl.min(alpha, 0) < 1.0:\n            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)")],
+    "no output rescale": [("        acc = _rescale(acc, gl.convert_layout(alpha, row_o), lag)", "        acc = acc")],
+    # the A-1 rescale skip with its warp vote (kernels/fwd_hopper._rescale) off where configs.HOPPER_FWD has it (d128;
+    # the kernel before the fifteenth session), or on everywhere (CONFIGS). Its first form, a warpgroup-wide min of
+    # alpha (a reduction through shared memory per block), measured 2-7% slower on every row (thirteenth session)
+    "no rescale skip": [],
+    "rescale skip everywhere": [],
     # the P V wait before the softmax, as the kernel was until the fourteenth session: P converted where P V is
     # issued (LLVM then carries fp32 P around the loop) and no fence, so ptxas schedules the conversion into the
     # exp2s and the wait with it (offline SASS: no MUFU.EX2 between the S wait and the P V wait)

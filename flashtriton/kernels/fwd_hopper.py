@@ -42,6 +42,27 @@ CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma
 _grouped_tile_of = gluon.jit(grouped_tile_of.fn)
 
 
+def _rescale_unless_unmoved_ptx(pack: int) -> str:
+    """PTX over `pack` consecutive output elements of a thread and their rows' alphas (operands: the results, the
+    elements, the alphas). A thread's elements of the wgmma accumulator come in fours per 8 columns: rows r, r,
+    r + 8, r + 8, so the alphas at 0 and 2 are both of its rows. A warp vote asks whether any of the warp's 16
+    rows moved its max (alpha != 1); if none did, a warp-uniform branch skips the multiplies."""
+    lines = ["{", ".reg .pred %moved;", f"setp.neu.f32 %moved, ${2 * pack}, 0f3F800000;",
+             f"setp.neu.or.f32 %moved, ${2 * pack + 2}, 0f3F800000, %moved;",
+             "vote.sync.any.pred %moved, %moved, -1;"]
+    lines += [f"mov.f32 ${i}, ${pack + i};" for i in range(pack)]
+    lines += ["@!%moved bra.uni unmoved_${:uid};"]
+    lines += [f"mul.f32 ${i}, ${pack + i}, ${2 * pack + i};" for i in range(pack)]
+    return "\n".join(lines + ["unmoved_${:uid}:", "}"])
+
+
+# _rescale's inline PTX for 32 and 64 elements per asm (a thread holds HEAD_DIM / 2 elements of its output)
+_RESCALE_PTX_32 = gl.constexpr(_rescale_unless_unmoved_ptx(32))
+_RESCALE_PTX_64 = gl.constexpr(_rescale_unless_unmoved_ptx(64))
+_RESCALE_CONSTRAINTS_32 = gl.constexpr(",".join(["=f"] * 32 + ["f"] * 64))
+_RESCALE_CONSTRAINTS_64 = gl.constexpr(",".join(["=f"] * 64 + ["f"] * 128))
+
+
 @gluon.jit
 def _slots(num_tiles, paired):
     """Work items per (batch, head): its tiles, or paired (persistent causal grids) pairs of them (_item_tiles)."""
@@ -150,16 +171,41 @@ def _mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s: gl.conste
 
 
 @gluon.jit
-def _softmax_block(s, m_i, l_i, qk_scale_log2):
+def _softmax_block(s, m_i, l_i, qk_scale_log2, lag):
     """Online softmax step of one masked score block s [ROWS, BLOCK_N]: probabilities (scale folded into the exp2
     argument), the new running max (log2 units) and row sum, and alpha, the factor that rescales what was
-    accumulated before. Rows that have seen no key yet keep max -inf and get p = 0, alpha = 0."""
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale_log2)
+    accumulated before. Rows that have seen no key yet keep max -inf and get p = 0, alpha = 0. lag: () or
+    (threshold, ): the A-1 rescale skip (kernels/fwd.py's): a row's max moves only when a block raises it by more
+    than threshold (log2 units), else alpha is exactly 1 and p stays below 2^threshold; O, the row sum and the LSE
+    share the lagging base, so the result is exact."""
+    m_block = gl.max(s, 1) * qk_scale_log2
+    if len(lag) > 0:
+        m_new = gl.where(m_block > m_i + lag[0], m_block, m_i)
+    else:
+        m_new = gl.maximum(m_i, m_block)
     pivot = gl.where(m_new == float("-inf"), 0.0, m_new)
     p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(pivot, 1))
     alpha = gl.exp2(m_i - pivot)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _rescale(acc, alpha, lag):
+    """acc [ROWS, HEAD_DIM] * alpha [ROWS] by rows. With the rescale skip (lag: (threshold, )) each warp skips the
+    multiplies when none of its rows moved its max (_rescale_unless_unmoved_ptx; a warpgroup-wide decision, a
+    reduction through shared memory, cost more than it saved: docs/perf-notes.md)."""
+    alpha_by_row = gl.expand_dims(alpha, 1)
+    if len(lag) > 0:
+        if acc.shape[1] >= 128:
+            acc = gl.inline_asm_elementwise(_RESCALE_PTX_64, _RESCALE_CONSTRAINTS_64, [acc, alpha_by_row],
+                                            dtype=gl.float32, is_pure=True, pack=64)
+        else:
+            acc = gl.inline_asm_elementwise(_RESCALE_PTX_32, _RESCALE_CONSTRAINTS_32, [acc, alpha_by_row],
+                                            dtype=gl.float32, is_pure=True, pack=32)
+    else:
+        acc = acc * alpha_by_row
+    return acc
 
 
 @gluon.jit
@@ -205,13 +251,14 @@ def _pass_turn(turns):
 
 @gluon.jit
 def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, release_q, first_load, n_blocks, row0,
-                offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, fences, acc_layout: gl.constexpr):
+                offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, fences, lag,
+                acc_layout: gl.constexpr):
     """One consumer's pass over a work item's key blocks (the program's loads first_load, first_load + 1, ...) for
     its Q tile q [ROWS, HEAD_DIM] (shared memory), overlapped inside the warpgroup: block 0's softmax first, then per
     block j S_j and P_{j-1} V_{j-1} issued together, softmax j while P_{j-1} V_{j-1} runs (where fences hold the
     schedule; else ptxas waits for P V first), then P_j's operand and the rescale. Arrives on q_free (if release_q) once its last S wgmma completed. With ping-pong the S_0 issue and each block's
     S_j + P_{j-1} V_{j-1} issue are steps first_load, first_load + 1, ... of _wait_turn (both consumers count the
-    same loads). Returns the unnormalized output [ROWS, HEAD_DIM], the running max (log2 units) and the row sum
+    same loads). lag: _softmax_block's. Returns the unnormalized output [ROWS, HEAD_DIM], the running max (log2 units) and the row sum
     [ROWS]."""
     ROWS: gl.constexpr = q.shape[0]
     STAGES: gl.constexpr = k_smem.shape[0]
@@ -239,7 +286,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     arrive_after_wgmma(k_empty.index(stage))
     # [ROWS, BLOCK_N] probabilities of the block whose P.V is pending
     p, m_i, l_i, alpha = _softmax_block(_mask_block(s, 0, row0, offs_m, seqlen_q, seqlen_k, causal, col_s), m_i, l_i,
-                                        qk_scale_log2)
+                                        qk_scale_log2, lag)
     # [ROWS, BLOCK_N] the wgmma's A operand, made where the softmax ends: only these half-width registers stay live
     # across the next S issue (fp32 p live there pushed ptxas to wait for P V before the softmax, serializing them)
     p = _operand_of(p, q.dtype, p_layout)
@@ -258,12 +305,12 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         s = warpgroup_mma_wait(1, deps=(s, ))
         arrive_after_wgmma(k_empty.index(stage))
         p, m_i, l_i, alpha = _softmax_block(_mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s), m_i,
-                                            l_i, qk_scale_log2)
+                                            l_i, qk_scale_log2, lag)
         _hold_schedule(fences)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         arrive_after_wgmma(v_empty.index(previous))
         p = _operand_of(p, q.dtype, p_layout)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        acc = _rescale(acc, gl.convert_layout(alpha, row_o), lag)
     arrive_after_wgmma(q_free, pred=release_q)
     last = first_load + n_blocks - 1
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
@@ -274,14 +321,15 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
 
 @gluon.jit
 def _consumer(o_desc, Lse, q_tile, o_tile, q_ready, q_empty, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns,
-              fences, stride_lse_b, stride_lse_h, row_offset, num_heads, num_tiles, num_batch_heads, heads_per_group,
+              fences, lag, stride_lse_b, stride_lse_h, row_offset, num_heads, num_tiles, num_batch_heads, heads_per_group,
               seqlen_q, seqlen_k, qk_scale_log2, causal, o_in_q, paired):
     """One warpgroup: query rows [m_start + row_offset, + ROWS) of every tile of this program. Per tile: wait
     for its Q tile (q_tile [1, ROWS, 1, HEAD_DIM], shared), run the key blocks, normalize, store the natural-log
     LSE and O (through o_tile by TMA, which clips rows past seqlen_q). q_empty tells the producer that q_tile may
     be refilled: after the last S wgmma, or where O is staged in q_tile itself (o_in_q) once O's store has read it.
     Rows that saw no key: out 0, lse +inf (API.md §4.5). turns: the ping-pong barriers (_wait_turn), this
-    consumer's first, or (); the first consumer (row_offset 0) leads. fences: _hold_schedule's."""
+    consumer's first, or (); the first consumer (row_offset 0) leads. fences: _hold_schedule's; lag:
+    _softmax_block's."""
     ROWS: gl.constexpr = q_tile.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
@@ -307,7 +355,7 @@ def _consumer(o_desc, Lse, q_tile, o_tile, q_ready, q_empty, k_smem, v_smem, k_r
             mbarrier.wait(q_ready, done & 1)
             acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,
                                         load, n_blocks, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal,
-                                        turns, lead, fences, acc_layout)
+                                        turns, lead, fences, lag, acc_layout)
             seen = l_i > 0.0
             out = acc / gl.expand_dims(gl.convert_layout(gl.where(seen, l_i, 1.0), row_o), 1)
             lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("inf"))
@@ -329,14 +377,17 @@ def _consumer(o_desc, Lse, q_tile, o_tile, q_ready, q_empty, k_smem, v_smem, k_r
                               "paired"])
 def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, stride_lse_h, batch, num_heads,
                            group_size, seqlen_q, seqlen_k, heads_per_group, paired, qk_scale_log2,
-                           CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                           PINGPONG: gl.constexpr, HOLD_SCHEDULE: gl.constexpr, num_warps: gl.constexpr):
+                           rescale_threshold, CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                           PINGPONG: gl.constexpr, HOLD_SCHEDULE: gl.constexpr, RESCALE_SKIP: gl.constexpr,
+                           num_warps: gl.constexpr):
     """Work items: 128-row query tiles of every (batch, head), longest first, in launch-order groups of
     heads_per_group (batch, head) pairs like kernels/fwd.py, or with `paired` (1) pairs of tiles of equal total
     length (_item_tiles); program p takes items p, p + P, p + 2P, ... of a grid of P programs (one per item, or
     persistent: one per SM, so the next tile's loads overlap this one's end).
     num_warps (4) is the first consumer's; the second consumer (4 warps, CONSUMER_REGS registers) and the producer
-    (1 warp) are worker partitions. PINGPONG: the consumers issue their wgmmas in alternation (_wait_turn)."""
+    (1 warp) are worker partitions. PINGPONG: the consumers issue their wgmmas in alternation (_wait_turn).
+    RESCALE_SKIP: the max lags by up to rescale_threshold (log2 units) and unmoved warps skip the output rescale
+    (_softmax_block, _rescale)."""
     ROWS: gl.constexpr = CONSUMER_ROWS
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
@@ -379,6 +430,11 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
         fences = (0, )
     else:
         fences = ()
+    # the rescale skip's threshold, or () without it (a tuple's length again)
+    if RESCALE_SKIP:
+        lag = (rescale_threshold, )
+    else:
+        lag = ()
     for stage in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(stage), count=1)
         mbarrier.init(v_ready.index(stage), count=1)
@@ -391,9 +447,9 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
     work = (num_heads, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, qk_scale_log2, causal, o_in_q,
             paired)
     first_args = (o_desc, Lse, q_smem.index(0), o_smem.index(0), q_ready.index(0), q_empty.index(0), k_smem, v_smem,
-                  k_ready, v_ready, k_empty, v_empty, turns[0], fences) + shared + (0, ) + work
+                  k_ready, v_ready, k_empty, v_empty, turns[0], fences, lag) + shared + (0, ) + work
     second_args = (o_desc, Lse, q_smem.index(1), o_smem.index(1), q_ready.index(1), q_empty.index(1), k_smem, v_smem,
-                   k_ready, v_ready, k_empty, v_empty, turns[1], fences) + shared + (ROWS, ) + work
+                   k_ready, v_ready, k_empty, v_empty, turns[1], fences, lag) + shared + (ROWS, ) + work
     producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k,
                      causal, paired)

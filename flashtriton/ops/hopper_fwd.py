@@ -92,18 +92,26 @@ def grid(num_tiles: int, batch_heads: int, config, causal: bool, device: torch.d
     return (programs if PROGRAMS_CAP is None else min(programs, PROGRAMS_CAP)), paired
 
 
+def rescale_threshold(config) -> float:
+    """The rescale skip's threshold (log2 units, 0: none): the config's, or FLASHTRITON_RESCALE_THRESHOLD's."""
+    override = configs.RESCALE_THRESHOLD_OVERRIDE
+    return config.rescale_threshold if override is None else max(override, 0.0)
+
+
 def launch(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
            heads_per_group: int) -> None:
     """Run the Gluon forward into out (B, Sq, H, D) and lse (fp32, rows contiguous, strides lse_strides)."""
     global launch_count
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     config = configs.HOPPER_FWD[head_dim]
+    threshold = rescale_threshold(config)
     programs, paired = grid(triton_cdiv(seqlen_q, TILE_ROWS), batch * num_heads, config, params.causal_like,
                             q.device)
     attn_fwd_hopper_kernel[(programs,)](
         tile_descriptor(q, CONSUMER_ROWS.value), tile_descriptor(k, config.block_n),
         tile_descriptor(v, config.block_n), tile_descriptor(out, CONSUMER_ROWS.value), lse, *lse_strides, batch,
         num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, heads_per_group, int(paired),
-        params.kernel_args()[0], CAUSAL=params.causal_like, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs,
-        PINGPONG=config.pingpong, HOLD_SCHEDULE=config.hold_schedule, num_warps=4)
+        params.kernel_args()[0], threshold, CAUSAL=params.causal_like, STAGES=config.stages,
+        CONSUMER_REGS=config.consumer_regs, PINGPONG=config.pingpong, HOLD_SCHEDULE=config.hold_schedule,
+        RESCALE_SKIP=threshold > 0.0, num_warps=4)
     launch_count += 1
