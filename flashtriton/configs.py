@@ -223,6 +223,10 @@ L2_GROUP_BYTES = {False: 0, True: 16 << 20}
 # the readings of each kernel, 2-4 each): d128 4x4096 682 / 668 and causal 626 / 614, 1x16384 658 / 640, causal 657 /
 # 652, 16x1024 level; d64 449 / 470 and causal 414 / 439, d256 706 / 709 and causal 649 / 667: on at d128 only
 # (docs/perf-notes.md).
+# rescale_threshold (fifteenth session, the A-1 skip decided per warp by a vote; ablations/fwd_hopper.py, kernel time,
+# two rounds, skip / none): d128 16x1024 605-610 / 597-599 and causal 438-440 / 431, 4x4096 677-678 / 674-675 and 635 /
+# 617, 1x16384 641-677 / 651-666 and 668-693 / 624-648; d64 453-454 / 433-469 and causal 424-425 / 439-440; d256
+# 688-691 / 693-698 and causal 667-671 / 648-653: on at d128 only (docs/perf-notes.md).
 @dataclass(frozen=True)
 class HopperFwdConfig:
     block_n: int         # keys per K/V stage
