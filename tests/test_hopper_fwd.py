@@ -6,6 +6,7 @@ cases it does not cover, that it did not), NaN-poisons the outputs and applies t
 """
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -279,3 +280,43 @@ def test_softmax_runs_under_its_p_v_product(head_dim):
         assert held == [per_block, per_block], (causal, held)
     loose = offline_compile.compile_hopper_fwd(head_dim, False, dataclasses.replace(config, hold_schedule=False))
     assert offline_compile.exp2_before_pv_wait(loose.asm["cubin"]) == [0, 0]
+
+
+def _warp_vote_branches(cubin: bytes) -> int:
+    """How many `VOTE.ANY Pn` of the SASS are followed, within 32 instructions, by a branch on `!Pn` (the rescale
+    skip's uniform branch around the multiplies; ptxas schedules P's conversions between the two)."""
+    import offline_compile
+
+    instructions, _ = offline_compile.sass_of(cubin)
+    count = 0
+    for index, text in enumerate(instructions):
+        vote = re.search(r"VOTE\.ANY (P\d),", text)
+        if vote:
+            count += any(f"@!{vote.group(1)} BRA" in line for line in instructions[index + 1:index + 33])
+    return count
+
+
+@pytest.mark.skipif(not _gluon_hopper_api() or KERNELS_INTERPRETED,
+                    reason="compiles for sm_90 (needs the Gluon Hopper API and compiled, not interpreted, kernels)")
+@pytest.mark.parametrize("head_dim", [d for d in sorted(configs.HOPPER_FWD) if configs.HOPPER_FWD[d].rescale_threshold],
+                         ids=lambda d: f"d{d}")
+def test_rescale_skip_is_a_warp_uniform_branch(head_dim):
+    """Offline SASS: where the table has the rescale skip, each consumer's key-block loop decides it by a warp vote
+    and branches around the output's multiplies (at least one vote-and-branch per consumer); without it there is no
+    vote at all (the multiplies run every block)."""
+    import offline_compile
+
+    config = configs.HOPPER_FWD[head_dim]
+    assert _warp_vote_branches(offline_compile.compile_hopper_fwd(head_dim, False).asm["cubin"]) >= 2
+    plain = offline_compile.compile_hopper_fwd(head_dim, False, dataclasses.replace(config, rescale_threshold=0.0))
+    assert _warp_vote_branches(plain.asm["cubin"]) == 0
+
+
+@pytest.mark.parametrize("override,expected", [(None, "config"), (0.0, 0.0), (-3.0, 0.0), (5.0, 5.0)])
+def test_rescale_threshold_override(monkeypatch, override, expected):
+    """FLASHTRITON_RESCALE_THRESHOLD (configs.RESCALE_THRESHOLD_OVERRIDE) sets the Gluon forward's threshold at
+    every head dim, 0 (or less) switching the skip off; unset, each head dim keeps its table entry's."""
+    monkeypatch.setattr(configs, "RESCALE_THRESHOLD_OVERRIDE", override)
+    for config in configs.HOPPER_FWD.values():
+        want = config.rescale_threshold if expected == "config" else expected
+        assert hopper_fwd.rescale_threshold(config) == want
