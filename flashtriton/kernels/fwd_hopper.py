@@ -4,8 +4,9 @@ phase with each other, so one's softmax overlaps the other's wgmma (what the Tri
 
 Scope (ops/hopper_fwd.covers and runs_on decide): dense (B, S, H, D) bf16/fp16 tensors addressed by host tensor descriptors,
 head dim 64 / 128 / 256, GQA, no window or the causal one (bottom-right aligned), positive softmax scale, no
-softcap, ALiBi or dropout; everything else runs kernels/fwd.py. Numerics are those of kernels/fwd.py without the
-rescale skip: fp32 scores and accumulators, P rounded to V's dtype, natural-log LSE, +inf for rows that see no key.
+softcap, ALiBi or dropout; everything else runs kernels/fwd.py. Numerics are those of kernels/fwd.py: fp32 scores and
+accumulators, P rounded to V's dtype, natural-log LSE, +inf for rows that see no key; the A-1 rescale skip (max
+lagging) where configs.HOPPER_FWD has a rescale_threshold, decided per warp (_rescale).
 
 Work: the grid's programs take work items in turn, p, p + P, p + 2P, ... (ops/hopper_fwd sizes the grid: one
 program per item, or persistent: as many as fit the GPU at once). An item is one 128-row tile, or for persistent
@@ -258,8 +259,8 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     block j S_j and P_{j-1} V_{j-1} issued together, softmax j while P_{j-1} V_{j-1} runs (where fences hold the
     schedule; else ptxas waits for P V first), then P_j's operand and the rescale. Arrives on q_free (if release_q) once its last S wgmma completed. With ping-pong the S_0 issue and each block's
     S_j + P_{j-1} V_{j-1} issue are steps first_load, first_load + 1, ... of _wait_turn (both consumers count the
-    same loads). lag: _softmax_block's. Returns the unnormalized output [ROWS, HEAD_DIM], the running max (log2 units) and the row sum
-    [ROWS]."""
+    same loads). lag: _softmax_block's. Returns the unnormalized output [ROWS, HEAD_DIM], the running max (log2
+    units) and the row sum [ROWS]."""
     ROWS: gl.constexpr = q.shape[0]
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
@@ -321,8 +322,8 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
 
 @gluon.jit
 def _consumer(o_desc, Lse, q_tile, o_tile, q_ready, q_empty, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns,
-              fences, lag, stride_lse_b, stride_lse_h, row_offset, num_heads, num_tiles, num_batch_heads, heads_per_group,
-              seqlen_q, seqlen_k, qk_scale_log2, causal, o_in_q, paired):
+              fences, lag, stride_lse_b, stride_lse_h, row_offset, num_heads, num_tiles, num_batch_heads,
+              heads_per_group, seqlen_q, seqlen_k, qk_scale_log2, causal, o_in_q, paired):
     """One warpgroup: query rows [m_start + row_offset, + ROWS) of every tile of this program. Per tile: wait
     for its Q tile (q_tile [1, ROWS, 1, HEAD_DIM], shared), run the key blocks, normalize, store the natural-log
     LSE and O (through o_tile by TMA, which clips rows past seqlen_q). q_empty tells the producer that q_tile may
