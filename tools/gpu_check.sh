@@ -18,8 +18,7 @@ unset TRITON_INTERPRET
 out="${OUT:-gpu-check}"
 mkdir -p "$out"
 steps=",${1:-tests,reliability,decode},"
-default_fwd_variants="never-executed fence,never-executed fence everywhere,in-order"
-default_fwd_variants="$default_fwd_variants,in-order with 128-key blocks at d256"
+default_fwd_variants="three consumers at d64,rescale skip everywhere"
 fwd_variants="${FWD_VARIANTS:-$default_fwd_variants}"
 
 step() {  # step NAME SECONDS COMMAND...

@@ -16,6 +16,9 @@ to +6%; "rescale skip (max lagging)" -2 to -7%; "ping-pong on" at d64 / d256 -2 
 Fourteenth session: "P V waited before the softmax" (the kernel before `a536212`) 3-9% slower at d128 4x4096 /
 1x16384, level at 16x1024 and d256, 1.5-3.5% faster at d64 only where the fence is on ("schedule fence"); "no
 schedule fence" at d128 level to -3%; "no opaque P copy" and "ping-pong off" at d128 within noise (docs/perf-notes.md).
+Fifteenth session: the never-executed fence and the in-order loops slower everywhere; the A-1 rescale skip decided
+per warp by a vote kept at d128 (kernels/fwd_hopper._rescale; "no rescale skip" / "rescale skip everywhere" price
+it); "three consumers at d64" prepared (compiled offline), not yet run.
 """
 
 MODULE = "flashtriton/kernels/fwd_hopper.py"
@@ -51,7 +54,29 @@ _IN_ORDER = [
 CONFIGS = {"in-order with 128-key blocks at d256": {"HOPPER_FWD": {256: dict(block_n=128, stages=1)}},
            "no rescale skip": {"HOPPER_FWD": {128: dict(rescale_threshold=0.0)}},
            "rescale skip everywhere": {"HOPPER_FWD": {64: dict(rescale_threshold=8.0),
-                                                      256: dict(rescale_threshold=8.0)}}}
+                                                      256: dict(rescale_threshold=8.0)}},
+           "three consumers at d64": {"HOPPER_FWD": {64: dict(consumer_regs=160)}}}
+
+# d64 tiles of 192 rows: three consumer warpgroups of 64 rows (FA3's 192 x 128 tile at head dim 64), each with the
+# 160 registers a 4-warpgroup program leaves (CONFIGS); other head dims keep two (HEAD_DIM is a constexpr in every
+# function the edits touch). The host still counts 128-row tiles: only the persistent grid's size, the kernel
+# numbers its own tiles. Offline (d64): no spills in the loops without the mask; causal, a few in the masked path
+_CONSUMERS = "(3 if HEAD_DIM == 64 else 2)"
+_TWO_PARTITIONS = ("    gl.warp_specialize([(_consumer, first_args), (_consumer, second_args), "
+                   "(_producer, producer_args)], [4, 1],\n                       [CONSUMER_REGS, 24])")
+_THREE_CONSUMERS = [
+    ("2 * ROWS", f"{_CONSUMERS} * ROWS"), ("static_range(2)", f"static_range({_CONSUMERS})"),
+    ("[2, 1", f"[{_CONSUMERS}, 1"), ("count=2)", f"count={_CONSUMERS})"),
+    ("4 * tile_bytes", f"2 * {_CONSUMERS} * tile_bytes"),
+    (_TWO_PARTITIONS,
+     "    if HEAD_DIM == 64:\n"
+     "        third_args = (o_desc, Lse, q_smem.index(2), o_smem.index(2), q_ready.index(2), q_empty.index(2),\n"
+     "                      k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns[1], fences, lag)\n"
+     "        third_args = third_args + shared + (2 * ROWS, ) + work\n"
+     "        gl.warp_specialize([(_consumer, first_args), (_consumer, second_args), (_consumer, third_args),\n"
+     "                            (_producer, producer_args)], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])\n"
+     "    else:\n    " + _TWO_PARTITIONS.replace("\n", "\n    "))]
+
 
 VARIANTS = {
     # the LSE rows' global stores
@@ -93,12 +118,14 @@ VARIANTS = {
     "schedule fence": [(_HOLD, "    if True:\n        fences = (0, )")],
     # the fence predicated on the row sum being negative, which never holds, so it never executes (ptxas still keeps
     # the exp2s ahead of the wait: offline SASS, session 14); "everywhere": also at d64 / d256, where the executed
-    # fence cost 4-6% (not yet run)
+    # fence cost 4-6% (fifteenth session: 2-8% slower than the executed fence / no fence)
     "never-executed fence": _NEVER_EXECUTED_FENCE,
     "never-executed fence everywhere": _NEVER_EXECUTED_FENCE + [(_HOLD, "    if True:\n        fences = (0, )")],
-    # the loop in order (see _IN_ORDER), as configured and with 128-key blocks at d256 (not yet run)
+    # the loop in order (see _IN_ORDER), as configured and with 128-key blocks at d256 (fifteenth session: 5-16% slower)
     "in-order": _IN_ORDER,
     "in-order with 128-key blocks at d256": _IN_ORDER,
+    # three consumer warpgroups (192-row tiles) at d64, two elsewhere (CONFIGS: d64's registers; not yet run)
+    "three consumers at d64": _THREE_CONSUMERS,
     # the P operand without the opaque copy (LLVM may carry fp32 P around the loop again)
     "no opaque P copy": [('    return gl.inline_asm_elementwise("mov.b32 $0, $1;"',
                           '    return operand\n    gl.inline_asm_elementwise("mov.b32 $0, $1;"')],
