@@ -8,7 +8,8 @@
 #                                       hopper-sweep,hopper-bwd,ablate-bwd,ablate-fwd,ablate-ordered
 #                                       (default tests,reliability,decode)
 # Environment: FLASHTRITON_COMMIT (give it: the device copy's git may name another commit), OUT, FUZZ_EXAMPLES
-# (fuzz step, default 120), FWD_VARIANTS (ablate-fwd: the variants of benchmarks/ablations/fwd_hopper.py to time),
+# (fuzz step, default 120), FWD_VARIANTS / FWD_SHAPES (ablate-fwd: the variants of benchmarks/ablations/fwd_hopper.py
+# to time, and the bench shape indices, default 0,1,2,3,4),
 # TESTS_LIMIT (tests step seconds, default 300; a fresh machine compiles every kernel and needs ~400).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,7 +19,8 @@ unset TRITON_INTERPRET
 out="${OUT:-gpu-check}"
 mkdir -p "$out"
 steps=",${1:-tests,reliability,decode},"
-default_fwd_variants="three consumers at d64,rescale skip everywhere"
+default_fwd_variants="three consumers at d64,rescale skip everywhere,rescale skip and fence at d256"
+default_fwd_variants="$default_fwd_variants,rescale skip and ping-pong at d256,rescale skip and fence at d64"
 fwd_variants="${FWD_VARIANTS:-$default_fwd_variants}"
 
 step() {  # step NAME SECONDS COMMAND...
@@ -51,7 +53,7 @@ step hopper-bwd 300 bash -c "python -m pytest tests/test_hopper_bwd.py -q -n 8 -
 step ablate-bwd 240 python benchmarks/ablate_kernel.py --variants benchmarks/ablations/bwd_hopper.py --shapes 0,1,3 \
   --out "$out/ablate-bwd"
 step ablate-fwd 300 python benchmarks/ablate_kernel.py --variants benchmarks/ablations/fwd_hopper.py --mode fwd \
-  --shapes 0,1,2,3,4 --timing kernels --out "$out/ablate-fwd" \
+  --shapes "${FWD_SHAPES:-0,1,2,3,4}" --timing kernels --out "$out/ablate-fwd" \
   --only "$fwd_variants"
 # deterministic=True at d128 (ordered dQ): where its cost goes (benchmarks/ablations/bwd_hopper_ordered.py)
 step ablate-ordered 240 python benchmarks/ablate_kernel.py --variants benchmarks/ablations/bwd_hopper_ordered.py \
