@@ -1,8 +1,12 @@
 """tools/ncu_sass_summary.py on a small `ncu --page source --csv` export written here: per-kernel opcode and stall
-shares, and the hot-instruction filter."""
+shares, and the hot-instruction filter; tools/ncu_forward_pair.py's refusal without a GPU."""
 
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import ncu_sass_summary  # noqa: E402
@@ -37,3 +41,11 @@ def test_hot_instructions_are_the_loop_body(tmp_path):
     hot = ncu_sass_summary.hot_instructions(ours, 0.7)
     assert len(hot) == 2 and "FFMA R1, R2, R3, R4" in hot[0] and "@!P0  BRA" in hot[1]  # MUFU ran 0.2x as often
     assert "barrier=20 wait=10" in hot[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_forward_pair_says_it_needs_a_gpu():
+    """tools/ncu_forward_pair.py (what ncu profiles) exits 2 with a message where there is no CUDA GPU."""
+    script = Path(__file__).resolve().parents[1] / "tools" / "ncu_forward_pair.py"
+    done = subprocess.run([sys.executable, str(script), "--shapes", "1"], capture_output=True, text=True)
+    assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr

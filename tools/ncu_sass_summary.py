@@ -5,9 +5,9 @@ hot instructions of one kernel with their stall samples. Made to compare the Glu
 
 On the GPU machine (one call, ~1 min; the forward calls of the script are compiled before ncu starts):
 
-    python SCRIPT                       # compile first
+    python tools/ncu_forward_pair.py --shapes 1     # compile first
     ncu --clock-control none -k regex:"attn_fwd_hopper_kernel|cudnn_generated" --section SourceCounters \\
-        --section WarpStateStats --section InstructionStats -o $OUT/fwd python SCRIPT
+        --section WarpStateStats --section InstructionStats -o $OUT/fwd python tools/ncu_forward_pair.py --shapes 1
     ncu -i $OUT/fwd.ncu-rep --page source --print-source sass --csv > $OUT/sass.csv
 
 Here:

@@ -1,0 +1,57 @@
+"""Run flashtriton's forward and SDPA-cuDNN's on BASELINES.md shapes, each a few times, for Nsight Compute to
+profile side by side (the commands of tools/ncu_sass_summary.py and docs/perf-notes.md, sessions 14-15).
+
+    python tools/ncu_forward_pair.py [--shapes all|0,1,...] [--causal] [--calls 2]
+
+Run it once without ncu first so that Triton's cache holds the kernels (ncu then profiles kernels, not the compiler),
+then, on the GPU machine, for example the speed-of-light and memory sections of both kernels:
+
+    ncu --clock-control none -k regex:"attn_fwd_hopper_kernel|cudnn_generated" --section SpeedOfLight \\
+        --section MemoryWorkloadAnalysis --section LaunchStats -o $OUT/sol python tools/ncu_forward_pair.py
+    ncu -i $OUT/sol.ncu-rep --page raw --csv --metrics gpu__time_duration.sum,lts__t_sector_hit_rate.pct,\\
+        lts__throughput.avg.pct_of_peak_sustained_elapsed > $OUT/raw.csv
+
+bf16 (B, S, H, D) inputs drawn from N(0, 1); each shape's calls alternate flashtriton and cuDNN. Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+if importlib.util.find_spec("flashtriton") is None:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+import flashtriton  # noqa: E402
+from flashtriton.bench import select_shapes  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="all", help="indices into bench.BASELINE_SHAPES, or all")
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--calls", type=int, default=2, help="calls of each provider per shape")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    for shape in select_shapes(args.shapes):
+        q, k, v = (torch.randn(shape.batch, shape.seqlen, shape.heads, shape.head_dim, device="cuda",
+                               dtype=torch.bfloat16) for _ in range(3))
+        for _ in range(args.calls):
+            flashtriton.flash_attn_func(q, k, v, causal=args.causal)
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=args.causal)
+    torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
