@@ -1,9 +1,11 @@
 """Compile flashtriton kernels for sm_90 on a machine without a GPU; print registers, spills, shared memory.
 
     python tools/offline_compile.py [--head-dim 128] [--local] [--kernel fwd|dkdv|dq] [--config M,N,WARPS,STAGES]
-    python tools/offline_compile.py --kernel fwd-hopper [--head-dim 128] [--causal] [--hopper-config N,STAGES,REGS[,P,PP]]
+    python tools/offline_compile.py --kernel fwd-hopper [--head-dim 128] [--causal]
+                                    [--hopper-config N,STAGES,REGS[,P,PP,H[,T]]]
                                                        # the Gluon forward; default: its configs.HOPPER_FWD entry
-                                                       # (P, PP, H: persistent, ping-pong, hold_schedule, 0 or 1)
+                                                       # (P, PP, H: persistent, ping-pong, hold_schedule, 0 or 1;
+                                                       # T: the rescale skip's threshold, 0: none)
     python tools/offline_compile.py --kernel bwd-hopper [--head-dim 128] [--causal] [--ordered]
                                     [--hopper-config ROWS,STAGES,REGS]
                                                        # the Gluon backward; default: its configs.HOPPER_BWD entry
@@ -184,7 +186,7 @@ def main():
     parser.add_argument("--local", action="store_true")
     parser.add_argument("--kernel", default="fwd", choices=[*KERNELS, "fwd-hopper", "bwd-hopper", "bwd-hopper-dq"])
     parser.add_argument("--causal", action="store_true", help="fwd-hopper only: the causal variant")
-    parser.add_argument("--hopper-config", help="fwd-hopper: BLOCK_N,STAGES,REGS[,PERSISTENT,PINGPONG,HOLD], "
+    parser.add_argument("--hopper-config", help="fwd-hopper: BLOCK_N,STAGES,REGS[,PERSISTENT,PINGPONG,HOLD,THRESHOLD], "
                                                 "bwd-hopper: ROWS,STAGES,REGS instead of the configs.HOPPER_FWD / "
                                                 "HOPPER_BWD entry")
     parser.add_argument("--config", default="128,128,8,3")
@@ -221,8 +223,9 @@ def main():
         if args.hopper_config:
             from flashtriton.configs import HopperFwdConfig
 
-            block_n, stages, regs, *flags = (int(x) for x in args.hopper_config.split(","))
-            config = HopperFwdConfig(block_n, stages, regs, *(bool(flag) for flag in flags))
+            block_n, stages, regs, *rest = args.hopper_config.split(",")
+            flags, threshold = [bool(int(flag)) for flag in rest[:3]], [float(value) for value in rest[3:4]]
+            config = HopperFwdConfig(int(block_n), int(stages), int(regs), *flags, *threshold)
         compiled = compile_hopper_fwd(args.head_dim, args.causal, config)
         print(f"fwd-hopper d{args.head_dim} causal={args.causal} {args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} "
