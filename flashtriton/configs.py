@@ -242,6 +242,14 @@ HOPPER_FWD = {64: HopperFwdConfig(128, 2, 232, persistent=True),
               128: HopperFwdConfig(128, 2, 240, persistent=True, pingpong=True, hold_schedule=True,
                                    rescale_threshold=8.0),
               256: HopperFwdConfig(64, 2, 232)}
+
+
+def hopper_rescale_threshold(config: HopperFwdConfig) -> float:
+    """The Gluon forward's rescale-skip threshold (log2 units, 0: none): the config's, or
+    FLASHTRITON_RESCALE_THRESHOLD's where set (as fwd_config applies it to the Triton forward)."""
+    return config.rescale_threshold if RESCALE_THRESHOLD_OVERRIDE is None else max(RESCALE_THRESHOLD_OVERRIDE, 0.0)
+
+
 GLUON_ALLOWED = os.environ.get("FLASHTRITON_GLUON", "1") != "0"
 
 

@@ -6,7 +6,6 @@ cases it does not cover, that it did not), NaN-poisons the outputs and applies t
 """
 
 import dataclasses
-import re
 import sys
 from pathlib import Path
 
@@ -282,20 +281,6 @@ def test_softmax_runs_under_its_p_v_product(head_dim):
     assert offline_compile.exp2_before_pv_wait(loose.asm["cubin"]) == [0, 0]
 
 
-def _warp_vote_branches(cubin: bytes) -> int:
-    """How many `VOTE.ANY Pn` of the SASS are followed, within 32 instructions, by a branch on `!Pn` (the rescale
-    skip's uniform branch around the multiplies; ptxas schedules P's conversions between the two)."""
-    import offline_compile
-
-    instructions, _ = offline_compile.sass_of(cubin)
-    count = 0
-    for index, text in enumerate(instructions):
-        vote = re.search(r"VOTE\.ANY (P\d),", text)
-        if vote:
-            count += any(f"@!{vote.group(1)} BRA" in line for line in instructions[index + 1:index + 33])
-    return count
-
-
 @pytest.mark.skipif(not _gluon_hopper_api() or KERNELS_INTERPRETED,
                     reason="compiles for sm_90 (needs the Gluon Hopper API and compiled, not interpreted, kernels)")
 @pytest.mark.parametrize("head_dim", [d for d in sorted(configs.HOPPER_FWD) if configs.HOPPER_FWD[d].rescale_threshold],
@@ -307,9 +292,9 @@ def test_rescale_skip_is_a_warp_uniform_branch(head_dim):
     import offline_compile
 
     config = configs.HOPPER_FWD[head_dim]
-    assert _warp_vote_branches(offline_compile.compile_hopper_fwd(head_dim, False).asm["cubin"]) >= 2
+    assert offline_compile.warp_vote_branches(offline_compile.compile_hopper_fwd(head_dim, False).asm["cubin"]) >= 2
     plain = offline_compile.compile_hopper_fwd(head_dim, False, dataclasses.replace(config, rescale_threshold=0.0))
-    assert _warp_vote_branches(plain.asm["cubin"]) == 0
+    assert offline_compile.warp_vote_branches(plain.asm["cubin"]) == 0
 
 
 @pytest.mark.parametrize("override,expected", [(None, "config"), (0.0, 0.0), (-3.0, 0.0), (5.0, 5.0)])
@@ -319,4 +304,4 @@ def test_rescale_threshold_override(monkeypatch, override, expected):
     monkeypatch.setattr(configs, "RESCALE_THRESHOLD_OVERRIDE", override)
     for config in configs.HOPPER_FWD.values():
         want = config.rescale_threshold if expected == "config" else expected
-        assert hopper_fwd.rescale_threshold(config) == want
+        assert configs.hopper_rescale_threshold(config) == want

@@ -11,7 +11,8 @@
                                                        # the Gluon backward; default: its configs.HOPPER_BWD entry
     python tools/offline_compile.py --kernel bwd-hopper-dq [--head-dim 256] [--causal]
                                                        # the Gluon dQ kernel with its configs.HOPPER_DQ entry
-    (fwd-hopper also prints exp2_before_pv_wait: how much of each consumer loop's softmax runs under its P V product)
+    (fwd-hopper also prints exp2_before_pv_wait: how much of each consumer loop's softmax runs under its P V product,
+    and rescale_skip_branches: the warp votes that skip the output's rescale, warp_vote_branches)
 
 Uses Triton's bundled ptxas. Integer arguments are compiled as plain i32 with the pointer/stride
 divisibility hints a contiguous (B, S, H, D) launch would get, so the numbers approximate the real compile.
@@ -231,7 +232,8 @@ def main():
               f"{resource_usage(compiled)} "
               f"shared {compiled.metadata.shared} wgmma {compiled.asm['ptx'].count('wgmma.mma_async')} "
               f"setmaxnreg {compiled.asm['ptx'].count('setmaxnreg')} "
-              f"exp2_before_pv_wait {exp2_before_pv_wait(compiled.asm['cubin'])}")
+              f"exp2_before_pv_wait {exp2_before_pv_wait(compiled.asm['cubin'])} "
+              f"rescale_skip_branches {warp_vote_branches(compiled.asm['cubin'])}")
         return
     block_m, block_n, warps, stages = (int(x) for x in args.config.split(","))
     compiled = compile_kernel(KERNELS[args.kernel], args.head_dim, args.local, block_m, block_n, warps, stages,
@@ -287,6 +289,19 @@ def exp2_before_pv_wait(cubin: bytes) -> list:
             index = labels[branch.group(2)] if branch else index + 1
         counts.append(count)
     return counts
+
+
+def warp_vote_branches(cubin: bytes) -> int:
+    """How many `VOTE.ANY Pn` of the SASS are followed, within 32 instructions, by a branch on `!Pn`: in the Gluon
+    forward, the rescale skip's warp-uniform branch around the output's multiplies (kernels/fwd_hopper._rescale;
+    ptxas schedules P's conversions between the two). 0 where the kernel has no skip."""
+    instructions, _ = sass_of(cubin)
+    count = 0
+    for index, text in enumerate(instructions):
+        vote = re.search(r"VOTE\.ANY (P\d),", text)
+        if vote:
+            count += any(f"@!{vote.group(1)} BRA" in line for line in instructions[index + 1:index + 33])
+    return count
 
 
 def resource_usage(compiled) -> str:

@@ -257,10 +257,10 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     """One consumer's pass over a work item's key blocks (the program's loads first_load, first_load + 1, ...) for
     its Q tile q [ROWS, HEAD_DIM] (shared memory), overlapped inside the warpgroup: block 0's softmax first, then per
     block j S_j and P_{j-1} V_{j-1} issued together, softmax j while P_{j-1} V_{j-1} runs (where fences hold the
-    schedule; else ptxas waits for P V first), then P_j's operand and the rescale. Arrives on q_free (if release_q) once its last S wgmma completed. With ping-pong the S_0 issue and each block's
-    S_j + P_{j-1} V_{j-1} issue are steps first_load, first_load + 1, ... of _wait_turn (both consumers count the
-    same loads). lag: _softmax_block's. Returns the unnormalized output [ROWS, HEAD_DIM], the running max (log2
-    units) and the row sum [ROWS]."""
+    schedule; else ptxas waits for P V first), then P_j's operand and the rescale. Arrives on q_free (if release_q)
+    once its last S wgmma completed. With ping-pong the S_0 issue and each block's S_j + P_{j-1} V_{j-1} issue are
+    steps first_load, first_load + 1, ... of _wait_turn (both consumers count the same loads). lag: _softmax_block's.
+    Returns the unnormalized output [ROWS, HEAD_DIM], the running max (log2 units) and the row sum [ROWS]."""
     ROWS: gl.constexpr = q.shape[0]
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[2]

@@ -92,19 +92,13 @@ def grid(num_tiles: int, batch_heads: int, config, causal: bool, device: torch.d
     return (programs if PROGRAMS_CAP is None else min(programs, PROGRAMS_CAP)), paired
 
 
-def rescale_threshold(config) -> float:
-    """The rescale skip's threshold (log2 units, 0: none): the config's, or FLASHTRITON_RESCALE_THRESHOLD's."""
-    override = configs.RESCALE_THRESHOLD_OVERRIDE
-    return config.rescale_threshold if override is None else max(override, 0.0)
-
-
 def launch(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
            heads_per_group: int) -> None:
     """Run the Gluon forward into out (B, Sq, H, D) and lse (fp32, rows contiguous, strides lse_strides)."""
     global launch_count
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     config = configs.HOPPER_FWD[head_dim]
-    threshold = rescale_threshold(config)
+    threshold = configs.hopper_rescale_threshold(config)
     programs, paired = grid(triton_cdiv(seqlen_q, TILE_ROWS), batch * num_heads, config, params.causal_like,
                             q.device)
     attn_fwd_hopper_kernel[(programs,)](
