@@ -231,17 +231,24 @@ L2_GROUP_BYTES = {False: 0, True: 16 << 20}
 class HopperFwdConfig:
     block_n: int         # keys per K/V stage
     stages: int          # K/V stages in shared memory
-    consumer_regs: int   # registers per thread of the second consumer warpgroup
+    consumer_regs: int   # registers per thread of each consumer warpgroup but the first (setmaxnreg)
     persistent: bool = False  # one program per SM taking work items in turn (ops/hopper_fwd.grid), else one per tile
     pingpong: bool = False    # the consumers issue their wgmmas in alternation (kernels/fwd_hopper._wait_turn)
     hold_schedule: bool = False  # a fence keeps the softmax ahead of the P V wait (kernels/fwd_hopper._hold_schedule)
     rescale_threshold: float = 0.0  # the A-1 rescale skip's (log2 units; kernels/fwd_hopper._rescale), 0: none
+    consumers: int = 2   # consumer warpgroups of 64 query rows: a tile has 64 * consumers rows
+
+    def __post_init__(self):
+        if self.consumers not in (2, 3):
+            raise ValueError(f"consumers must be 2 or 3, got {self.consumers}")
+        if self.pingpong and self.consumers != 2:
+            raise ValueError("pingpong takes turns between two consumers; consumers is 3")
 
 
-HOPPER_FWD = {64: HopperFwdConfig(128, 2, 232, persistent=True),
+HOPPER_FWD = {64: HopperFwdConfig(128, 2, 160, persistent=True, consumers=3),
               128: HopperFwdConfig(128, 2, 240, persistent=True, pingpong=True, hold_schedule=True,
                                    rescale_threshold=8.0),
-              256: HopperFwdConfig(64, 2, 232)}
+              256: HopperFwdConfig(64, 2, 232, hold_schedule=True, rescale_threshold=8.0)}
 
 
 def hopper_rescale_threshold(config: HopperFwdConfig) -> float:

@@ -59,10 +59,25 @@ def test_gluon_forward_coverage_rule(name):
 
 @pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_FWD))
 def test_hopper_configs_fit_shared_memory(head_dim):
-    """Two 64-row Q tiles plus `stages` K and V tiles of block_n rows (16-bit elements) fit one program."""
+    """One 64-row Q tile per consumer plus `stages` K and V tiles of block_n rows (16-bit elements) fit one
+    program."""
     config = configs.HOPPER_FWD[head_dim]
-    tile_bytes = 2 * head_dim
-    assert hopper_fwd.TILE_ROWS * tile_bytes + 2 * config.stages * config.block_n * tile_bytes <= SM90_SHARED_BYTES
+    row_bytes = 2 * head_dim
+    assert (64 * config.consumers + 2 * config.stages * config.block_n) * row_bytes <= SM90_SHARED_BYTES
+
+
+@pytest.mark.parametrize("fields,message", [(dict(consumers=4), "consumers must be 2 or 3"),
+                                            (dict(consumers=3, pingpong=True), "pingpong takes turns between two")])
+def test_hopper_config_rejects_what_the_kernel_cannot_run(fields, message):
+    with pytest.raises(ValueError, match=message):
+        configs.HopperFwdConfig(128, 2, 160, **fields)
+
+
+def with_consumers(config: configs.HopperFwdConfig, consumers: int) -> configs.HopperFwdConfig:
+    """config with 2 or 3 consumer warpgroups and the registers the kernel gives them elsewhere (232 for two; 160,
+    what a program of four warpgroups leaves each, for three)."""
+    regs = config.consumer_regs if consumers == config.consumers else {2: 232, 3: 160}[consumers]
+    return dataclasses.replace(config, consumers=consumers, consumer_regs=regs)
 
 
 def run_forward(case: Case, grads: bool = False):
@@ -108,9 +123,11 @@ def test_gluon_forward_matches_reference(seqlen_q, seqlen_k, head_dim, dtype, ca
                          ids=["sq17-sk17", "sq700-sk300", "sq1000-sk1000"])
 def test_gluon_forward_pingpong(monkeypatch, seqlen_q, seqlen_k, head_dim, causal, pingpong, programs):
     """Both settings of the consumers' ping-pong (configs.HopperFwdConfig.pingpong) whatever the table says: turns
-    counted across tiles of different lengths (3 programs run many), a single key block, rows without keys."""
-    monkeypatch.setitem(configs.HOPPER_FWD, head_dim, dataclasses.replace(configs.HOPPER_FWD[head_dim],
-                                                                          pingpong=pingpong))
+    counted across tiles of different lengths (3 programs run many), a single key block, rows without keys. Ping-pong
+    takes two consumers: where the table has three, this runs two."""
+    config = configs.HOPPER_FWD[head_dim]
+    config = dataclasses.replace(with_consumers(config, 2) if pingpong else config, pingpong=pingpong)
+    monkeypatch.setitem(configs.HOPPER_FWD, head_dim, config)
     with forced_hopper_grid(programs):
         checks, ran = run_forward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
                                        head_dim=head_dim, dtype=torch.bfloat16, causal=causal))
@@ -130,6 +147,24 @@ def test_gluon_forward_hold_schedule(monkeypatch, head_dim, causal):
     with forced_hopper_grid(3):
         checks, ran = run_forward(Case(batch=2, seqlen_q=700, seqlen_k=300, num_heads=3, num_heads_k=3,
                                        head_dim=head_dim, dtype=torch.bfloat16, causal=causal))
+    assert ran, "the Gluon forward did not run"
+    assert_checks_ok(checks)
+
+
+@needs_hopper
+@pytest.mark.parametrize("programs", [None, 3], ids=["configured-grid", "3-programs"])
+@pytest.mark.parametrize("consumers", [2, 3])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (191, 200), (193, 193), (700, 300), (1000, 1000)],
+                         ids=["sq17-sk17", "sq191-sk200", "sq193-sk193", "sq700-sk300", "sq1000-sk1000"])
+def test_gluon_forward_consumer_counts(monkeypatch, seqlen_q, seqlen_k, causal, consumers, programs):
+    """Two and three consumer warpgroups (128- and 192-row tiles, configs.HopperFwdConfig.consumers) at head dim 64
+    whatever the table says: tiles one row short of / past 192 rows, causal tiles whose rows all precede the first
+    key (sq > sk), paired causal tiles of different lengths on 3 programs (barrier counts and phases per consumer)."""
+    monkeypatch.setitem(configs.HOPPER_FWD, 64, with_consumers(configs.HOPPER_FWD[64], consumers))
+    with forced_hopper_grid(programs):
+        checks, ran = run_forward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
+                                       head_dim=64, dtype=torch.bfloat16, causal=causal))
     assert ran, "the Gluon forward did not run"
     assert_checks_ok(checks)
 

@@ -2,10 +2,10 @@
 
     python tools/offline_compile.py [--head-dim 128] [--local] [--kernel fwd|dkdv|dq] [--config M,N,WARPS,STAGES]
     python tools/offline_compile.py --kernel fwd-hopper [--head-dim 128] [--causal]
-                                    [--hopper-config N,STAGES,REGS[,P,PP,H[,T]]]
+                                    [--hopper-config N,STAGES,REGS[,P,PP,H[,T[,C]]]]
                                                        # the Gluon forward; default: its configs.HOPPER_FWD entry
                                                        # (P, PP, H: persistent, ping-pong, hold_schedule, 0 or 1;
-                                                       # T: the rescale skip's threshold, 0: none)
+                                                       # T: the rescale skip's threshold, 0: none; C: consumers)
     python tools/offline_compile.py --kernel bwd-hopper [--head-dim 128] [--causal] [--ordered]
                                     [--hopper-config ROWS,STAGES,REGS]
                                                        # the Gluon backward; default: its configs.HOPPER_BWD entry
@@ -128,8 +128,8 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     signature.update({name: "i32" for name in ("stride_lse_b", "stride_lse_h", "batch", "num_heads", "group_size",
                                                "seqlen_q", "seqlen_k", "heads_per_group", "paired")})
     signature["qk_scale_log2"] = signature["rescale_threshold"] = "fp32"
-    constexprs = dict(CAUSAL=causal, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs,
-                      PINGPONG=config.pingpong, HOLD_SCHEDULE=config.hold_schedule,
+    constexprs = dict(CAUSAL=causal, STAGES=config.stages, CONSUMERS=config.consumers,
+                      CONSUMER_REGS=config.consumer_regs, PINGPONG=config.pingpong, HOLD_SCHEDULE=config.hold_schedule,
                       RESCALE_SKIP=config.rescale_threshold > 0.0, num_warps=4)
     return _compile_gluon(kernel or attn_fwd_hopper_kernel, signature, constexprs)
 
@@ -187,7 +187,8 @@ def main():
     parser.add_argument("--local", action="store_true")
     parser.add_argument("--kernel", default="fwd", choices=[*KERNELS, "fwd-hopper", "bwd-hopper", "bwd-hopper-dq"])
     parser.add_argument("--causal", action="store_true", help="fwd-hopper only: the causal variant")
-    parser.add_argument("--hopper-config", help="fwd-hopper: BLOCK_N,STAGES,REGS[,PERSISTENT,PINGPONG,HOLD,THRESHOLD], "
+    parser.add_argument("--hopper-config", help="fwd-hopper: BLOCK_N,STAGES,REGS[,PERSISTENT,PINGPONG,HOLD,THRESHOLD"
+                                                "[,CONSUMERS]], "
                                                 "bwd-hopper: ROWS,STAGES,REGS instead of the configs.HOPPER_FWD / "
                                                 "HOPPER_BWD entry")
     parser.add_argument("--config", default="128,128,8,3")
@@ -226,7 +227,8 @@ def main():
 
             block_n, stages, regs, *rest = args.hopper_config.split(",")
             flags, threshold = [bool(int(flag)) for flag in rest[:3]], [float(value) for value in rest[3:4]]
-            config = HopperFwdConfig(int(block_n), int(stages), int(regs), *flags, *threshold)
+            consumers = [int(value) for value in rest[4:5]]
+            config = HopperFwdConfig(int(block_n), int(stages), int(regs), *flags, *threshold, *consumers)
         compiled = compile_hopper_fwd(args.head_dim, args.causal, config)
         print(f"fwd-hopper d{args.head_dim} causal={args.causal} {args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} "

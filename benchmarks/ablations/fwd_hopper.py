@@ -19,6 +19,11 @@ schedule fence" at d128 level to -3%; "no opaque P copy" and "ping-pong off" at 
 Fifteenth session: the never-executed fence and the in-order loops slower everywhere; the A-1 rescale skip decided
 per warp by a vote kept at d128 (kernels/fwd_hopper._rescale; "no rescale skip" / "rescale skip everywhere" price
 it); "three consumers at d64" prepared (compiled offline), not yet run.
+Sixteenth session (two processes, kernel time, TF/s as is / variant): three consumers at d64 (192-row tiles) 468, 440
+/ 514, 511 non-causal and 435, 430 / 429, 429 causal; the skip with the fence at d256 710, 707 / 757, 754 and 677,
+675 / 699, 697 (with ping-pong instead 689, 689 and 683, 683; the skip alone 708, 705 and 696, 696); the skip with
+the fence at d64 450, 447 and 415, 414. Both winners are now the table (configs.HOPPER_FWD: consumers=3 at d64, the
+skip and the fence at d256); "two consumers at d64" and "d256 without skip and fence" price them against the kernel.
 """
 
 MODULE = "flashtriton/kernels/fwd_hopper.py"
@@ -52,34 +57,12 @@ _IN_ORDER = [
 
 # d256 with cuDNN's 128-key blocks: one K / V stage (192 KB with O staged in Q); the rescale skip's variants
 CONFIGS = {"in-order with 128-key blocks at d256": {"HOPPER_FWD": {256: dict(block_n=128, stages=1)}},
-           "no rescale skip": {"HOPPER_FWD": {128: dict(rescale_threshold=0.0)}},
-           "rescale skip everywhere": {"HOPPER_FWD": {64: dict(rescale_threshold=8.0),
-                                                      256: dict(rescale_threshold=8.0)}},
-           "three consumers at d64": {"HOPPER_FWD": {64: dict(consumer_regs=160)}},
-           "rescale skip and fence at d256": {"HOPPER_FWD": {256: dict(rescale_threshold=8.0, hold_schedule=True)}},
-           "rescale skip and ping-pong at d256": {"HOPPER_FWD": {256: dict(rescale_threshold=8.0, pingpong=True)}},
+           "no rescale skip": {"HOPPER_FWD": {128: dict(rescale_threshold=0.0), 256: dict(rescale_threshold=0.0)}},
+           "rescale skip everywhere": {"HOPPER_FWD": {64: dict(rescale_threshold=8.0)}},
+           "two consumers at d64": {"HOPPER_FWD": {64: dict(consumers=2, consumer_regs=232)}},
+           "d256 without skip and fence": {"HOPPER_FWD": {256: dict(rescale_threshold=0.0, hold_schedule=False)}},
+           "schedule fence at d64": {"HOPPER_FWD": {64: dict(hold_schedule=True)}},
            "rescale skip and fence at d64": {"HOPPER_FWD": {64: dict(rescale_threshold=8.0, hold_schedule=True)}}}
-
-# d64 tiles of 192 rows: three consumer warpgroups of 64 rows (FA3's 192 x 128 tile at head dim 64), each with the
-# 160 registers a 4-warpgroup program leaves (CONFIGS); other head dims keep two (HEAD_DIM is a constexpr in every
-# function the edits touch). The host still counts 128-row tiles: only the persistent grid's size, the kernel
-# numbers its own tiles. Offline (d64): no spills in the loops without the mask; causal, a few in the masked path
-_CONSUMERS = "(3 if HEAD_DIM == 64 else 2)"
-_TWO_PARTITIONS = ("    gl.warp_specialize([(_consumer, first_args), (_consumer, second_args), "
-                   "(_producer, producer_args)], [4, 1],\n                       [CONSUMER_REGS, 24])")
-_THREE_CONSUMERS = [
-    ("2 * ROWS", f"{_CONSUMERS} * ROWS"), ("static_range(2)", f"static_range({_CONSUMERS})"),
-    ("[2, 1", f"[{_CONSUMERS}, 1"), ("count=2)", f"count={_CONSUMERS})"),
-    ("4 * tile_bytes", f"2 * {_CONSUMERS} * tile_bytes"),
-    (_TWO_PARTITIONS,
-     "    if HEAD_DIM == 64:\n"
-     "        third_args = (o_desc, Lse, q_smem.index(2), o_smem.index(2), q_ready.index(2), q_empty.index(2),\n"
-     "                      k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns[1], fences, lag)\n"
-     "        third_args = third_args + shared + (2 * ROWS, ) + work\n"
-     "        gl.warp_specialize([(_consumer, first_args), (_consumer, second_args), (_consumer, third_args),\n"
-     "                            (_producer, producer_args)], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])\n"
-     "    else:\n    " + _TWO_PARTITIONS.replace("\n", "\n    "))]
-
 
 VARIANTS = {
     # the LSE rows' global stores
@@ -99,15 +82,16 @@ VARIANTS = {
     # the output's rescale by alpha skipped (wrong results): what an exact rescale skip (max lagging, FA4's
     # threshold) could save at most
     "no output rescale": [("        acc = _rescale(acc, gl.convert_layout(alpha, row_o), lag)", "        acc = acc")],
-    # the A-1 rescale skip with its warp vote (kernels/fwd_hopper._rescale) off where configs.HOPPER_FWD has it (d128;
-    # the kernel before the fifteenth session), or on everywhere (CONFIGS). Its first form, a warpgroup-wide min of
-    # alpha (a reduction through shared memory per block), measured 2-7% slower on every row (thirteenth session)
+    # the A-1 rescale skip with its warp vote (kernels/fwd_hopper._rescale) off where configs.HOPPER_FWD has it (d128,
+    # d256), or on everywhere (CONFIGS). Its first form, a warpgroup-wide min of alpha (a reduction through shared
+    # memory per block), measured 2-7% slower on every row (thirteenth session)
     "no rescale skip": [],
     "rescale skip everywhere": [],
-    # the skip with the schedule fence or ping-pong where both are off (d256: the fence alone cost 0.5-3%, with the
-    # row sums by wgmma it read +2%; the skip alone -1% / +3% non-causal / causal; not yet run)
-    "rescale skip and fence at d256": [],
-    "rescale skip and ping-pong at d256": [],
+    # the tables before the sixteenth session at d64 (two consumers) and d256 (no skip, no fence); the fence, and
+    # the fence with the skip, at d64 with its three consumers (CONFIGS)
+    "two consumers at d64": [],
+    "d256 without skip and fence": [],
+    "schedule fence at d64": [],
     "rescale skip and fence at d64": [],
     # the P V wait before the softmax, as the kernel was until the fourteenth session: P converted where P V is
     # issued (LLVM then carries fp32 P around the loop) and no fence, so ptxas schedules the conversion into the
@@ -132,8 +116,6 @@ VARIANTS = {
     # the loop in order (see _IN_ORDER), as configured and with 128-key blocks at d256 (fifteenth session: 5-16% slower)
     "in-order": _IN_ORDER,
     "in-order with 128-key blocks at d256": _IN_ORDER,
-    # three consumer warpgroups (192-row tiles) at d64, two elsewhere (CONFIGS: d64's registers; not yet run)
-    "three consumers at d64": _THREE_CONSUMERS,
     # the P operand without the opaque copy (LLVM may carry fp32 P around the loop again)
     "no opaque P copy": [('    return gl.inline_asm_elementwise("mov.b32 $0, $1;"',
                           '    return operand\n    gl.inline_asm_elementwise("mov.b32 $0, $1;"')],

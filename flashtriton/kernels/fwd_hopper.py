@@ -1,6 +1,7 @@
 """Prefill forward for Hopper (sm_90) in Gluon, warp-specialized: a one-warp TMA producer feeds K/V stages to two
-consumer warpgroups, each owning 64 query rows of a 128-row tile. The consumers share the stages and run out of
-phase with each other, so one's softmax overlaps the other's wgmma (what the Triton kernel cannot schedule).
+(configs.HopperFwdConfig.consumers: two, or three at head dim 64) consumer warpgroups, each owning 64 query rows of a
+128- (192-) row tile. The consumers share the stages and run out of phase with each other, so one's softmax overlaps
+another's wgmma (what the Triton kernel cannot schedule).
 
 Scope (ops/hopper_fwd.covers and runs_on decide): dense (B, S, H, D) bf16/fp16 tensors addressed by host tensor descriptors,
 head dim 64 / 128 / 256, GQA, no window or the causal one (bottom-right aligned), positive softmax scale, no
@@ -9,16 +10,16 @@ accumulators, P rounded to V's dtype, natural-log LSE, +inf for rows that see no
 lagging) where configs.HOPPER_FWD has a rescale_threshold, decided per warp (_rescale).
 
 Work: the grid's programs take work items in turn, p, p + P, p + 2P, ... (ops/hopper_fwd sizes the grid: one
-program per item, or persistent: as many as fit the GPU at once). An item is one 128-row tile, or for persistent
+program per item, or persistent: as many as fit the GPU at once). An item is one tile, or for persistent
 causal grids a pair of tiles (the longest and the shortest left) so that every item has the same number of key
 blocks. The producer loads the next tile's Q and K/V blocks while the consumers finish the current one (their
 last wgmmas, normalization, O store).
 
 Synchronisation: q_ready[c] completes when consumer c's Q tile has landed, q_empty[c] when consumer c no longer
 reads it (after its last S wgmma; where O is staged in the Q tile, after O's store). k_ready[s] / v_ready[s]
-complete when stage s's K / V tile has landed (TMA transaction bytes); k_empty[s] / v_empty[s] when both consumers
-are done with stage s's K / V tile (count 2: one arrival per consumer warpgroup, by one thread without a
-warpgroup barrier: hopper_sync.arrive_after_wgmma), so the producer refills K before V is free. The program's
+complete when stage s's K / V tile has landed (TMA transaction bytes); k_empty[s] / v_empty[s] when all consumers
+are done with stage s's K / V tile (one arrival per consumer warpgroup, by one thread without a warpgroup barrier:
+hopper_sync.arrive_after_wgmma), so the producer refills K before V is free. The program's
 loads are numbered across its items: load l goes to stage l % STAGES and is the (l // STAGES)-th use of that
 stage, whose parity the waits check; the program's i-th tile's Q tiles are the i-th use of q_ready / q_empty.
 
@@ -26,8 +27,8 @@ Consumer schedule (FA3's intra-warpgroup pipelining): S_j and P_{j-1} V_{j-1} ar
 block j runs while P_{j-1} V_{j-1} is on the tensor cores, and the output rescale waits for it. In the binary the
 softmax runs under P V only where configs.HOPPER_FWD holds the schedule (_hold_schedule; ptxas otherwise waits for
 P V first: tools/offline_compile.exp2_before_pv_wait). (An in-order schedule, S_j, softmax j, P_j V_j, was 2-9%
-slower on every BASELINES row: configs.py.) With ping-pong (config, on at head dim 128) the two consumers also take
-turns issuing those wgmmas, so that one's softmax runs while the other's products do (_wait_turn).
+slower on every BASELINES row: configs.py.) With ping-pong (config, on at head dim 128; two consumers only) the two
+also take turns issuing those wgmmas, so that one's softmax runs while the other's products do (_wait_turn).
 """
 
 from triton.experimental import gluon
@@ -39,7 +40,7 @@ from .common import grouped_tile_of
 from .hopper_sync import arrive_after_wgmma
 
 SHARED_BYTES_FOR_TILES = gl.constexpr(220 * 1024)  # sm_90: 227 KiB per program, less barriers and the compiler's
-CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M tile); a program covers 2 * CONSUMER_ROWS
+CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M tile); a tile has one per consumer
 _grouped_tile_of = gluon.jit(grouped_tile_of.fn)
 
 
@@ -97,7 +98,7 @@ def _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, causa
 @gluon.jit
 def _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch, block, head_k):
     """The producer's load number `load`: K and V of key block `block` ([STAGES, 1, BLOCK_N, 1, HEAD_DIM] stages)
-    into stage load % STAGES, each once both consumers released that stage's previous K (resp. V), landing on
+    into stage load % STAGES, each once every consumer released that stage's previous K (resp. V), landing on
     k_ready / v_ready (TMA transaction bytes)."""
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
@@ -118,9 +119,11 @@ def _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, causal, paired):
-    """One warp, per tile of this program's work items: both consumers' Q tiles once each consumer released its
-    previous one, then K and V of the tile's key blocks; the program's load number l (counted across tiles) goes to
-    stage l % STAGES once both consumers freed that stage's K (resp. V)."""
+    """One warp, per tile of this program's work items: the consumers' Q tiles (q_smem [CONSUMERS, 1, ROWS, 1,
+    HEAD_DIM]) once each consumer released its previous one, then K and V of the tile's key blocks; the program's
+    load number l (counted across tiles) goes to stage l % STAGES once every consumer freed that stage's K (resp.
+    V)."""
+    CONSUMERS: gl.constexpr = q_smem.shape[0]
     ROWS: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
@@ -132,9 +135,9 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
                                                                   paired)
         for tile in range(first_tile, end_tile, tile_step):
             batch, head, m_start, n_blocks = _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k,
-                                                        causal, 2 * ROWS, BLOCK_N)
+                                                        causal, CONSUMERS * ROWS, BLOCK_N)
             head_k = head // group_size
-            for consumer in gl.static_range(2):
+            for consumer in gl.static_range(CONSUMERS):
                 mbarrier.wait(q_empty.index(consumer), (done - 1) & 1, pred=done > 0)
                 mbarrier.expect(q_ready.index(consumer), q_bytes)
                 tma.async_copy_global_to_shared(q_desc, [batch, m_start + consumer * ROWS, head, 0],
@@ -321,17 +324,20 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
 
 
 @gluon.jit
-def _consumer(o_desc, Lse, q_tile, o_tile, q_ready, q_empty, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns,
-              fences, lag, stride_lse_b, stride_lse_h, row_offset, num_heads, num_tiles, num_batch_heads,
+def _consumer(o_desc, Lse, q_tile, o_tile, q_ready, q_empty, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, team,
+              turns, fences, lag, stride_lse_b, stride_lse_h, row_offset, num_heads, num_tiles, num_batch_heads,
               heads_per_group, seqlen_q, seqlen_k, qk_scale_log2, causal, o_in_q, paired):
     """One warpgroup: query rows [m_start + row_offset, + ROWS) of every tile of this program. Per tile: wait
     for its Q tile (q_tile [1, ROWS, 1, HEAD_DIM], shared), run the key blocks, normalize, store the natural-log
     LSE and O (through o_tile by TMA, which clips rows past seqlen_q). q_empty tells the producer that q_tile may
     be refilled: after the last S wgmma, or where O is staged in q_tile itself (o_in_q) once O's store has read it.
-    Rows that saw no key: out 0, lse +inf (API.md §4.5). turns: the ping-pong barriers (_wait_turn), this
+    Rows that saw no key: out 0, lse +inf (API.md §4.5). team: one entry per consumer of the program (a tile has
+    len(team) * ROWS rows; a tuple's length reaches partitions where a constexpr does not). turns: the ping-pong
+    barriers (_wait_turn), this
     consumer's first, or (); the first consumer (row_offset 0) leads. fences: _hold_schedule's; lag:
     _softmax_block's."""
     ROWS: gl.constexpr = q_tile.shape[1]
+    TILE_ROWS: gl.constexpr = len(team) * ROWS
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -349,7 +355,7 @@ def _consumer(o_desc, Lse, q_tile, o_tile, q_ready, q_empty, k_smem, v_smem, k_r
                                                                   paired)
         for tile in range(first_tile, end_tile, tile_step):
             batch, head, m_start, n_blocks = _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k,
-                                                        causal, 2 * ROWS, BLOCK_N)
+                                                        causal, TILE_ROWS, BLOCK_N)
             row0 = m_start + row_offset
             # [ROWS] this consumer's query rows
             offs_m = row0 + gl.arange(0, ROWS, row_s)
@@ -378,15 +384,16 @@ def _consumer(o_desc, Lse, q_tile, o_tile, q_ready, q_empty, k_smem, v_smem, k_r
                               "paired"])
 def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, stride_lse_h, batch, num_heads,
                            group_size, seqlen_q, seqlen_k, heads_per_group, paired, qk_scale_log2,
-                           rescale_threshold, CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                           PINGPONG: gl.constexpr, HOLD_SCHEDULE: gl.constexpr, RESCALE_SKIP: gl.constexpr,
-                           num_warps: gl.constexpr):
-    """Work items: 128-row query tiles of every (batch, head), longest first, in launch-order groups of
+                           rescale_threshold, CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, HOLD_SCHEDULE: gl.constexpr,
+                           RESCALE_SKIP: gl.constexpr, num_warps: gl.constexpr):
+    """Work items: query tiles of CONSUMERS * 64 rows of every (batch, head), longest first, in launch-order groups of
     heads_per_group (batch, head) pairs like kernels/fwd.py, or with `paired` (1) pairs of tiles of equal total
     length (_item_tiles); program p takes items p, p + P, p + 2P, ... of a grid of P programs (one per item, or
     persistent: one per SM, so the next tile's loads overlap this one's end).
-    num_warps (4) is the first consumer's; the second consumer (4 warps, CONSUMER_REGS registers) and the producer
-    (1 warp) are worker partitions. PINGPONG: the consumers issue their wgmmas in alternation (_wait_turn).
+    num_warps (4) is the first consumer's; the other consumers (4 warps, CONSUMER_REGS registers each) and the
+    producer (1 warp) are worker partitions. PINGPONG (two consumers): they issue their wgmmas in alternation
+    (_wait_turn).
     RESCALE_SKIP: the max lags by up to rescale_threshold (log2 units) and unmoved warps skip the output rescale
     (_softmax_block, _rescale)."""
     ROWS: gl.constexpr = CONSUMER_ROWS
@@ -397,24 +404,24 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
     # stored; else (head dim 256) O is staged in the consumer's Q tile
     tile_bytes: gl.constexpr = ROWS * HEAD_DIM * dtype.primitive_bitwidth // 8
     stage_bytes: gl.constexpr = 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
-    O_IN_Q: gl.constexpr = 4 * tile_bytes + STAGES * stage_bytes > SHARED_BYTES_FOR_TILES
-    num_tiles = gl.cdiv(seqlen_q, 2 * ROWS)
+    O_IN_Q: gl.constexpr = 2 * CONSUMERS * tile_bytes + STAGES * stage_bytes > SHARED_BYTES_FOR_TILES
+    num_tiles = gl.cdiv(seqlen_q, CONSUMERS * ROWS)
     num_batch_heads = batch * num_heads
-    # [2, 1, ROWS, 1, HEAD_DIM] the consumers' Q tiles and O tiles; [STAGES, 1, BLOCK_N, 1, HEAD_DIM] K, V
-    q_smem = gl.allocate_shared_memory(dtype, [2, 1, ROWS, 1, HEAD_DIM], q_desc.layout)
+    # [CONSUMERS, 1, ROWS, 1, HEAD_DIM] the consumers' Q tiles and O tiles; [STAGES, 1, BLOCK_N, 1, HEAD_DIM] K, V
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM], q_desc.layout)
     if O_IN_Q:
         o_smem = q_smem
     else:
-        o_smem = gl.allocate_shared_memory(dtype, [2, 1, ROWS, 1, HEAD_DIM], o_desc.layout)
+        o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM], o_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for consumer in gl.static_range(2):
+    for consumer in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(consumer), count=1)
         mbarrier.init(q_empty.index(consumer), count=1)
     if PINGPONG:
@@ -431,6 +438,11 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
         fences = (0, )
     else:
         fences = ()
+    # one entry per consumer (_consumer's team)
+    if CONSUMERS == 3:
+        team = (0, 1, 2)
+    else:
+        team = (0, 1)
     # the rescale skip's threshold, or () without it (a tuple's length again)
     if RESCALE_SKIP:
         lag = (rescale_threshold, )
@@ -439,8 +451,8 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
     for stage in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(stage), count=1)
         mbarrier.init(v_ready.index(stage), count=1)
-        mbarrier.init(k_empty.index(stage), count=2)
-        mbarrier.init(v_empty.index(stage), count=2)
+        mbarrier.init(k_empty.index(stage), count=CONSUMERS)
+        mbarrier.init(v_empty.index(stage), count=CONSUMERS)
     # constexprs arrive in partitions as plain ints (Triton 3.6): the flags travel as tensors
     causal = gl.to_tensor(CAUSAL).to(gl.int32)
     o_in_q = gl.to_tensor(O_IN_Q).to(gl.int32)
@@ -448,11 +460,19 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
     work = (num_heads, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, qk_scale_log2, causal, o_in_q,
             paired)
     first_args = (o_desc, Lse, q_smem.index(0), o_smem.index(0), q_ready.index(0), q_empty.index(0), k_smem, v_smem,
-                  k_ready, v_ready, k_empty, v_empty, turns[0], fences, lag) + shared + (0, ) + work
+                  k_ready, v_ready, k_empty, v_empty, team, turns[0], fences, lag) + shared + (0, ) + work
     second_args = (o_desc, Lse, q_smem.index(1), o_smem.index(1), q_ready.index(1), q_empty.index(1), k_smem, v_smem,
-                   k_ready, v_ready, k_empty, v_empty, turns[1], fences, lag) + shared + (ROWS, ) + work
+                   k_ready, v_ready, k_empty, v_empty, team, turns[1], fences, lag) + shared + (ROWS, ) + work
     producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k,
                      causal, paired)
-    gl.warp_specialize([(_consumer, first_args), (_consumer, second_args), (_producer, producer_args)], [4, 1],
-                       [CONSUMER_REGS, 24])
+    if CONSUMERS == 3:
+        # no ping-pong with three (configs.HopperFwdConfig): turns[1] is ()
+        third_args = (o_desc, Lse, q_smem.index(2), o_smem.index(2), q_ready.index(2), q_empty.index(2), k_smem,
+                      v_smem, k_ready, v_ready, k_empty, v_empty, team, turns[1], fences, lag) + shared + (2 * ROWS, ) \
+            + work
+        gl.warp_specialize([(_consumer, first_args), (_consumer, second_args), (_consumer, third_args),
+                            (_producer, producer_args)], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+    else:
+        gl.warp_specialize([(_consumer, first_args), (_consumer, second_args), (_producer, producer_args)], [4, 1],
+                           [CONSUMER_REGS, 24])

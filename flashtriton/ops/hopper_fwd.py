@@ -20,12 +20,10 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..kernels.fwd_hopper import CONSUMER_ROWS, attn_fwd_hopper_kernel
-    TILE_ROWS = 2 * CONSUMER_ROWS.value
     # host descriptors of tensors runs_on / the launchers checked (tma_compatible)
     checked_descriptor = descriptor_builder(TensorDescriptor)
 except Exception:  # Triton without Gluon's Hopper API, or its interpreter: the Triton kernel runs everything
     attn_fwd_hopper_kernel = None
-    TILE_ROWS = 128
 
 # Launches of this kernel since import; tests read it to know that the path they check ran.
 launch_count = 0
@@ -81,7 +79,7 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def grid(num_tiles: int, batch_heads: int, config, causal: bool, device: torch.device) -> Tuple[int, bool]:
-    """(programs, paired) of the kernel's grid over num_tiles 128-row tiles of each of batch_heads (batch, head)
+    """(programs, paired) of the kernel's grid over num_tiles query tiles of each of batch_heads (batch, head)
     pairs: one program per tile, or persistent (config.persistent) one per SM
     (shared memory allows one program per SM at every head dim) taking work items in turn, never more programs
     than items. Causal tiles differ in length, so a persistent causal grid pairs them (the longest with the
@@ -99,13 +97,14 @@ def launch(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: in
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     config = configs.HOPPER_FWD[head_dim]
     threshold = configs.hopper_rescale_threshold(config)
-    programs, paired = grid(triton_cdiv(seqlen_q, TILE_ROWS), batch * num_heads, config, params.causal_like,
+    tile_rows = config.consumers * CONSUMER_ROWS.value
+    programs, paired = grid(triton_cdiv(seqlen_q, tile_rows), batch * num_heads, config, params.causal_like,
                             q.device)
     attn_fwd_hopper_kernel[(programs,)](
         tile_descriptor(q, CONSUMER_ROWS.value), tile_descriptor(k, config.block_n),
         tile_descriptor(v, config.block_n), tile_descriptor(out, CONSUMER_ROWS.value), lse, *lse_strides, batch,
         num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, heads_per_group, int(paired),
         params.kernel_args()[0], threshold, CAUSAL=params.causal_like, STAGES=config.stages,
-        CONSUMER_REGS=config.consumer_regs, PINGPONG=config.pingpong, HOLD_SCHEDULE=config.hold_schedule,
-        RESCALE_SKIP=threshold > 0.0, num_warps=4)
+        CONSUMERS=config.consumers, CONSUMER_REGS=config.consumer_regs, PINGPONG=config.pingpong,
+        HOLD_SCHEDULE=config.hold_schedule, RESCALE_SKIP=threshold > 0.0, num_warps=4)
     launch_count += 1
