@@ -33,7 +33,7 @@ step() {  # step NAME SECONDS COMMAND...
   grep -v '^|---' "$out/$name.log" | tail -n 25
 }
 
-step tests "${TESTS_LIMIT:-300}" python -m pytest tests -q -n 12 -p no:cacheprovider -rfE --ignore=tests/test_cli.py \
+step tests "${TESTS_LIMIT:-300}" python -m pytest tests -q -n 12 -p no:cacheprovider -rfEs --ignore=tests/test_cli.py \
   --ignore=tests/test_gpu_reliability.py
 # CUDA-graph tests last: a failed capture leaves the process's RNG in capture state and fails what follows
 step reliability 250 bash -c "python -m pytest tests/test_gpu_reliability.py -q -p no:cacheprovider -rfEs -k 'not cuda_graph' \
