@@ -9,7 +9,8 @@ FILE is a Python file defining
     KERNEL = "attn_fwd_hopper_kernel"                               # that kernel's name in MODULE
     VARIANTS = {"no LSE store": [("gl.store(Lse + ...)", "pass")], ...}
     CALL = dict(deterministic=True)                                 # optional: flash_attn_func keyword arguments
-    CONFIGS = {"wide keys": {"HOPPER_FWD": {256: dict(block_n=128)}}} # optional: config fields a variant changes
+    CONFIGS = {"wide keys": {"HOPPER_FWD": {(256, False): dict(block_n=128)}}}  # optional: config fields a variant
+                                                                                # changes
     OFFLINE = dict(kind="fwd-hopper", head_dim=128)                 # optional: what --offline compiles
 (benchmarks/ablations/ holds the checked-in ones.)
 Each variant is MODULE's source with every (old, new) replacement applied (each `old` must occur; results may be

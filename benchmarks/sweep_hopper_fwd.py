@@ -29,7 +29,7 @@ from flashtriton.ops import hopper_fwd
 # program on sm_90)
 CANDIDATES = {
     64: [HopperFwdConfig(128, 2, 232, persistent=True), HopperFwdConfig(128, 2, 232, persistent=True, pingpong=True),
-         HopperFwdConfig(128, 2, 240, persistent=True, pingpong=True)],
+         HopperFwdConfig(128, 2, 160, persistent=True, consumers=3)],
     128: [HopperFwdConfig(128, 2, 240, persistent=True), HopperFwdConfig(128, 2, 240, persistent=True, pingpong=True),
           HopperFwdConfig(128, 2, 232, persistent=True, pingpong=True)],
     256: [HopperFwdConfig(64, 2, 232), HopperFwdConfig(64, 2, 232, pingpong=True),
@@ -61,7 +61,7 @@ def main():
                     peers[name] = flops / ms * 1e-9
                     rows.append(dict(tag, provider=name, ms=ms, tflops=peers[name]))
                 for candidate in CANDIDATES[dim]:
-                    configs.HOPPER_FWD[dim] = candidate
+                    configs.HOPPER_FWD[dim, causal] = candidate
                     launches = hopper_fwd.launch_count
                     try:
                         out = flashtriton.flash_attn_func(q, k, v, causal=causal)
@@ -76,7 +76,7 @@ def main():
                     print(f"{tag} {asdict(candidate)}: {rows[-1]['tflops']:.1f} TF/s err {error:.1e} "
                           f"gluon {ran_gluon} | flash {peers['sdpa-flash']:.1f} cudnn {peers['sdpa-cudnn']:.1f}"
                           f" | x cudnn {rows[-1]['tflops'] / peers['sdpa-cudnn']:.3f}", flush=True)
-                configs.HOPPER_FWD[dim] = original[dim]
+                configs.HOPPER_FWD[dim, causal] = original[dim, causal]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "hopper-sweep.json"), "w") as handle:
         json.dump(rows, handle, indent=1)

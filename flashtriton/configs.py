@@ -193,8 +193,9 @@ def bwd_config(arch: str, head_dim: int) -> BwdConfig:
 L2_GROUP_BYTES = {False: 0, True: 16 << 20}
 
 
-# Hopper forward in Gluon (kernels/fwd_hopper.py, warp-specialized: two consumer warpgroups of 64 query rows and
-# a TMA producer warp), keyed by head dim: key tile, K/V stages, consumer registers (setmaxnreg), persistent grid.
+# Hopper forward in Gluon (kernels/fwd_hopper.py, warp-specialized: two or three consumer warpgroups of 64 query rows
+# and a TMA producer warp), keyed by (head dim, causal): key tile, K/V stages, consumer registers (setmaxnreg),
+# persistent grid, the schedule's options.
 # benchmarks/sweep_hopper_fwd.py on the H200 (2026-11-30, seventh session, bf16, TF/s non-causal / causal, SDPA
 # cuDNN of the same run in brackets): in-order consumer schedule r232 -> overlapped r232 / overlapped r240:
 #   d128 16x1024x16   473 / 346 -> 516 / 247 / 489 / 369   (576 / 426)
@@ -227,6 +228,11 @@ L2_GROUP_BYTES = {False: 0, True: 16 << 20}
 # two rounds, skip / none): d128 16x1024 605-610 / 597-599 and causal 438-440 / 431, 4x4096 677-678 / 674-675 and 635 /
 # 617, 1x16384 641-677 / 651-666 and 668-693 / 624-648; d64 453-454 / 433-469 and causal 424-425 / 439-440; d256
 # 688-691 / 693-698 and causal 667-671 / 648-653: on at d128 only (docs/perf-notes.md).
+# Sixteenth session (ablations/fwd_hopper.py, kernel time, four processes in two calls, TF/s): the skip with the
+# fence at d256 757, 754 / 710, 707 without either and causal 699, 697 / 677, 675 (the skip alone level, with
+# ping-pong instead 689 / 683): both on at d256. Three consumers (192-row tiles, 160 registers) at d64 514-520 / 440-
+# 471 with two, causal 428-433 / 430-440 (the diagonal's masked waste grows with the tile): three for non-causal d64
+# only, hence the (head dim, causal) keys.
 @dataclass(frozen=True)
 class HopperFwdConfig:
     block_n: int         # keys per K/V stage
@@ -245,10 +251,15 @@ class HopperFwdConfig:
             raise ValueError("pingpong takes turns between two consumers; consumers is 3")
 
 
-HOPPER_FWD = {64: HopperFwdConfig(128, 2, 160, persistent=True, consumers=3),
-              128: HopperFwdConfig(128, 2, 240, persistent=True, pingpong=True, hold_schedule=True,
-                                   rescale_threshold=8.0),
-              256: HopperFwdConfig(64, 2, 232, hold_schedule=True, rescale_threshold=8.0)}
+_HOPPER_FWD_D128 = HopperFwdConfig(128, 2, 240, persistent=True, pingpong=True, hold_schedule=True,
+                                   rescale_threshold=8.0)
+_HOPPER_FWD_D256 = HopperFwdConfig(64, 2, 232, hold_schedule=True, rescale_threshold=8.0)
+# keyed by (head dim, causal)
+HOPPER_FWD = {(64, False): HopperFwdConfig(128, 2, 160, persistent=True, consumers=3),
+              (64, True): HopperFwdConfig(128, 2, 232, persistent=True),
+              (128, False): _HOPPER_FWD_D128, (128, True): _HOPPER_FWD_D128,
+              (256, False): _HOPPER_FWD_D256, (256, True): _HOPPER_FWD_D256}
+HOPPER_FWD_HEAD_DIMS = tuple(sorted({head_dim for head_dim, _ in HOPPER_FWD}))
 
 
 def hopper_rescale_threshold(config: HopperFwdConfig) -> float:

@@ -65,15 +65,15 @@ def test_config_overrides_apply_while_the_variant_runs_and_are_restored():
     from flashtriton import configs
 
     before = dict(configs.HOPPER_FWD)
-    spec = {"CONFIGS": {"wide": {"HOPPER_FWD": {256: dict(block_n=128, stages=1)}}}}
+    spec = {"CONFIGS": {"wide": {"HOPPER_FWD": {(256, True): dict(block_n=128, stages=1)}}}}
     with ablate_kernel.config_overrides(spec, "wide"):
-        assert (configs.HOPPER_FWD[256].block_n, configs.HOPPER_FWD[256].stages) == (128, 1)
-        assert configs.HOPPER_FWD[128] is before[128]
+        assert (configs.HOPPER_FWD[256, True].block_n, configs.HOPPER_FWD[256, True].stages) == (128, 1)
+        assert configs.HOPPER_FWD[256, False] is before[256, False]
     assert configs.HOPPER_FWD == before
     with ablate_kernel.config_overrides(spec, "as is"):
         assert configs.HOPPER_FWD == before
     with pytest.raises(TypeError):
-        with ablate_kernel.config_overrides({"CONFIGS": {"bad": {"HOPPER_FWD": {256: dict(no_such_field=1)}}}}, "bad"):
+        with ablate_kernel.config_overrides({"CONFIGS": {"bad": {"HOPPER_FWD": {(256, False): dict(no_such_field=1)}}}}, "bad"):
             pass
     assert configs.HOPPER_FWD == before
 

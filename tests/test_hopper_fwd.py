@@ -57,12 +57,17 @@ def test_gluon_forward_coverage_rule(name):
     assert hopper_fwd.covers(head_dim, dtype, seqlen_q, seqlen_k, params, plain) == covered
 
 
-@pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_FWD))
-def test_hopper_configs_fit_shared_memory(head_dim):
+def config_ids(key) -> str:
+    head_dim, causal = key
+    return f"d{head_dim}-{'causal' if causal else 'full'}"
+
+
+@pytest.mark.parametrize("key", sorted(configs.HOPPER_FWD), ids=config_ids)
+def test_hopper_configs_fit_shared_memory(key):
     """One 64-row Q tile per consumer plus `stages` K and V tiles of block_n rows (16-bit elements) fit one
     program."""
-    config = configs.HOPPER_FWD[head_dim]
-    row_bytes = 2 * head_dim
+    config = configs.HOPPER_FWD[key]
+    row_bytes = 2 * key[0]
     assert (64 * config.consumers + 2 * config.stages * config.block_n) * row_bytes <= SM90_SHARED_BYTES
 
 
@@ -100,7 +105,7 @@ SHAPES = [(17, 17), (33, 1), (128, 128), (300, 700), (700, 300), (1000, 1000), (
 @pytest.mark.parametrize("programs", [None, 3], ids=["configured-grid", "3-programs"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_FWD), ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("head_dim", configs.HOPPER_FWD_HEAD_DIMS, ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("seqlen_q,seqlen_k", SHAPES, ids=[f"sq{a}-sk{b}" for a, b in SHAPES])
 def test_gluon_forward_matches_reference(seqlen_q, seqlen_k, head_dim, dtype, causal, programs):
     """Odd lengths (partial query and key tiles, a single key block), sq > sk under the causal mask (rows that see
@@ -118,16 +123,16 @@ def test_gluon_forward_matches_reference(seqlen_q, seqlen_k, head_dim, dtype, ca
 @pytest.mark.parametrize("programs", [None, 3], ids=["configured-grid", "3-programs"])
 @pytest.mark.parametrize("pingpong", [False, True], ids=["no-pingpong", "pingpong"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_FWD), ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("head_dim", configs.HOPPER_FWD_HEAD_DIMS, ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (700, 300), (1000, 1000)],
                          ids=["sq17-sk17", "sq700-sk300", "sq1000-sk1000"])
 def test_gluon_forward_pingpong(monkeypatch, seqlen_q, seqlen_k, head_dim, causal, pingpong, programs):
     """Both settings of the consumers' ping-pong (configs.HopperFwdConfig.pingpong) whatever the table says: turns
     counted across tiles of different lengths (3 programs run many), a single key block, rows without keys. Ping-pong
     takes two consumers: where the table has three, this runs two."""
-    config = configs.HOPPER_FWD[head_dim]
+    config = configs.HOPPER_FWD[head_dim, causal]
     config = dataclasses.replace(with_consumers(config, 2) if pingpong else config, pingpong=pingpong)
-    monkeypatch.setitem(configs.HOPPER_FWD, head_dim, config)
+    monkeypatch.setitem(configs.HOPPER_FWD, (head_dim, causal), config)
     with forced_hopper_grid(programs):
         checks, ran = run_forward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
                                        head_dim=head_dim, dtype=torch.bfloat16, causal=causal))
@@ -137,13 +142,13 @@ def test_gluon_forward_pingpong(monkeypatch, seqlen_q, seqlen_k, head_dim, causa
 
 @needs_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_FWD), ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("head_dim", configs.HOPPER_FWD_HEAD_DIMS, ids=lambda d: f"d{d}")
 def test_gluon_forward_hold_schedule(monkeypatch, head_dim, causal):
     """The other setting of the fence that keeps the softmax ahead of the P V wait (configs.HopperFwdConfig.
     hold_schedule) than the table's: tiles of different lengths on 3 programs, rows without keys (sq > sk causal)."""
-    config = configs.HOPPER_FWD[head_dim]
+    config = configs.HOPPER_FWD[head_dim, causal]
     flipped = dataclasses.replace(config, hold_schedule=not config.hold_schedule)
-    monkeypatch.setitem(configs.HOPPER_FWD, head_dim, flipped)
+    monkeypatch.setitem(configs.HOPPER_FWD, (head_dim, causal), flipped)
     with forced_hopper_grid(3):
         checks, ran = run_forward(Case(batch=2, seqlen_q=700, seqlen_k=300, num_heads=3, num_heads_k=3,
                                        head_dim=head_dim, dtype=torch.bfloat16, causal=causal))
@@ -161,7 +166,7 @@ def test_gluon_forward_consumer_counts(monkeypatch, seqlen_q, seqlen_k, causal, 
     """Two and three consumer warpgroups (128- and 192-row tiles, configs.HopperFwdConfig.consumers) at head dim 64
     whatever the table says: tiles one row short of / past 192 rows, causal tiles whose rows all precede the first
     key (sq > sk), paired causal tiles of different lengths on 3 programs (barrier counts and phases per consumer)."""
-    monkeypatch.setitem(configs.HOPPER_FWD, 64, with_consumers(configs.HOPPER_FWD[64], consumers))
+    monkeypatch.setitem(configs.HOPPER_FWD, (64, causal), with_consumers(configs.HOPPER_FWD[64, causal], consumers))
     with forced_hopper_grid(programs):
         checks, ran = run_forward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
                                        head_dim=64, dtype=torch.bfloat16, causal=causal))
@@ -187,14 +192,15 @@ def late_jumping_inputs(case: Case, jump: float):
 @needs_hopper
 @pytest.mark.parametrize("threshold", [0.0, 8.0], ids=["no-skip", "skip"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", sorted(configs.HOPPER_FWD), ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("head_dim", configs.HOPPER_FWD_HEAD_DIMS, ids=lambda d: f"d{d}")
 def test_gluon_forward_rows_whose_max_moves_late(monkeypatch, head_dim, causal, threshold):
     """The A-1 rescale skip (configs.HopperFwdConfig.rescale_threshold, kernels/fwd_hopper._rescale: a warp skips
     its output rescale when none of its 16 rows moved) on and off at every head dim, on rows whose max jumps by
     ~10 (natural units) at a key block of their own: a warp whose vote missed a moved row (e.g. the row r + 8 of a
     thread) would leave that row's earlier blocks unscaled, far outside the tolerance."""
-    monkeypatch.setitem(configs.HOPPER_FWD, head_dim, dataclasses.replace(configs.HOPPER_FWD[head_dim],
-                                                                          rescale_threshold=threshold))
+    key = (head_dim, causal)
+    monkeypatch.setitem(configs.HOPPER_FWD, key, dataclasses.replace(configs.HOPPER_FWD[key],
+                                                                     rescale_threshold=threshold))
     case = Case(batch=1, seqlen_q=256, seqlen_k=1024, num_heads=2, num_heads_k=2, head_dim=head_dim,
                 dtype=torch.bfloat16, causal=causal)
     q, k, v = late_jumping_inputs(case, jump=10.0)
@@ -298,44 +304,44 @@ def test_gluon_forward_module_imports():
 
 @pytest.mark.skipif(not _gluon_hopper_api() or KERNELS_INTERPRETED,
                     reason="compiles for sm_90 (needs the Gluon Hopper API and compiled, not interpreted, kernels)")
-@pytest.mark.parametrize("head_dim", [d for d in sorted(configs.HOPPER_FWD) if configs.HOPPER_FWD[d].hold_schedule],
-                         ids=lambda d: f"d{d}")
-def test_softmax_runs_under_its_p_v_product(head_dim):
+@pytest.mark.parametrize("key", [key for key, config in sorted(configs.HOPPER_FWD.items()) if config.hold_schedule],
+                         ids=config_ids)
+def test_softmax_runs_under_its_p_v_product(key):
     """Offline SASS (tools/offline_compile.exp2_before_pv_wait): where the table holds the schedule, every exp2 of a
-    block's softmax comes before the wait for the previous block's P V product in both consumers' loops, causal or
-    not (the in-warpgroup overlap the kernel is written for). Built without the fence, this Triton's ptxas waits
-    first (no exp2 before the wait): if that stops being true, the fence may no longer be needed (re-measure)."""
+    block's softmax comes before the wait for the previous block's P V product in every consumer's loop (the
+    in-warpgroup overlap the kernel is written for). Built without the fence, this Triton's ptxas waits first (no
+    exp2 before the wait): if that stops being true, the fence may no longer be needed (re-measure)."""
     import offline_compile
 
-    config = configs.HOPPER_FWD[head_dim]
+    (head_dim, causal), config = key, configs.HOPPER_FWD[key]
     per_block = config.block_n // 2 + 2  # a thread's exp2s per block: its BLOCK_N / 2 probabilities and 2 alphas
-    for causal in (False, True):
-        held = offline_compile.exp2_before_pv_wait(offline_compile.compile_hopper_fwd(head_dim, causal).asm["cubin"])
-        assert held == [per_block, per_block], (causal, held)
-    loose = offline_compile.compile_hopper_fwd(head_dim, False, dataclasses.replace(config, hold_schedule=False))
-    assert offline_compile.exp2_before_pv_wait(loose.asm["cubin"]) == [0, 0]
+    held = offline_compile.exp2_before_pv_wait(offline_compile.compile_hopper_fwd(head_dim, causal).asm["cubin"])
+    assert held == [per_block] * config.consumers
+    loose = offline_compile.compile_hopper_fwd(head_dim, causal, dataclasses.replace(config, hold_schedule=False))
+    assert offline_compile.exp2_before_pv_wait(loose.asm["cubin"]) == [0] * config.consumers
 
 
 @pytest.mark.skipif(not _gluon_hopper_api() or KERNELS_INTERPRETED,
                     reason="compiles for sm_90 (needs the Gluon Hopper API and compiled, not interpreted, kernels)")
-@pytest.mark.parametrize("head_dim", [d for d in sorted(configs.HOPPER_FWD) if configs.HOPPER_FWD[d].rescale_threshold],
-                         ids=lambda d: f"d{d}")
-def test_rescale_skip_is_a_warp_uniform_branch(head_dim):
+@pytest.mark.parametrize("key", [key for key, config in sorted(configs.HOPPER_FWD.items()) if config.rescale_threshold],
+                         ids=config_ids)
+def test_rescale_skip_is_a_warp_uniform_branch(key):
     """Offline SASS: where the table has the rescale skip, each consumer's key-block loop decides it by a warp vote
     and branches around the output's multiplies (at least one vote-and-branch per consumer); without it there is no
     vote at all (the multiplies run every block)."""
     import offline_compile
 
-    config = configs.HOPPER_FWD[head_dim]
-    assert offline_compile.warp_vote_branches(offline_compile.compile_hopper_fwd(head_dim, False).asm["cubin"]) >= 2
-    plain = offline_compile.compile_hopper_fwd(head_dim, False, dataclasses.replace(config, rescale_threshold=0.0))
+    (head_dim, causal), config = key, configs.HOPPER_FWD[key]
+    table = offline_compile.compile_hopper_fwd(head_dim, causal)
+    assert offline_compile.warp_vote_branches(table.asm["cubin"]) >= config.consumers
+    plain = offline_compile.compile_hopper_fwd(head_dim, causal, dataclasses.replace(config, rescale_threshold=0.0))
     assert offline_compile.warp_vote_branches(plain.asm["cubin"]) == 0
 
 
 @pytest.mark.parametrize("override,expected", [(None, "config"), (0.0, 0.0), (-3.0, 0.0), (5.0, 5.0)])
 def test_rescale_threshold_override(monkeypatch, override, expected):
     """FLASHTRITON_RESCALE_THRESHOLD (configs.RESCALE_THRESHOLD_OVERRIDE) sets the Gluon forward's threshold at
-    every head dim, 0 (or less) switching the skip off; unset, each head dim keeps its table entry's."""
+    every head dim, 0 (or less) switching the skip off; unset, each entry keeps its own."""
     monkeypatch.setattr(configs, "RESCALE_THRESHOLD_OVERRIDE", override)
     for config in configs.HOPPER_FWD.values():
         want = config.rescale_threshold if expected == "config" else expected

@@ -19,8 +19,8 @@ unset TRITON_INTERPRET
 out="${OUT:-gpu-check}"
 mkdir -p "$out"
 steps=",${1:-tests,reliability,decode},"
-default_fwd_variants="two consumers at d64,d256 without skip and fence,schedule fence at d64"
-default_fwd_variants="$default_fwd_variants,rescale skip and fence at d64,rescale skip everywhere"
+default_fwd_variants="two consumers at d64,three consumers at d64 causal,d256 without skip and fence"
+default_fwd_variants="$default_fwd_variants,rescale skip everywhere"
 fwd_variants="${FWD_VARIANTS:-$default_fwd_variants}"
 
 step() {  # step NAME SECONDS COMMAND...

@@ -113,11 +113,11 @@ def _compile_gluon(kernel, signature: dict, constexprs: dict):
 
 def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", kernel=None):
     """The Gluon Hopper forward (kernels/fwd_hopper.py, or `kernel`: a copy of it, benchmarks/ablate_kernel.py) with
-    `config` (default configs.HOPPER_FWD[head_dim]), as a dense launch."""
+    `config` (default configs.HOPPER_FWD[head_dim, causal]), as a dense launch."""
     from flashtriton import configs
     from flashtriton.kernels.fwd_hopper import CONSUMER_ROWS, attn_fwd_hopper_kernel
 
-    config = config or configs.HOPPER_FWD[head_dim]
+    config = config or configs.HOPPER_FWD[head_dim, causal]
 
     def descriptor(rows):
         return _gluon_tile_type(rows, head_dim, dtype)

@@ -24,6 +24,11 @@ Sixteenth session (two processes, kernel time, TF/s as is / variant): three cons
 675 / 699, 697 (with ping-pong instead 689, 689 and 683, 683; the skip alone 708, 705 and 696, 696); the skip with
 the fence at d64 450, 447 and 415, 414. Both winners are now the table (configs.HOPPER_FWD: consumers=3 at d64, the
 skip and the fence at d256); "two consumers at d64" and "d256 without skip and fence" price them against the kernel.
+A second call (two processes; the "as is" reading at d64 came out 475, 487 against 514-520 for variants that leave
+d64 as it is, a first-slot artifact seen before at d64): d64 non-causal two consumers 471, 460; causal two consumers
+440, 438 against three 430-433 (and 429 in the first call), so the table keeps two for causal d64 ("three consumers
+at d64 causal" prices it); with three consumers the fence is level non-causal (513, 510) and -4% causal (416, 415),
+the skip -2 to +1% (and -5% at 1x16384 in one round: a d128 row it does not touch, so noise).
 """
 
 MODULE = "flashtriton/kernels/fwd_hopper.py"
@@ -55,14 +60,24 @@ _IN_ORDER = [
     ("        _hold_schedule(fences)\n        acc = warpgroup_mma_wait(0, deps=(acc, ))\n"
      "        arrive_after_wgmma(v_empty.index(previous))\n", "")]
 
-# d256 with cuDNN's 128-key blocks: one K / V stage (192 KB with O staged in Q); the rescale skip's variants
-CONFIGS = {"in-order with 128-key blocks at d256": {"HOPPER_FWD": {256: dict(block_n=128, stages=1)}},
-           "no rescale skip": {"HOPPER_FWD": {128: dict(rescale_threshold=0.0), 256: dict(rescale_threshold=0.0)}},
-           "rescale skip everywhere": {"HOPPER_FWD": {64: dict(rescale_threshold=8.0)}},
-           "two consumers at d64": {"HOPPER_FWD": {64: dict(consumers=2, consumer_regs=232)}},
-           "d256 without skip and fence": {"HOPPER_FWD": {256: dict(rescale_threshold=0.0, hold_schedule=False)}},
-           "schedule fence at d64": {"HOPPER_FWD": {64: dict(hold_schedule=True)}},
-           "rescale skip and fence at d64": {"HOPPER_FWD": {64: dict(rescale_threshold=8.0, hold_schedule=True)}}}
+
+
+def _both(head_dim: int, **fields) -> dict:
+    """CONFIGS entries changing configs.HOPPER_FWD's causal and non-causal entry of a head dim alike."""
+    return {(head_dim, False): fields, (head_dim, True): fields}
+
+
+# d256 with cuDNN's 128-key blocks: one K / V stage (192 KB with O staged in Q); the rescale skip's variants; the
+# consumer counts at d64
+CONFIGS = {"in-order with 128-key blocks at d256": {"HOPPER_FWD": _both(256, block_n=128, stages=1)},
+           "no rescale skip": {"HOPPER_FWD": {**_both(128, rescale_threshold=0.0),
+                                              **_both(256, rescale_threshold=0.0)}},
+           "rescale skip everywhere": {"HOPPER_FWD": _both(64, rescale_threshold=8.0)},
+           "two consumers at d64": {"HOPPER_FWD": {(64, False): dict(consumers=2, consumer_regs=232)}},
+           "three consumers at d64 causal": {"HOPPER_FWD": {(64, True): dict(consumers=3, consumer_regs=160)}},
+           "d256 without skip and fence": {"HOPPER_FWD": _both(256, rescale_threshold=0.0, hold_schedule=False)},
+           "schedule fence at d64": {"HOPPER_FWD": _both(64, hold_schedule=True)},
+           "rescale skip and fence at d64": {"HOPPER_FWD": _both(64, rescale_threshold=8.0, hold_schedule=True)}}
 
 VARIANTS = {
     # the LSE rows' global stores
@@ -87,9 +102,10 @@ VARIANTS = {
     # memory per block), measured 2-7% slower on every row (thirteenth session)
     "no rescale skip": [],
     "rescale skip everywhere": [],
-    # the tables before the sixteenth session at d64 (two consumers) and d256 (no skip, no fence); the fence, and
-    # the fence with the skip, at d64 with its three consumers (CONFIGS)
+    # the tables before the sixteenth session at d64 (two consumers) and d256 (no skip, no fence), three consumers
+    # for causal d64; the fence, and the fence with the skip, at d64 (CONFIGS)
     "two consumers at d64": [],
+    "three consumers at d64 causal": [],
     "d256 without skip and fence": [],
     "schedule fence at d64": [],
     "rescale skip and fence at d64": [],

@@ -40,7 +40,7 @@ def covers(head_dim: int, dtype: torch.dtype, seqlen_q: int, seqlen_k: int, para
     ALiBi (the caller knows those). Windows: none, or the causal one (window_right 0, left never binding)."""
     no_window = params.window_left < 0 and params.window_right < 0
     causal = params.window_right == 0 and params.window_left >= seqlen_k
-    return (plain and head_dim in configs.HOPPER_FWD and dtype in (torch.float16, torch.bfloat16)
+    return (plain and head_dim in configs.HOPPER_FWD_HEAD_DIMS and dtype in (torch.float16, torch.bfloat16)
             and seqlen_q > configs.DECODE_MAX_ROWS and seqlen_k > 0 and params.softcap == 0.0
             and params.softmax_scale > 0.0 and (no_window or causal))
 
@@ -95,7 +95,7 @@ def launch(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: in
     """Run the Gluon forward into out (B, Sq, H, D) and lse (fp32, rows contiguous, strides lse_strides)."""
     global launch_count
     num_heads, head_dim = q.shape[-2], q.shape[-1]
-    config = configs.HOPPER_FWD[head_dim]
+    config = configs.HOPPER_FWD[head_dim, params.causal_like]
     threshold = configs.hopper_rescale_threshold(config)
     tile_rows = config.consumers * CONSUMER_ROWS.value
     programs, paired = grid(triton_cdiv(seqlen_q, tile_rows), batch * num_heads, config, params.causal_like,
