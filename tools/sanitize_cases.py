@@ -144,6 +144,10 @@ def _paged_varlen(page):
 
 # Dense: fwd + bwd
 case("dense-d64-causal", "B2 S97 H4 d64 causal")(lambda: _dense(2, 97, 97, 4, 4, 64, causal=True))
+case("dense-d64-192-row-tiles", "Sq200 Sk300 d64 (Gluon: three consumers, a partial 192-row tile)")(
+    lambda: _dense(2, 200, 300, 4, 4, 64))
+case("dense-d256-causal-skip", "Sq150 Sk170 d256 causal (Gluon: the rescale skip and the schedule fence)")(
+    lambda: _dense(1, 150, 170, 2, 2, 256, causal=True))
 case("dense-d128-cross", "Sq65 Sk190 d128")(lambda: _dense(2, 65, 190, 4, 4, 128))
 case("dense-d256-window", "S130 d256 window (20,7)")(lambda: _dense(1, 130, 130, 2, 2, 256, window_size=(20, 7)))
 case("dense-d72-causal-odd", "Sq33 Sk77 d72 causal")(lambda: _dense(2, 33, 77, 4, 2, 72, causal=True))
