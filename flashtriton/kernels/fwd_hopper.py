@@ -3,9 +3,9 @@
 128- (192-) row tile. The consumers share the stages and run out of phase with each other, so one's softmax overlaps
 another's wgmma (what the Triton kernel cannot schedule).
 
-Scope (ops/hopper_fwd.covers and runs_on decide): dense (B, S, H, D) bf16/fp16 tensors addressed by host tensor descriptors,
-head dim 64 / 128 / 256, GQA, no window or the causal one (bottom-right aligned), positive softmax scale, no
-softcap, ALiBi or dropout; everything else runs kernels/fwd.py. Numerics are those of kernels/fwd.py: fp32 scores and
+Scope (ops/hopper_fwd.covers and runs_on decide): dense (B, S, H, D) bf16/fp16 tensors addressed by host tensor
+descriptors, head dim 64 / 128 / 256, GQA, no window or the causal one (bottom-right aligned), positive softmax scale,
+no softcap, ALiBi or dropout; everything else runs kernels/fwd.py. Numerics are those of kernels/fwd.py: fp32 scores and
 accumulators, P rounded to V's dtype, natural-log LSE, +inf for rows that see no key; the A-1 rescale skip (max
 lagging) where configs.HOPPER_FWD has a rescale_threshold, decided per warp (_rescale).
 
@@ -19,9 +19,9 @@ Synchronisation: q_ready[c] completes when consumer c's Q tile has landed, q_emp
 reads it (after its last S wgmma; where O is staged in the Q tile, after O's store). k_ready[s] / v_ready[s]
 complete when stage s's K / V tile has landed (TMA transaction bytes); k_empty[s] / v_empty[s] when all consumers
 are done with stage s's K / V tile (one arrival per consumer warpgroup, by one thread without a warpgroup barrier:
-hopper_sync.arrive_after_wgmma), so the producer refills K before V is free. The program's
-loads are numbered across its items: load l goes to stage l % STAGES and is the (l // STAGES)-th use of that
-stage, whose parity the waits check; the program's i-th tile's Q tiles are the i-th use of q_ready / q_empty.
+hopper_sync.arrive_after_wgmma), so the producer refills K before V is free. The program's loads are numbered
+across its items: load l goes to stage l % STAGES and is the (l // STAGES)-th use of that stage, whose parity the
+waits check; the program's i-th tile's Q tiles are the i-th use of q_ready / q_empty.
 
 Consumer schedule (FA3's intra-warpgroup pipelining): S_j and P_{j-1} V_{j-1} are issued together, the softmax of
 block j runs while P_{j-1} V_{j-1} is on the tensor cores, and the output rescale waits for it. In the binary the
@@ -333,9 +333,8 @@ def _consumer(o_desc, Lse, q_tile, o_tile, q_ready, q_empty, k_smem, v_smem, k_r
     be refilled: after the last S wgmma, or where O is staged in q_tile itself (o_in_q) once O's store has read it.
     Rows that saw no key: out 0, lse +inf (API.md §4.5). team: one entry per consumer of the program (a tile has
     len(team) * ROWS rows; a tuple's length reaches partitions where a constexpr does not). turns: the ping-pong
-    barriers (_wait_turn), this
-    consumer's first, or (); the first consumer (row_offset 0) leads. fences: _hold_schedule's; lag:
-    _softmax_block's."""
+    barriers (_wait_turn), this consumer's first, or (); the first consumer (row_offset 0) leads. fences:
+    _hold_schedule's; lag: _softmax_block's."""
     ROWS: gl.constexpr = q_tile.shape[1]
     TILE_ROWS: gl.constexpr = len(team) * ROWS
     BLOCK_N: gl.constexpr = k_smem.shape[2]
