@@ -73,7 +73,8 @@ def test_config_overrides_apply_while_the_variant_runs_and_are_restored():
     with ablate_kernel.config_overrides(spec, "as is"):
         assert configs.HOPPER_FWD == before
     with pytest.raises(TypeError):
-        with ablate_kernel.config_overrides({"CONFIGS": {"bad": {"HOPPER_FWD": {(256, False): dict(no_such_field=1)}}}}, "bad"):
+        bad = {"CONFIGS": {"bad": {"HOPPER_FWD": {(256, False): dict(no_such_field=1)}}}}
+        with ablate_kernel.config_overrides(bad, "bad"):
             pass
     assert configs.HOPPER_FWD == before
 

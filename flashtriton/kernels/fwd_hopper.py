@@ -1,7 +1,7 @@
-"""Prefill forward for Hopper (sm_90) in Gluon, warp-specialized: a one-warp TMA producer feeds K/V stages to two
-(configs.HopperFwdConfig.consumers: two, or three at head dim 64) consumer warpgroups, each owning 64 query rows of a
-128- (192-) row tile. The consumers share the stages and run out of phase with each other, so one's softmax overlaps
-another's wgmma (what the Triton kernel cannot schedule).
+"""Prefill forward for Hopper (sm_90) in Gluon, warp-specialized: a one-warp TMA producer feeds K/V stages to two or
+three consumer warpgroups (configs.HopperFwdConfig.consumers: three for non-causal head dim 64), each owning 64 query
+rows of a 128- (192-) row tile. The consumers share the stages and run out of phase with each other, so one's
+softmax overlaps another's wgmma (what the Triton kernel cannot schedule).
 
 Scope (ops/hopper_fwd.covers and runs_on decide): dense (B, S, H, D) bf16/fp16 tensors addressed by host tensor
 descriptors, head dim 64 / 128 / 256, GQA, no window or the causal one (bottom-right aligned), positive softmax scale,
