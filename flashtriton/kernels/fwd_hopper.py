@@ -254,16 +254,13 @@ def _pass_turn(turns):
 
 
 @gluon.jit
-def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, release_q, first_load, n_blocks, row0,
-                offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, fences, lag,
-                acc_layout: gl.constexpr):
-    """One consumer's pass over a work item's key blocks (the program's loads first_load, first_load + 1, ...) for
-    its Q tile q [ROWS, HEAD_DIM] (shared memory), overlapped inside the warpgroup: block 0's softmax first, then per
-    block j S_j and P_{j-1} V_{j-1} issued together, softmax j while P_{j-1} V_{j-1} runs (where fences hold the
-    schedule; else ptxas waits for P V first), then P_j's operand and the rescale. Arrives on q_free (if release_q)
-    once its last S wgmma completed. With ping-pong the S_0 issue and each block's S_j + P_{j-1} V_{j-1} issue are
-    steps first_load, first_load + 1, ... of _wait_turn (both consumers count the same loads). lag: _softmax_block's.
-    Returns the unnormalized output [ROWS, HEAD_DIM], the running max (log2 units) and the row sum [ROWS]."""
+def _first_block(q, k_smem, k_ready, k_empty, q_free, release_q, load, n_blocks, row0, offs_m, seqlen_q, seqlen_k,
+                 qk_scale_log2, causal, turns, lead, lag, acc_layout: gl.constexpr):
+    """A tile's key block 0 (the program's load `load`) with no P V product pending before it (the program's first
+    tile, or every tile where O is staged in Q): S_0 issued alone and waited (step `load` of _wait_turn), its
+    softmax from nothing. Arrives on q_free (if release_q) when S_0 was the tile's last S. Returns P_0 as the P V
+    product's A operand [ROWS, BLOCK_N], the running max (log2 units) and row sum [ROWS], and a zero output
+    accumulator [ROWS, HEAD_DIM]."""
     ROWS: gl.constexpr = q.shape[0]
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
@@ -272,71 +269,90 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
                                                        instr_shape=[16, BLOCK_N, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, acc_layout)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    # [ROWS, BLOCK_N] the zero accumulator of the S wgmmas; [ROWS, HEAD_DIM] the output accumulator
-    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([ROWS], gl.float32, row_s)
-    stage = first_load % STAGES
-    mbarrier.wait(k_ready.index(stage), (first_load // STAGES) & 1)
-    _wait_turn(turns, first_load, lead)
+    stage = load % STAGES
+    mbarrier.wait(k_ready.index(stage), (load // STAGES) & 1)
+    _wait_turn(turns, load, lead)
     # [ROWS, BLOCK_N] raw q.k of block 0
-    s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
-                      is_async=True)
+    s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
+                      gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
     _pass_turn(turns)
     s = warpgroup_mma_wait(0, deps=(s, ))
     arrive_after_wgmma(k_empty.index(stage))
-    # [ROWS, BLOCK_N] probabilities of the block whose P.V is pending
+    arrive_after_wgmma(q_free, pred=release_q & (n_blocks == 1))
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([ROWS], gl.float32, row_s)
     p, m_i, l_i, alpha = _softmax_block(_mask_block(s, 0, row0, offs_m, seqlen_q, seqlen_k, causal, col_s), m_i, l_i,
                                         qk_scale_log2, lag)
     # [ROWS, BLOCK_N] the wgmma's A operand, made where the softmax ends: only these half-width registers stay live
     # across the next S issue (fp32 p live there pushed ptxas to wait for P V before the softmax, serializing them)
-    p = _operand_of(p, q.dtype, p_layout)
-    for j in range(1, n_blocks):
-        load = first_load + j
-        stage = load % STAGES
-        previous = (load - 1) % STAGES
-        mbarrier.wait(k_ready.index(stage), (load // STAGES) & 1)
-        mbarrier.wait(v_ready.index(previous), ((load - 1) // STAGES) & 1)
-        _wait_turn(turns, load, lead)
-        s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
-                          is_async=True)
-        acc = warpgroup_mma(p, v_smem.index(previous).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-        _pass_turn(turns)
-        # S_j done (wgmma groups complete in order); P_{j-1} V_{j-1} may still run
-        s = warpgroup_mma_wait(1, deps=(s, ))
-        arrive_after_wgmma(k_empty.index(stage))
-        p, m_i, l_i, alpha = _softmax_block(_mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s), m_i,
-                                            l_i, qk_scale_log2, lag)
-        _hold_schedule(fences)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        arrive_after_wgmma(v_empty.index(previous))
-        p = _operand_of(p, q.dtype, p_layout)
-        acc = _rescale(acc, gl.convert_layout(alpha, row_o), lag)
-    arrive_after_wgmma(q_free, pred=release_q)
-    last = first_load + n_blocks - 1
-    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-    acc = warpgroup_mma(p, v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM]), acc)
-    arrive_after_wgmma(v_empty.index(last % STAGES))
-    return acc, m_i, l_i
+    return _operand_of(p, q.dtype, p_layout), m_i, l_i, gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
 
 
 @gluon.jit
-def _consumer(o_desc, Lse, q_tile, o_tile, q_ready, q_empty, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, team,
-              turns, fences, lag, stride_lse_b, stride_lse_h, row_offset, num_heads, num_tiles, num_batch_heads,
+def _last_product(p, acc, v_smem, v_ready, v_empty, load):
+    """acc [ROWS, HEAD_DIM] plus P [ROWS, BLOCK_N] times V of the program's load `load` (a tile's last key block),
+    waited; V's stage released."""
+    STAGES: gl.constexpr = v_smem.shape[0]
+    BLOCK_N: gl.constexpr = v_smem.shape[2]
+    HEAD_DIM: gl.constexpr = v_smem.shape[4]
+    stage = load % STAGES
+    mbarrier.wait(v_ready.index(stage), (load // STAGES) & 1)
+    acc = warpgroup_mma(p, v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]), acc)
+    arrive_after_wgmma(v_empty.index(stage))
+    return acc
+
+
+@gluon.jit
+def _store_tile(acc, m_i, l_i, o_desc, Lse, o_tile, q_empty, batch, head, row0, seqlen_q, stride_lse_b, stride_lse_h,
+                o_in_q):
+    """A consumer's finished rows [row0, row0 + ROWS) of (batch, head): O = acc [ROWS, HEAD_DIM] / l_i through o_tile
+    ([1, ROWS, 1, HEAD_DIM], shared) by TMA (which clips rows past seqlen_q), and the natural-log LSE from m_i (log2
+    units) and l_i [ROWS]. Rows that saw no key: O 0, LSE +inf (API.md §4.5). Where O is staged in the consumer's
+    Q tile (o_in_q), arrives on q_empty once the store has read it."""
+    ROWS: gl.constexpr = acc.shape[0]
+    HEAD_DIM: gl.constexpr = acc.shape[1]
+    row_s: gl.constexpr = m_i.type.layout
+    row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    # [ROWS] this consumer's query rows
+    offs_m = row0 + gl.arange(0, ROWS, row_s)
+    seen = l_i > 0.0
+    # [ROWS] one reciprocal per row, then a multiply per element (a division per element cost ~5 instructions each:
+    # div.full's range fix-ups)
+    inverse_sum = gl.convert_layout(1.0 / gl.where(seen, l_i, 1.0), row_o)
+    out = acc * gl.expand_dims(inverse_sum, 1)
+    lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("inf"))
+    lse_row_base = batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
+    gl.store(Lse + lse_row_base + offs_m, lse, mask=offs_m < seqlen_q)
+    tma.store_wait(0)  # the previous tile's O store has read o_tile
+    o_tile.reshape([ROWS, HEAD_DIM]).store(out.to(o_tile.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_tile)
+    if o_in_q != 0:
+        tma.store_wait(0)
+        mbarrier.arrive(q_empty)
+
+
+@gluon.jit
+def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, k_smem, v_smem, k_ready, v_ready,
+              k_empty, v_empty, team, fences, lag, stride_lse_b, stride_lse_h, num_heads, num_tiles, num_batch_heads,
               heads_per_group, seqlen_q, seqlen_k, qk_scale_log2, causal, o_in_q, paired):
-    """One warpgroup: query rows [m_start + row_offset, + ROWS) of every tile of this program. Per tile: wait
-    for its Q tile (q_tile [1, ROWS, 1, HEAD_DIM], shared), run the key blocks, normalize, store the natural-log
-    LSE and O (through o_tile by TMA, which clips rows past seqlen_q). q_empty tells the producer that q_tile may
-    be refilled: after the last S wgmma, or where O is staged in q_tile itself (o_in_q) once O's store has read it.
-    Rows that saw no key: out 0, lse +inf (API.md §4.5). team: one entry per consumer of the program (a tile has
-    len(team) * ROWS rows; a tuple's length reaches partitions where a constexpr does not). turns: the ping-pong
-    barriers (_wait_turn), this consumer's first, or (); the first consumer (row_offset 0) leads. fences:
+    """One warpgroup: query rows [m_start + row_offset, + ROWS) of every tile of this program, as one stream of key
+    blocks (the program's loads 0, 1, ...; the grid gives every program at least one tile). Per key block j: S_j and
+    the P V product of the block before (the tile's, or the previous tile's last) issued together, the softmax of
+    block j while that P V runs (where fences hold the schedule; else ptxas waits for P V first), then either the
+    rescale of the output, or, where block j starts a tile, the previous tile's epilogue (_store_tile: O and LSE),
+    so that a tile's first S and softmax overlap the last P V of the one before. The program's first tile, and
+    every tile where O is staged in Q (o_in_q: the next tile's Q cannot land before O's store has read it), starts
+    from _first_block instead, the previous tile finished first. Q: wait on q_ready for the tile's Q tile (q_tile
+    [1, ROWS, 1, HEAD_DIM], shared); q_empty tells the producer it may be refilled, after the tile's last S wgmma,
+    or (o_in_q) after O's store. team: one entry per consumer of the program (a tile has len(team) * ROWS rows; a
+    tuple's length reaches partitions where a constexpr does not). turns: the ping-pong barriers (_wait_turn), this
+    consumer's first, or (); the first consumer (row_offset 0) leads; each issue of S is a step. fences:
     _hold_schedule's; lag: _softmax_block's."""
     ROWS: gl.constexpr = q_tile.shape[1]
     TILE_ROWS: gl.constexpr = len(team) * ROWS
+    STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -344,9 +360,23 @@ def _consumer(o_desc, Lse, q_tile, o_tile, q_ready, q_empty, k_smem, v_smem, k_r
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     q = q_tile.reshape([ROWS, HEAD_DIM])
     lead = (row_offset == 0).to(gl.int32)
+    release_q = o_in_q == 0
+    # [ROWS, BLOCK_N] the zero accumulator of the S wgmmas
+    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    # carried from block to block, across tiles: P of the block whose P V is pending [ROWS, BLOCK_N], the output
+    # accumulator [ROWS, HEAD_DIM], running max and row sum [ROWS] of its tile; the previous tile's coordinates
+    p = gl.zeros([ROWS, BLOCK_N], q.dtype, p_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([ROWS], gl.float32, row_s)
+    previous_batch = 0
+    previous_head = 0
+    previous_row0 = 0
     load = 0
     done = 0
     for item in range(gl.program_id(0), _slots(num_tiles, paired) * num_batch_heads, gl.num_programs(0)):
@@ -359,24 +389,66 @@ def _consumer(o_desc, Lse, q_tile, o_tile, q_ready, q_empty, k_smem, v_smem, k_r
             # [ROWS] this consumer's query rows
             offs_m = row0 + gl.arange(0, ROWS, row_s)
             mbarrier.wait(q_ready, done & 1)
-            acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,
-                                        load, n_blocks, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal,
-                                        turns, lead, fences, lag, acc_layout)
-            seen = l_i > 0.0
-            out = acc / gl.expand_dims(gl.convert_layout(gl.where(seen, l_i, 1.0), row_o), 1)
-            lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("inf"))
-            lse_row_base = batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
-            gl.store(Lse + lse_row_base + offs_m, lse, mask=offs_m < seqlen_q)
-            tma.store_wait(0)  # the previous tile's O store has read o_tile
-            o_tile.reshape([ROWS, HEAD_DIM]).store(out.to(o_tile.dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_tile)
-            if o_in_q != 0:
-                tma.store_wait(0)
-                mbarrier.arrive(q_empty)
-            load += n_blocks
+            fresh = (done == 0) | (o_in_q != 0)
+            if fresh:
+                if done > 0:
+                    acc = _last_product(p, acc, v_smem, v_ready, v_empty, load - 1)
+                    _store_tile(acc, m_i, l_i, o_desc, Lse, o_tile, q_empty, previous_batch, previous_head,
+                                previous_row0, seqlen_q, stride_lse_b, stride_lse_h, o_in_q)
+                p, m_i, l_i, acc = _first_block(q, k_smem, k_ready, k_empty, q_empty, release_q, load, n_blocks, row0,
+                                                offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, lag,
+                                                acc_layout)
+                load += 1
+            for j in range(fresh.to(gl.int32), n_blocks):
+                stage = load % STAGES
+                previous = (load - 1) % STAGES
+                mbarrier.wait(k_ready.index(stage), (load // STAGES) & 1)
+                mbarrier.wait(v_ready.index(previous), ((load - 1) // STAGES) & 1)
+                _wait_turn(turns, load, lead)
+                # [ROWS, BLOCK_N] raw q.k of block j
+                s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
+                                  use_acc=False, is_async=True)
+                acc = warpgroup_mma(p, v_smem.index(previous).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+                _pass_turn(turns)
+                # S_j done (wgmma groups complete in order); the P V before it may still run
+                s = warpgroup_mma_wait(1, deps=(s, ))
+                arrive_after_wgmma(k_empty.index(stage))
+                arrive_after_wgmma(q_empty, pred=release_q & (j == n_blocks - 1))
+                # a tile's block 0 starts its softmax from nothing; the finished tile keeps its m_i, l_i for its
+                # epilogue
+                new_tile = j == 0
+                p, m_next, l_next, alpha = _softmax_block(
+                    _mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s),
+                    gl.where(new_tile, float("-inf"), m_i), gl.where(new_tile, 0.0, l_i), qk_scale_log2, lag)
+                _hold_schedule(fences)
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                arrive_after_wgmma(v_empty.index(previous))
+                p = _operand_of(p, q.dtype, p_layout)
+                if new_tile:
+                    _store_tile(acc, m_i, l_i, o_desc, Lse, o_tile, q_empty, previous_batch, previous_head,
+                                previous_row0, seqlen_q, stride_lse_b, stride_lse_h, o_in_q)
+                    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+                else:
+                    acc = _rescale(acc, gl.convert_layout(alpha, row_o), lag)
+                m_i = m_next
+                l_i = l_next
+                load += 1
+            previous_batch = batch
+            previous_head = head
+            previous_row0 = row0
             done += 1
+    acc = _last_product(p, acc, v_smem, v_ready, v_empty, load - 1)
+    _store_tile(acc, m_i, l_i, o_desc, Lse, o_tile, q_empty, previous_batch, previous_head, previous_row0, seqlen_q,
+                stride_lse_b, stride_lse_h, o_in_q)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer_args(consumer: gl.constexpr, q_smem, o_smem, q_ready, q_empty, turns, common):
+    """_consumer's arguments for consumer warpgroup `consumer`: its Q and O tiles, Q barriers, ping-pong barriers
+    (turns: one entry per consumer) and first row in the tile, then what every consumer gets (common)."""
+    return (q_smem.index(consumer), o_smem.index(consumer), q_ready.index(consumer), q_empty.index(consumer),
+            turns[consumer], consumer * CONSUMER_ROWS) + common
 
 
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "batch", "seqlen_q", "seqlen_k", "heads_per_group",
@@ -431,7 +503,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
         mbarrier.init(second_turn, count=1)
         turns = ((first_turn, second_turn), (second_turn, first_turn))
     else:
-        turns = ((), ())
+        turns = ((), (), ())  # one entry per consumer (three at most)
     # _hold_schedule's fence, present or not (a tuple's length reaches the partitions where a constexpr does not)
     if HOLD_SCHEDULE:
         fences = (0, )
@@ -455,23 +527,18 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
     # constexprs arrive in partitions as plain ints (Triton 3.6): the flags travel as tensors
     causal = gl.to_tensor(CAUSAL).to(gl.int32)
     o_in_q = gl.to_tensor(O_IN_Q).to(gl.int32)
-    shared = (stride_lse_b, stride_lse_h)
-    work = (num_heads, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, qk_scale_log2, causal, o_in_q,
-            paired)
-    first_args = (o_desc, Lse, q_smem.index(0), o_smem.index(0), q_ready.index(0), q_empty.index(0), k_smem, v_smem,
-                  k_ready, v_ready, k_empty, v_empty, team, turns[0], fences, lag) + shared + (0, ) + work
-    second_args = (o_desc, Lse, q_smem.index(1), o_smem.index(1), q_ready.index(1), q_empty.index(1), k_smem, v_smem,
-                   k_ready, v_ready, k_empty, v_empty, team, turns[1], fences, lag) + shared + (ROWS, ) + work
+    common = (o_desc, Lse, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, team, fences, lag, stride_lse_b,
+              stride_lse_h, num_heads, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, qk_scale_log2,
+              causal, o_in_q, paired)
     producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k,
                      causal, paired)
+    first = _consumer_args(0, q_smem, o_smem, q_ready, q_empty, turns, common)
+    second = _consumer_args(1, q_smem, o_smem, q_ready, q_empty, turns, common)
     if CONSUMERS == 3:
-        # no ping-pong with three (configs.HopperFwdConfig): turns[1] is ()
-        third_args = (o_desc, Lse, q_smem.index(2), o_smem.index(2), q_ready.index(2), q_empty.index(2), k_smem,
-                      v_smem, k_ready, v_ready, k_empty, v_empty, team, turns[1], fences, lag) + shared + (2 * ROWS, ) \
-            + work
-        gl.warp_specialize([(_consumer, first_args), (_consumer, second_args), (_consumer, third_args),
-                            (_producer, producer_args)], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
+        third = _consumer_args(2, q_smem, o_smem, q_ready, q_empty, turns, common)
+        gl.warp_specialize([(_consumer, first), (_consumer, second), (_consumer, third), (_producer, producer_args)],
+                           [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
     else:
-        gl.warp_specialize([(_consumer, first_args), (_consumer, second_args), (_producer, producer_args)], [4, 1],
+        gl.warp_specialize([(_consumer, first), (_consumer, second), (_producer, producer_args)], [4, 1],
                            [CONSUMER_REGS, 24])
