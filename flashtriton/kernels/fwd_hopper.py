@@ -118,14 +118,12 @@ def _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              team, num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, causal, paired):
-    """One warp, per tile of this program's work items: the consumers' Q tiles (q_smem [CONSUMERS * Q_BUFFERS, 1,
-    ROWS, 1, HEAD_DIM], consumer c's buffer b at c * Q_BUFFERS + b, as the barriers; team: one entry per consumer):
-    the program's tile t goes to buffer t % Q_BUFFERS once its consumer released the buffer's previous tile, then K
-    and V of the tile's key blocks; the program's load number l (counted across tiles) goes to stage l % STAGES once
-    every consumer freed that stage's K (resp. V)."""
-    CONSUMERS: gl.constexpr = len(team)
-    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
+              num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, causal, paired):
+    """One warp, per tile of this program's work items: the consumers' Q tiles (q_smem [CONSUMERS, 1, ROWS, 1,
+    HEAD_DIM]) once each consumer released its previous one, then K and V of the tile's key blocks; the program's
+    load number l (counted across tiles) goes to stage l % STAGES once every consumer freed that stage's K (resp.
+    V)."""
+    CONSUMERS: gl.constexpr = q_smem.shape[0]
     ROWS: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
@@ -140,11 +138,10 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
                                                         causal, CONSUMERS * ROWS, BLOCK_N)
             head_k = head // group_size
             for consumer in gl.static_range(CONSUMERS):
-                barrier = consumer * Q_BUFFERS + done % Q_BUFFERS
-                mbarrier.wait(q_empty.index(barrier), (done // Q_BUFFERS - 1) & 1, pred=done >= Q_BUFFERS)
-                mbarrier.expect(q_ready.index(barrier), q_bytes)
+                mbarrier.wait(q_empty.index(consumer), (done - 1) & 1, pred=done > 0)
+                mbarrier.expect(q_ready.index(consumer), q_bytes)
                 tma.async_copy_global_to_shared(q_desc, [batch, m_start + consumer * ROWS, head, 0],
-                                                q_ready.index(barrier), q_smem.index(barrier))
+                                                q_ready.index(consumer), q_smem.index(consumer))
             for j in range(n_blocks):
                 _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch, j,
                                 head_k)
@@ -257,12 +254,16 @@ def _pass_turn(turns):
 
 
 @gluon.jit
-def _first_block(q, k_smem, k_ready, k_empty, load, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns,
-                 lead, lag, acc_layout: gl.constexpr):
-    """A tile's key block 0 (the program's load `load`) with no P V product pending before it (the program's first
-    tile, or every tile where Q has one buffer): S_0 issued alone and waited (step `load` of _wait_turn), its softmax
-    from nothing. Returns P_0 as the P V product's A operand [ROWS, BLOCK_N], the running max (log2 units) and row
-    sum [ROWS], and a zero output accumulator [ROWS, HEAD_DIM]."""
+def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, release_q, first_load, n_blocks, row0,
+                offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, fences, lag,
+                acc_layout: gl.constexpr):
+    """One consumer's pass over a work item's key blocks (the program's loads first_load, first_load + 1, ...) for
+    its Q tile q [ROWS, HEAD_DIM] (shared memory), overlapped inside the warpgroup: block 0's softmax first, then per
+    block j S_j and P_{j-1} V_{j-1} issued together, softmax j while P_{j-1} V_{j-1} runs (where fences hold the
+    schedule; else ptxas waits for P V first), then P_j's operand and the rescale. Arrives on q_free (if release_q)
+    once its last S wgmma completed. With ping-pong the S_0 issue and each block's S_j + P_{j-1} V_{j-1} issue are
+    steps first_load, first_load + 1, ... of _wait_turn (both consumers count the same loads). lag: _softmax_block's.
+    Returns the unnormalized output [ROWS, HEAD_DIM], the running max (log2 units) and the row sum [ROWS]."""
     ROWS: gl.constexpr = q.shape[0]
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
@@ -271,126 +272,81 @@ def _first_block(q, k_smem, k_ready, k_empty, load, row0, offs_m, seqlen_q, seql
                                                        instr_shape=[16, BLOCK_N, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, acc_layout)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    stage = load % STAGES
-    mbarrier.wait(k_ready.index(stage), (load // STAGES) & 1)
-    _wait_turn(turns, load, lead)
+    # [ROWS, BLOCK_N] the zero accumulator of the S wgmmas; [ROWS, HEAD_DIM] the output accumulator
+    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([ROWS], gl.float32, row_s)
+    stage = first_load % STAGES
+    mbarrier.wait(k_ready.index(stage), (first_load // STAGES) & 1)
+    _wait_turn(turns, first_load, lead)
     # [ROWS, BLOCK_N] raw q.k of block 0
-    s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
-                      gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+    s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
+                      is_async=True)
     _pass_turn(turns)
     s = warpgroup_mma_wait(0, deps=(s, ))
     arrive_after_wgmma(k_empty.index(stage))
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([ROWS], gl.float32, row_s)
+    # [ROWS, BLOCK_N] probabilities of the block whose P.V is pending
     p, m_i, l_i, alpha = _softmax_block(_mask_block(s, 0, row0, offs_m, seqlen_q, seqlen_k, causal, col_s), m_i, l_i,
                                         qk_scale_log2, lag)
     # [ROWS, BLOCK_N] the wgmma's A operand, made where the softmax ends: only these half-width registers stay live
     # across the next S issue (fp32 p live there pushed ptxas to wait for P V before the softmax, serializing them)
-    return _operand_of(p, q.dtype, p_layout), m_i, l_i, gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+    p = _operand_of(p, q.dtype, p_layout)
+    for j in range(1, n_blocks):
+        load = first_load + j
+        stage = load % STAGES
+        previous = (load - 1) % STAGES
+        mbarrier.wait(k_ready.index(stage), (load // STAGES) & 1)
+        mbarrier.wait(v_ready.index(previous), ((load - 1) // STAGES) & 1)
+        _wait_turn(turns, load, lead)
+        s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
+                          is_async=True)
+        acc = warpgroup_mma(p, v_smem.index(previous).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        _pass_turn(turns)
+        # S_j done (wgmma groups complete in order); P_{j-1} V_{j-1} may still run
+        s = warpgroup_mma_wait(1, deps=(s, ))
+        arrive_after_wgmma(k_empty.index(stage))
+        p, m_i, l_i, alpha = _softmax_block(_mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s), m_i,
+                                            l_i, qk_scale_log2, lag)
+        _hold_schedule(fences)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        arrive_after_wgmma(v_empty.index(previous))
+        p = _operand_of(p, q.dtype, p_layout)
+        acc = _rescale(acc, gl.convert_layout(alpha, row_o), lag)
+    arrive_after_wgmma(q_free, pred=release_q)
+    last = first_load + n_blocks - 1
+    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+    acc = warpgroup_mma(p, v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM]), acc)
+    arrive_after_wgmma(v_empty.index(last % STAGES))
+    return acc, m_i, l_i
 
 
 @gluon.jit
-def _last_product(p, acc, v_smem, v_ready, v_empty, load):
-    """acc [ROWS, HEAD_DIM] plus P [ROWS, BLOCK_N] times V of the program's load `load` (a tile's last key block),
-    waited; V's stage released."""
-    STAGES: gl.constexpr = v_smem.shape[0]
-    BLOCK_N: gl.constexpr = v_smem.shape[2]
-    HEAD_DIM: gl.constexpr = v_smem.shape[4]
-    stage = load % STAGES
-    mbarrier.wait(v_ready.index(stage), (load // STAGES) & 1)
-    acc = warpgroup_mma(p, v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]), acc)
-    arrive_after_wgmma(v_empty.index(stage))
-    return acc
-
-
-@gluon.jit
-def _store_tile(acc, m_i, l_i, o_desc, Lse, o_tile, q_empty, batch, head, row0, seqlen_q, stride_lse_b, stride_lse_h,
-                release):
-    """A consumer's finished rows [row0, row0 + ROWS) of (batch, head): O = acc [ROWS, HEAD_DIM] / l_i staged in the
-    tile's Q buffer o_tile ([1, ROWS, 1, HEAD_DIM], shared; its last S wgmma is done) and stored by TMA (which clips
-    rows past seqlen_q), and the natural-log LSE from m_i (log2 units) and l_i [ROWS]. Rows that saw no key: O 0,
-    LSE +inf (API.md §4.5). With `release`, hands the buffer back (_release_q) once the store has read it; else the
-    caller does later."""
-    ROWS: gl.constexpr = acc.shape[0]
-    HEAD_DIM: gl.constexpr = acc.shape[1]
-    row_s: gl.constexpr = m_i.type.layout
-    row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-    # [ROWS] this consumer's query rows
-    offs_m = row0 + gl.arange(0, ROWS, row_s)
-    seen = l_i > 0.0
-    # [ROWS] one reciprocal per row, then a multiply per element (a division per element cost ~5 instructions each:
-    # div.full's range fix-ups)
-    inverse_sum = gl.convert_layout(1.0 / gl.where(seen, l_i, 1.0), row_o)
-    out = acc * gl.expand_dims(inverse_sum, 1)
-    lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("inf"))
-    lse_row_base = batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
-    gl.store(Lse + lse_row_base + offs_m, lse, mask=offs_m < seqlen_q)
-    o_tile.reshape([ROWS, HEAD_DIM]).store(out.to(o_tile.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_tile)
-    if release:
-        _release_q(q_empty)
-
-
-@gluon.jit
-def _release_q(q_empty):
-    """Hands a Q buffer in which O was staged back to the producer once O's store (the consumer's only one in
-    flight) has read it."""
-    tma.store_wait(0)
-    mbarrier.arrive(q_empty)
-
-
-@gluon.jit
-def _consumer(q_smem, q_ready, q_empty, first_buffer, turns, row_offset, o_desc, Lse, k_smem, v_smem, k_ready, v_ready, k_empty,
-              v_empty, team, fences, lag, stride_lse_b, stride_lse_h, num_heads, num_tiles, num_batch_heads,
-              heads_per_group, seqlen_q, seqlen_k, qk_scale_log2, causal, paired):
-    """One warpgroup: query rows [m_start + row_offset, + ROWS) of every tile of this program, as one stream of key
-    blocks (the program's loads 0, 1, ...; the grid gives every program at least one tile). Per key block j: S_j and
-    the P V product of the block before (the tile's, or the previous tile's last) issued together, the softmax of
-    block j while that P V runs (where fences hold the schedule; else ptxas waits for P V first), then either the
-    rescale of the output, or, where block j starts a tile, the previous tile's epilogue (_store_tile: O and LSE),
-    so that a tile's first S and softmax overlap the last P V of the one before.
-    Q: the program's tile t reads this consumer's buffer t % Q_BUFFERS of q_smem [CONSUMERS * Q_BUFFERS, 1, ROWS,
-    1, HEAD_DIM] (shared; index first_buffer + t % Q_BUFFERS, as its barriers) once its q_ready completes; O is staged in the same buffer, which goes back to the producer (q_empty) once
-    O's store has read it: with two buffers at the next key block (or before the next tile's Q wait), so the next
-    tile's Q lands during this one. With one buffer (head dim 256: no room for two) the next tile's Q cannot land
-    before O's store, so every tile finishes the previous one first and starts from _first_block, as the program's
-    first tile does.
-    team: one entry per consumer of the program (a tile has len(team) * ROWS rows; a tuple's length reaches
-    partitions where a constexpr does not). turns: the ping-pong barriers (_wait_turn), this consumer's first, or ();
-    the first consumer (row_offset 0) leads; each issue of S is a step. fences: _hold_schedule's; lag:
-    _softmax_block's."""
-    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // len(team)
-    ROWS: gl.constexpr = q_smem.shape[2]
+def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, k_smem, v_smem, k_ready, v_ready,
+              k_empty, v_empty, team, fences, lag, stride_lse_b, stride_lse_h, num_heads, num_tiles, num_batch_heads,
+              heads_per_group, seqlen_q, seqlen_k, qk_scale_log2, causal, o_in_q, paired):
+    """One warpgroup: query rows [m_start + row_offset, + ROWS) of every tile of this program. Per tile: wait
+    for its Q tile (q_tile [1, ROWS, 1, HEAD_DIM], shared), run the key blocks, normalize, store the natural-log
+    LSE and O (through o_tile by TMA, which clips rows past seqlen_q). q_empty tells the producer that q_tile may
+    be refilled: after the last S wgmma, or where O is staged in q_tile itself (o_in_q) once O's store has read it.
+    Rows that saw no key: out 0, lse +inf (API.md §4.5). team: one entry per consumer of the program (a tile has
+    len(team) * ROWS rows; a tuple's length reaches partitions where a constexpr does not). turns: the ping-pong
+    barriers (_wait_turn), this consumer's first, or (); the first consumer (row_offset 0) leads. fences:
+    _hold_schedule's; lag: _softmax_block's."""
+    ROWS: gl.constexpr = q_tile.shape[1]
     TILE_ROWS: gl.constexpr = len(team) * ROWS
-    STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
-    dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    q = q_tile.reshape([ROWS, HEAD_DIM])
     lead = (row_offset == 0).to(gl.int32)
-    # [ROWS, BLOCK_N] the zero accumulator of the S wgmmas
-    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    # carried from block to block, across tiles: P of the block whose P V is pending [ROWS, BLOCK_N], the output
-    # accumulator [ROWS, HEAD_DIM], running max and row sum [ROWS] of its tile; the previous tile's coordinates and
-    # Q buffer (q_smem's index); unreleased: 1 + the buffer whose O store is still to be waited for and released, or 0
-    p = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([ROWS], gl.float32, row_s)
-    previous_batch = 0
-    previous_head = 0
-    previous_row0 = 0
-    previous_buffer = first_buffer
-    unreleased = 0
     load = 0
     done = 0
     for item in range(gl.program_id(0), _slots(num_tiles, paired) * num_batch_heads, gl.num_programs(0)):
@@ -402,79 +358,36 @@ def _consumer(q_smem, q_ready, q_empty, first_buffer, turns, row_offset, o_desc,
             row0 = m_start + row_offset
             # [ROWS] this consumer's query rows
             offs_m = row0 + gl.arange(0, ROWS, row_s)
-            buffer = first_buffer + done % Q_BUFFERS
-            # [ROWS, HEAD_DIM] this tile's Q (shared)
-            q = q_smem.index(buffer).reshape([ROWS, HEAD_DIM])
-            if unreleased > 0:  # the tile before had one key block: its O store still holds a buffer
-                _release_q(q_empty.index(unreleased - 1))
-                unreleased = 0
-            mbarrier.wait(q_ready.index(buffer), (done // Q_BUFFERS) & 1)
-            fresh = (done == 0) | (Q_BUFFERS == 1)
-            if fresh:
-                if done > 0:
-                    acc = _last_product(p, acc, v_smem, v_ready, v_empty, load - 1)
-                    _store_tile(acc, m_i, l_i, o_desc, Lse, q_smem.index(previous_buffer),
-                                q_empty.index(previous_buffer), previous_batch, previous_head, previous_row0,
-                                seqlen_q, stride_lse_b, stride_lse_h, True)
-                p, m_i, l_i, acc = _first_block(q, k_smem, k_ready, k_empty, load, row0, offs_m, seqlen_q, seqlen_k,
-                                                qk_scale_log2, causal, turns, lead, lag, acc_layout)
-                load += 1
-            for j in range(fresh.to(gl.int32), n_blocks):
-                stage = load % STAGES
-                previous = (load - 1) % STAGES
-                mbarrier.wait(k_ready.index(stage), (load // STAGES) & 1)
-                mbarrier.wait(v_ready.index(previous), ((load - 1) // STAGES) & 1)
-                _wait_turn(turns, load, lead)
-                # [ROWS, BLOCK_N] raw q.k of block j
-                s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s,
-                                  use_acc=False, is_async=True)
-                acc = warpgroup_mma(p, v_smem.index(previous).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-                _pass_turn(turns)
-                if unreleased > 0:  # the previous tile's O store, issued one block ago
-                    _release_q(q_empty.index(unreleased - 1))
-                    unreleased = 0
-                # S_j done (wgmma groups complete in order); the P V before it may still run
-                s = warpgroup_mma_wait(1, deps=(s, ))
-                arrive_after_wgmma(k_empty.index(stage))
-                # a tile's block 0 starts its softmax from nothing; the finished tile keeps its m_i, l_i for its
-                # epilogue
-                new_tile = j == 0
-                p, m_next, l_next, alpha = _softmax_block(
-                    _mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s),
-                    gl.where(new_tile, float("-inf"), m_i), gl.where(new_tile, 0.0, l_i), qk_scale_log2, lag)
-                _hold_schedule(fences)
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-                arrive_after_wgmma(v_empty.index(previous))
-                p = _operand_of(p, dtype, p_layout)
-                if new_tile:
-                    _store_tile(acc, m_i, l_i, o_desc, Lse, q_smem.index(previous_buffer),
-                                q_empty.index(previous_buffer), previous_batch, previous_head, previous_row0,
-                                seqlen_q, stride_lse_b, stride_lse_h, False)
-                    unreleased = previous_buffer + 1
-                    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
-                else:
-                    acc = _rescale(acc, gl.convert_layout(alpha, row_o), lag)
-                m_i = m_next
-                l_i = l_next
-                load += 1
-            previous_batch = batch
-            previous_head = head
-            previous_row0 = row0
-            previous_buffer = buffer
+            mbarrier.wait(q_ready, done & 1)
+            acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,
+                                        load, n_blocks, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal,
+                                        turns, lead, fences, lag, acc_layout)
+            seen = l_i > 0.0
+            # [ROWS] one reciprocal per row, then a multiply per element (a division per element cost ~5
+            # instructions each: div.full's range fix-ups)
+            inverse_sum = gl.convert_layout(1.0 / gl.where(seen, l_i, 1.0), row_o)
+            out = acc * gl.expand_dims(inverse_sum, 1)
+            lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("inf"))
+            lse_row_base = batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
+            gl.store(Lse + lse_row_base + offs_m, lse, mask=offs_m < seqlen_q)
+            tma.store_wait(0)  # the previous tile's O store has read o_tile
+            o_tile.reshape([ROWS, HEAD_DIM]).store(out.to(o_tile.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_tile)
+            if o_in_q != 0:
+                tma.store_wait(0)
+                mbarrier.arrive(q_empty)
+            load += n_blocks
             done += 1
-    acc = _last_product(p, acc, v_smem, v_ready, v_empty, load - 1)
-    _store_tile(acc, m_i, l_i, o_desc, Lse, q_smem.index(previous_buffer), q_empty.index(previous_buffer),
-                previous_batch, previous_head, previous_row0, seqlen_q, stride_lse_b, stride_lse_h, False)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _consumer_args(consumer: gl.constexpr, q_buffers: gl.constexpr, q_smem, q_ready, q_empty, turns, common):
-    """_consumer's arguments for consumer warpgroup `consumer`: the Q buffers and their barriers with the index of
-    its first buffer (q_buffers per consumer), its ping-pong barriers (turns: one entry per consumer) and first row in the tile, then what
-    every consumer gets (common)."""
-    return (q_smem, q_ready, q_empty, consumer * q_buffers, turns[consumer],
-            consumer * CONSUMER_ROWS) + common
+def _consumer_args(consumer: gl.constexpr, q_smem, o_smem, q_ready, q_empty, turns, common):
+    """_consumer's arguments for consumer warpgroup `consumer`: its Q and O tiles, Q barriers, ping-pong barriers
+    (turns: one entry per consumer) and first row in the tile, then what every consumer gets (common)."""
+    return (q_smem.index(consumer), o_smem.index(consumer), q_ready.index(consumer), q_empty.index(consumer),
+            turns[consumer], consumer * CONSUMER_ROWS) + common
 
 
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "batch", "seqlen_q", "seqlen_k", "heads_per_group",
@@ -497,27 +410,30 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
-    # two Q buffers per consumer where they fit next to the K/V stages, so the next tile's Q lands during this one
-    # (O is staged in its tile's Q buffer); else (head dim 256) one
+    # O gets tiles of its own where they fit next to Q and the K/V stages, so the next tile's Q can land while O is
+    # stored; else (head dim 256) O is staged in the consumer's Q tile
     tile_bytes: gl.constexpr = ROWS * HEAD_DIM * dtype.primitive_bitwidth // 8
     stage_bytes: gl.constexpr = 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
-    Q_BUFFERS: gl.constexpr = 2 if 2 * CONSUMERS * tile_bytes + STAGES * stage_bytes <= SHARED_BYTES_FOR_TILES else 1
+    O_IN_Q: gl.constexpr = 2 * CONSUMERS * tile_bytes + STAGES * stage_bytes > SHARED_BYTES_FOR_TILES
     num_tiles = gl.cdiv(seqlen_q, CONSUMERS * ROWS)
     num_batch_heads = batch * num_heads
-    # [CONSUMERS * Q_BUFFERS, 1, ROWS, 1, HEAD_DIM] the consumers' Q tiles (then O's), consumer c's buffer b at
-    # c * Q_BUFFERS + b; [STAGES, 1, BLOCK_N, 1, HEAD_DIM] K, V
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFFERS, 1, ROWS, 1, HEAD_DIM], q_desc.layout)
+    # [CONSUMERS, 1, ROWS, 1, HEAD_DIM] the consumers' Q tiles and O tiles; [STAGES, 1, BLOCK_N, 1, HEAD_DIM] K, V
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM], q_desc.layout)
+    if O_IN_Q:
+        o_smem = q_smem
+    else:
+        o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM], o_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for buffer in gl.static_range(CONSUMERS * Q_BUFFERS):
-        mbarrier.init(q_ready.index(buffer), count=1)
-        mbarrier.init(q_empty.index(buffer), count=1)
+    for consumer in gl.static_range(CONSUMERS):
+        mbarrier.init(q_ready.index(consumer), count=1)
+        mbarrier.init(q_empty.index(consumer), count=1)
     if PINGPONG:
         # one allocation each: waits on one and arrivals on the other would otherwise be ordered by a barrier
         first_turn = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -549,16 +465,17 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
         mbarrier.init(v_empty.index(stage), count=CONSUMERS)
     # constexprs arrive in partitions as plain ints (Triton 3.6): the flags travel as tensors
     causal = gl.to_tensor(CAUSAL).to(gl.int32)
+    o_in_q = gl.to_tensor(O_IN_Q).to(gl.int32)
     common = (o_desc, Lse, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, team, fences, lag, stride_lse_b,
               stride_lse_h, num_heads, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, qk_scale_log2,
-              causal, paired)
+              causal, o_in_q, paired)
     producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, team, num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k,
+                     v_empty, num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k,
                      causal, paired)
-    first = _consumer_args(0, Q_BUFFERS, q_smem, q_ready, q_empty, turns, common)
-    second = _consumer_args(1, Q_BUFFERS, q_smem, q_ready, q_empty, turns, common)
+    first = _consumer_args(0, q_smem, o_smem, q_ready, q_empty, turns, common)
+    second = _consumer_args(1, q_smem, o_smem, q_ready, q_empty, turns, common)
     if CONSUMERS == 3:
-        third = _consumer_args(2, Q_BUFFERS, q_smem, q_ready, q_empty, turns, common)
+        third = _consumer_args(2, q_smem, o_smem, q_ready, q_empty, turns, common)
         gl.warp_specialize([(_consumer, first), (_consumer, second), (_consumer, third), (_producer, producer_args)],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
     else:
