@@ -39,8 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .common import grouped_tile_of
 from .hopper_sync import arrive_after_wgmma
 
-SHARED_BYTES_FOR_TILES = gl.constexpr(220 * 1024)
-SHARED_BYTES_FOR_Q_BUFFERS = gl.constexpr(224 * 1024)  # sm_90: 227 KiB per program, less barriers and the compiler's
+SHARED_BYTES_FOR_TILES = gl.constexpr(220 * 1024)  # sm_90: 227 KiB per program, less barriers and the compiler's
 CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M tile); a tile has one per consumer
 _grouped_tile_of = gluon.jit(grouped_tile_of.fn)
 
@@ -119,13 +118,12 @@ def _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              team, num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, causal, paired):
+              num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, causal, paired):
     """One warp, per tile of this program's work items: the consumers' Q tiles (q_smem [CONSUMERS, 1, ROWS, 1,
     HEAD_DIM]) once each consumer released its previous one, then K and V of the tile's key blocks; the program's
     load number l (counted across tiles) goes to stage l % STAGES once every consumer freed that stage's K (resp.
     V)."""
-    CONSUMERS: gl.constexpr = len(team)
-    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
+    CONSUMERS: gl.constexpr = q_smem.shape[0]
     ROWS: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
@@ -140,11 +138,10 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
                                                         causal, CONSUMERS * ROWS, BLOCK_N)
             head_k = head // group_size
             for consumer in gl.static_range(CONSUMERS):
-                buffer = consumer * Q_BUFFERS + done % Q_BUFFERS
-                mbarrier.wait(q_empty.index(buffer), (done // Q_BUFFERS - 1) & 1, pred=done >= Q_BUFFERS)
-                mbarrier.expect(q_ready.index(buffer), q_bytes)
+                mbarrier.wait(q_empty.index(consumer), (done - 1) & 1, pred=done > 0)
+                mbarrier.expect(q_ready.index(consumer), q_bytes)
                 tma.async_copy_global_to_shared(q_desc, [batch, m_start + consumer * ROWS, head, 0],
-                                                q_ready.index(buffer), q_smem.index(buffer))
+                                                q_ready.index(consumer), q_smem.index(consumer))
             for j in range(n_blocks):
                 _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch, j,
                                 head_k)
@@ -327,7 +324,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
 
 
 @gluon.jit
-def _consumer(q_smem, first_buffer, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, k_smem, v_smem, k_ready, v_ready,
+def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, k_smem, v_smem, k_ready, v_ready,
               k_empty, v_empty, team, fences, lag, stride_lse_b, stride_lse_h, num_heads, num_tiles, num_batch_heads,
               heads_per_group, seqlen_q, seqlen_k, qk_scale_log2, causal, o_in_q, paired):
     """One warpgroup: query rows [m_start + row_offset, + ROWS) of every tile of this program. Per tile: wait
@@ -338,8 +335,7 @@ def _consumer(q_smem, first_buffer, o_tile, q_ready, q_empty, turns, row_offset,
     len(team) * ROWS rows; a tuple's length reaches partitions where a constexpr does not). turns: the ping-pong
     barriers (_wait_turn), this consumer's first, or (); the first consumer (row_offset 0) leads. fences:
     _hold_schedule's; lag: _softmax_block's."""
-    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // len(team)
-    ROWS: gl.constexpr = q_smem.shape[2]
+    ROWS: gl.constexpr = q_tile.shape[1]
     TILE_ROWS: gl.constexpr = len(team) * ROWS
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
@@ -349,6 +345,7 @@ def _consumer(q_smem, first_buffer, o_tile, q_ready, q_empty, turns, row_offset,
                                                          instr_shape=[16, HEAD_DIM, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    q = q_tile.reshape([ROWS, HEAD_DIM])
     lead = (row_offset == 0).to(gl.int32)
     load = 0
     done = 0
@@ -361,12 +358,8 @@ def _consumer(q_smem, first_buffer, o_tile, q_ready, q_empty, turns, row_offset,
             row0 = m_start + row_offset
             # [ROWS] this consumer's query rows
             offs_m = row0 + gl.arange(0, ROWS, row_s)
-            buffer = first_buffer + done % Q_BUFFERS
-            mbarrier.wait(q_ready.index(buffer), (done // Q_BUFFERS) & 1)
-            # [ROWS, HEAD_DIM] this tile's Q (shared)
-            q = q_smem.index(buffer).reshape([ROWS, HEAD_DIM])
-            acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty.index(buffer),
-                                        o_in_q == 0,
+            mbarrier.wait(q_ready, done & 1)
+            acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,
                                         load, n_blocks, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal,
                                         turns, lead, fences, lag, acc_layout)
             seen = l_i > 0.0
@@ -383,18 +376,18 @@ def _consumer(q_smem, first_buffer, o_tile, q_ready, q_empty, turns, row_offset,
             tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_tile)
             if o_in_q != 0:
                 tma.store_wait(0)
-                mbarrier.arrive(q_empty.index(buffer))
+                mbarrier.arrive(q_empty)
             load += n_blocks
             done += 1
     tma.store_wait(0)
 
 
 @gluon.jit
-def _consumer_args(consumer: gl.constexpr, q_buffers: gl.constexpr, q_smem, o_smem, q_ready, q_empty, turns, common):
+def _consumer_args(consumer: gl.constexpr, q_smem, o_smem, q_ready, q_empty, turns, common):
     """_consumer's arguments for consumer warpgroup `consumer`: its Q and O tiles, Q barriers, ping-pong barriers
     (turns: one entry per consumer) and first row in the tile, then what every consumer gets (common)."""
-    return (q_smem, consumer * q_buffers, o_smem.index(consumer), q_ready, q_empty, turns[consumer],
-            consumer * CONSUMER_ROWS) + common
+    return (q_smem.index(consumer), o_smem.index(consumer), q_ready.index(consumer), q_empty.index(consumer),
+            turns[consumer], consumer * CONSUMER_ROWS) + common
 
 
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "batch", "seqlen_q", "seqlen_k", "heads_per_group",
@@ -422,26 +415,25 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
     tile_bytes: gl.constexpr = ROWS * HEAD_DIM * dtype.primitive_bitwidth // 8
     stage_bytes: gl.constexpr = 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
     O_IN_Q: gl.constexpr = 2 * CONSUMERS * tile_bytes + STAGES * stage_bytes > SHARED_BYTES_FOR_TILES
-    Q_BUFFERS: gl.constexpr = 2 if 3 * CONSUMERS * tile_bytes + STAGES * stage_bytes <= SHARED_BYTES_FOR_Q_BUFFERS else 1
     num_tiles = gl.cdiv(seqlen_q, CONSUMERS * ROWS)
     num_batch_heads = batch * num_heads
     # [CONSUMERS, 1, ROWS, 1, HEAD_DIM] the consumers' Q tiles and O tiles; [STAGES, 1, BLOCK_N, 1, HEAD_DIM] K, V
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFFERS, 1, ROWS, 1, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM], q_desc.layout)
     if O_IN_Q:
         o_smem = q_smem
     else:
         o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM], o_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for buffer in gl.static_range(CONSUMERS * Q_BUFFERS):
-        mbarrier.init(q_ready.index(buffer), count=1)
-        mbarrier.init(q_empty.index(buffer), count=1)
+    for consumer in gl.static_range(CONSUMERS):
+        mbarrier.init(q_ready.index(consumer), count=1)
+        mbarrier.init(q_empty.index(consumer), count=1)
     if PINGPONG:
         # one allocation each: waits on one and arrivals on the other would otherwise be ordered by a barrier
         first_turn = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -478,12 +470,12 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
               stride_lse_h, num_heads, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, qk_scale_log2,
               causal, o_in_q, paired)
     producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, team, num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k,
+                     v_empty, num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k,
                      causal, paired)
-    first = _consumer_args(0, Q_BUFFERS, q_smem, o_smem, q_ready, q_empty, turns, common)
-    second = _consumer_args(1, Q_BUFFERS, q_smem, o_smem, q_ready, q_empty, turns, common)
+    first = _consumer_args(0, q_smem, o_smem, q_ready, q_empty, turns, common)
+    second = _consumer_args(1, q_smem, o_smem, q_ready, q_empty, turns, common)
     if CONSUMERS == 3:
-        third = _consumer_args(2, Q_BUFFERS, q_smem, o_smem, q_ready, q_empty, turns, common)
+        third = _consumer_args(2, q_smem, o_smem, q_ready, q_empty, turns, common)
         gl.warp_specialize([(_consumer, first), (_consumer, second), (_consumer, third), (_producer, producer_args)],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
     else:
