@@ -1,7 +1,7 @@
 """Time copies of a kernel module with source edits against the module as it is, in one process (ablations and A/B
 tests of kernel changes before building them).
 
-    python benchmarks/ablate_kernel.py --variants FILE [--shapes 4] [--mode bwd] [--out DIR]
+    python benchmarks/ablate_kernel.py --variants FILE [--shapes 4] [--mode bwd] [--out DIR] [--sources A.py,B.py]
 
 FILE is a Python file defining
     MODULE = "flashtriton/kernels/fwd_hopper.py"                    # the kernel module to copy
@@ -12,7 +12,9 @@ FILE is a Python file defining
     CONFIGS = {"wide keys": {"HOPPER_FWD": {(256, False): dict(block_n=128)}}}  # optional: config fields a variant
                                                                                 # changes
     OFFLINE = dict(kind="fwd-hopper", head_dim=128)                 # optional: what --offline compiles
-(benchmarks/ablations/ holds the checked-in ones.)
+(benchmarks/ablations/ holds the checked-in ones.) --sources adds whole copies of MODULE as variants, one per file,
+named by the file's stem: an A/B test of a rewrite against an earlier commit's module (`git show REV:MODULE >
+prev.py`; the device copy of the repository may not hold the history, so the file travels instead).
 Each variant is MODULE's source with every (old, new) replacement applied (each `old` must occur; results may be
 wrong, which is the point of an ablation: the error column says how far). A variant's module is loaded as a
 sibling of MODULE, so its relative imports resolve, and its kernel is swapped into TARGET while it is timed.
@@ -50,11 +52,11 @@ from flashtriton.bench import TIMINGS, attention_flops, select_shapes, time_ms
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def variant_module(module_path: str, edits, name: str, directory: str) -> ModuleType:
-    """A copy of the module at module_path (relative to the repository) with every (old, new) edit applied, written
-    to directory (Triton reads a kernel's source from its file) and loaded as a sibling module named `name`, so that
-    its relative imports resolve."""
-    source = (ROOT / module_path).read_text()
+def variant_module(module_path: str, edits, name: str, directory: str, source=None) -> ModuleType:
+    """A copy of the module at module_path (relative to the repository), or of `source` (the text of another version
+    of it), with every (old, new) edit applied, written to directory (Triton reads a kernel's source from its file)
+    and loaded as a sibling module named `name`, so that its relative imports resolve."""
+    source = (ROOT / module_path).read_text() if source is None else source
     for old, new in edits:
         if old not in source:
             raise ValueError(f"{name}: {old!r} does not occur in {module_path}")
@@ -89,9 +91,10 @@ def config_overrides(spec: dict, name: str):
             table[key] = entry
 
 
-def load_variants(spec_file: str, directory: str, only=()) -> tuple:
+def load_variants(spec_file: str, directory: str, only=(), sources=()) -> tuple:
     """(spec, {name: module}) of a variants file (its variables), the unmodified module first as 'as is'; `only`:
-    the names of the variants to load (default all)."""
+    the names of the variants to load (default all); `sources`: files holding other versions of MODULE, each loaded
+    as a variant named by its stem."""
     spec = runpy.run_path(spec_file)
     unknown = set(only) - set(spec["VARIANTS"])
     if unknown:
@@ -100,6 +103,12 @@ def load_variants(spec_file: str, directory: str, only=()) -> tuple:
     for index, (name, edits) in enumerate(spec["VARIANTS"].items()):
         if not only or name in only:
             modules[name] = variant_module(spec["MODULE"], edits, f"ablate_variant_{index}", directory)
+    for index, path in enumerate(sources):
+        name = Path(path).stem
+        if name in modules:
+            raise ValueError(f"--sources: {path} would replace the variant {name!r}; rename the file")
+        modules[name] = variant_module(spec["MODULE"], [], f"ablate_source_{index}", directory,
+                                       source=Path(path).read_text())
     return spec, modules
 
 
@@ -134,10 +143,13 @@ def main():
     parser.add_argument("--offline", action="store_true", help="compile the variants for sm_90, no GPU (see above)")
     parser.add_argument("--offline-head-dim", type=int, help="--offline: this head dim instead of OFFLINE's")
     parser.add_argument("--only", default="", help="comma list of the variants to run (default all; 'as is' always)")
+    parser.add_argument("--sources", default="", help="comma list of files holding other versions of MODULE, each "
+                        "timed as a variant named by its stem")
     args = parser.parse_args()
 
     spec, modules = load_variants(args.variants, tempfile.mkdtemp(prefix="ablate-"),
-                                  [name for name in args.only.split(",") if name])
+                                  [name for name in args.only.split(",") if name],
+                                  [path for path in args.sources.split(",") if path])
     if args.offline:
         compile_offline(spec, modules, args.offline_head_dim)
         return

@@ -102,3 +102,22 @@ def test_only_loads_the_named_variants(tmp_path):
     assert list(modules) == ["as is", "no LSE store"]
     with pytest.raises(ValueError, match="no variant"):
         ablate_kernel.load_variants(variants, str(tmp_path), ["no such variant"])
+
+
+@pytest.mark.skipif(not KERNELS_INTERPRETED, reason="runs the kernel through Triton's interpreter (TRITON_INTERPRET=1)")
+def test_sources_load_other_versions_of_the_module(tmp_path):
+    """--sources: each file is a whole other version of MODULE, loaded as a variant named by the file's stem, whose
+    kernel is the one that runs; a stem that collides with a variant's name is an error."""
+    other = tmp_path / "tripled.py"
+    other.write_text((Path(__file__).resolve().parents[1] / FILL).read_text()
+                     .replace("tl.full([BLOCK_R, BLOCK_B], fill,", "tl.full([BLOCK_R, BLOCK_B], 3 * fill,"))
+    variants = tmp_path / "variants.py"
+    variants.write_text(f"MODULE = {FILL!r}\nVARIANTS = {{'tripled': []}}\n")
+    _, modules = ablate_kernel.load_variants(str(variants), str(tmp_path), ["tripled"])
+    with pytest.raises(ValueError, match="rename the file"):
+        ablate_kernel.load_variants(str(variants), str(tmp_path), sources=[str(other)])
+    variants.write_text(f"MODULE = {FILL!r}\nVARIANTS = {{}}\n")
+    _, modules = ablate_kernel.load_variants(str(variants), str(tmp_path), sources=[str(other)])
+    assert list(modules) == ["as is", "tripled"]
+    assert torch.equal(_filled(modules["as is"], 1.5)[6:], torch.full((4, 3, 4), 1.5))
+    assert torch.equal(_filled(modules["tripled"], 1.5)[6:], torch.full((4, 3, 4), 4.5))
