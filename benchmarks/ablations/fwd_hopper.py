@@ -29,6 +29,9 @@ d64 as it is, a first-slot artifact seen before at d64): d64 non-causal two cons
 440, 438 against three 430-433 (and 429 in the first call), so the table keeps two for causal d64 ("three consumers
 at d64 causal" prices it); with three consumers the fence is level non-causal (513, 510) and -4% causal (416, 415),
 the skip -2 to +1% (and -5% at 1x16384 in one round: a d128 row it does not touch, so noise).
+Seventeenth session: whole-module comparisons (ablate_kernel.py --sources) of a streamed consumer (ef78638, ad3b8b8:
+-3 to -6% at d128 / d64) and of two Q buffers (4d1ae1c: level); the reciprocal epilogue +0.5 to +1.3% at d128
+(docs/perf-notes.md).
 """
 
 MODULE = "flashtriton/kernels/fwd_hopper.py"
