@@ -22,7 +22,10 @@ import torch
 
 from .reference import attention_reference
 
-PROVIDERS = ("flashtriton", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
+PROVIDERS = ("flashtriton", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "fa4")
+# timed unless --providers says otherwise; fa4 (FlashAttention-4's CuTe DSL kernels, `flash_attn.cute` of the
+# flash-attn-4 package: issue #5's goal) only on request, as it is rarely installed
+DEFAULT_PROVIDERS = PROVIDERS[:4]
 MODES = ("fwd", "bwd", "fwd+bwd", "fwd+bwd-graph")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -172,6 +175,10 @@ def attention_callable(provider: str, causal: bool) -> Callable:
         from .interface import flash_attn_func
 
         return lambda q, k, v: flash_attn_func(q, k, v, causal=causal)
+    if provider == "fa4":
+        from flash_attn.cute import flash_attn_func as fa4_func  # FA4 returns (out, lse)
+
+        return lambda q, k, v: fa4_func(q, k, v, causal=causal)[0]
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; expected one of {PROVIDERS}")
     from torch.nn.attention import sdpa_kernel
@@ -188,12 +195,12 @@ def attention_callable(provider: str, causal: bool) -> Callable:
 
 def provider_inputs(provider: str, q, k, v, requires_grad: bool):
     """Leaf copies of (B, S, H, D) inputs, in (B, S, H, D) memory for every provider (BASELINES.md's layout): as
-    they are for flashtriton, as (B, H, S, D) views of that memory for SDPA. (Until the ninth session SDPA got
+    they are for flashtriton and FA4, as (B, H, S, D) views of that memory for SDPA. (Until the ninth session SDPA got
     contiguous (B, H, S, D) copies, with which its FLASH backward read 170 TF/s at 16x1024x16x128 causal where the
     same session's (B, S, H, D) views read 207 and BASELINES.md 209: the earlier tables flattered the short rows.)"""
     def prepare(t):
         t = t.detach().clone()
-        return (t if provider == "flashtriton" else t.transpose(1, 2)).requires_grad_(requires_grad)
+        return (t if provider in ("flashtriton", "fa4") else t.transpose(1, 2)).requires_grad_(requires_grad)
 
     return prepare(q), prepare(k), prepare(v)
 
@@ -442,14 +449,16 @@ def _row_key(row: BenchRow):
 
 
 def results_markdown(rows: Sequence[BenchRow], metadata: Optional[dict] = None) -> str:
-    """TF/s per provider for each configuration, with flashtriton/SDPA-flash and flashtriton/SDPA-cuDNN ratios,
-    flashtriton's correctness check, and (fwd+bwd rows) peak extra memory per provider."""
+    """TF/s per provider for each configuration, with flashtriton/SDPA-flash and flashtriton/SDPA-cuDNN ratios (and
+    flashtriton/FA4 where FA4 was timed), flashtriton's correctness check, and (fwd+bwd rows) peak extra memory per
+    provider."""
     providers = [p for p in PROVIDERS if any(r.provider == p for r in rows)]
     groups: dict = {}
     for row in rows:
         groups.setdefault(_row_key(row), {})[row.provider] = row
     headers = ["B, S, H, D", "causal", "dtype", "mode"] + [f"{p} TF/s" for p in providers]
-    headers += ["ft/flash", "ft/cuDNN", "ft max err"]
+    with_fa4 = any(r.provider == "fa4" and r.tflops for r in rows)
+    headers += ["ft/flash", "ft/cuDNN"] + (["ft/FA4"] if with_fa4 else []) + ["ft max err"]
     table = []
     for key, by_provider in groups.items():
         batch, seqlen, heads, head_dim, causal, dtype, mode = key
@@ -458,9 +467,13 @@ def results_markdown(rows: Sequence[BenchRow], metadata: Optional[dict] = None) 
         line = [f"{batch}, {seqlen}, {heads}, {head_dim}", "yes" if causal else "no", dtype, mode]
         line += [_fmt(by_provider[p].tflops, ".1f") if p in by_provider else "-" for p in providers]
         line += [_ratio(ours and ours.tflops, flash and flash.tflops),
-                 _ratio(ours and ours.tflops, cudnn and cudnn.tflops), _error_cell(ours)]
+                 _ratio(ours and ours.tflops, cudnn and cudnn.tflops)]
+        if with_fa4:
+            fa4 = by_provider.get("fa4")
+            line.append(_ratio(ours and ours.tflops, fa4 and fa4.tflops))
+        line.append(_error_cell(ours))
         table.append(line)
-    right = [False] * 4 + [True] * (len(providers) + 2)
+    right = [False] * 4 + [True] * (len(providers) + 2 + with_fa4)
     parts = []
     if metadata:
         parts.append(", ".join(f"{k}: {v}" for k, v in metadata.items() if v is not None))

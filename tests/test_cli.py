@@ -222,6 +222,28 @@ def test_results_markdown_ratios_and_marks():
     assert "sdpa-efficient: unavailable: RuntimeError: no kernel" in text
 
 
+def test_fa4_is_timed_on_request_only_and_gets_its_ratio_column():
+    """fa4 (FlashAttention-4) is a provider --providers accepts but the default leaves out; where it was timed the
+    table adds flashtriton / FA4, where it was not the column is absent."""
+    assert "fa4" in bench.PROVIDERS and "fa4" not in bench.DEFAULT_PROVIDERS
+    assert cli.build_parser().parse_args(["bench"]).providers == list(bench.DEFAULT_PROVIDERS)
+    assert "ft/FA4" not in bench.results_markdown(_fake_rows())
+    fa4 = bench.BenchRow("fa4", 4, 4096, 16, 128, True, "bf16", "fwd", ms=1.0, tflops=480.0)
+    lines = bench.results_markdown(_fake_rows() + [fa4]).splitlines()
+    header = next(line for line in lines if "ft/FA4" in line)
+    cells = [cell.strip() for cell in next(line for line in lines if "| fwd " in line).split("|")[1:-1]]
+    columns = [cell.strip() for cell in header.split("|")[1:-1]]
+    assert cells[columns.index("fa4 TF/s")] == "480.0" and cells[columns.index("ft/FA4")] == "1.25x"
+    fwd_bwd = [cell.strip() for cell in next(line for line in lines if "| fwd+bwd " in line).split("|")[1:-1]]
+    assert fwd_bwd[columns.index("ft/FA4")] == "n/a"
+
+
+def test_fa4_inputs_keep_the_flash_attn_layout():
+    q = torch.randn(2, 5, 3, 4)
+    for provider, shape in (("fa4", (2, 5, 3, 4)), ("flashtriton", (2, 5, 3, 4)), ("sdpa-cudnn", (2, 3, 5, 4))):
+        assert tuple(bench.provider_inputs(provider, q, q, q, requires_grad=False)[0].shape) == shape
+
+
 def test_write_results_round_trip(tmp_path):
     result = bench.BenchResult(_fake_rows(), {"gpu": "fake"})
     paths = bench.write_results(result, tmp_path / "out")

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# FlashAttention-4 (flash-attn-4 and its CuTe DSL wheels, ~100 MB for Python 3.12) for the device machine, which has
+# no network and takes 64 MiB of carried files per call (issue #5's goal is measured against FA4 in the same run).
+#
+#   bash tools/fa4_wheels.sh fetch     # here (pip reaches the index): the wheels into .fa4/, split in two halves:
+#                                      # .fa4/a (the first half of the 92 MB nvidia-cutlass-dsl-libs-cu13 wheel) and
+#                                      # .fa4/b (its second half and the other wheels), each under 64 MiB
+#   bash tools/fa4_wheels.sh install   # there, once both halves arrived: the wheel put together again, everything
+#                                      # installed into /tmp/fa4 (pip --target, no dependency resolution); then
+#                                      # PYTHONPATH=/tmp/fa4:$PYTHONPATH python -m flashtriton bench --providers
+#                                      # flashtriton,sdpa-flash,sdpa-cudnn,fa4 ...
+#
+# Two device calls back to back (a warm machine keeps an ignored path carried earlier; it goes back after ~30 s
+# idle): the first with carry [".fa4/a"] and any short command, the second with carry [".fa4/b"] running install.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+dir="$root/.fa4"
+big="nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl"
+wheels=(flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
+        nvidia-cutlass-dsl-libs-cu13==4.8.1 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5
+        quack-kernels==0.6.5)
+
+case "${1:-}" in
+  fetch)
+    grep -qx "/.fa4/" "$root/.git/info/exclude" 2>/dev/null || echo "/.fa4/" >> "$root/.git/info/exclude"
+    mkdir -p "$dir/download" "$dir/a" "$dir/b"
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dir/download" "${wheels[@]}"
+    half=$(( $(stat -c %s "$dir/download/$big") / 2 + 1 ))
+    split -b "$half" -d -a 1 "$dir/download/$big" "$dir/part"
+    mv "$dir/part0" "$dir/a/$big.part0"
+    mv "$dir/part1" "$dir/b/$big.part1"
+    find "$dir/download" -name '*.whl' ! -name "$big" -exec cp {} "$dir/b/" \;
+    du -sh "$dir/a" "$dir/b"
+    ;;
+  install)
+    test -f "$dir/a/$big.part0" || { echo "no .fa4/a: carry it in the call before (same warm machine)"; exit 1; }
+    work="$(mktemp -d)"
+    cat "$dir/a/$big.part0" "$dir/b/$big.part1" > "$work/$big"
+    cp "$dir"/b/*.whl "$work/"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fa4 "$work"/*.whl
+    PYTHONPATH="/tmp/fa4${PYTHONPATH:+:$PYTHONPATH}" python3 -c "import flash_attn.cute; print('flash_attn.cute from', flash_attn.cute.__file__)"
+    ;;
+  *)
+    sed -n '2,15p' "${BASH_SOURCE[0]}"
+    exit 2
+    ;;
+esac
