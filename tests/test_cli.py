@@ -353,6 +353,49 @@ def test_instruction_counts():
     assert kernel_inspect.count_patterns(ptx, kernel_inspect.PTX_PATTERNS)["wgmma"] == 1
 
 
+# a kernel in cuobjdump's form: a prologue spill, an outer loop (0x0040-0x00e0) holding the key-block loop
+# (0x0060-0x00b0, with a barrier wait's retry loop inside it) and an out-of-line retry path after the last HGMMA
+# that jumps back into the key-block loop
+LOOPED_SASS = """
+        /*0000*/                   STL [R1], R5 ;
+        /*0010*/                   IMAD.MOV.U32 R2, RZ, RZ, R3 ;
+        /*0040*/                   LDL R6, [R1] ;
+        /*0050*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*0060*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;
+        /*0070*/              @!P0 BRA 0x60 ;
+        /*0080*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*0090*/                   {LOAD} ;
+        /*00a0*/              @!P1 BRA 0x100 ;
+        /*00b0*/               @P2 BRA 0x60 ;
+        /*00c0*/                   HGMMA.64x128x16.F32.BF16 R88, R24, gdesc[UR12], R88 ;
+        /*00e0*/               @P3 BRA 0x40 ;
+        /*00f0*/                   EXIT ;
+        /*0100*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR4], R2 ;
+        /*0110*/                   BRA 0x90 ;
+"""
+
+
+@pytest.mark.parametrize("load, expected", [("FMUL R7, R7, R8", 0), ("LDL R7, [R1+0x8]", 1),
+                                            ("@!P4 STL [R1+0x4], R7", 1)])
+def test_hot_loop_local_accesses_counts_the_key_block_loop_only(load, expected):
+    """Spills in the prologue and the outer loop are not counted, one in the innermost HGMMA loop is; the retry
+    path after the last HGMMA does not make the whole kernel a loop."""
+    assert kernel_inspect.hot_loop_local_accesses(LOOPED_SASS.replace("{LOAD}", load)) == expected
+
+
+def test_hot_loop_local_accesses_reads_nvdisasm_labels_and_needs_a_loop():
+    labelled = """
+.L_x_0:
+        /*0000*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*0010*/                   LDL R7, [R1+0x8] ;
+        /*0020*/               @P2 BRA `(.L_x_0) ;
+        /*0030*/                   HGMMA.64x128x16.F32.BF16 R88, R24, gdesc[UR12], R88 ;
+"""
+    assert kernel_inspect.hot_loop_local_accesses(labelled) == 1
+    assert kernel_inspect.hot_loop_local_accesses(FAKE_SASS) is None  # no loop
+    assert kernel_inspect.hot_loop_local_accesses("        /*0000*/    FMUL R1, R2, R3 ;") is None  # no HGMMA
+
+
 def test_inspect_gates_on_sm90_only():
     good = kernel_inspect.KernelReport("attn_fwd_kernel", 168, 0, 98304, 8, 3, {"wgmma": 4}, {"HGMMA": 4})
     spilling = kernel_inspect.KernelReport("attn_fwd_kernel", 255, 12, 98304, 8, 3, {"wgmma": 0}, {"HGMMA": 0})
@@ -360,6 +403,13 @@ def test_inspect_gates_on_sm90_only():
     failures = kernel_inspect.gate_failures([spilling], (9, 0))
     assert any("wgmma" in f for f in failures) and any("spills" in f for f in failures)
     assert kernel_inspect.gate_failures([spilling], (8, 0)) == []
+    # with SASS: spills outside the key-block loop pass, inside it fail
+    outside = kernel_inspect.KernelReport("attn_fwd_hopper_kernel", 168, 6, 197120, 4, 1, {"wgmma": 64},
+                                          {"HGMMA": 64}, hot_loop_local=0)
+    inside = kernel_inspect.KernelReport("attn_fwd_hopper_kernel", 168, 6, 197120, 4, 1, {"wgmma": 64},
+                                         {"HGMMA": 64}, hot_loop_local=3)
+    assert kernel_inspect.gate_failures([outside], (9, 0)) == []
+    assert any("key-block loop" in f for f in kernel_inspect.gate_failures([inside], (9, 0)))
     assert "attn_fwd_kernel" in kernel_inspect.reports_table([good])
 
 
