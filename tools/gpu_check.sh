@@ -19,8 +19,7 @@ unset TRITON_INTERPRET
 out="${OUT:-gpu-check}"
 mkdir -p "$out"
 steps=",${1:-tests,reliability,decode},"
-default_fwd_variants="two consumers at d64,three consumers at d64 causal,d256 without skip and fence"
-default_fwd_variants="$default_fwd_variants,rescale skip everywhere"
+default_fwd_variants="one program per tile at d128,64-key blocks in 4 stages at d128,ping-pong off"
 fwd_variants="${FWD_VARIANTS:-$default_fwd_variants}"
 
 step() {  # step NAME SECONDS COMMAND...

@@ -80,7 +80,9 @@ CONFIGS = {"in-order with 128-key blocks at d256": {"HOPPER_FWD": _both(256, blo
            "three consumers at d64 causal": {"HOPPER_FWD": {(64, True): dict(consumers=3, consumer_regs=160)}},
            "d256 without skip and fence": {"HOPPER_FWD": _both(256, rescale_threshold=0.0, hold_schedule=False)},
            "schedule fence at d64": {"HOPPER_FWD": _both(64, hold_schedule=True)},
-           "rescale skip and fence at d64": {"HOPPER_FWD": _both(64, rescale_threshold=8.0, hold_schedule=True)}}
+           "rescale skip and fence at d64": {"HOPPER_FWD": _both(64, rescale_threshold=8.0, hold_schedule=True)},
+           "one program per tile at d128": {"HOPPER_FWD": _both(128, persistent=False)},
+           "64-key blocks in 4 stages at d128": {"HOPPER_FWD": _both(128, block_n=64, stages=4)}}
 
 VARIANTS = {
     # the LSE rows' global stores
@@ -112,6 +114,12 @@ VARIANTS = {
     "d256 without skip and fence": [],
     "schedule fence at d64": [],
     "rescale skip and fence at d64": [],
+    # prepared in the seventeenth session for 16x1024 (the row short of cuDNN; compiled offline only): the grid of
+    # one program per tile at d128 (the persistent grid won 502 -> 536 TF/s there in the eighth session, before
+    # ping-pong, the fence and the skip), and 64-key blocks in four stages at d128 (half the softmax registers per
+    # block, twice the barrier traffic per FLOP)
+    "one program per tile at d128": [],
+    "64-key blocks in 4 stages at d128": [],
     # the P V wait before the softmax, as the kernel was until the fourteenth session: P converted where P V is
     # issued (LLVM then carries fp32 P around the loop) and no fence, so ptxas schedules the conversion into the
     # exp2s and the wait with it (offline SASS: no MUFU.EX2 between the S wait and the P V wait)
