@@ -338,6 +338,27 @@ def test_rescale_skip_is_a_warp_uniform_branch(key):
     assert offline_compile.warp_vote_branches(plain.asm["cubin"]) == 0
 
 
+@pytest.mark.skipif(not _gluon_hopper_api() or KERNELS_INTERPRETED,
+                    reason="compiles for sm_90 (needs the Gluon Hopper API and compiled, not interpreted, kernels)")
+@pytest.mark.parametrize("key", sorted(configs.HOPPER_FWD), ids=config_ids)
+def test_key_block_loops_do_not_spill(key):
+    """Offline SASS: no local-memory access (spill) inside any consumer's key-block loop of a table entry
+    (kernel_inspect.hot_loop_local_accesses, the gate of `flashtriton inspect`; a few partition scalars outside it
+    are allowed), and the check sees spills where they are: a 192-row tile at d128 with 160 registers spills in its
+    loops."""
+    import offline_compile
+
+    from flashtriton import kernel_inspect
+
+    (head_dim, causal), config = key, configs.HOPPER_FWD[key]
+    sass = kernel_inspect.disassemble(offline_compile.compile_hopper_fwd(head_dim, causal).asm["cubin"])
+    assert kernel_inspect.hot_loop_local_accesses(sass) == 0
+    if key == (128, False):
+        starved = dataclasses.replace(config, consumers=3, consumer_regs=160, pingpong=False)
+        sass = kernel_inspect.disassemble(offline_compile.compile_hopper_fwd(128, False, starved).asm["cubin"])
+        assert kernel_inspect.hot_loop_local_accesses(sass) > 0
+
+
 @pytest.mark.parametrize("override,expected", [(None, "config"), (0.0, 0.0), (-3.0, 0.0), (5.0, 5.0)])
 def test_rescale_threshold_override(monkeypatch, override, expected):
     """FLASHTRITON_RESCALE_THRESHOLD (configs.RESCALE_THRESHOLD_OVERRIDE) sets the Gluon forward's threshold at
