@@ -19,7 +19,8 @@ unset TRITON_INTERPRET
 out="${OUT:-gpu-check}"
 mkdir -p "$out"
 steps=",${1:-tests,reliability,decode},"
-default_fwd_variants="one program per tile at d128,64-key blocks in 4 stages at d128,ping-pong off"
+default_fwd_variants="one program per tile at d128,64-key blocks in 4 stages at d128"
+default_fwd_variants="$default_fwd_variants,5 KB of unexecuted code in the key-block loop"
 fwd_variants="${FWD_VARIANTS:-$default_fwd_variants}"
 
 step() {  # step NAME SECONDS COMMAND...

@@ -84,6 +84,19 @@ CONFIGS = {"in-order with 128-key blocks at d256": {"HOPPER_FWD": _both(256, blo
            "one program per tile at d128": {"HOPPER_FWD": _both(128, persistent=False)},
            "64-key blocks in 4 stages at d128": {"HOPPER_FWD": _both(128, block_n=64, stages=4)}}
 
+# dead code in the key-block loop: a block of fused multiply-adds on the row sums behind a branch that is never taken
+# (a row sum is never negative), so each key block executes two instructions more while the loop's code grows by
+# `count` instructions (16 bytes each) per consumer: does the loop's size alone cost time (instruction fetch)?
+def _unexecuted_code(count: int) -> list:
+    body = "\\n".join(["fma.rn.f32 $0, $0, $0, $0;"] * count)
+    asm = ('"{ .reg .pred %neg; mov.b32 $0, $2; mov.b32 $1, $3; setp.lt.f32 %neg, $2, 0f00000000;\\n'
+           '@!%neg bra.uni done_${:uid};\\n' + body + '\\ndone_${:uid}: }"')
+    return [("        acc = _rescale(acc, gl.convert_layout(alpha, row_o), lag)\n",
+             "        acc = _rescale(acc, gl.convert_layout(alpha, row_o), lag)\n"
+             f"        l_i = gl.inline_asm_elementwise({asm}, \"=f,=f,f,f\", [l_i], dtype=gl.float32, is_pure=True, "
+             "pack=2)\n")]
+
+
 VARIANTS = {
     # the LSE rows' global stores
     "no LSE store": [(_LSE_STORE, "pass")],
@@ -120,6 +133,9 @@ VARIANTS = {
     # block, twice the barrier traffic per FLOP)
     "one program per tile at d128": [],
     "64-key blocks in 4 stages at d128": [],
+    # the loop's code 5 KB (320 instructions) larger per consumer, executed path two instructions longer (the
+    # seventeenth session's streamed consumer was 3-6% slower with a loop 5 KB larger and a steady path as long)
+    "5 KB of unexecuted code in the key-block loop": _unexecuted_code(320),
     # the P V wait before the softmax, as the kernel was until the fourteenth session: P converted where P V is
     # issued (LLVM then carries fp32 P around the loop) and no fence, so ptxas schedules the conversion into the
     # exp2s and the wait with it (offline SASS: no MUFU.EX2 between the S wait and the P V wait)
