@@ -31,7 +31,8 @@ at d64 causal" prices it); with three consumers the fence is level non-causal (5
 the skip -2 to +1% (and -5% at 1x16384 in one round: a d128 row it does not touch, so noise).
 Seventeenth session: whole-module comparisons (ablate_kernel.py --sources) of a streamed consumer (ef78638, ad3b8b8:
 -3 to -6% at d128 / d64) and of two Q buffers (4d1ae1c: level); the reciprocal epilogue +0.5 to +1.3% at d128
-(docs/perf-notes.md).
+(docs/perf-notes.md). Prepared for the next run (compiled offline only): "one program per tile at d128", "64-key
+blocks in 4 stages at d128", "5 KB of unexecuted code in the key-block loop".
 """
 
 MODULE = "flashtriton/kernels/fwd_hopper.py"
