@@ -21,6 +21,7 @@ mkdir -p "$out"
 steps=",${1:-tests,reliability,decode},"
 default_fwd_variants="one program per tile at d128,64-key blocks in 4 stages at d128"
 default_fwd_variants="$default_fwd_variants,5 KB of unexecuted code in the key-block loop"
+default_fwd_variants="$default_fwd_variants,no mask code in the key-block loop"
 fwd_variants="${FWD_VARIANTS:-$default_fwd_variants}"
 
 step() {  # step NAME SECONDS COMMAND...

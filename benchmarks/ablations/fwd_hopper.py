@@ -32,7 +32,7 @@ the skip -2 to +1% (and -5% at 1x16384 in one round: a d128 row it does not touc
 Seventeenth session: whole-module comparisons (ablate_kernel.py --sources) of a streamed consumer (ef78638, ad3b8b8:
 -3 to -6% at d128 / d64) and of two Q buffers (4d1ae1c: level); the reciprocal epilogue +0.5 to +1.3% at d128
 (docs/perf-notes.md). Prepared for the next run (compiled offline only): "one program per tile at d128", "64-key
-blocks in 4 stages at d128", "5 KB of unexecuted code in the key-block loop".
+blocks in 4 stages at d128", "5 KB of unexecuted code in the key-block loop", "no mask code in the key-block loop".
 """
 
 MODULE = "flashtriton/kernels/fwd_hopper.py"
@@ -137,6 +137,13 @@ VARIANTS = {
     # the loop's code 5 KB (320 instructions) larger per consumer, executed path two instructions longer (the
     # seventeenth session's streamed consumer was 3-6% slower with a loop 5 KB larger and a steady path as long)
     "5 KB of unexecuted code in the key-block loop": _unexecuted_code(320),
+    # and the other way: the key-block loop without the mask's code (offline: 757 -> 494 instructions per consumer at
+    # d128, 615 -> 421 at d64), the path of a full block unchanged; right on the BASELINES shapes without the causal
+    # mask (their lengths are multiples of the key block), wrong with it. If it is faster, a loop over the full
+    # blocks without mask code and one over the masked ones (the diagonal, a ragged end) is the design it argues for
+    "no mask code in the key-block loop": [
+        ("_softmax_block(_mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s), m_i,",
+         "_softmax_block(s, m_i,")],
     # the P V wait before the softmax, as the kernel was until the fourteenth session: P converted where P V is
     # issued (LLVM then carries fp32 P around the loop) and no fence, so ptxas schedules the conversion into the
     # exp2s and the wait with it (offline SASS: no MUFU.EX2 between the S wait and the P V wait)
