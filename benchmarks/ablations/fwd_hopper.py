@@ -32,8 +32,11 @@ the skip -2 to +1% (and -5% at 1x16384 in one round: a d128 row it does not touc
 Seventeenth session: whole-module comparisons (ablate_kernel.py --sources) of a streamed consumer (ef78638, ad3b8b8:
 -3 to -6% at d128 / d64) and of two Q buffers (4d1ae1c: level); the reciprocal epilogue +0.5 to +1.3% at d128
 (docs/perf-notes.md). Prepared for the next run (compiled offline only): "one program per tile at d128", "64-key
-blocks in 4 stages at d128", "5 KB of unexecuted code in the key-block loop", "no mask code in the key-block loop".
+blocks in 4 stages at d128", "5 KB of unexecuted code in the key-block loop", "no mask code in the key-block loop",
+"full blocks in a loop without mask code".
 """
+
+from pathlib import Path
 
 MODULE = "flashtriton/kernels/fwd_hopper.py"
 TARGET = "flashtriton.ops.hopper_fwd:attn_fwd_hopper_kernel"
@@ -98,6 +101,65 @@ def _unexecuted_code(count: int) -> list:
              "pack=2)\n")]
 
 
+# the key-block loop split in two: the leading blocks that need no mask (inside seqlen_k and, causal, wholly left of
+# the tile's first row's diagonal) in a loop without the mask's code, then the rest with it; one step function
+# (_key_block_step) inlined in both loops, the mask present or not by a tuple's length like the fence
+_STEP = """@gluon.jit
+def _key_block_step(j, first_load, p, acc, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, zero_s,
+                    row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, fences, lag, masks,
+                    p_layout: gl.constexpr, row_o: gl.constexpr, col_s: gl.constexpr):
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[2]
+    HEAD_DIM: gl.constexpr = k_smem.shape[4]
+    load = first_load + j
+    stage = load % STAGES
+    previous = (load - 1) % STAGES
+    mbarrier.wait(k_ready.index(stage), (load // STAGES) & 1)
+    mbarrier.wait(v_ready.index(previous), ((load - 1) // STAGES) & 1)
+    _wait_turn(turns, load, lead)
+    s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
+                      is_async=True)
+    acc = warpgroup_mma(p, v_smem.index(previous).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+    _pass_turn(turns)
+    s = warpgroup_mma_wait(1, deps=(s, ))
+    arrive_after_wgmma(k_empty.index(stage))
+    if len(masks) > 0:
+        s = _mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s)
+    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)
+    _hold_schedule(fences)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    arrive_after_wgmma(v_empty.index(previous))
+    p = _operand_of(p, q.dtype, p_layout)
+    acc = _rescale(acc, gl.convert_layout(alpha, row_o), lag)
+    return p, acc, m_i, l_i
+
+
+@gluon.jit
+def _key_blocks("""
+_LOOP_START = "    for j in range(1, n_blocks):\n        load = first_load + j\n"
+_LOOP_END = "        acc = _rescale(acc, gl.convert_layout(alpha, row_o), lag)\n    arrive_after_wgmma(q_free"
+_STEPS = """    # leading blocks needing no mask: inside seqlen_k and (causal) wholly left of the first row's diagonal
+    n_full = seqlen_k // BLOCK_N
+    if causal != 0:
+        n_full = gl.minimum(n_full, gl.maximum(row0 + (seqlen_k - seqlen_q) + 1, 0) // BLOCK_N)
+    for j in range(1, n_full):
+        p, acc, m_i, l_i = _key_block_step(j, first_load, p, acc, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready,
+                                           k_empty, v_empty, zero_s, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2,
+                                           causal, turns, lead, fences, lag, (), p_layout, row_o, col_s)
+    for j in range(gl.maximum(n_full, 1), n_blocks):
+        p, acc, m_i, l_i = _key_block_step(j, first_load, p, acc, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready,
+                                           k_empty, v_empty, zero_s, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2,
+                                           causal, turns, lead, fences, lag, (0, ), p_layout, row_o, col_s)
+    arrive_after_wgmma(q_free"""
+
+
+def _split_loops(source: str) -> list:
+    """The edits of "full blocks in a loop without mask code" for the kernel's current source (the loop replaced
+    from its first line to its last)."""
+    start, end = source.index(_LOOP_START), source.index(_LOOP_END) + len(_LOOP_END)
+    return [("@gluon.jit\ndef _key_blocks(", _STEP), (source[start:end], _STEPS)]
+
+
 VARIANTS = {
     # the LSE rows' global stores
     "no LSE store": [(_LSE_STORE, "pass")],
@@ -141,6 +203,11 @@ VARIANTS = {
     # d128, 615 -> 421 at d64), the path of a full block unchanged; right on the BASELINES shapes without the causal
     # mask (their lengths are multiples of the key block), wrong with it. If it is faster, a loop over the full
     # blocks without mask code and one over the masked ones (the diagonal, a ragged end) is the design it argues for
+    # the design the two variants above argue for, prepared in the seventeenth session (offline compile only: loops
+    # of 496 instructions for the full blocks and 694 for the masked ones at d128, against one of 757; every loop's
+    # softmax still under its P V; 2 local-memory accesses in a d128 causal loop, none elsewhere)
+    "full blocks in a loop without mask code": _split_loops(
+        (Path(__file__).resolve().parents[2] / MODULE).read_text()),
     "no mask code in the key-block loop": [
         ("_softmax_block(_mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s), m_i,",
          "_softmax_block(s, m_i,")],
