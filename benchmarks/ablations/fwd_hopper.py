@@ -104,38 +104,19 @@ def _unexecuted_code(count: int) -> list:
 # the key-block loop split in two: the leading blocks that need no mask (inside seqlen_k and, causal, wholly left of
 # the tile's first row's diagonal) in a loop without the mask's code, then the rest with it; one step function
 # (_key_block_step) inlined in both loops, the mask present or not by a tuple's length like the fence
-_STEP = """@gluon.jit
+_STEP_HEAD = """@gluon.jit
 def _key_block_step(j, first_load, p, acc, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, zero_s,
                     row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, fences, lag, masks,
                     p_layout: gl.constexpr, row_o: gl.constexpr, col_s: gl.constexpr):
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
-    load = first_load + j
-    stage = load % STAGES
-    previous = (load - 1) % STAGES
-    mbarrier.wait(k_ready.index(stage), (load // STAGES) & 1)
-    mbarrier.wait(v_ready.index(previous), ((load - 1) // STAGES) & 1)
-    _wait_turn(turns, load, lead)
-    s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
-                      is_async=True)
-    acc = warpgroup_mma(p, v_smem.index(previous).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-    _pass_turn(turns)
-    s = warpgroup_mma_wait(1, deps=(s, ))
-    arrive_after_wgmma(k_empty.index(stage))
-    if len(masks) > 0:
-        s = _mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s)
-    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)
-    _hold_schedule(fences)
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
-    arrive_after_wgmma(v_empty.index(previous))
-    p = _operand_of(p, q.dtype, p_layout)
-    acc = _rescale(acc, gl.convert_layout(alpha, row_o), lag)
-    return p, acc, m_i, l_i
-
-
-@gluon.jit
-def _key_blocks("""
+"""
+_MASKED_SOFTMAX = ("_softmax_block(_mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s), m_i,\n"
+                   "                                        l_i, qk_scale_log2, lag)")
+_OPTIONAL_MASK = ("    if len(masks) > 0:\n"
+                  "        s = _mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s)\n"
+                  "    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)")
 _LOOP_START = "    for j in range(1, n_blocks):\n        load = first_load + j\n"
 _LOOP_END = "        acc = _rescale(acc, gl.convert_layout(alpha, row_o), lag)\n    arrive_after_wgmma(q_free"
 _STEPS = """    # leading blocks needing no mask: inside seqlen_k and (causal) wholly left of the first row's diagonal
@@ -154,10 +135,18 @@ _STEPS = """    # leading blocks needing no mask: inside seqlen_k and (causal) w
 
 
 def _split_loops(source: str) -> list:
-    """The edits of "full blocks in a loop without mask code" for the kernel's current source (the loop replaced
-    from its first line to its last)."""
+    """The edits of "full blocks in a loop without mask code" for the kernel's current source: the loop's body
+    (from the kernel's text, one indent less) becomes _key_block_step with the mask made optional, and the loop
+    (from its first line to its last) two loops calling it."""
     start, end = source.index(_LOOP_START), source.index(_LOOP_END) + len(_LOOP_END)
-    return [("@gluon.jit\ndef _key_blocks(", _STEP), (source[start:end], _STEPS)]
+    body_end = end - len("    arrive_after_wgmma(q_free")
+    body = "".join(line[4:] + "\n" for line in source[start:body_end].splitlines()[1:])
+    masked_call = "    p, m_i, l_i, alpha = " + _MASKED_SOFTMAX
+    if masked_call not in body:
+        raise ValueError("the key-block loop's softmax call changed; update _MASKED_SOFTMAX")
+    step = (_STEP_HEAD + body.replace(masked_call, _OPTIONAL_MASK) + "    return p, acc, m_i, l_i\n\n\n"
+            "@gluon.jit\ndef _key_blocks(")
+    return [("@gluon.jit\ndef _key_blocks(", step), (source[start:end], _STEPS)]
 
 
 VARIANTS = {
