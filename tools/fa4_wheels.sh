@@ -7,8 +7,10 @@
 #                                      # .fa4/b (its second half and the other wheels), each under 64 MiB
 #   bash tools/fa4_wheels.sh install   # there, once both halves arrived: the wheel put together again, everything
 #                                      # installed into /tmp/fa4 (pip --target, no dependency resolution); then
-#                                      # PYTHONPATH=/tmp/fa4:$PYTHONPATH python -m flashtriton bench --providers
-#                                      # flashtriton,sdpa-flash,sdpa-cudnn,fa4 ...
+#                                      # PYTHONPATH=/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+#                                      # python -m flashtriton bench --providers flashtriton,sdpa-flash,sdpa-cudnn,fa4
+#                                      # (the second entry is what nvidia-cutlass-dsl's .pth file would add; --target
+#                                      # directories get no .pth processing)
 #
 # Two device calls back to back (a warm machine keeps an ignored path carried earlier; it goes back after ~30 s
 # idle): the first with carry [".fa4/a"] and any short command, the second with carry [".fa4/b"] running install.
@@ -40,10 +42,11 @@ case "${1:-}" in
     cat "$dir/a/$big.part0" "$dir/b/$big.part1" > "$work/$big"
     cp "$dir"/b/*.whl "$work/"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fa4 "$work"/*.whl
-    PYTHONPATH="/tmp/fa4${PYTHONPATH:+:$PYTHONPATH}" python3 -c "import flash_attn.cute; print('flash_attn.cute from', flash_attn.cute.__file__)"
+    PYTHONPATH="/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}" \
+      python3 -c "import flash_attn.cute; print('flash_attn.cute from', flash_attn.cute.__file__)"
     ;;
   *)
-    sed -n '2,15p' "${BASH_SOURCE[0]}"
+    sed -n '2,17p' "${BASH_SOURCE[0]}"
     exit 2
     ;;
 esac
