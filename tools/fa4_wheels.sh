@@ -46,7 +46,7 @@ case "${1:-}" in
       python3 -c "import flash_attn.cute; print('flash_attn.cute from', flash_attn.cute.__file__)"
     ;;
   *)
-    sed -n '2,17p' "${BASH_SOURCE[0]}"
+    sed -n '2,16p' "${BASH_SOURCE[0]}"
     exit 2
     ;;
 esac
