@@ -370,12 +370,14 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
                                         load, n_blocks, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal,
                                         turns, lead, fences, lag, acc_layout)
             seen = l_i > 0.0
+            # [ROWS] the row sums, 1 for rows that saw no key
+            row_sum = gl.where(seen, l_i, 1.0)
             # [ROWS] one reciprocal per row, then a multiply per element (a division per element cost ~5
             # instructions each: div.full's range fix-ups); rcp.approx is within 1 ulp, and a seen row's sum is >= 1
             # (its max's own term), so no denormal reaches it. 1.0 / x (div.full) left 32 bytes of spills at d128.
-            inverse_sum = gl.convert_layout(_reciprocal(gl.where(seen, l_i, 1.0)), row_o)
+            inverse_sum = gl.convert_layout(_reciprocal(row_sum), row_o)
             out = acc * gl.expand_dims(inverse_sum, 1)
-            lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("inf"))
+            lse = gl.where(seen, (m_i + gl.log2(row_sum)) * 0.6931471805599453, float("inf"))
             lse_row_base = batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
             gl.store(Lse + lse_row_base + offs_m, lse, mask=offs_m < seqlen_q)
             tma.store_wait(0)  # the previous tile's O store has read o_tile
