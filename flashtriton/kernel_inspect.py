@@ -142,8 +142,9 @@ def hot_loop_local_accesses(sass: str) -> Optional[int]:
                  if not any((low, high) != (a, b) and low <= a and b <= high for a, b in loops)]
     if not innermost:
         return None
+    local = [re.compile(SASS_PATTERNS[name]) for name in ("LDL", "STL")]
     return sum(1 for address, text in instructions for low, high in innermost
-               if low <= address <= high and re.match(r"(@!?U?P\w+\s+)?(LDL|STL)\b", text.strip()))
+               if low <= address <= high and any(pattern.search(text) for pattern in local))
 
 
 def kernel_report(kernel) -> KernelReport:

@@ -354,7 +354,7 @@ def test_key_block_loops_do_not_spill(key):
     sass = kernel_inspect.disassemble(offline_compile.compile_hopper_fwd(head_dim, causal).asm["cubin"])
     assert kernel_inspect.hot_loop_local_accesses(sass) == 0
     if key == (128, False):
-        starved = dataclasses.replace(config, consumers=3, consumer_regs=160, pingpong=False)
+        starved = with_consumers(dataclasses.replace(config, pingpong=False), 3)
         sass = kernel_inspect.disassemble(offline_compile.compile_hopper_fwd(128, False, starved).asm["cubin"])
         assert kernel_inspect.hot_loop_local_accesses(sass) > 0
 
