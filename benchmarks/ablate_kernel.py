@@ -23,7 +23,10 @@ and not, on BASELINES.md shapes (bench.select_shapes indices); the max abs diffe
 (fwd) or gradients (bwd) from the unmodified module's. --timing wall (default): median time per call
 (triton.testing.do_bench), which includes host time where a call's GPU time is shorter than it (the device
 machine's host is slow and noisy: 16x1024 rows read up to 30% apart between processes); --timing kernels: the GPU
-time of the call's kernels (torch.profiler, mean of 20 calls), which leaves host time out. Writes
+time of the call's kernels (torch.profiler, mean of 20 calls), which leaves host time out. --rounds N times
+every variant N times, each round in another order (the first slot of a shape sometimes reads low), and reports
+the median with +- half the spread between rounds: an A/A pair (the module itself again by --sources) shows the
+noise floor of a comparison. Writes
 DIR/ablate.json. --offline needs no GPU: it compiles every variant for sm_90 as OFFLINE says (tools/
 offline_compile.py: kind fwd-hopper or bwd-hopper, head_dim, ordered), causal and not, and prints its resource
 usage (registers, stack: spills show there), so that a variant that does not compile or spills is known before
@@ -40,6 +43,7 @@ import importlib.util
 import json
 import os
 import runpy
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -133,6 +137,22 @@ def compile_offline(spec: dict, modules: dict, head_dim=None) -> None:
             print(f"{name} causal={causal}: {offline_compile.resource_usage(compiled)}{overlap}", flush=True)
 
 
+def rotated_rounds(names: list, rounds: int, measure) -> dict:
+    """{name: [measure(name) per round]}, round r measuring the names from the r-th on, wrapping around: no variant
+    always takes the first slot of a shape, which sometimes reads low (docs/perf-notes.md)."""
+    times = {name: [] for name in names}
+    for round_index in range(rounds):
+        start = round_index % len(names)
+        for name in names[start:] + names[:start]:
+            times[name].append(measure(name))
+    return times
+
+
+def _shown(result: dict, rounds: int) -> str:
+    spread = f" +-{result['spread'] * 50:.1f}%" if rounds > 1 else ""
+    return f"{result['tflops']:.1f}{spread} (diff {result['max_abs_difference']:.1e})"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", required=True, help="Python file with MODULE, TARGET, KERNEL and VARIANTS")
@@ -143,6 +163,9 @@ def main():
     parser.add_argument("--offline", action="store_true", help="compile the variants for sm_90, no GPU (see above)")
     parser.add_argument("--offline-head-dim", type=int, help="--offline: this head dim instead of OFFLINE's")
     parser.add_argument("--only", default="", help="comma list of the variants to run (default all; 'as is' always)")
+    parser.add_argument("--rounds", type=int, default=1, help="time every variant this many times, each round in "
+                        "another order (round r starts at the r-th variant); the median is reported, +- half the "
+                        "spread between rounds")
     parser.add_argument("--sources", default="", help="comma list of files holding other versions of MODULE, each "
                         "timed as a variant named by its stem")
     args = parser.parse_args()
@@ -167,9 +190,10 @@ def main():
                                    requires_grad=args.mode == "bwd") for _ in range(3))
             dout = torch.randn_like(q)
             flops = attention_flops(batch, heads, seqlen, seqlen, dim, causal, args.mode)
-            results, reference = {}, None
-            for name, module in modules.items():
-                setattr(owner, attribute, getattr(module, kernel_name))
+
+            def with_variant(name, action):
+                """action(run) with variant `name`'s kernel swapped in, run() computing its output or gradients."""
+                setattr(owner, attribute, getattr(modules[name], kernel_name))
                 try:
                     with config_overrides(spec, name):
                         if args.mode == "fwd":
@@ -181,18 +205,26 @@ def main():
 
                             def run():
                                 return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-                        values = run()
-                        reference = reference if reference is not None else values
-                        error = max(float((a.float() - b.float()).abs().max()) for a, b in zip(values, reference))
-                        tflops = flops / time_ms(run, args.timing) * 1e-9
+                        return action(run)
                 finally:
                     setattr(owner, attribute, original)
-                results[name] = dict(tflops=tflops, max_abs_difference=error)
+
+            reference, errors = None, {}
+            for name in modules:
+                values = with_variant(name, lambda run: run())
+                reference = reference if reference is not None else values
+                errors[name] = max(float((a.float() - b.float()).abs().max()) for a, b in zip(values, reference))
+            times = rotated_rounds(list(modules), args.rounds,
+                                   lambda name: with_variant(name, lambda run: time_ms(run, args.timing)))
+            results = {}
+            for name in modules:
+                tflops = flops / statistics.median(times[name]) * 1e-9
+                spread = (max(times[name]) - min(times[name])) / statistics.median(times[name])
+                results[name] = dict(tflops=tflops, max_abs_difference=errors[name], spread=spread)
                 rows.append(dict(batch=batch, seqlen=seqlen, heads=heads, dim=dim, causal=causal, variant=name,
-                                 tflops=tflops, max_abs_difference=error))
+                                 tflops=tflops, max_abs_difference=errors[name], times_ms=times[name]))
             print(f"{batch}x{seqlen}x{heads}x{dim} causal={causal} {args.mode} TF/s: "
-                  + ", ".join(f"{name} {r['tflops']:.1f} (diff {r['max_abs_difference']:.1e})"
-                              for name, r in results.items()), flush=True)
+                  + ", ".join(f"{name} {_shown(result, args.rounds)}" for name, result in results.items()), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "ablate.json"), "w") as handle:
         json.dump(rows, handle, indent=1)

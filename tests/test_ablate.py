@@ -121,3 +121,10 @@ def test_sources_load_other_versions_of_the_module(tmp_path):
     assert list(modules) == ["as is", "tripled"]
     assert torch.equal(_filled(modules["as is"], 1.5)[6:], torch.full((4, 3, 4), 1.5))
     assert torch.equal(_filled(modules["tripled"], 1.5)[6:], torch.full((4, 3, 4), 4.5))
+
+
+def test_rounds_rotate_the_first_slot():
+    order = []
+    times = ablate_kernel.rotated_rounds(["a", "b", "c"], 4, lambda name: order.append(name) or len(order))
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    assert times == {"a": [1, 6, 8, 10], "b": [2, 4, 9, 11], "c": [3, 5, 7, 12]}

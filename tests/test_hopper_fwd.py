@@ -307,18 +307,23 @@ def test_gluon_forward_module_imports():
 @pytest.mark.parametrize("key", [key for key, config in sorted(configs.HOPPER_FWD.items()) if config.hold_schedule],
                          ids=config_ids)
 def test_softmax_runs_under_its_p_v_product(key):
-    """Offline SASS (tools/offline_compile.exp2_before_pv_wait): where the table holds the schedule, every exp2 of a
-    block's softmax comes before the wait for the previous block's P V product in every consumer's loop (the
-    in-warpgroup overlap the kernel is written for). Built without the fence, this Triton's ptxas waits first (no
-    exp2 before the wait): if that stops being true, the fence may no longer be needed (re-measure)."""
+    """Offline SASS (tools/offline_compile.exp2_before_pv_wait): where the table holds the schedule, the exp2s of a
+    block's probabilities come before the wait for the previous block's P V product in every consumer's loop (the
+    in-warpgroup overlap the kernel is written for); the two rescale factors' exp2s may follow it (at d256
+    non-causal ptxas puts them after the wait in one consumer: [32, 34] since the loop has no mask code; they are
+    needed only by the rescale after the wait). Built without the fence, this Triton's ptxas waits first (no
+    or few exp2s before the wait): if that stops being true, the fence may no longer be needed (re-measure)."""
     import offline_compile
 
     (head_dim, causal), config = key, configs.HOPPER_FWD[key]
-    per_block = config.block_n // 2 + 2  # a thread's exp2s per block: its BLOCK_N / 2 probabilities and 2 alphas
+    probabilities = config.block_n // 2  # a thread's exp2s per block: its BLOCK_N / 2 probabilities and 2 alphas
     held = offline_compile.exp2_before_pv_wait(offline_compile.compile_hopper_fwd(head_dim, causal).asm["cubin"])
-    assert held == [per_block] * config.consumers
+    assert len(held) == config.consumers
+    assert all(count is not None and probabilities <= count <= probabilities + 2 for count in held), held
     loose = offline_compile.compile_hopper_fwd(head_dim, causal, dataclasses.replace(config, hold_schedule=False))
-    assert offline_compile.exp2_before_pv_wait(loose.asm["cubin"]) == [0] * config.consumers
+    # (d256 non-causal: [0, 4], the rest [0, 0])
+    assert all(count is not None and count < probabilities // 4
+               for count in offline_compile.exp2_before_pv_wait(loose.asm["cubin"]))
 
 
 @pytest.mark.skipif(not _gluon_hopper_api() or KERNELS_INTERPRETED,

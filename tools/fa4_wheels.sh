@@ -12,11 +12,15 @@
 #                                      # (the second entry is what nvidia-cutlass-dsl's .pth file would add; --target
 #                                      # directories get no .pth processing)
 #
-# Two device calls back to back (a warm machine keeps an ignored path carried earlier; it goes back after ~30 s
-# idle): the first with carry [".fa4/a"] and any short command, the second with carry [".fa4/b"] running install.
+#   bash tools/fa4_wheels.sh stash     # there, in the call that carried .fa4/a: its half into /tmp/fa4-parts
+#
+# Two device calls back to back (a warm machine keeps /tmp; it goes back after ~30 s idle, and a carried path is
+# removed there by the next call that does not carry it): the first with carry [".fa4/a"] running stash (and any
+# other work), the second with carry [".fa4/b"] running install.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 dir="$root/.fa4"
+stash=/tmp/fa4-parts
 big="nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl"
 wheels=(flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
         nvidia-cutlass-dsl-libs-cu13==4.8.1 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5
@@ -36,17 +40,21 @@ case "${1:-}" in
     find "$dir/download" -name '*.whl' ! -name "$big" -exec cp {} "$dir/b/" \;
     du -sh "$dir/a" "$dir/b"
     ;;
+  stash)
+    mkdir -p "$stash"
+    cp "$dir/a/$big.part0" "$stash/"
+    ;;
   install)
-    test -f "$dir/a/$big.part0" || { echo "no .fa4/a: carry it in the call before (same warm machine)"; exit 1; }
+    test -f "$stash/$big.part0" || { echo "no $stash/$big.part0: run stash in the call before (same machine)"; exit 1; }
     work="$(mktemp -d)"
-    cat "$dir/a/$big.part0" "$dir/b/$big.part1" > "$work/$big"
+    cat "$stash/$big.part0" "$dir/b/$big.part1" > "$work/$big"
     cp "$dir"/b/*.whl "$work/"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fa4 "$work"/*.whl
     PYTHONPATH="/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}" \
       python3 -c "import flash_attn.cute; print('flash_attn.cute from', flash_attn.cute.__file__)"
     ;;
   *)
-    sed -n '2,16p' "${BASH_SOURCE[0]}"
+    sed -n '2,19p' "${BASH_SOURCE[0]}"
     exit 2
     ;;
 esac

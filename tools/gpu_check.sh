@@ -21,8 +21,7 @@ mkdir -p "$out"
 steps=",${1:-tests,reliability,decode},"
 default_fwd_variants="one program per tile at d128,64-key blocks in 4 stages at d128"
 default_fwd_variants="$default_fwd_variants,5 KB of unexecuted code in the key-block loop"
-default_fwd_variants="$default_fwd_variants,no mask code in the key-block loop"
-default_fwd_variants="$default_fwd_variants,full blocks in a loop without mask code"
+default_fwd_variants="$default_fwd_variants,mask code in the non-causal loop"
 fwd_variants="${FWD_VARIANTS:-$default_fwd_variants}"
 
 step() {  # step NAME SECONDS COMMAND...

@@ -34,9 +34,11 @@ Seventeenth session: whole-module comparisons (ablate_kernel.py --sources) of a 
 (docs/perf-notes.md). Prepared for the next run (compiled offline only): "one program per tile at d128", "64-key
 blocks in 4 stages at d128", "5 KB of unexecuted code in the key-block loop", "no mask code in the key-block loop",
 "full blocks in a loop without mask code".
+Eighteenth session (kernel time; --rounds 3 with the module itself again as an A/A pair, which read within 0.5%):
+the loop without mask code +1.3% at 16x1024 and +4.8% at d64 non-causal (level at 4x4096); the split loops -0.2 to
+-2.5%; 5 KB of unexecuted code in the loop -2 to -4% at d64 / 1x16384 (one round). The kernel now visits key blocks
+last first, so non-causal loops need no mask code ("mask code in the non-causal loop" prices that).
 """
-
-from pathlib import Path
 
 MODULE = "flashtriton/kernels/fwd_hopper.py"
 TARGET = "flashtriton.ops.hopper_fwd:attn_fwd_hopper_kernel"
@@ -101,54 +103,6 @@ def _unexecuted_code(count: int) -> list:
              "pack=2)\n")]
 
 
-# the key-block loop split in two: the leading blocks that need no mask (inside seqlen_k and, causal, wholly left of
-# the tile's first row's diagonal) in a loop without the mask's code, then the rest with it; one step function
-# (_key_block_step) inlined in both loops, the mask present or not by a tuple's length like the fence
-_STEP_HEAD = """@gluon.jit
-def _key_block_step(j, first_load, p, acc, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, zero_s,
-                    row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, fences, lag, masks,
-                    p_layout: gl.constexpr, row_o: gl.constexpr, col_s: gl.constexpr):
-    STAGES: gl.constexpr = k_smem.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.shape[2]
-    HEAD_DIM: gl.constexpr = k_smem.shape[4]
-"""
-_MASKED_SOFTMAX = ("_softmax_block(_mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s), m_i,\n"
-                   "                                        l_i, qk_scale_log2, lag)")
-_OPTIONAL_MASK = ("    if len(masks) > 0:\n"
-                  "        s = _mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s)\n"
-                  "    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)")
-_LOOP_START = "    for j in range(1, n_blocks):\n        load = first_load + j\n"
-_LOOP_END = "        acc = _rescale(acc, gl.convert_layout(alpha, row_o), lag)\n    arrive_after_wgmma(q_free"
-_STEPS = """    # leading blocks needing no mask: inside seqlen_k and (causal) wholly left of the first row's diagonal
-    n_full = seqlen_k // BLOCK_N
-    if causal != 0:
-        n_full = gl.minimum(n_full, gl.maximum(row0 + (seqlen_k - seqlen_q) + 1, 0) // BLOCK_N)
-    for j in range(1, n_full):
-        p, acc, m_i, l_i = _key_block_step(j, first_load, p, acc, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready,
-                                           k_empty, v_empty, zero_s, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2,
-                                           causal, turns, lead, fences, lag, (), p_layout, row_o, col_s)
-    for j in range(gl.maximum(n_full, 1), n_blocks):
-        p, acc, m_i, l_i = _key_block_step(j, first_load, p, acc, m_i, l_i, q, k_smem, v_smem, k_ready, v_ready,
-                                           k_empty, v_empty, zero_s, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2,
-                                           causal, turns, lead, fences, lag, (0, ), p_layout, row_o, col_s)
-    arrive_after_wgmma(q_free"""
-
-
-def _split_loops(source: str) -> list:
-    """The edits of "full blocks in a loop without mask code" for the kernel's current source: the loop's body
-    (from the kernel's text, one indent less) becomes _key_block_step with the mask made optional, and the loop
-    (from its first line to its last) two loops calling it."""
-    start, end = source.index(_LOOP_START), source.index(_LOOP_END) + len(_LOOP_END)
-    body_end = end - len("    arrive_after_wgmma(q_free")
-    body = "".join(line[4:] + "\n" for line in source[start:body_end].splitlines()[1:])
-    masked_call = "    p, m_i, l_i, alpha = " + _MASKED_SOFTMAX
-    if masked_call not in body:
-        raise ValueError("the key-block loop's softmax call changed; update _MASKED_SOFTMAX")
-    step = (_STEP_HEAD + body.replace(masked_call, _OPTIONAL_MASK) + "    return p, acc, m_i, l_i\n\n\n"
-            "@gluon.jit\ndef _key_blocks(")
-    return [("@gluon.jit\ndef _key_blocks(", step), (source[start:end], _STEPS)]
-
-
 VARIANTS = {
     # the LSE rows' global stores
     "no LSE store": [(_LSE_STORE, "pass")],
@@ -188,18 +142,10 @@ VARIANTS = {
     # the loop's code 5 KB (320 instructions) larger per consumer, executed path two instructions longer (the
     # seventeenth session's streamed consumer was 3-6% slower with a loop 5 KB larger and a steady path as long)
     "5 KB of unexecuted code in the key-block loop": _unexecuted_code(320),
-    # and the other way: the key-block loop without the mask's code (offline: 757 -> 494 instructions per consumer at
-    # d128, 615 -> 421 at d64), the path of a full block unchanged; right on the BASELINES shapes without the causal
-    # mask (their lengths are multiples of the key block), wrong with it. If it is faster, a loop over the full
-    # blocks without mask code and one over the masked ones (the diagonal, a ragged end) is the design it argues for
-    # the design the two variants above argue for, prepared in the seventeenth session (offline compile only: loops
-    # of 496 instructions for the full blocks and 694 for the masked ones at d128, against one of 757; every loop's
-    # softmax still under its P V; 2 local-memory accesses in a d128 causal loop, none elsewhere)
-    "full blocks in a loop without mask code": _split_loops(
-        (Path(__file__).resolve().parents[2] / MODULE).read_text()),
-    "no mask code in the key-block loop": [
-        ("_softmax_block(_mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s), m_i,",
-         "_softmax_block(s, m_i,")],
+    # the mask's code back in the non-causal key-block loop (as before the eighteenth session, with the blocks now
+    # visited last first it is never executed there: only its branch runs)
+    "mask code in the non-causal loop": [("        if causal != 0:\n            s = _mask_block(s, n_blocks - 1 - j",
+                                          "        if True:\n            s = _mask_block(s, n_blocks - 1 - j")],
     # the P V wait before the softmax, as the kernel was until the fourteenth session: P converted where P V is
     # issued (LLVM then carries fp32 P around the loop) and no fence, so ptxas schedules the conversion into the
     # exp2s and the wait with it (offline SASS: no MUFU.EX2 between the S wait and the P V wait)

@@ -13,7 +13,9 @@ Work: the grid's programs take work items in turn, p, p + P, p + 2P, ... (ops/ho
 program per item, or persistent: as many as fit the GPU at once). An item is one tile, or for persistent
 causal grids a pair of tiles (the longest and the shortest left) so that every item has the same number of key
 blocks. The producer loads the next tile's Q and K/V blocks while the consumers finish the current one (their
-last wgmmas, normalization, O store).
+last wgmmas, normalization, O store). A tile's key blocks are visited from the last to the first (FA2's order): the
+blocks that can need a mask come first, so non-causal kernels mask only the first one visited and their key-block
+loop holds no mask code (_key_blocks).
 
 Synchronisation: q_ready[c] completes when consumer c's Q tile has landed, q_empty[c] when consumer c no longer
 reads it (after its last S wgmma; where O is staged in the Q tile, after O's store). k_ready[s] / v_ready[s]
@@ -142,9 +144,10 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
                 mbarrier.expect(q_ready.index(consumer), q_bytes)
                 tma.async_copy_global_to_shared(q_desc, [batch, m_start + consumer * ROWS, head, 0],
                                                 q_ready.index(consumer), q_smem.index(consumer))
+            # key blocks from the last to the first (_key_blocks)
             for j in range(n_blocks):
-                _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch, j,
-                                head_k)
+                _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch,
+                                n_blocks - 1 - j, head_k)
                 load += 1
             done += 1
 
@@ -265,8 +268,12 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
                 offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, fences, lag,
                 acc_layout: gl.constexpr):
     """One consumer's pass over a work item's key blocks (the program's loads first_load, first_load + 1, ...) for
-    its Q tile q [ROWS, HEAD_DIM] (shared memory), overlapped inside the warpgroup: block 0's softmax first, then per
-    block j S_j and P_{j-1} V_{j-1} issued together, softmax j while P_{j-1} V_{j-1} runs (where fences hold the
+    its Q tile q [ROWS, HEAD_DIM] (shared memory), the last key block first: step j visits block n_blocks - 1 - j.
+    Only blocks crossing seqlen_k or (causal) the diagonal need a mask, and they come first: non-causal, the first
+    step's block alone (the loop has no mask code: its branch around the mask's 260 instructions cost 1-5%, the
+    most at head dim 64 and short rows, docs/perf-notes.md); causal, the loop keeps it (a 64-row consumer's
+    diagonal can cross two blocks). Overlapped inside the warpgroup: step 0's softmax first, then per
+    step j S_j and P_{j-1} V_{j-1} issued together, softmax j while P_{j-1} V_{j-1} runs (where fences hold the
     schedule; else ptxas waits for P V first), then P_j's operand and the rescale. Arrives on q_free (if release_q)
     once its last S wgmma completed. With ping-pong the S_0 issue and each block's S_j + P_{j-1} V_{j-1} issue are
     steps first_load, first_load + 1, ... of _wait_turn (both consumers count the same loads). lag: _softmax_block's.
@@ -289,15 +296,15 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     stage = first_load % STAGES
     mbarrier.wait(k_ready.index(stage), (first_load // STAGES) & 1)
     _wait_turn(turns, first_load, lead)
-    # [ROWS, BLOCK_N] raw q.k of block 0
+    # [ROWS, BLOCK_N] raw q.k of the last key block
     s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
                       is_async=True)
     _pass_turn(turns)
     s = warpgroup_mma_wait(0, deps=(s, ))
     arrive_after_wgmma(k_empty.index(stage))
     # [ROWS, BLOCK_N] probabilities of the block whose P.V is pending
-    p, m_i, l_i, alpha = _softmax_block(_mask_block(s, 0, row0, offs_m, seqlen_q, seqlen_k, causal, col_s), m_i, l_i,
-                                        qk_scale_log2, lag)
+    p, m_i, l_i, alpha = _softmax_block(_mask_block(s, n_blocks - 1, row0, offs_m, seqlen_q, seqlen_k, causal, col_s),
+                                        m_i, l_i, qk_scale_log2, lag)
     # [ROWS, BLOCK_N] the wgmma's A operand, made where the softmax ends: only these half-width registers stay live
     # across the next S issue (fp32 p live there pushed ptxas to wait for P V before the softmax, serializing them)
     p = _operand_of(p, q.dtype, p_layout)
@@ -315,8 +322,9 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         # S_j done (wgmma groups complete in order); P_{j-1} V_{j-1} may still run
         s = warpgroup_mma_wait(1, deps=(s, ))
         arrive_after_wgmma(k_empty.index(stage))
-        p, m_i, l_i, alpha = _softmax_block(_mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s), m_i,
-                                            l_i, qk_scale_log2, lag)
+        if causal != 0:
+            s = _mask_block(s, n_blocks - 1 - j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s)
+        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)
         _hold_schedule(fences)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         arrive_after_wgmma(v_empty.index(previous))
