@@ -212,7 +212,8 @@ L2_GROUP_BYTES = {False: 0, True: 16 << 20}
 # 351 -> 367 (417), 523 -> 464 (516), 603 -> 508 (554), d64 392 -> 394 (420), d256 591 -> 393 (555) (a static split
 # of tiles of different lengths); with tiles paired longest + shortest (ops/hopper_fwd.grid, second run):
 # 16x1024 328 -> 373 (419), 4x4096 509 -> 534 (516), 1x16384 595 -> 585 (551), d64 385 -> 403 (416), d256 593 -> 588
-# (566). d256 stays one program per tile (its O is staged in Q, so a tile's end cannot overlap the next's start).
+# (566). d256 stayed one program per tile (its O is staged in Q, so a tile's end cannot overlap the next's start;
+# non-causal d256 is persistent since the eighteenth session, below).
 # Ping-pong (eleventh session, 2026-12-01, sweep_hopper_fwd.py, same process, off -> on at the table's registers,
 # cuDNN in brackets): d128 16x1024 541 -> 544 (574) and causal 425 (424; the "off" reading, 262, was host-bound: an
 # eager call of this size is ~160 us of GPU time), 4x4096 587 -> 597 (618) / 551 -> 551 (522), 1x16384 611 -> 610
@@ -233,6 +234,11 @@ L2_GROUP_BYTES = {False: 0, True: 16 << 20}
 # ping-pong instead 689 / 683): both on at d256. Three consumers (192-row tiles, 160 registers) at d64 514-520 / 440-
 # 471 with two, causal 428-433 / 430-440 (the diagonal's masked waste grows with the tile): three for non-causal d64
 # only, hence the (head dim, causal) keys.
+# Eighteenth session (key blocks now visited last first; ablations/fwd_hopper.py, kernel time, --rounds 3, median):
+# a persistent grid at d256 762.7 / 754.1 one program per tile non-causal, causal 694.2 / 698.2 (the library bench
+# after the switch: 764.3 against 755.6-756.6 in two earlier runs of the day): persistent for non-causal d256 only.
+# Three K / V stages at d64 level (541.9 / 541.8, causal 440.2 / 442.3); two consumers at d64 non-causal still far
+# behind three (458.0 / 541.8).
 @dataclass(frozen=True)
 class HopperFwdConfig:
     block_n: int         # keys per K/V stage
@@ -258,7 +264,7 @@ _HOPPER_FWD_D256 = HopperFwdConfig(64, 2, 232, hold_schedule=True, rescale_thres
 HOPPER_FWD = {(64, False): HopperFwdConfig(128, 2, 160, persistent=True, consumers=3),
               (64, True): HopperFwdConfig(128, 2, 232, persistent=True),
               (128, False): _HOPPER_FWD_D128, (128, True): _HOPPER_FWD_D128,
-              (256, False): _HOPPER_FWD_D256, (256, True): _HOPPER_FWD_D256}
+              (256, False): replace(_HOPPER_FWD_D256, persistent=True), (256, True): _HOPPER_FWD_D256}
 HOPPER_FWD_HEAD_DIMS = tuple(sorted({head_dim for head_dim, _ in HOPPER_FWD}))
 
 

@@ -88,7 +88,9 @@ CONFIGS = {"in-order with 128-key blocks at d256": {"HOPPER_FWD": _both(256, blo
            "schedule fence at d64": {"HOPPER_FWD": _both(64, hold_schedule=True)},
            "rescale skip and fence at d64": {"HOPPER_FWD": _both(64, rescale_threshold=8.0, hold_schedule=True)},
            "one program per tile at d128": {"HOPPER_FWD": _both(128, persistent=False)},
-           "64-key blocks in 4 stages at d128": {"HOPPER_FWD": _both(128, block_n=64, stages=4)}}
+           "64-key blocks in 4 stages at d128": {"HOPPER_FWD": _both(128, block_n=64, stages=4)},
+           "three stages at d64": {"HOPPER_FWD": _both(64, stages=3)},
+           "persistent grid at d256": {"HOPPER_FWD": _both(256, persistent=True)}}
 
 # dead code in the key-block loop: a block of fused multiply-adds on the row sums behind a branch that is never taken
 # (a row sum is never negative), so each key block executes two instructions more while the loop's code grows by
@@ -138,6 +140,10 @@ VARIANTS = {
     # ping-pong, the fence and the skip), and 64-key blocks in four stages at d128 (half the softmax registers per
     # block, twice the barrier traffic per FLOP)
     "one program per tile at d128": [],
+    # eighteenth session: K / V stages and the grid where shared memory leaves room for them (d64: 32 KB a stage;
+    # d256: one program per tile so far, 1024 tiles on 132 SMs at 4x4096x8)
+    "three stages at d64": [],
+    "persistent grid at d256": [],
     "64-key blocks in 4 stages at d128": [],
     # the loop's code 5 KB (320 instructions) larger per consumer, executed path two instructions longer (the
     # seventeenth session's streamed consumer was 3-6% slower with a loop 5 KB larger and a steady path as long)
