@@ -24,7 +24,7 @@ stash=/tmp/fa4-parts
 big="nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl"
 wheels=(flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
         nvidia-cutlass-dsl-libs-cu13==4.8.1 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5
-        quack-kernels==0.6.5)
+        quack-kernels==0.6.5 nvidia-cutlass-dsl-libs-core==4.8.1)
 
 case "${1:-}" in
   fetch)
