@@ -1,7 +1,8 @@
-"""Run flashtriton's forward and SDPA-cuDNN's on BASELINES.md shapes, each a few times, for Nsight Compute to
+"""Run flashtriton's forward and its peers' (SDPA-cuDNN's by default; FA4's with --peers sdpa-cudnn,fa4 where
+flash_attn.cute imports: tools/fa4_wheels.sh) on BASELINES.md shapes, each a few times, for Nsight Compute to
 profile side by side (the commands of tools/ncu_sass_summary.py and docs/perf-notes.md, sessions 14-15).
 
-    python tools/ncu_forward_pair.py [--shapes all|0,1,...] [--causal] [--calls 2]
+    python tools/ncu_forward_pair.py [--shapes all|0,1,...] [--causal] [--calls 2] [--peers sdpa-cudnn,fa4]
 
 Run it once without ncu first so that Triton's cache holds the kernels (ncu then profiles kernels, not the compiler),
 then, on the GPU machine, for example the speed-of-light and memory sections of both kernels:
@@ -11,7 +12,9 @@ then, on the GPU machine, for example the speed-of-light and memory sections of 
     ncu -i $OUT/sol.ncu-rep --page raw --csv --metrics gpu__time_duration.sum,lts__t_sector_hit_rate.pct,\\
         lts__throughput.avg.pct_of_peak_sustained_elapsed > $OUT/raw.csv
 
-bf16 (B, S, H, D) inputs drawn from N(0, 1); each shape's calls alternate flashtriton and cuDNN. Needs a GPU.
+(FA4's kernels: widen -k; their names come from the CuTe DSL, and -k regex:. profiles every kernel.) bf16
+(B, S, H, D) inputs drawn from N(0, 1); each shape's calls alternate flashtriton and the peers
+(bench.attention_callable, in their bench layouts). Needs a GPU.
 """
 
 from __future__ import annotations
@@ -25,11 +28,8 @@ if importlib.util.find_spec("flashtriton") is None:  # run from a checkout witho
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-import flashtriton  # noqa: E402
-from flashtriton.bench import select_shapes  # noqa: E402
+from flashtriton.bench import attention_callable, provider_inputs, select_shapes  # noqa: E402
 
 
 def main() -> int:
@@ -37,18 +37,21 @@ def main() -> int:
     parser.add_argument("--shapes", default="all", help="indices into bench.BASELINE_SHAPES, or all")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--calls", type=int, default=2, help="calls of each provider per shape")
+    parser.add_argument("--peers", default="sdpa-cudnn", help="comma list of bench providers run beside flashtriton")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
+    providers = ["flashtriton"] + [name for name in args.peers.split(",") if name]
+    calls = {name: attention_callable(name, args.causal) for name in providers}
     for shape in select_shapes(args.shapes):
         q, k, v = (torch.randn(shape.batch, shape.seqlen, shape.heads, shape.head_dim, device="cuda",
                                dtype=torch.bfloat16) for _ in range(3))
-        for _ in range(args.calls):
-            flashtriton.flash_attn_func(q, k, v, causal=args.causal)
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               is_causal=args.causal)
+        inputs = {name: provider_inputs(name, q, k, v, requires_grad=False) for name in providers}
+        with torch.no_grad():
+            for _ in range(args.calls):
+                for name in providers:
+                    calls[name](*inputs[name])
     torch.cuda.synchronize()
     return 0
 
