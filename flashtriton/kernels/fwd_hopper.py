@@ -270,9 +270,10 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     """One consumer's pass over a work item's key blocks (the program's loads first_load, first_load + 1, ...) for
     its Q tile q [ROWS, HEAD_DIM] (shared memory), the last key block first: step j visits block n_blocks - 1 - j.
     Only blocks crossing seqlen_k or (causal) the diagonal need a mask, and they come first: non-causal, the first
-    step's block alone (the loop has no mask code: its branch around the mask's 260 instructions cost 1-5%, the
-    most at head dim 64 and short rows, docs/perf-notes.md); causal, the loop keeps it (a 64-row consumer's
-    diagonal can cross two blocks). Overlapped inside the warpgroup: step 0's softmax first, then per
+    step's block alone, so the loop has no mask code (never executed there, the code still cost 4.7% at head dim 64:
+    docs/perf-notes.md); causal, the loop keeps it (a 64-row consumer's diagonal can cross two blocks, and its
+    tile's last block can lie wholly past it: the second step may need one, never the third). Overlapped inside the
+    warpgroup: step 0's softmax first, then per
     step j S_j and P_{j-1} V_{j-1} issued together, softmax j while P_{j-1} V_{j-1} runs (where fences hold the
     schedule; else ptxas waits for P V first), then P_j's operand and the rescale. Arrives on q_free (if release_q)
     once its last S wgmma completed. With ping-pong the S_0 issue and each block's S_j + P_{j-1} V_{j-1} issue are
