@@ -19,9 +19,7 @@ unset TRITON_INTERPRET
 out="${OUT:-gpu-check}"
 mkdir -p "$out"
 steps=",${1:-tests,reliability,decode},"
-default_fwd_variants="one program per tile at d128,64-key blocks in 4 stages at d128"
-default_fwd_variants="$default_fwd_variants,5 KB of unexecuted code in the key-block loop"
-default_fwd_variants="$default_fwd_variants,mask code in the non-causal loop"
+default_fwd_variants="non-causal mask without the row condition,mask code in the non-causal loop"
 fwd_variants="${FWD_VARIANTS:-$default_fwd_variants}"
 
 step() {  # step NAME SECONDS COMMAND...
@@ -54,7 +52,7 @@ step hopper-bwd 300 bash -c "python -m pytest tests/test_hopper_bwd.py -q -n 8 -
 step ablate-bwd 240 python benchmarks/ablate_kernel.py --variants benchmarks/ablations/bwd_hopper.py --shapes 0,1,3 \
   --out "$out/ablate-bwd"
 step ablate-fwd 300 python benchmarks/ablate_kernel.py --variants benchmarks/ablations/fwd_hopper.py --mode fwd \
-  --shapes "${FWD_SHAPES:-0,1,2,3,4}" --timing kernels --out "$out/ablate-fwd" \
+  --shapes "${FWD_SHAPES:-0,1,2,3,4}" --timing kernels --rounds 3 --out "$out/ablate-fwd" \
   --only "$fwd_variants"
 # deterministic=True at d128 (ordered dQ): where its cost goes (benchmarks/ablations/bwd_hopper_ordered.py)
 step ablate-ordered 240 python benchmarks/ablate_kernel.py --variants benchmarks/ablations/bwd_hopper_ordered.py \
