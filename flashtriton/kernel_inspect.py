@@ -110,12 +110,12 @@ _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _BRANCH = re.compile(r"\bBRA\s+(?:`\((\.L_x_\d+)\)|(0x[0-9a-f]+))")
 
 
-def hot_loop_local_accesses(sass: str) -> Optional[int]:
-    """LDL / STL instructions inside the innermost loops that issue HGMMA (a forward's key-block loops), from SASS
-    text (cuobjdump's absolute branch targets or nvdisasm's labels); None when it has no such loop. A loop is a
-    backward branch and what lies between its target and it; branches after the function's last HGMMA are left out
-    (the out-of-line retry paths of barrier waits, which jump back into the loops), and a loop holding another HGMMA
-    loop is not innermost."""
+def hot_loops(sass: str) -> Optional[list]:
+    """The instruction texts of each innermost loop that issues HGMMA (a forward's key-block loops), from SASS text
+    (cuobjdump's absolute branch targets or nvdisasm's labels); None when it has no such loop. A loop is a backward
+    branch and what lies between its target and it; branches after the function's last HGMMA are left out (the
+    out-of-line retry paths of barrier waits, which jump back into the loops), and a loop holding another HGMMA loop
+    is not innermost."""
     instructions, labels, pending = [], {}, []
     for line in sass.splitlines():
         label = _LABEL.match(line)
@@ -140,11 +140,16 @@ def hot_loop_local_accesses(sass: str) -> Optional[int]:
                 loops.append((target, address))
     innermost = [(low, high) for low, high in loops
                  if not any((low, high) != (a, b) and low <= a and b <= high for a, b in loops)]
-    if not innermost:
+    return [[text for address, text in instructions if low <= address <= high] for low, high in innermost] or None
+
+
+def hot_loop_local_accesses(sass: str) -> Optional[int]:
+    """LDL / STL instructions inside the innermost loops that issue HGMMA (hot_loops); None when there is none."""
+    loops = hot_loops(sass)
+    if loops is None:
         return None
     local = [re.compile(SASS_PATTERNS[name]) for name in ("LDL", "STL")]
-    return sum(1 for address, text in instructions for low, high in innermost
-               if low <= address <= high and any(pattern.search(text) for pattern in local))
+    return sum(1 for loop in loops for text in loop if any(pattern.search(text) for pattern in local))
 
 
 def kernel_report(kernel) -> KernelReport:

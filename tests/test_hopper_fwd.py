@@ -364,6 +364,28 @@ def test_key_block_loops_do_not_spill(key):
         assert kernel_inspect.hot_loop_local_accesses(sass) > 0
 
 
+@pytest.mark.skipif(not _gluon_hopper_api() or KERNELS_INTERPRETED,
+                    reason="compiles for sm_90 (needs the Gluon Hopper API and compiled, not interpreted, kernels)")
+@pytest.mark.parametrize("key", sorted(configs.HOPPER_FWD), ids=config_ids)
+def test_only_causal_key_block_loops_hold_mask_code(key):
+    """Offline SASS: key blocks are visited last first, so a non-causal kernel masks only its first step and its
+    key-block loops hold no mask code (a mask is a select per score, BLOCK_N / 2 per thread; the loops keep 2-4
+    FSELs of the softmax's own); causal loops keep the mask, and the count sees it there."""
+    import offline_compile
+
+    from flashtriton import kernel_inspect
+
+    (head_dim, causal), config = key, configs.HOPPER_FWD[key]
+    sass = kernel_inspect.disassemble(offline_compile.compile_hopper_fwd(head_dim, causal).asm["cubin"])
+    selects = [sum("FSEL" in text for text in loop) for loop in kernel_inspect.hot_loops(sass)]
+    assert len(selects) == config.consumers
+    scores_per_thread = config.block_n // 2
+    if causal:
+        assert all(count >= scores_per_thread for count in selects), selects
+    else:
+        assert all(count < scores_per_thread // 4 for count in selects), selects
+
+
 @pytest.mark.parametrize("override,expected", [(None, "config"), (0.0, 0.0), (-3.0, 0.0), (5.0, 5.0)])
 def test_rescale_threshold_override(monkeypatch, override, expected):
     """FLASHTRITON_RESCALE_THRESHOLD (configs.RESCALE_THRESHOLD_OVERRIDE) sets the Gluon forward's threshold at
