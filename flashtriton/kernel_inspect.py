@@ -110,12 +110,10 @@ _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _BRANCH = re.compile(r"\bBRA\s+(?:`\((\.L_x_\d+)\)|(0x[0-9a-f]+))")
 
 
-def hot_loops(sass: str) -> Optional[list]:
-    """The instruction texts of each innermost loop that issues HGMMA (a forward's key-block loops), from SASS text
-    (cuobjdump's absolute branch targets or nvdisasm's labels); None when it has no such loop. A loop is a backward
-    branch and what lies between its target and it; branches after the function's last HGMMA are left out (the
-    out-of-line retry paths of barrier waits, which jump back into the loops), and a loop holding another HGMMA loop
-    is not innermost."""
+def parse_sass(sass: str) -> tuple:
+    """(instructions, labels) of SASS text (cuobjdump's or nvdisasm's): (address, text) of each instruction in
+    order, its text without the address and the trailing `;` (e.g. "@P3 BRA `(.L_x_15)"), and the address of
+    each of nvdisasm's branch labels (.L_x_N)."""
     instructions, labels, pending = [], {}, []
     for line in sass.splitlines():
         label = _LABEL.match(line)
@@ -128,6 +126,16 @@ def hot_loops(sass: str) -> Optional[list]:
             labels.update((name, address) for name in pending)
             pending = []
             instructions.append((address, found.group(2)))
+    return instructions, labels
+
+
+def hot_loops(sass: str) -> Optional[list]:
+    """The instruction texts of each innermost loop that issues HGMMA (a forward's key-block loops), from SASS text
+    (cuobjdump's absolute branch targets or nvdisasm's labels); None when it has no such loop. A loop is a backward
+    branch and what lies between its target and it; branches after the function's last HGMMA are left out (the
+    out-of-line retry paths of barrier waits, which jump back into the loops), and a loop holding another HGMMA loop
+    is not innermost."""
+    instructions, labels = parse_sass(sass)
     hgmma = [address for address, text in instructions if "HGMMA" in text]
     if not hgmma:
         return None

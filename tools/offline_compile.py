@@ -30,7 +30,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flashtriton.kernel_inspect import bundled_tool
+from flashtriton.kernel_inspect import bundled_tool, parse_sass
 from flashtriton.kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 from flashtriton.kernels.fwd import attn_fwd_kernel
 
@@ -249,21 +249,16 @@ def main():
 
 
 def sass_of(cubin: bytes) -> tuple:
-    """(instructions, labels) of a cubin by the bundled nvdisasm: instruction texts in address order, and each
-    branch label's index into them."""
+    """(instructions, labels) of a cubin by the bundled nvdisasm: instruction texts in address order (without
+    address and `;`: kernel_inspect.parse_sass), and each branch label's index into them."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(cubin)
         handle.flush()
         text = subprocess.run([bundled_tool("nvdisasm"), "-c", handle.name], capture_output=True, text=True,
                               check=True).stdout
-    instructions, labels = [], {}
-    for line in text.splitlines():
-        label = re.match(r"\s*(\.L_x_\d+):", line)
-        if label:
-            labels[label.group(1)] = len(instructions)
-        elif re.search(r"/\*[0-9a-f]{4,}\*/", line):
-            instructions.append(line.strip())
-    return instructions, labels
+    instructions, labels = parse_sass(text)
+    index = {address: position for position, (address, _) in enumerate(instructions)}
+    return [text for _, text in instructions], {name: index[address] for name, address in labels.items()}
 
 
 def exp2_before_pv_wait(cubin: bytes) -> list:
@@ -287,7 +282,7 @@ def exp2_before_pv_wait(cubin: bytes) -> list:
                 count = exp2s
                 break
             exp2s += "MUFU.EX2" in line
-            branch = re.search(r"^/\*[0-9a-f]+\*/\s+(@P\d+\s+)?BRA `\((\.L_x_\d+)\)", line)
+            branch = re.search(r"^(@P\d+\s+)?BRA `\((\.L_x_\d+)\)", line)
             index = labels[branch.group(2)] if branch else index + 1
         counts.append(count)
     return counts
