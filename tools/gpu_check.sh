@@ -5,7 +5,7 @@
 #
 #   bash tools/gpu_check.sh [STEPS]     STEPS: comma list of tests,reliability,sanitize,bench,decode,varlen,dropout,cold,
 #                                       host,decode-sweep,bwd-atomic,fwd-short,l2-groups,fuzz,fwd-triton,
-#                                       hopper-sweep,hopper-bwd,ablate-bwd,ablate-fwd,ablate-ordered
+#                                       hopper-sweep,hopper-bwd,ablate-bwd,ablate-fwd,ablate-ordered,fa4
 #                                       (default tests,reliability,decode)
 # Environment: FLASHTRITON_COMMIT (give it: the device copy's git may name another commit), OUT, FUZZ_EXAMPLES
 # (fuzz step, default 120), FWD_VARIANTS / FWD_SHAPES (ablate-fwd: the variants of benchmarks/ablations/fwd_hopper.py
@@ -61,6 +61,11 @@ step decode 90 python benchmarks/bench_decode.py --paged 0,64,256 --graph --repe
 step varlen 60 python benchmarks/bench_varlen.py --causal
 step dropout 110 python benchmarks/bench_dropout.py --out "$out/dropout"
 step cold 130 python benchmarks/bench_cold_start.py --quick --out "$out/cold"
+# the forward against FlashAttention-4 by kernel time, bf16 and fp16: needs tools/fa4_wheels.sh stash in the call
+# before on the same machine (carry .fa4/a there) and carry [".fa4/b"] in this one
+step fa4 300 bash -c "bash tools/fa4_wheels.sh install && export PYTHONPATH=/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages:\$PYTHONPATH \
+  && for dtype in bf16 fp16; do python -m flashtriton bench --modes fwd --timing kernels --dtype \$dtype \
+       --providers flashtriton,sdpa-flash,sdpa-cudnn,fa4 --out '$out/bench-fa4-'\$dtype || exit 1; done"
 # host time per eager call (profile of 300 warm calls) and the decode tile sweep, paged caches included
 step host 60 python tools/profile_first_call.py --top 25 --steady 300
 step decode-sweep 200 python benchmarks/bench_decode.py --paged 0,64,256 --graph --sweep
