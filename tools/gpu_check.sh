@@ -5,7 +5,8 @@
 #
 #   bash tools/gpu_check.sh [STEPS]     STEPS: comma list of tests,reliability,sanitize,bench,decode,varlen,dropout,cold,
 #                                       host,decode-sweep,bwd-atomic,fwd-short,l2-groups,fuzz,fwd-triton,
-#                                       hopper-sweep,hopper-bwd,ablate-bwd,ablate-fwd,ablate-ordered,fa4
+#                                       hopper-sweep,hopper-bwd,ablate-bwd,ablate-fwd,ablate-ordered,fa4,
+#                                       fp16-clocks
 #                                       (default tests,reliability,decode)
 # Environment: FLASHTRITON_COMMIT (give it: the device copy's git may name another commit), OUT, FUZZ_EXAMPLES
 # (fuzz step, default 120), FWD_VARIANTS / FWD_SHAPES (ablate-fwd: the variants of benchmarks/ablations/fwd_hopper.py
@@ -66,6 +67,18 @@ step cold 130 python benchmarks/bench_cold_start.py --quick --out "$out/cold"
 step fa4 300 bash -c "bash tools/fa4_wheels.sh install && export PYTHONPATH=/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages:\$PYTHONPATH \
   && for dtype in bf16 fp16; do python -m flashtriton bench --modes fwd --timing kernels --dtype \$dtype \
        --providers flashtriton,sdpa-flash,sdpa-cudnn,fa4 --out '$out/bench-fa4-'\$dtype || exit 1; done"
+# SM clock and board power while the forward bench runs in bf16, then fp16 (nvidia-smi every 100 ms; the mean over
+# samples above 300 W, i.e. under load): is fp16's ~3% deficit on the compute-bound rows, which cuDNN and FA4 share,
+# the clock the GPU holds with fp16 operands?
+step fp16-clocks 240 bash -c "for dtype in bf16 fp16; do
+    nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 100 > '$out/clocks-'\$dtype.csv &
+    sampler=\$!
+    python -m flashtriton bench --modes fwd --timing kernels --dtype \$dtype --providers flashtriton,sdpa-cudnn \
+      --out '$out/clocks-bench-'\$dtype > /dev/null 2>&1
+    kill \$sampler
+    awk -F', ' -v d=\$dtype '\$2 > 300 {c += \$1; p += \$2; n++} END {printf \"%s: %d samples under load, SM clock %.0f MHz, power %.0f W\\n\", d, n, c / n, p / n}' \
+      '$out/clocks-'\$dtype.csv
+  done"
 # host time per eager call (profile of 300 warm calls) and the decode tile sweep, paged caches included
 step host 60 python tools/profile_first_call.py --top 25 --steady 300
 step decode-sweep 200 python benchmarks/bench_decode.py --paged 0,64,256 --graph --sweep
