@@ -7,10 +7,11 @@
 #                                      # .fa4/b (its second half and the other wheels), each under 64 MiB
 #   bash tools/fa4_wheels.sh install   # there, once both halves arrived: the wheel put together again, everything
 #                                      # installed into /tmp/fa4 (pip --target, no dependency resolution); then
-#                                      # PYTHONPATH=/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+#                                      # PYTHONPATH=$(bash tools/fa4_wheels.sh path):$PYTHONPATH
 #                                      # python -m flashtriton bench --providers flashtriton,sdpa-flash,sdpa-cudnn,fa4
-#                                      # (the second entry is what nvidia-cutlass-dsl's .pth file would add; --target
-#                                      # directories get no .pth processing)
+#   bash tools/fa4_wheels.sh path      # the PYTHONPATH entries of that install: /tmp/fa4 and its
+#                                      # nvidia_cutlass_dsl/dsl_packages (what nvidia-cutlass-dsl's .pth file would
+#                                      # add; --target directories get no .pth processing)
 #
 #   bash tools/fa4_wheels.sh stash     # there, in the call that carried .fa4/a: its half into /tmp/fa4-parts
 #
@@ -21,6 +22,8 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 dir="$root/.fa4"
 stash=/tmp/fa4-parts
+site=/tmp/fa4
+site_path="$site:$site/nvidia_cutlass_dsl/dsl_packages"
 big="nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl"
 wheels=(flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
         nvidia-cutlass-dsl-libs-cu13==4.8.1 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5
@@ -49,12 +52,15 @@ case "${1:-}" in
     work="$(mktemp -d)"
     cat "$stash/$big.part0" "$dir/b/$big.part1" > "$work/$big"
     cp "$dir"/b/*.whl "$work/"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/fa4 "$work"/*.whl
-    PYTHONPATH="/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}" \
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$work"/*.whl
+    PYTHONPATH="$site_path${PYTHONPATH:+:$PYTHONPATH}" \
       python3 -c "import flash_attn.cute; print('flash_attn.cute from', flash_attn.cute.__file__)"
     ;;
+  path)
+    echo "$site_path"
+    ;;
   *)
-    sed -n '2,19p' "${BASH_SOURCE[0]}"
+    sed -n '2,20p' "${BASH_SOURCE[0]}"
     exit 2
     ;;
 esac

@@ -64,7 +64,7 @@ step dropout 110 python benchmarks/bench_dropout.py --out "$out/dropout"
 step cold 130 python benchmarks/bench_cold_start.py --quick --out "$out/cold"
 # the forward against FlashAttention-4 by kernel time, bf16 and fp16: needs tools/fa4_wheels.sh stash in the call
 # before on the same machine (carry .fa4/a there) and carry [".fa4/b"] in this one
-step fa4 300 bash -c "bash tools/fa4_wheels.sh install && export PYTHONPATH=/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages:\$PYTHONPATH \
+step fa4 300 bash -c "bash tools/fa4_wheels.sh install && export PYTHONPATH=\$(bash tools/fa4_wheels.sh path):\$PYTHONPATH \
   && for dtype in bf16 fp16; do python -m flashtriton bench --modes fwd --timing kernels --dtype \$dtype \
        --providers flashtriton,sdpa-flash,sdpa-cudnn,fa4 --out '$out/bench-fa4-'\$dtype || exit 1; done"
 # SM clock and board power while the forward bench runs in bf16, then fp16 (nvidia-smi every 100 ms; the mean over
