@@ -6,6 +6,7 @@ cases it does not cover, that it did not), NaN-poisons the outputs and applies t
 """
 
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 
@@ -294,6 +295,21 @@ def _gluon_hopper_api() -> bool:
     return True
 
 
+compiles_for_sm90 = pytest.mark.skipif(
+    not _gluon_hopper_api() or KERNELS_INTERPRETED,
+    reason="compiles for sm_90 (needs the Gluon Hopper API and compiled, not interpreted, kernels)")
+
+
+@functools.lru_cache(maxsize=None)
+def _table_sass(head_dim: int, causal: bool) -> str:
+    """SASS of configs.HOPPER_FWD's entry compiled offline for sm_90 (shared by the tests that read its loops)."""
+    import offline_compile
+
+    from flashtriton import kernel_inspect
+
+    return kernel_inspect.disassemble(offline_compile.compile_hopper_fwd(head_dim, causal).asm["cubin"])
+
+
 @pytest.mark.skipif(not _gluon_hopper_api(), reason="this Triton has no Gluon Hopper API")
 def test_gluon_forward_module_imports():
     """ops/hopper_fwd turns an import error of kernels/fwd_hopper.py into 'the Triton kernel runs' (for Tritons
@@ -302,8 +318,7 @@ def test_gluon_forward_module_imports():
     assert hopper_fwd.attn_fwd_hopper_kernel is not None
 
 
-@pytest.mark.skipif(not _gluon_hopper_api() or KERNELS_INTERPRETED,
-                    reason="compiles for sm_90 (needs the Gluon Hopper API and compiled, not interpreted, kernels)")
+@compiles_for_sm90
 @pytest.mark.parametrize("key", [key for key, config in sorted(configs.HOPPER_FWD.items()) if config.hold_schedule],
                          ids=config_ids)
 def test_softmax_runs_under_its_p_v_product(key):
@@ -326,8 +341,7 @@ def test_softmax_runs_under_its_p_v_product(key):
                for count in offline_compile.exp2_before_pv_wait(loose.asm["cubin"]))
 
 
-@pytest.mark.skipif(not _gluon_hopper_api() or KERNELS_INTERPRETED,
-                    reason="compiles for sm_90 (needs the Gluon Hopper API and compiled, not interpreted, kernels)")
+@compiles_for_sm90
 @pytest.mark.parametrize("key", [key for key, config in sorted(configs.HOPPER_FWD.items()) if config.rescale_threshold],
                          ids=config_ids)
 def test_rescale_skip_is_a_warp_uniform_branch(key):
@@ -343,8 +357,7 @@ def test_rescale_skip_is_a_warp_uniform_branch(key):
     assert offline_compile.warp_vote_branches(plain.asm["cubin"]) == 0
 
 
-@pytest.mark.skipif(not _gluon_hopper_api() or KERNELS_INTERPRETED,
-                    reason="compiles for sm_90 (needs the Gluon Hopper API and compiled, not interpreted, kernels)")
+@compiles_for_sm90
 @pytest.mark.parametrize("key", sorted(configs.HOPPER_FWD), ids=config_ids)
 def test_key_block_loops_do_not_spill(key):
     """Offline SASS: no local-memory access (spill) inside any consumer's key-block loop of a table entry
@@ -356,28 +369,23 @@ def test_key_block_loops_do_not_spill(key):
     from flashtriton import kernel_inspect
 
     (head_dim, causal), config = key, configs.HOPPER_FWD[key]
-    sass = kernel_inspect.disassemble(offline_compile.compile_hopper_fwd(head_dim, causal).asm["cubin"])
-    assert kernel_inspect.hot_loop_local_accesses(sass) == 0
+    assert kernel_inspect.hot_loop_local_accesses(_table_sass(head_dim, causal)) == 0
     if key == (128, False):
         starved = with_consumers(dataclasses.replace(config, pingpong=False), 3)
         sass = kernel_inspect.disassemble(offline_compile.compile_hopper_fwd(128, False, starved).asm["cubin"])
         assert kernel_inspect.hot_loop_local_accesses(sass) > 0
 
 
-@pytest.mark.skipif(not _gluon_hopper_api() or KERNELS_INTERPRETED,
-                    reason="compiles for sm_90 (needs the Gluon Hopper API and compiled, not interpreted, kernels)")
+@compiles_for_sm90
 @pytest.mark.parametrize("key", sorted(configs.HOPPER_FWD), ids=config_ids)
 def test_only_causal_key_block_loops_hold_mask_code(key):
     """Offline SASS: key blocks are visited last first, so a non-causal kernel masks only its first step and its
     key-block loops hold no mask code (a mask is a select per score, BLOCK_N / 2 per thread; the loops keep 2-4
     FSELs of the softmax's own); causal loops keep the mask, and the count sees it there."""
-    import offline_compile
-
     from flashtriton import kernel_inspect
 
     (head_dim, causal), config = key, configs.HOPPER_FWD[key]
-    sass = kernel_inspect.disassemble(offline_compile.compile_hopper_fwd(head_dim, causal).asm["cubin"])
-    selects = [sum("FSEL" in text for text in loop) for loop in kernel_inspect.hot_loops(sass)]
+    selects = [sum("FSEL" in text for text in loop) for loop in kernel_inspect.hot_loops(_table_sass(head_dim, causal))]
     assert len(selects) == config.consumers
     scores_per_thread = config.block_n // 2
     if causal:
