@@ -132,19 +132,17 @@ def parse_sass(sass: str) -> tuple:
 def hot_loops(sass: str) -> Optional[list]:
     """The instruction texts of each innermost loop that issues HGMMA (a forward's key-block loops), from SASS text
     (cuobjdump's absolute branch targets or nvdisasm's labels); None when it has no such loop. A loop is a backward
-    branch and what lies between its target and it; branches after the function's last EXIT are left out (the
-    out-of-line retry paths of barrier waits, which jump back into the loops; after the last HGMMA where there is no
-    EXIT), and a loop holding another HGMMA loop is not innermost."""
+    branch and what lies between its target and it; branches after the function's last HGMMA are left out (the
+    out-of-line retry paths of barrier waits, which jump back into the loops), and a loop holding another HGMMA loop
+    is not innermost."""
     instructions, labels = parse_sass(sass)
     hgmma = [address for address, text in instructions if "HGMMA" in text]
     if not hgmma:
         return None
-    exits = [address for address, text in instructions if re.search(r"\bEXIT\b", text)]
-    end = exits[-1] if exits else hgmma[-1]
     loops = []
     for address, text in instructions:
         branch = _BRANCH.search(text)
-        if branch and address < end:
+        if branch and address < hgmma[-1]:
             target = labels.get(branch.group(1)) if branch.group(1) else int(branch.group(2), 16)
             if target is not None and target < address and any(target <= h <= address for h in hgmma):
                 loops.append((target, address))

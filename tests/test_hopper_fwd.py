@@ -323,8 +323,7 @@ def test_gluon_forward_module_imports():
                          ids=config_ids)
 def test_softmax_runs_under_its_p_v_product(key):
     """Offline SASS (tools/offline_compile.exp2_before_pv_wait): where the table holds the schedule, the exp2s of a
-    block's probabilities come before the wait for the previous block's P V product in every consumer's loop and
-    in its tile-start step (a tile's first softmax under the previous tile's last P V: two per consumer; the
+    block's probabilities come before the wait for the previous block's P V product in every consumer's loop (the
     in-warpgroup overlap the kernel is written for); the two rescale factors' exp2s may follow it (at d256
     non-causal ptxas puts them after the wait in one consumer: [32, 34] since the loop has no mask code; they are
     needed only by the rescale after the wait). Built without the fence, this Triton's ptxas waits first (no
@@ -334,7 +333,7 @@ def test_softmax_runs_under_its_p_v_product(key):
     (head_dim, causal), config = key, configs.HOPPER_FWD[key]
     probabilities = config.block_n // 2  # a thread's exp2s per block: its BLOCK_N / 2 probabilities and 2 alphas
     held = offline_compile.exp2_before_pv_wait(offline_compile.compile_hopper_fwd(head_dim, causal).asm["cubin"])
-    assert len(held) == 2 * config.consumers
+    assert len(held) == config.consumers
     assert all(count is not None and probabilities <= count <= probabilities + 2 for count in held), held
     loose = offline_compile.compile_hopper_fwd(head_dim, causal, dataclasses.replace(config, hold_schedule=False))
     # (d256 non-causal: [0, 4], the rest [0, 0])

@@ -102,14 +102,12 @@ def _gluon_tile_type(rows: int, head_dim: int, dtype: str) -> str:
     return _gluon_descriptor_type([1, rows, 1, head_dim], dtype)
 
 
-def _compile_gluon(kernel, signature: dict, constexprs: dict, divisible=()):
-    """A Gluon kernel compiled for sm_90 with 4 warps in its default partition; the arguments named in `divisible`
-    specialized as multiples of 16 (as a launch specializes pointers and integers that are)."""
+def _compile_gluon(kernel, signature: dict, constexprs: dict):
+    """A Gluon kernel compiled for sm_90 with 4 warps in its default partition."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     signature.update({name: "constexpr" for name in constexprs})
-    attrs = {(index, ): [["tt.divisibility", 16]] for index, name in enumerate(signature) if name in divisible}
-    src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
@@ -126,17 +124,14 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
 
     rows = CONSUMER_ROWS.value
     signature = {"q_desc": descriptor(rows), "k_desc": descriptor(config.block_n), "v_desc": descriptor(config.block_n),
-                 "o_desc": descriptor(rows), "Out": f"*{dtype}", "stride_ob": "i32", "stride_os": "i32",
-                 "stride_oh": "i32", "Lse": "*fp32"}
+                 "o_desc": descriptor(rows), "Lse": "*fp32"}
     signature.update({name: "i32" for name in ("stride_lse_b", "stride_lse_h", "batch", "num_heads", "group_size",
                                                "seqlen_q", "seqlen_k", "heads_per_group", "paired")})
     signature["qk_scale_log2"] = signature["rescale_threshold"] = "fp32"
     constexprs = dict(CAUSAL=causal, STAGES=config.stages, CONSUMERS=config.consumers,
                       CONSUMER_REGS=config.consumer_regs, PINGPONG=config.pingpong, HOLD_SCHEDULE=config.hold_schedule,
                       RESCALE_SKIP=config.rescale_threshold > 0.0, num_warps=4)
-    # a dense launch's output: 16-byte aligned, strides multiples of 16 elements (head dims 64-256)
-    return _compile_gluon(kernel or attn_fwd_hopper_kernel, signature, constexprs,
-                          divisible=("Out", "stride_ob", "stride_os", "stride_oh"))
+    return _compile_gluon(kernel or attn_fwd_hopper_kernel, signature, constexprs)
 
 
 def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", ordered: bool = False,

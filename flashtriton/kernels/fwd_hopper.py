@@ -9,30 +9,29 @@ no softcap, ALiBi or dropout; everything else runs kernels/fwd.py. Numerics are 
 accumulators, P rounded to V's dtype, natural-log LSE, +inf for rows that see no key; the A-1 rescale skip (max
 lagging) where configs.HOPPER_FWD has a rescale_threshold, decided per warp (_rescale).
 
-Work: the grid's programs take work items in turn, p, p + P, p + 2P, ... (ops/hopper_fwd sizes the grid: one program
-per item, or persistent: as many as fit the GPU at once). An item is one tile, or for persistent causal grids a pair
-of tiles (the longest and the shortest left) so that every item has the same number of key blocks. The producer
-loads the next tile's Q and K/V blocks while the consumers finish the current one. A tile's key blocks are visited
-from the last to the first (FA2's order): the blocks that can need a mask come first, so non-causal kernels mask
-only the first one visited and their key-block loop holds no mask code (_key_blocks).
+Work: the grid's programs take work items in turn, p, p + P, p + 2P, ... (ops/hopper_fwd sizes the grid: one
+program per item, or persistent: as many as fit the GPU at once). An item is one tile, or for persistent
+causal grids a pair of tiles (the longest and the shortest left) so that every item has the same number of key
+blocks. The producer loads the next tile's Q and K/V blocks while the consumers finish the current one (their
+last wgmmas, normalization, O store). A tile's key blocks are visited from the last to the first (FA2's order): the
+blocks that can need a mask come first, so non-causal kernels mask only the first one visited and their key-block
+loop holds no mask code (_key_blocks).
 
 Synchronisation: q_ready[c] completes when consumer c's Q tile has landed, q_empty[c] when consumer c no longer
-reads it (after its last S wgmma). k_ready[s] / v_ready[s] complete when stage s's K / V tile has landed (TMA
-transaction bytes); k_empty[s] / v_empty[s] when all consumers are done with stage s's K / V tile (one arrival per
-consumer warpgroup, by one thread without a warpgroup barrier: hopper_sync.arrive_after_wgmma), so the producer
-refills K before V is free. The program's loads are numbered across its items: load l goes to stage l % STAGES and
-is the (l // STAGES)-th use of that stage, whose parity the waits check; the program's i-th tile's Q tiles are the
-i-th use of q_ready / q_empty.
+reads it (after its last S wgmma; where O is staged in the Q tile, after O's store). k_ready[s] / v_ready[s]
+complete when stage s's K / V tile has landed (TMA transaction bytes); k_empty[s] / v_empty[s] when all consumers
+are done with stage s's K / V tile (one arrival per consumer warpgroup, by one thread without a warpgroup barrier:
+hopper_sync.arrive_after_wgmma), so the producer refills K before V is free. The program's loads are numbered
+across its items: load l goes to stage l % STAGES and is the (l // STAGES)-th use of that stage, whose parity the
+waits check; the program's i-th tile's Q tiles are the i-th use of q_ready / q_empty.
 
 Consumer schedule (FA3's intra-warpgroup pipelining): S_j and P_{j-1} V_{j-1} are issued together, the softmax of
 block j runs while P_{j-1} V_{j-1} is on the tensor cores, and the output rescale waits for it. In the binary the
-softmax runs under P V only where configs.HOPPER_FWD holds the schedule (_hold_schedule; ptxas otherwise waits for P
-V first: tools/offline_compile.exp2_before_pv_wait). (An in-order schedule, S_j, softmax j, P_j V_j, was 2-9% slower
-on every BASELINES row: configs.py.) Tiles follow each other without a seam: a tile's first S is issued together
-with the previous tile's last P V, its first softmax runs under that product, and the previous tile's normalization
-and stores come after it (_tile_start); one step after the program's last tile finishes it. With ping-pong (config,
-on at head dim 128; two consumers only) the two also take turns issuing those wgmmas, so that one's softmax runs
-while the other's products do (_wait_turn)."""
+softmax runs under P V only where configs.HOPPER_FWD holds the schedule (_hold_schedule; ptxas otherwise waits for
+P V first: tools/offline_compile.exp2_before_pv_wait). (An in-order schedule, S_j, softmax j, P_j V_j, was 2-9%
+slower on every BASELINES row: configs.py.) With ping-pong (config, on at head dim 128; two consumers only) the two
+also take turns issuing those wgmmas, so that one's softmax runs while the other's products do (_wait_turn).
+"""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -42,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .common import grouped_tile_of
 from .hopper_sync import arrive_after_wgmma
 
-SHARED_BYTES_FOR_TILES = gl.constexpr(224 * 1024)  # sm_90: 227 KiB per program, less barriers and the compiler's
+SHARED_BYTES_FOR_TILES = gl.constexpr(220 * 1024)  # sm_90: 227 KiB per program, less barriers and the compiler's
 CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M tile); a tile has one per consumer
 _grouped_tile_of = gluon.jit(grouped_tile_of.fn)
 
@@ -121,14 +120,12 @@ def _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              team, num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, causal,
-              paired):
+              num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, causal, paired):
     """One warp, per tile of this program's work items: the consumers' Q tiles (q_smem [CONSUMERS, 1, ROWS, 1,
     HEAD_DIM]) once each consumer released its previous one, then K and V of the tile's key blocks; the program's
     load number l (counted across tiles) goes to stage l % STAGES once every consumer freed that stage's K (resp.
     V)."""
-    CONSUMERS: gl.constexpr = len(team)
-    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
+    CONSUMERS: gl.constexpr = q_smem.shape[0]
     ROWS: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
@@ -143,11 +140,10 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
                                                         causal, CONSUMERS * ROWS, BLOCK_N)
             head_k = head // group_size
             for consumer in gl.static_range(CONSUMERS):
-                slot = (done % Q_BUFFERS) * CONSUMERS + consumer
-                mbarrier.wait(q_empty.index(slot), ((done // Q_BUFFERS) - 1) & 1, pred=done >= Q_BUFFERS)
-                mbarrier.expect(q_ready.index(slot), q_bytes)
+                mbarrier.wait(q_empty.index(consumer), (done - 1) & 1, pred=done > 0)
+                mbarrier.expect(q_ready.index(consumer), q_bytes)
                 tma.async_copy_global_to_shared(q_desc, [batch, m_start + consumer * ROWS, head, 0],
-                                                q_ready.index(slot), q_smem.index(slot))
+                                                q_ready.index(consumer), q_smem.index(consumer))
             # key blocks from the last to the first (_key_blocks)
             for j in range(n_blocks):
                 _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch,
@@ -268,17 +264,21 @@ def _pass_turn(turns):
 
 
 @gluon.jit
-def _tile_start(q, p, acc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, real, n_blocks, row0, offs_m,
-                seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, fences, lag, acc_layout: gl.constexpr):
-    """A tile's first step (the program's load number `load`: its last key block) merged with the previous tile's
-    last one: S_0 of this tile's Q tile q [ROWS, HEAD_DIM] and the previous tile's last P V (p [ROWS, BLOCK_N] and
-    acc [ROWS, HEAD_DIM]: that tile's pending operand and accumulator; load - 1's V) issued together, this tile's
-    first (masked) softmax while P V runs. So no tile boundary leaves the tensor cores to one lone wgmma followed by
-    a softmax nothing overlaps. Before the program's first tile (load 0) there is no previous P V: it runs on zeros
-    and a stale stage, its result unused and no barrier touched; real 0 marks the step after the program's last tile,
-    whose S_0 (a stale stage, no barrier touched) goes unused, so that the last tile's P V has a step too. With
-    ping-pong the issue is step `load` of _wait_turn. Returns this tile's P operand, running max (log2 units), row
-    sum and the previous tile's finished accumulator."""
+def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, release_q, first_load, n_blocks, row0,
+                offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, fences, lag,
+                acc_layout: gl.constexpr):
+    """One consumer's pass over a work item's key blocks (the program's loads first_load, first_load + 1, ...) for
+    its Q tile q [ROWS, HEAD_DIM] (shared memory), the last key block first: step j visits block n_blocks - 1 - j.
+    Only blocks crossing seqlen_k or (causal) the diagonal need a mask, and they come first: non-causal, the first
+    step's block alone, so the loop has no mask code (never executed there, the code still cost 4.7% at head dim 64:
+    docs/perf-notes.md); causal, the loop keeps it (a 64-row consumer's diagonal can cross two blocks, and its
+    tile's last block can lie wholly past it: the second step may need one, never the third). Overlapped inside the
+    warpgroup: step 0's softmax first, then per
+    step j S_j and P_{j-1} V_{j-1} issued together, softmax j while P_{j-1} V_{j-1} runs (where fences hold the
+    schedule; else ptxas waits for P V first), then P_j's operand and the rescale. Arrives on q_free (if release_q)
+    once its last S wgmma completed. With ping-pong the S_0 issue and each block's S_j + P_{j-1} V_{j-1} issue are
+    steps first_load, first_load + 1, ... of _wait_turn (both consumers count the same loads). lag: _softmax_block's.
+    Returns the unnormalized output [ROWS, HEAD_DIM], the running max (log2 units) and the row sum [ROWS]."""
     ROWS: gl.constexpr = q.shape[0]
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
@@ -287,59 +287,28 @@ def _tile_start(q, p, acc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, l
                                                        instr_shape=[16, BLOCK_N, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    stage = load % STAGES
-    previous = (load + STAGES - 1) % STAGES
-    mbarrier.wait(k_ready.index(stage), (load // STAGES) & 1, pred=real != 0)
-    mbarrier.wait(v_ready.index(previous), ((load - 1) // STAGES) & 1, pred=load > 0)
-    _wait_turn(turns, load, lead)
-    # [ROWS, BLOCK_N] raw q.k of this tile's last key block
-    s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)),
-                      gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-    acc = warpgroup_mma(p, v_smem.index(previous).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
-    _pass_turn(turns)
-    s = warpgroup_mma_wait(1, deps=(s, ))
-    arrive_after_wgmma(k_empty.index(stage), pred=real != 0)
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([ROWS], gl.float32, row_s)
-    # [ROWS, BLOCK_N] probabilities of the block whose P.V comes in the next step
-    p, m_i, l_i, alpha = _softmax_block(_mask_block(s, n_blocks - 1, row0, offs_m, seqlen_q, seqlen_k, causal, col_s),
-                                        m_i, l_i, qk_scale_log2, lag)
-    _hold_schedule(fences)
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
-    arrive_after_wgmma(v_empty.index(previous), pred=load > 0)
-    # [ROWS, BLOCK_N] the wgmma's A operand, made where the softmax ends: only these half-width registers stay live
-    # across the next S issue (fp32 p live there pushed ptxas to wait for P V before the softmax, serializing them)
-    return _operand_of(p, q.dtype, p_layout), m_i, l_i, acc
-
-
-@gluon.jit
-def _key_blocks(q, p, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, first_load, n_blocks, row0,
-                offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, fences, lag,
-                acc_layout: gl.constexpr):
-    """One consumer's steps 1 .. n_blocks - 1 of a tile (the program's loads first_load + 1, ...; _tile_start ran
-    step 0) for its Q tile q [ROWS, HEAD_DIM] (shared memory), the last key block first: step j visits block
-    n_blocks - 1 - j. Only blocks crossing seqlen_k or (causal) the diagonal need a mask, and they come first:
-    non-causal, step 0's block alone, so the loop has no mask code (never executed there, the code still cost 4.7%
-    at head dim 64: docs/perf-notes.md); causal, the loop keeps it (a 64-row consumer's diagonal can cross two
-    blocks, and its tile's last block can lie wholly past it: step 1 may need one, never step 2). Overlapped inside
-    the warpgroup: per step j S_j and P_{j-1} V_{j-1} issued together, softmax j while P_{j-1} V_{j-1} runs (where
-    fences hold the schedule; else ptxas waits for P V first), then P_j's operand and the rescale. With ping-pong
-    each issue is step first_load + j of _wait_turn (both consumers count the same loads). lag: _softmax_block's.
-    Returns the last block's P operand (its P V is the next tile's step 0), the accumulator of the blocks before it
-    [ROWS, HEAD_DIM], the running max (log2 units) and the row sum [ROWS]."""
-    ROWS: gl.constexpr = q.shape[0]
-    STAGES: gl.constexpr = k_smem.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.shape[2]
-    HEAD_DIM: gl.constexpr = k_smem.shape[4]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, acc_layout)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     # [ROWS, BLOCK_N] the zero accumulator of the S wgmmas; [ROWS, HEAD_DIM] the output accumulator
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([ROWS], gl.float32, row_s)
+    stage = first_load % STAGES
+    mbarrier.wait(k_ready.index(stage), (first_load // STAGES) & 1)
+    _wait_turn(turns, first_load, lead)
+    # [ROWS, BLOCK_N] raw q.k of the last key block
+    s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
+                      is_async=True)
+    _pass_turn(turns)
+    s = warpgroup_mma_wait(0, deps=(s, ))
+    arrive_after_wgmma(k_empty.index(stage))
+    # [ROWS, BLOCK_N] probabilities of the block whose P.V is pending
+    p, m_i, l_i, alpha = _softmax_block(_mask_block(s, n_blocks - 1, row0, offs_m, seqlen_q, seqlen_k, causal, col_s),
+                                        m_i, l_i, qk_scale_log2, lag)
+    # [ROWS, BLOCK_N] the wgmma's A operand, made where the softmax ends: only these half-width registers stay live
+    # across the next S issue (fp32 p live there pushed ptxas to wait for P V before the softmax, serializing them)
+    p = _operand_of(p, q.dtype, p_layout)
     for j in range(1, n_blocks):
         load = first_load + j
         stage = load % STAGES
@@ -362,70 +331,28 @@ def _key_blocks(q, p, m_i, l_i, k_smem, v_smem, k_ready, v_ready, k_empty, v_emp
         arrive_after_wgmma(v_empty.index(previous))
         p = _operand_of(p, q.dtype, p_layout)
         acc = _rescale(acc, gl.convert_layout(alpha, row_o), lag)
-    return p, acc, m_i, l_i
+    arrive_after_wgmma(q_free, pred=release_q)
+    last = first_load + n_blocks - 1
+    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+    acc = warpgroup_mma(p, v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM]), acc)
+    arrive_after_wgmma(v_empty.index(last % STAGES))
+    return acc, m_i, l_i
 
 
 @gluon.jit
-def _store_tile(acc, m_i, l_i, batch, head, row0, o_tile, o_desc, Out, stride_ob, stride_os, stride_oh, Lse,
-                stride_lse_b, stride_lse_h, seqlen_q, o_by_tma):
-    """Normalize a tile's unnormalized output acc [ROWS, HEAD_DIM] (running max m_i in log2 units, row sums l_i) and
-    store its rows [row0, row0 + ROWS) below seqlen_q: the natural-log LSE, and O through o_tile [1, ROWS, 1,
-    HEAD_DIM] by TMA once the previous store read it (o_by_tma: (0, )), else (o_by_tma: ()) by masked stores from
-    registers (head dim 256, where shared memory has no room for O tiles next to Q's; a tuple's length decides at
-    compile time: the register stores did not compile at head dim 128, even in a branch never taken). Rows that
-    saw no key: out 0, lse +inf (API.md §4.5). A tile at row0 >= seqlen_q (before the program's first tile)
-    stores nothing."""
-    ROWS: gl.constexpr = acc.shape[0]
-    HEAD_DIM: gl.constexpr = acc.shape[1]
-    row_s: gl.constexpr = m_i.type.layout
-    row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-    col_o: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
-    seen = l_i > 0.0
-    # [ROWS] the row sums, 1 for rows that saw no key
-    row_sum = gl.where(seen, l_i, 1.0)
-    # [ROWS] one reciprocal per row, then a multiply per element (a division per element cost ~5 instructions each:
-    # div.full's range fix-ups); rcp.approx is within 1 ulp, and a seen row's sum is >= 1 (its max's own term), so
-    # no denormal reaches it. 1.0 / x (div.full) left 32 bytes of spills at d128.
-    inverse_sum = gl.convert_layout(_reciprocal(row_sum), row_o)
-    # [ROWS, HEAD_DIM]
-    out = acc * gl.expand_dims(inverse_sum, 1)
-    # [ROWS] this tile's query rows
-    offs_m = row0 + gl.arange(0, ROWS, row_s)
-    lse = gl.where(seen, (m_i + gl.log2(row_sum)) * 0.6931471805599453, float("inf"))
-    lse_row_base = batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
-    gl.store(Lse + lse_row_base + offs_m, lse, mask=offs_m < seqlen_q)
-    if len(o_by_tma) > 0:
-        tma.store_wait(0)  # the previous tile's O store has read o_tile
-        o_tile.reshape([ROWS, HEAD_DIM]).store(out.to(o_tile.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_tile)
-    else:
-        # [ROWS] the rows again, in the accumulator's row layout; [HEAD_DIM] the features
-        rows_o = row0 + gl.arange(0, ROWS, row_o)
-        offs_d = gl.arange(0, HEAD_DIM, col_o)
-        o_rows = Out + (batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh) + \
-            rows_o.to(gl.int64) * stride_os
-        # [ROWS, HEAD_DIM]
-        o_ptrs = gl.expand_dims(o_rows, 1) + gl.expand_dims(offs_d, 0)
-        gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=gl.expand_dims(rows_o < seqlen_q, 1))
-
-
-@gluon.jit
-def _consumer(q_smem, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Out, stride_ob, stride_os, stride_oh, Lse,
-              k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, team, fences, lag, stride_lse_b, stride_lse_h,
-              num_heads, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, qk_scale_log2, causal,
-              o_by_tma, paired):
-    """One warpgroup: query rows [m_start + row_offset, + ROWS) of every tile of this program. Per tile: wait for its
-    Q tile (q_tile [1, ROWS, 1, HEAD_DIM], shared), step 0 together with the previous tile's last P V
-    (_tile_start), then the previous tile's normalization and stores (_store_tile, o_tile its O staging tile), the
-    rest of the key blocks, and q_empty once the last S wgmma read q_tile. One step more after the program's last
-    tile (an item past the last, `real` 0) runs the last P V and stores. team: one entry per consumer of the program
-    (a tile has len(team) * ROWS rows; a tuple's length reaches partitions where a constexpr does not). turns: the
-    ping-pong barriers (_wait_turn), this consumer's first, or (); the first consumer (row_offset 0) leads. fences:
+def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, k_smem, v_smem, k_ready, v_ready,
+              k_empty, v_empty, team, fences, lag, stride_lse_b, stride_lse_h, num_heads, num_tiles, num_batch_heads,
+              heads_per_group, seqlen_q, seqlen_k, qk_scale_log2, causal, o_in_q, paired):
+    """One warpgroup: query rows [m_start + row_offset, + ROWS) of every tile of this program. Per tile: wait
+    for its Q tile (q_tile [1, ROWS, 1, HEAD_DIM], shared), run the key blocks, normalize, store the natural-log
+    LSE and O (through o_tile by TMA, which clips rows past seqlen_q). q_empty tells the producer that q_tile may
+    be refilled: after the last S wgmma, or where O is staged in q_tile itself (o_in_q) once O's store has read it.
+    Rows that saw no key: out 0, lse +inf (API.md §4.5). team: one entry per consumer of the program (a tile has
+    len(team) * ROWS rows; a tuple's length reaches partitions where a constexpr does not). turns: the ping-pong
+    barriers (_wait_turn), this consumer's first, or (); the first consumer (row_offset 0) leads. fences:
     _hold_schedule's; lag: _softmax_block's."""
-    ROWS: gl.constexpr = q_smem.shape[2]
+    ROWS: gl.constexpr = q_tile.shape[1]
     TILE_ROWS: gl.constexpr = len(team) * ROWS
-    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // len(team)
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -433,49 +360,42 @@ def _consumer(q_smem, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Out, 
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_o: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    q = q_tile.reshape([ROWS, HEAD_DIM])
     lead = (row_offset == 0).to(gl.int32)
-    # the previous tile's pending state: none yet (zeros; rows from seqlen_q on, which store nothing)
-    p = _operand_of(gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), q_smem.dtype, p_layout)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([ROWS], gl.float32, row_s)
-    previous_batch = 0
-    previous_head = 0
-    previous_row0 = seqlen_q
     load = 0
     done = 0
-    items = _slots(num_tiles, paired) * num_batch_heads
-    # one item past the program's last: its one step finishes the last tile
-    for item in range(gl.program_id(0), items + gl.num_programs(0), gl.num_programs(0)):
-        real = (item < items).to(gl.int32)
+    for item in range(gl.program_id(0), _slots(num_tiles, paired) * num_batch_heads, gl.num_programs(0)):
         batch_head, first_tile, end_tile, tile_step = _item_tiles(item, num_tiles, num_batch_heads, heads_per_group,
                                                                   paired)
-        first_tile = gl.where(real != 0, first_tile, 0)
-        end_tile = gl.where(real != 0, end_tile, 1)
         for tile in range(first_tile, end_tile, tile_step):
             batch, head, m_start, n_blocks = _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k,
                                                         causal, TILE_ROWS, BLOCK_N)
-            n_blocks = gl.where(real != 0, n_blocks, 1)
             row0 = m_start + row_offset
             # [ROWS] this consumer's query rows
             offs_m = row0 + gl.arange(0, ROWS, row_s)
-            # this tile's Q tile and its barriers
-            slot = (done % Q_BUFFERS) * len(team) + row_offset // ROWS
-            mbarrier.wait(q_ready.index(slot), (done // Q_BUFFERS) & 1, pred=real != 0)
-            q = q_smem.index(slot).reshape([ROWS, HEAD_DIM])
-            p, m_next, l_next, acc = _tile_start(q, p, acc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load,
-                                                 real, n_blocks, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2,
-                                                 causal, turns, lead, fences, lag, acc_layout)
-            _store_tile(acc, m_i, l_i, previous_batch, previous_head, previous_row0, o_tile, o_desc, Out, stride_ob,
-                        stride_os, stride_oh, Lse, stride_lse_b, stride_lse_h, seqlen_q, o_by_tma)
-            p, acc, m_i, l_i = _key_blocks(q, p, m_next, l_next, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                                           load, n_blocks, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal,
-                                           turns, lead, fences, lag, acc_layout)
-            arrive_after_wgmma(q_empty.index(slot), pred=real != 0)
-            previous_batch = batch
-            previous_head = head
-            previous_row0 = row0
+            mbarrier.wait(q_ready, done & 1)
+            acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,
+                                        load, n_blocks, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal,
+                                        turns, lead, fences, lag, acc_layout)
+            seen = l_i > 0.0
+            # [ROWS] the row sums, 1 for rows that saw no key
+            row_sum = gl.where(seen, l_i, 1.0)
+            # [ROWS] one reciprocal per row, then a multiply per element (a division per element cost ~5
+            # instructions each: div.full's range fix-ups); rcp.approx is within 1 ulp, and a seen row's sum is >= 1
+            # (its max's own term), so no denormal reaches it. 1.0 / x (div.full) left 32 bytes of spills at d128.
+            inverse_sum = gl.convert_layout(_reciprocal(row_sum), row_o)
+            out = acc * gl.expand_dims(inverse_sum, 1)
+            lse = gl.where(seen, (m_i + gl.log2(row_sum)) * 0.6931471805599453, float("inf"))
+            lse_row_base = batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
+            gl.store(Lse + lse_row_base + offs_m, lse, mask=offs_m < seqlen_q)
+            tma.store_wait(0)  # the previous tile's O store has read o_tile
+            o_tile.reshape([ROWS, HEAD_DIM]).store(out.to(o_tile.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_tile)
+            if o_in_q != 0:
+                tma.store_wait(0)
+                mbarrier.arrive(q_empty)
             load += n_blocks
             done += 1
     tma.store_wait(0)
@@ -485,16 +405,17 @@ def _consumer(q_smem, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Out, 
 def _consumer_args(consumer: gl.constexpr, q_smem, o_smem, q_ready, q_empty, turns, common):
     """_consumer's arguments for consumer warpgroup `consumer`: its Q and O tiles, Q barriers, ping-pong barriers
     (turns: one entry per consumer) and first row in the tile, then what every consumer gets (common)."""
-    return (q_smem, o_smem.index(consumer), q_ready, q_empty, turns[consumer], consumer * CONSUMER_ROWS) + common
+    return (q_smem.index(consumer), o_smem.index(consumer), q_ready.index(consumer), q_empty.index(consumer),
+            turns[consumer], consumer * CONSUMER_ROWS) + common
 
 
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "batch", "seqlen_q", "seqlen_k", "heads_per_group",
                               "paired"])
-def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_ob, stride_os, stride_oh, Lse, stride_lse_b,
-                           stride_lse_h, batch, num_heads, group_size, seqlen_q, seqlen_k, heads_per_group, paired,
-                           qk_scale_log2, rescale_threshold, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                           CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
-                           HOLD_SCHEDULE: gl.constexpr, RESCALE_SKIP: gl.constexpr, num_warps: gl.constexpr):
+def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, stride_lse_h, batch, num_heads,
+                           group_size, seqlen_q, seqlen_k, heads_per_group, paired, qk_scale_log2,
+                           rescale_threshold, CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, HOLD_SCHEDULE: gl.constexpr,
+                           RESCALE_SKIP: gl.constexpr, num_warps: gl.constexpr):
     """Work items: query tiles of CONSUMERS * 64 rows of every (batch, head), longest first, in launch-order groups of
     heads_per_group (batch, head) pairs like kernels/fwd.py, or with `paired` (1) pairs of tiles of equal total
     length (_item_tiles); program p takes items p, p + P, p + 2P, ... of a grid of P programs (one per item, or
@@ -508,31 +429,30 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_ob, strid
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
-    # O is staged for its TMA store in tiles of its own where they fit next to Q and the K/V stages; else (head dim
-    # 256) it is stored from registers (Q's tile already holds the next tile's Q when O is stored: _tile_start)
+    # O gets tiles of its own where they fit next to Q and the K/V stages, so the next tile's Q can land while O is
+    # stored; else (head dim 256) O is staged in the consumer's Q tile
     tile_bytes: gl.constexpr = ROWS * HEAD_DIM * dtype.primitive_bitwidth // 8
     stage_bytes: gl.constexpr = 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
-    Q_BUFFERS: gl.constexpr = 2 if 3 * CONSUMERS * tile_bytes + STAGES * stage_bytes <= SHARED_BYTES_FOR_TILES else 1
-    O_BY_TMA: gl.constexpr = (Q_BUFFERS + 1) * CONSUMERS * tile_bytes + STAGES * stage_bytes <= SHARED_BYTES_FOR_TILES
+    O_IN_Q: gl.constexpr = 2 * CONSUMERS * tile_bytes + STAGES * stage_bytes > SHARED_BYTES_FOR_TILES
     num_tiles = gl.cdiv(seqlen_q, CONSUMERS * ROWS)
     num_batch_heads = batch * num_heads
     # [CONSUMERS, 1, ROWS, 1, HEAD_DIM] the consumers' Q tiles and O tiles; [STAGES, 1, BLOCK_N, 1, HEAD_DIM] K, V
-    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * CONSUMERS, 1, ROWS, 1, HEAD_DIM], q_desc.layout)
-    if O_BY_TMA:
-        o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM], o_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM], q_desc.layout)
+    if O_IN_Q:
+        o_smem = q_smem
     else:
-        o_smem = q_smem  # unused (_store_tile)
+        o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM], o_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * CONSUMERS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for slot in gl.static_range(Q_BUFFERS * CONSUMERS):
-        mbarrier.init(q_ready.index(slot), count=1)
-        mbarrier.init(q_empty.index(slot), count=1)
+    for consumer in gl.static_range(CONSUMERS):
+        mbarrier.init(q_ready.index(consumer), count=1)
+        mbarrier.init(q_empty.index(consumer), count=1)
     if PINGPONG:
         # one allocation each: waits on one and arrivals on the other would otherwise be ordered by a barrier
         first_turn = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -564,16 +484,13 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Out, stride_ob, strid
         mbarrier.init(v_empty.index(stage), count=CONSUMERS)
     # constexprs arrive in partitions as plain ints (Triton 3.6): the flags travel as tensors
     causal = gl.to_tensor(CAUSAL).to(gl.int32)
-    if O_BY_TMA:
-        o_by_tma = (0, )
-    else:
-        o_by_tma = ()
-    common = (o_desc, Out, stride_ob, stride_os, stride_oh, Lse, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-              team, fences, lag, stride_lse_b, stride_lse_h, num_heads, num_tiles, num_batch_heads, heads_per_group,
-              seqlen_q, seqlen_k, qk_scale_log2, causal, o_by_tma, paired)
+    o_in_q = gl.to_tensor(O_IN_Q).to(gl.int32)
+    common = (o_desc, Lse, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, team, fences, lag, stride_lse_b,
+              stride_lse_h, num_heads, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, qk_scale_log2,
+              causal, o_in_q, paired)
     producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, team, num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q,
-                     seqlen_k, causal, paired)
+                     v_empty, num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k,
+                     causal, paired)
     first = _consumer_args(0, q_smem, o_smem, q_ready, q_empty, turns, common)
     second = _consumer_args(1, q_smem, o_smem, q_ready, q_empty, turns, common)
     if CONSUMERS == 3:
