@@ -239,10 +239,6 @@ L2_GROUP_BYTES = {False: 0, True: 16 << 20}
 # after the switch: 764.3 against 755.6-756.6 in two earlier runs of the day): persistent for non-causal d256 only.
 # Three K / V stages at d64 level (541.9 / 541.8, causal 440.2 / 442.3); two consumers at d64 non-causal still far
 # behind three (458.0 / 541.8).
-# Nineteenth session (ablations/fwd_hopper.py "Q tiles double-buffered", kernel time, --rounds 3, TF/s two / one Q
-# tile per consumer, non-causal, causal): d128 16x1024 628.2 / 617.7, 477.7 / 468.0; 4x4096 706.1 / 711.3, 657.6 /
-# 660.1; 1x16384 651.8 / 667.3 (+-2%), 682.1 / 677.6; d64 516.5 / 545.1, 446.9 / 444.6 (d256: no room). Two at
-# d128, for the short rows (16x1024 was the row at parity with cuDNN), at about 1% on the long non-causal ones.
 @dataclass(frozen=True)
 class HopperFwdConfig:
     block_n: int         # keys per K/V stage
@@ -253,11 +249,8 @@ class HopperFwdConfig:
     hold_schedule: bool = False  # a fence keeps the softmax ahead of the P V wait (kernels/fwd_hopper._hold_schedule)
     rescale_threshold: float = 0.0  # the A-1 rescale skip's (log2 units; kernels/fwd_hopper._rescale), 0: none
     consumers: int = 2   # consumer warpgroups of 64 query rows: a tile has 64 * consumers rows
-    q_buffers: int = 1   # Q tiles per consumer: 2 loads the next tile's Q while this one runs
 
     def __post_init__(self):
-        if self.q_buffers not in (1, 2):
-            raise ValueError(f"q_buffers must be 1 or 2, got {self.q_buffers}")
         if self.consumers not in (2, 3):
             raise ValueError(f"consumers must be 2 or 3, got {self.consumers}")
         if self.pingpong and self.consumers != 2:
@@ -265,7 +258,7 @@ class HopperFwdConfig:
 
 
 _HOPPER_FWD_D128 = HopperFwdConfig(128, 2, 240, persistent=True, pingpong=True, hold_schedule=True,
-                                   rescale_threshold=8.0, q_buffers=2)
+                                   rescale_threshold=8.0)
 _HOPPER_FWD_D256 = HopperFwdConfig(64, 2, 232, hold_schedule=True, rescale_threshold=8.0)
 # keyed by (head dim, causal)
 HOPPER_FWD = {(64, False): HopperFwdConfig(128, 2, 160, persistent=True, consumers=3),

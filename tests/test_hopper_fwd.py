@@ -65,21 +65,15 @@ def config_ids(key) -> str:
 
 @pytest.mark.parametrize("key", sorted(configs.HOPPER_FWD), ids=config_ids)
 def test_hopper_configs_fit_shared_memory(key):
-    """q_buffers 64-row Q tiles per consumer plus `stages` K and V tiles of block_n rows (16-bit elements) fit one
-    program; with two Q buffers the consumers' O tiles fit beside them (the kernel stages O in a Q tile only with
-    one: fwd_hopper.SHARED_BYTES_FOR_TILES)."""
+    """One 64-row Q tile per consumer plus `stages` K and V tiles of block_n rows (16-bit elements) fit one
+    program."""
     config = configs.HOPPER_FWD[key]
     row_bytes = 2 * key[0]
-    q_and_kv_rows = 64 * config.consumers * config.q_buffers + 2 * config.stages * config.block_n
-    assert q_and_kv_rows * row_bytes <= SM90_SHARED_BYTES
-    if config.q_buffers == 2:
-        from flashtriton.kernels.fwd_hopper import SHARED_BYTES_FOR_TILES
-        assert (q_and_kv_rows + 64 * config.consumers) * row_bytes <= SHARED_BYTES_FOR_TILES.value
+    assert (64 * config.consumers + 2 * config.stages * config.block_n) * row_bytes <= SM90_SHARED_BYTES
 
 
 @pytest.mark.parametrize("fields,message", [(dict(consumers=4), "consumers must be 2 or 3"),
-                                            (dict(consumers=3, pingpong=True), "pingpong takes turns between two"),
-                                            (dict(q_buffers=3), "q_buffers must be 1 or 2")])
+                                            (dict(consumers=3, pingpong=True), "pingpong takes turns between two")])
 def test_hopper_config_rejects_what_the_kernel_cannot_run(fields, message):
     with pytest.raises(ValueError, match=message):
         configs.HopperFwdConfig(128, 2, 160, **fields)
@@ -87,11 +81,9 @@ def test_hopper_config_rejects_what_the_kernel_cannot_run(fields, message):
 
 def with_consumers(config: configs.HopperFwdConfig, consumers: int) -> configs.HopperFwdConfig:
     """config with 2 or 3 consumer warpgroups and the registers the kernel gives them elsewhere (232 for two; 160,
-    what a program of four warpgroups leaves each, for three), and one Q tile each where the count changes (two
-    need room for O tiles beside them)."""
-    if consumers == config.consumers:
-        return config
-    return dataclasses.replace(config, consumers=consumers, consumer_regs={2: 232, 3: 160}[consumers], q_buffers=1)
+    what a program of four warpgroups leaves each, for three)."""
+    regs = config.consumer_regs if consumers == config.consumers else {2: 232, 3: 160}[consumers]
+    return dataclasses.replace(config, consumers=consumers, consumer_regs=regs)
 
 
 def run_forward(case: Case, grads: bool = False):

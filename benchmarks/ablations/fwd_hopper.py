@@ -91,8 +91,7 @@ CONFIGS = {"in-order with 128-key blocks at d256": {"HOPPER_FWD": _both(256, blo
            "one program per tile at d128": {"HOPPER_FWD": _both(128, persistent=False)},
            "64-key blocks in 4 stages at d128": {"HOPPER_FWD": _both(128, block_n=64, stages=4)},
            "three stages at d64": {"HOPPER_FWD": _both(64, stages=3)},
-           "persistent grid at d256": {"HOPPER_FWD": _both(256, persistent=True)},
-           "one Q tile at d128": {"HOPPER_FWD": _both(128, q_buffers=1)}}
+           "persistent grid at d256": {"HOPPER_FWD": _both(256, persistent=True)}}
 
 # dead code in the key-block loop: a block of fused multiply-adds on the row sums behind a branch that is never taken
 # (a row sum is never negative), so each key block executes two instructions more while the loop's code grows by
@@ -191,10 +190,6 @@ VARIANTS = {
     # the P operand without the opaque copy (LLVM may carry fp32 P around the loop again)
     "no opaque P copy": [('    return gl.inline_asm_elementwise("mov.b32 $0, $1;"',
                           '    return operand\n    gl.inline_asm_elementwise("mov.b32 $0, $1;"')],
-    # nineteenth session: one Q tile per consumer at d128 again (configs.HOPPER_FWD has two there since: the producer
-    # loads the next tile's Q while this one runs; measured as "Q tiles double-buffered", a text edit of the kernel
-    # before it: 16x1024 +1.7% / +2.1%, long d128 rows -2.3% to +0.7%, d64 non-causal -5.2%)
-    "one Q tile at d128": [],
     # one release per key block: K's stage is handed back with V's (after P V), not after S, so each consumer
     # iteration has one mbarrier arrival fewer, and the producer loads K of load l only once V of load l - STAGES is
     # released (correct results; prefetch one wgmma later)

@@ -17,15 +17,13 @@ last wgmmas, normalization, O store). A tile's key blocks are visited from the l
 blocks that can need a mask come first, so non-causal kernels mask only the first one visited and their key-block
 loop holds no mask code (_key_blocks).
 
-Synchronisation: the program's i-th tile's Q tile of consumer c sits in slot (i % Q_BUFFERS) * CONSUMERS + c (two
-buffers where configs.HOPPER_FWD says: the next tile's Q lands while this one runs); q_ready[slot] completes when it
-has landed, q_empty[slot] when consumer c no longer reads it (after its last S wgmma; where O is staged in the Q
-tile, after O's store). k_ready[s] / v_ready[s]
+Synchronisation: q_ready[c] completes when consumer c's Q tile has landed, q_empty[c] when consumer c no longer
+reads it (after its last S wgmma; where O is staged in the Q tile, after O's store). k_ready[s] / v_ready[s]
 complete when stage s's K / V tile has landed (TMA transaction bytes); k_empty[s] / v_empty[s] when all consumers
 are done with stage s's K / V tile (one arrival per consumer warpgroup, by one thread without a warpgroup barrier:
 hopper_sync.arrive_after_wgmma), so the producer refills K before V is free. The program's loads are numbered
 across its items: load l goes to stage l % STAGES and is the (l // STAGES)-th use of that stage, whose parity the
-waits check; the program's i-th tile's Q tiles are the (i // Q_BUFFERS)-th use of their slots' q_ready / q_empty.
+waits check; the program's i-th tile's Q tiles are the i-th use of q_ready / q_empty.
 
 Consumer schedule (FA3's intra-warpgroup pipelining): S_j and P_{j-1} V_{j-1} are issued together, the softmax of
 block j runs while P_{j-1} V_{j-1} is on the tensor cores, and the output rescale waits for it. In the binary the
@@ -43,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .common import grouped_tile_of
 from .hopper_sync import arrive_after_wgmma
 
-SHARED_BYTES_FOR_TILES = gl.constexpr(224 * 1024)  # sm_90: 227 KiB per program, less barriers and the compiler's
+SHARED_BYTES_FOR_TILES = gl.constexpr(220 * 1024)  # sm_90: 227 KiB per program, less barriers and the compiler's
 CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M tile); a tile has one per consumer
 _grouped_tile_of = gluon.jit(grouped_tile_of.fn)
 
@@ -122,14 +120,12 @@ def _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              team, num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, causal,
-              paired):
-    """One warp, per tile of this program's work items: the consumers' Q tiles (q_smem [Q_BUFFERS * CONSUMERS, 1, ROWS,
-    1, HEAD_DIM]; team: one entry per consumer) once each consumer released its slot's previous one, then K and V
-    of the tile's key blocks; the program's load number l (counted across tiles) goes to stage l % STAGES once
-    every consumer freed that stage's K (resp. V)."""
-    CONSUMERS: gl.constexpr = len(team)
-    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
+              num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, causal, paired):
+    """One warp, per tile of this program's work items: the consumers' Q tiles (q_smem [CONSUMERS, 1, ROWS, 1,
+    HEAD_DIM]) once each consumer released its previous one, then K and V of the tile's key blocks; the program's
+    load number l (counted across tiles) goes to stage l % STAGES once every consumer freed that stage's K (resp.
+    V)."""
+    CONSUMERS: gl.constexpr = q_smem.shape[0]
     ROWS: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
@@ -144,11 +140,10 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
                                                         causal, CONSUMERS * ROWS, BLOCK_N)
             head_k = head // group_size
             for consumer in gl.static_range(CONSUMERS):
-                slot = (done % Q_BUFFERS) * CONSUMERS + consumer
-                mbarrier.wait(q_empty.index(slot), ((done // Q_BUFFERS) - 1) & 1, pred=done >= Q_BUFFERS)
-                mbarrier.expect(q_ready.index(slot), q_bytes)
+                mbarrier.wait(q_empty.index(consumer), (done - 1) & 1, pred=done > 0)
+                mbarrier.expect(q_ready.index(consumer), q_bytes)
                 tma.async_copy_global_to_shared(q_desc, [batch, m_start + consumer * ROWS, head, 0],
-                                                q_ready.index(slot), q_smem.index(slot))
+                                                q_ready.index(consumer), q_smem.index(consumer))
             # key blocks from the last to the first (_key_blocks)
             for j in range(n_blocks):
                 _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch,
@@ -345,19 +340,18 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
 
 
 @gluon.jit
-def _consumer(q_smem, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, k_smem, v_smem, k_ready, v_ready,
+def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, k_smem, v_smem, k_ready, v_ready,
               k_empty, v_empty, team, fences, lag, stride_lse_b, stride_lse_h, num_heads, num_tiles, num_batch_heads,
               heads_per_group, seqlen_q, seqlen_k, qk_scale_log2, causal, o_in_q, paired):
-    """One warpgroup: query rows [m_start + row_offset, + ROWS) of every tile of this program. Per tile: wait for its Q
-    tile (its slot of q_smem [Q_BUFFERS * CONSUMERS, 1, ROWS, 1, HEAD_DIM]), run the key blocks, normalize, store
-    the natural-log LSE and O (through o_tile by TMA, which clips rows past seqlen_q). q_empty tells the producer
-    that q_tile may be refilled: after the last S wgmma, or where O is staged in q_tile itself (o_in_q) once O's
-    store has read it. Rows that saw no key: out 0, lse +inf (API.md §4.5). team: one entry per consumer of the
-    program (a tile has len(team) * ROWS rows; a tuple's length reaches partitions where a constexpr does not).
-    turns: the ping-pong barriers (_wait_turn), this consumer's first, or (); the first consumer (row_offset 0)
-    leads. fences: _hold_schedule's; lag: _softmax_block's."""
-    ROWS: gl.constexpr = q_smem.shape[2]
-    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // len(team)
+    """One warpgroup: query rows [m_start + row_offset, + ROWS) of every tile of this program. Per tile: wait
+    for its Q tile (q_tile [1, ROWS, 1, HEAD_DIM], shared), run the key blocks, normalize, store the natural-log
+    LSE and O (through o_tile by TMA, which clips rows past seqlen_q). q_empty tells the producer that q_tile may
+    be refilled: after the last S wgmma, or where O is staged in q_tile itself (o_in_q) once O's store has read it.
+    Rows that saw no key: out 0, lse +inf (API.md §4.5). team: one entry per consumer of the program (a tile has
+    len(team) * ROWS rows; a tuple's length reaches partitions where a constexpr does not). turns: the ping-pong
+    barriers (_wait_turn), this consumer's first, or (); the first consumer (row_offset 0) leads. fences:
+    _hold_schedule's; lag: _softmax_block's."""
+    ROWS: gl.constexpr = q_tile.shape[1]
     TILE_ROWS: gl.constexpr = len(team) * ROWS
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
@@ -367,6 +361,7 @@ def _consumer(q_smem, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
                                                          instr_shape=[16, HEAD_DIM, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    q = q_tile.reshape([ROWS, HEAD_DIM])
     lead = (row_offset == 0).to(gl.int32)
     load = 0
     done = 0
@@ -379,13 +374,10 @@ def _consumer(q_smem, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
             row0 = m_start + row_offset
             # [ROWS] this consumer's query rows
             offs_m = row0 + gl.arange(0, ROWS, row_s)
-            # [ROWS, HEAD_DIM] this tile's Q tile, in slot `slot`
-            slot = (done % Q_BUFFERS) * len(team) + row_offset // ROWS
-            mbarrier.wait(q_ready.index(slot), (done // Q_BUFFERS) & 1)
-            q = q_smem.index(slot).reshape([ROWS, HEAD_DIM])
-            acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty.index(slot),
-                                        o_in_q == 0, load, n_blocks, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2,
-                                        causal, turns, lead, fences, lag, acc_layout)
+            mbarrier.wait(q_ready, done & 1)
+            acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,
+                                        load, n_blocks, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal,
+                                        turns, lead, fences, lag, acc_layout)
             seen = l_i > 0.0
             # [ROWS] the row sums, 1 for rows that saw no key
             row_sum = gl.where(seen, l_i, 1.0)
@@ -403,7 +395,7 @@ def _consumer(q_smem, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
             tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_tile)
             if o_in_q != 0:
                 tma.store_wait(0)
-                mbarrier.arrive(q_empty.index(slot))
+                mbarrier.arrive(q_empty)
             load += n_blocks
             done += 1
     tma.store_wait(0)
@@ -411,25 +403,25 @@ def _consumer(q_smem, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
 
 @gluon.jit
 def _consumer_args(consumer: gl.constexpr, q_smem, o_smem, q_ready, q_empty, turns, common):
-    """_consumer's arguments for consumer warpgroup `consumer`: the Q tiles and their barriers, its O tile, ping-pong
-    barriers (turns: one entry per consumer) and first row in the tile, then what every consumer gets (common)."""
-    return (q_smem, o_smem.index(consumer), q_ready, q_empty, turns[consumer], consumer * CONSUMER_ROWS) + common
+    """_consumer's arguments for consumer warpgroup `consumer`: its Q and O tiles, Q barriers, ping-pong barriers
+    (turns: one entry per consumer) and first row in the tile, then what every consumer gets (common)."""
+    return (q_smem.index(consumer), o_smem.index(consumer), q_ready.index(consumer), q_empty.index(consumer),
+            turns[consumer], consumer * CONSUMER_ROWS) + common
 
 
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "batch", "seqlen_q", "seqlen_k", "heads_per_group",
                               "paired"])
 def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, stride_lse_h, batch, num_heads,
                            group_size, seqlen_q, seqlen_k, heads_per_group, paired, qk_scale_log2,
-                           rescale_threshold, CAUSAL: gl.constexpr, STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
-                           CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
-                           HOLD_SCHEDULE: gl.constexpr, RESCALE_SKIP: gl.constexpr, num_warps: gl.constexpr):
+                           rescale_threshold, CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, HOLD_SCHEDULE: gl.constexpr,
+                           RESCALE_SKIP: gl.constexpr, num_warps: gl.constexpr):
     """Work items: query tiles of CONSUMERS * 64 rows of every (batch, head), longest first, in launch-order groups of
     heads_per_group (batch, head) pairs like kernels/fwd.py, or with `paired` (1) pairs of tiles of equal total
     length (_item_tiles); program p takes items p, p + P, p + 2P, ... of a grid of P programs (one per item, or
     persistent: one per SM, so the next tile's loads overlap this one's end).
     num_warps (4) is the first consumer's; the other consumers (4 warps, CONSUMER_REGS registers each) and the
-    producer (1 warp) are worker partitions. Q_BUFFERS: Q tiles per consumer (configs.HopperFwdConfig.q_buffers).
-    PINGPONG (two consumers): they issue their wgmmas in alternation
+    producer (1 warp) are worker partitions. PINGPONG (two consumers): they issue their wgmmas in alternation
     (_wait_turn).
     RESCALE_SKIP: the max lags by up to rescale_threshold (log2 units) and unmoved warps skip the output rescale
     (_softmax_block, _rescale)."""
@@ -441,28 +433,26 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
     # stored; else (head dim 256) O is staged in the consumer's Q tile
     tile_bytes: gl.constexpr = ROWS * HEAD_DIM * dtype.primitive_bitwidth // 8
     stage_bytes: gl.constexpr = 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
-    O_IN_Q: gl.constexpr = (Q_BUFFERS + 1) * CONSUMERS * tile_bytes + STAGES * stage_bytes > SHARED_BYTES_FOR_TILES
-    gl.static_assert(Q_BUFFERS == 1 or not O_IN_Q, "two Q buffers need O tiles of their own in shared memory")
+    O_IN_Q: gl.constexpr = 2 * CONSUMERS * tile_bytes + STAGES * stage_bytes > SHARED_BYTES_FOR_TILES
     num_tiles = gl.cdiv(seqlen_q, CONSUMERS * ROWS)
     num_batch_heads = batch * num_heads
-    # [Q_BUFFERS * CONSUMERS, 1, ROWS, 1, HEAD_DIM] the consumers' Q tiles, [CONSUMERS, ...] O tiles;
-    # [STAGES, 1, BLOCK_N, 1, HEAD_DIM] K, V
-    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * CONSUMERS, 1, ROWS, 1, HEAD_DIM], q_desc.layout)
+    # [CONSUMERS, 1, ROWS, 1, HEAD_DIM] the consumers' Q tiles and O tiles; [STAGES, 1, BLOCK_N, 1, HEAD_DIM] K, V
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM], q_desc.layout)
     if O_IN_Q:
         o_smem = q_smem
     else:
         o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM], o_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * CONSUMERS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for slot in gl.static_range(Q_BUFFERS * CONSUMERS):
-        mbarrier.init(q_ready.index(slot), count=1)
-        mbarrier.init(q_empty.index(slot), count=1)
+    for consumer in gl.static_range(CONSUMERS):
+        mbarrier.init(q_ready.index(consumer), count=1)
+        mbarrier.init(q_empty.index(consumer), count=1)
     if PINGPONG:
         # one allocation each: waits on one and arrivals on the other would otherwise be ordered by a barrier
         first_turn = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -499,8 +489,8 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
               stride_lse_h, num_heads, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, qk_scale_log2,
               causal, o_in_q, paired)
     producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, team, num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q,
-                     seqlen_k, causal, paired)
+                     v_empty, num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k,
+                     causal, paired)
     first = _consumer_args(0, q_smem, o_smem, q_ready, q_empty, turns, common)
     second = _consumer_args(1, q_smem, o_smem, q_ready, q_empty, turns, common)
     if CONSUMERS == 3:

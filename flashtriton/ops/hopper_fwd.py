@@ -104,7 +104,7 @@ def launch(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: in
         tile_descriptor(q, CONSUMER_ROWS.value), tile_descriptor(k, config.block_n),
         tile_descriptor(v, config.block_n), tile_descriptor(out, CONSUMER_ROWS.value), lse, *lse_strides, batch,
         num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, heads_per_group, int(paired),
-        params.kernel_args()[0], threshold, CAUSAL=params.causal_like, STAGES=config.stages, Q_BUFFERS=config.q_buffers,
+        params.kernel_args()[0], threshold, CAUSAL=params.causal_like, STAGES=config.stages,
         CONSUMERS=config.consumers, CONSUMER_REGS=config.consumer_regs, PINGPONG=config.pingpong,
         HOLD_SCHEDULE=config.hold_schedule, RESCALE_SKIP=threshold > 0.0, num_warps=4)
     launch_count += 1
