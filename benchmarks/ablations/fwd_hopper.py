@@ -39,6 +39,12 @@ the loop without mask code +1.3% at 16x1024 and +4.8% at d64 non-causal (level a
 -2.5%; 5 KB of unexecuted code in the loop -2 to -4% at d64 / 1x16384 (one round). The kernel now visits key blocks
 last first, so non-causal loops need no mask code ("mask code in the non-causal loop" prices that). Prepared for
 the next run (compiled offline only): "non-causal mask without the row condition".
+Nineteenth session (kernel time, --rounds 3): "non-causal mask without the row condition" level on every row
+(602.9 / 602.2 at 16x1024, 537.8 / 540.6 at d64: 144-200 instructions less code outside the loop buy nothing);
+"mask code in the non-causal loop" -0.9% at 16x1024, -4.3% at d64 again. A kernel without a seam between tiles (f7cdc32,
+by --sources: the next tile's first S with this one's last P V) 2-10% slower; "Q tiles double-buffered" (again,
+after session 17's level reading) +1.7% / +2.1% at 16x1024 in one call, level / +2.3% in the next, long d128 rows
+-3.8% to +0.7%, d64 non-causal -5.2%: not kept (docs/perf-notes.md).
 """
 
 MODULE = "flashtriton/kernels/fwd_hopper.py"
@@ -70,6 +76,61 @@ _IN_ORDER = [
     ("        _hold_schedule(fences)\n        acc = warpgroup_mma_wait(0, deps=(acc, ))\n"
      "        arrive_after_wgmma(v_empty.index(previous))\n", "")]
 
+
+
+# the program's tile i uses Q slot (i % Q_BUFFERS) * CONSUMERS + consumer, whose barriers count its own uses
+_DOUBLE_Q = [
+    ("SHARED_BYTES_FOR_TILES = gl.constexpr(220 * 1024)", "SHARED_BYTES_FOR_TILES = gl.constexpr(224 * 1024)"),
+    ("""def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+              num_heads,""", """def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+              team, num_heads,"""),
+    ("""    CONSUMERS: gl.constexpr = q_smem.shape[0]
+""", """    CONSUMERS: gl.constexpr = len(team)
+    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
+"""),
+    ("""                mbarrier.wait(q_empty.index(consumer), (done - 1) & 1, pred=done > 0)
+                mbarrier.expect(q_ready.index(consumer), q_bytes)
+                tma.async_copy_global_to_shared(q_desc, [batch, m_start + consumer * ROWS, head, 0],
+                                                q_ready.index(consumer), q_smem.index(consumer))""",
+     """                slot = (done % Q_BUFFERS) * CONSUMERS + consumer
+                mbarrier.wait(q_empty.index(slot), ((done // Q_BUFFERS) - 1) & 1, pred=done >= Q_BUFFERS)
+                mbarrier.expect(q_ready.index(slot), q_bytes)
+                tma.async_copy_global_to_shared(q_desc, [batch, m_start + consumer * ROWS, head, 0],
+                                                q_ready.index(slot), q_smem.index(slot))"""),
+    ("def _consumer(q_tile, o_tile,", "def _consumer(q_smem, o_tile,"),
+    ("""    ROWS: gl.constexpr = q_tile.shape[1]
+""", """    ROWS: gl.constexpr = q_smem.shape[2]
+    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // len(team)
+"""),
+    ("""    q = q_tile.reshape([ROWS, HEAD_DIM])
+""", ""),
+    ("""            mbarrier.wait(q_ready, done & 1)
+            acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,""",
+     """            slot = (done % Q_BUFFERS) * len(team) + row_offset // ROWS
+            mbarrier.wait(q_ready.index(slot), (done // Q_BUFFERS) & 1)
+            q = q_smem.index(slot).reshape([ROWS, HEAD_DIM])
+            acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty.index(slot),
+                                        o_in_q == 0,"""),
+    ("""                mbarrier.arrive(q_empty)""", """                mbarrier.arrive(q_empty.index(slot))"""),
+    ("""    return (q_smem.index(consumer), o_smem.index(consumer), q_ready.index(consumer), q_empty.index(consumer),
+            turns[consumer], consumer * CONSUMER_ROWS) + common""",
+     """    return (q_smem, o_smem.index(consumer), q_ready, q_empty, turns[consumer], consumer * CONSUMER_ROWS) + common"""),
+    ("""    O_IN_Q: gl.constexpr = 2 * CONSUMERS * tile_bytes + STAGES * stage_bytes > SHARED_BYTES_FOR_TILES""",
+     """    Q_BUFFERS: gl.constexpr = 2 if 3 * CONSUMERS * tile_bytes + STAGES * stage_bytes <= SHARED_BYTES_FOR_TILES else 1
+    O_IN_Q: gl.constexpr = (Q_BUFFERS + 1) * CONSUMERS * tile_bytes + STAGES * stage_bytes > SHARED_BYTES_FOR_TILES"""),
+    ("""    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM], q_desc.layout)""",
+     """    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * CONSUMERS, 1, ROWS, 1, HEAD_DIM], q_desc.layout)"""),
+    ("""    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())""",
+     """    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * CONSUMERS, 1], mbarrier.MBarrierLayout())"""),
+    ("""    for consumer in gl.static_range(CONSUMERS):
+        mbarrier.init(q_ready.index(consumer), count=1)
+        mbarrier.init(q_empty.index(consumer), count=1)""", """    for slot in gl.static_range(Q_BUFFERS * CONSUMERS):
+        mbarrier.init(q_ready.index(slot), count=1)
+        mbarrier.init(q_empty.index(slot), count=1)"""),
+    ("""                     v_empty, num_heads, group_size,""", """                     v_empty, team, num_heads, group_size,"""),
+]
 
 
 def _both(head_dim: int, **fields) -> dict:
@@ -190,6 +251,10 @@ VARIANTS = {
     # the P operand without the opaque copy (LLVM may carry fp32 P around the loop again)
     "no opaque P copy": [('    return gl.inline_asm_elementwise("mov.b32 $0, $1;"',
                           '    return operand\n    gl.inline_asm_elementwise("mov.b32 $0, $1;"')],
+    # nineteenth session: two Q tiles per consumer (where shared memory allows: d64, d128 with the limit at 224 KiB),
+    # so the producer loads the next tile's Q while this one runs, not after the consumer's last S of it (in the
+    # table for one commit, 8f756d9, as configs.HopperFwdConfig.q_buffers; reverted: docs/perf-notes.md)
+    "Q tiles double-buffered": _DOUBLE_Q,
     # one release per key block: K's stage is handed back with V's (after P V), not after S, so each consumer
     # iteration has one mbarrier arrival fewer, and the producer loads K of load l only once V of load l - STAGES is
     # released (correct results; prefetch one wgmma later)
