@@ -59,8 +59,10 @@ HEAD_DIMS = (64, 128, 256)
 # Configurations
 # ----------------------------------------------------------------------------------------------------------------
 
-# (e): the head dim of the configuration compiled next in the same process (kernels not compiled yet there)
-OTHER_HEAD_DIM = {64: 96, 128: 160, 256: 96}
+# (e): the head dim of the configuration compiled next in the same process (kernels not compiled yet there): another
+# head dim of the Gluon Hopper forward (configs.HOPPER_FWD; until session 19 this was 96 / 160, which time the Triton
+# forward instead)
+OTHER_HEAD_DIM = {64: 128, 128: 256, 256: 64}
 
 
 def dense_config(head_dim: int, causal: bool, dtype: str, backward: bool) -> dict:

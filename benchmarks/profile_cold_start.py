@@ -60,7 +60,7 @@ def timed_stages(totals: dict):
             finally:
                 totals[_label] += time.perf_counter() - start
 
-        setattr(owner, attribute, wrapper)
+        setattr(owner, attribute, staticmethod(wrapper) if isinstance(original, staticmethod) else wrapper)
     try:
         yield
     finally:

@@ -255,6 +255,13 @@ VARIANTS = {
     # so the producer loads the next tile's Q while this one runs, not after the consumer's last S of it (in the
     # table for one commit, 8f756d9, as configs.HopperFwdConfig.q_buffers; reverted: docs/perf-notes.md)
     "Q tiles double-buffered": _DOUBLE_Q,
+    # nineteenth session: Triton's barrier pass puts a warpgroup BAR.SYNC at the top of every consumer loop
+    # iteration (offline SASS, every table entry: it goes only when all of the loop's mbarrier waits and arrivals
+    # go); a second one per iteration, after the softmax, prices what removing it could buy
+    "second warpgroup barrier per key block": [
+        ("        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)\n        _hold_schedule(fences)\n",
+         "        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)\n        gl.thread_barrier()\n"
+         "        _hold_schedule(fences)\n")],
     # one release per key block: K's stage is handed back with V's (after P V), not after S, so each consumer
     # iteration has one mbarrier arrival fewer, and the producer loads K of load l only once V of load l - STAGES is
     # released (correct results; prefetch one wgmma later)
