@@ -152,7 +152,10 @@ CONFIGS = {"in-order with 128-key blocks at d256": {"HOPPER_FWD": _both(256, blo
            "one program per tile at d128": {"HOPPER_FWD": _both(128, persistent=False)},
            "64-key blocks in 4 stages at d128": {"HOPPER_FWD": _both(128, block_n=64, stages=4)},
            "three stages at d64": {"HOPPER_FWD": _both(64, stages=3)},
-           "persistent grid at d256": {"HOPPER_FWD": _both(256, persistent=True)}}
+           "persistent grid at d256": {"HOPPER_FWD": _both(256, persistent=True)},
+           "three consumers at d64 causal, one program per tile": {
+               "HOPPER_FWD": {(64, True): dict(consumers=3, consumer_regs=160, persistent=False)}},
+           "one program per tile at d64 causal": {"HOPPER_FWD": {(64, True): dict(persistent=False)}}}
 
 # dead code in the key-block loop: a block of fused multiply-adds on the row sums behind a branch that is never taken
 # (a row sum is never negative), so each key block executes two instructions more while the loop's code grows by
@@ -262,6 +265,13 @@ VARIANTS = {
         ("        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)\n        _hold_schedule(fences)\n",
          "        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)\n        gl.thread_barrier()\n"
          "        _hold_schedule(fences)\n")],
+    # prepared in the nineteenth session (config only): FA4's d64 causal shape, three MMA warpgroups (192-row tiles)
+    # on a grid of one program per tile (ncu: FA4 594 us against our 637 at 4x4096x32x64 causal); three consumers
+    # on our persistent paired grid read 430-433 against 438-440 in session 16; and the grid change alone. Offline:
+    # at 160 registers the three-consumer causal kernel has 38 local-memory accesses in its key-block loops (the
+    # masked path: the causal loop holds the mask code), the two-consumer one none
+    "three consumers at d64 causal, one program per tile": [],
+    "one program per tile at d64 causal": [],
     # one release per key block: K's stage is handed back with V's (after P V), not after S, so each consumer
     # iteration has one mbarrier arrival fewer, and the producer loads K of load l only once V of load l - STAGES is
     # released (correct results; prefetch one wgmma later)
