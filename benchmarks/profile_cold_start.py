@@ -46,8 +46,8 @@ def stage_targets() -> list:
 
 @contextlib.contextmanager
 def timed_stages(totals: dict):
-    """Wrap every stage_targets() function so that its wall time adds to totals[label] (nested calls counted once
-    per label), restoring them afterwards."""
+    """Wrap every stage_targets() function so that its wall time adds to totals[label], restoring them afterwards
+    (none of them calls another, so no time counts twice; static methods stay static)."""
     originals = []
     for label, owner, attribute in stage_targets():
         original = owner.__dict__[attribute] if isinstance(owner, type) else getattr(owner, attribute)
