@@ -20,7 +20,8 @@ unset TRITON_INTERPRET
 out="${OUT:-gpu-check}"
 mkdir -p "$out"
 steps=",${1:-tests,reliability,decode},"
-default_fwd_variants="non-causal mask without the row condition,mask code in the non-causal loop"
+default_fwd_variants="causal mask by column residues,three consumers at d64 causal per tile by column residues"
+default_fwd_variants+=",three consumers at d64 causal per tile,one program per tile at d64 causal"
 fwd_variants="${FWD_VARIANTS:-$default_fwd_variants}"
 
 step() {  # step NAME SECONDS COMMAND...

@@ -44,7 +44,10 @@ Nineteenth session (kernel time, --rounds 3): "non-causal mask without the row c
 "mask code in the non-causal loop" -0.9% at 16x1024, -4.3% at d64 again. A kernel without a seam between tiles (f7cdc32,
 by --sources: the next tile's first S with this one's last P V) 2-10% slower; "Q tiles double-buffered" (again,
 after session 17's level reading) +1.7% / +2.1% at 16x1024 in one call, level / +2.3% in the next, long d128 rows
--3.8% to +0.7%, d64 non-causal -5.2%: not kept (docs/perf-notes.md).
+-3.8% to +0.7%, d64 non-causal -5.2%: not kept (docs/perf-notes.md). A second warpgroup barrier per key block:
+0-1.3% slower. Prepared for the next run (compiled offline): "causal mask by column residues" (no column registers
+held across the loop), FA4's d64 causal shape with and without it ("three consumers at d64 causal per tile ...") and
+"one program per tile at d64 causal".
 """
 
 MODULE = "flashtriton/kernels/fwd_hopper.py"
@@ -133,6 +136,19 @@ _DOUBLE_Q = [
 ]
 
 
+# the causal mask compared by column residues: the key-block loop compares each key column with its row's last key,
+# and LLVM hoists the loop-invariant columns out of the loop, which keeps the BLOCK_N / 4 distinct columns of a
+# thread live in registers across it (offline SASS: the ISETPs compare registers, and those registers are what the
+# three-consumer d64 causal kernel spills: 38 local accesses in its loops). column <= last key is written as
+# column % 8 <= last key - column // 8 * 8: two residues per thread (a thread's columns are 2 (lane % 4) + 8 k +
+# {0, 1}) and an immediate per element. Offline: no loop spills with three consumers at d64 causal (5256
+# instructions, stack 0 against 64), d128 causal's 24 bytes of stack gone; causal loops 12-34 instructions longer
+_MASK_BY_COLUMN_RESIDUE = [
+    ("""            visible = gl.expand_dims(gl.arange(0, BLOCK_N, col_s), 0) <= gl.expand_dims(row_last_key, 1)""",
+     """            columns = gl.arange(0, BLOCK_N, col_s)
+            visible = gl.expand_dims(columns % 8, 0) <= gl.expand_dims(row_last_key, 1) - gl.expand_dims(columns // 8 * 8, 0)""")]
+
+
 def _both(head_dim: int, **fields) -> dict:
     """CONFIGS entries changing configs.HOPPER_FWD's causal and non-causal entry of a head dim alike."""
     return {(head_dim, False): fields, (head_dim, True): fields}
@@ -153,9 +169,11 @@ CONFIGS = {"in-order with 128-key blocks at d256": {"HOPPER_FWD": _both(256, blo
            "64-key blocks in 4 stages at d128": {"HOPPER_FWD": _both(128, block_n=64, stages=4)},
            "three stages at d64": {"HOPPER_FWD": _both(64, stages=3)},
            "persistent grid at d256": {"HOPPER_FWD": _both(256, persistent=True)},
-           "three consumers at d64 causal, one program per tile": {
+           "three consumers at d64 causal per tile": {
                "HOPPER_FWD": {(64, True): dict(consumers=3, consumer_regs=160, persistent=False)}},
-           "one program per tile at d64 causal": {"HOPPER_FWD": {(64, True): dict(persistent=False)}}}
+           "one program per tile at d64 causal": {"HOPPER_FWD": {(64, True): dict(persistent=False)}},
+           "three consumers at d64 causal per tile by column residues": {
+               "HOPPER_FWD": {(64, True): dict(consumers=3, consumer_regs=160, persistent=False)}}}
 
 # dead code in the key-block loop: a block of fused multiply-adds on the row sums behind a branch that is never taken
 # (a row sum is never negative), so each key block executes two instructions more while the loop's code grows by
@@ -270,8 +288,10 @@ VARIANTS = {
     # on our persistent paired grid read 430-433 against 438-440 in session 16; and the grid change alone. Offline:
     # at 160 registers the three-consumer causal kernel has 38 local-memory accesses in its key-block loops (the
     # masked path: the causal loop holds the mask code), the two-consumer one none
-    "three consumers at d64 causal, one program per tile": [],
+    "three consumers at d64 causal per tile": [],
     "one program per tile at d64 causal": [],
+    "causal mask by column residues": _MASK_BY_COLUMN_RESIDUE,
+    "three consumers at d64 causal per tile by column residues": _MASK_BY_COLUMN_RESIDUE,
     # one release per key block: K's stage is handed back with V's (after P V), not after S, so each consumer
     # iteration has one mbarrier arrival fewer, and the producer loads K of load l only once V of load l - STAGES is
     # released (correct results; prefetch one wgmma later)
