@@ -10,7 +10,8 @@
 #                                       (default tests,reliability,decode)
 # Environment: FLASHTRITON_COMMIT (give it: the device copy's git may name another commit), OUT, FUZZ_EXAMPLES
 # (fuzz step, default 120), FWD_VARIANTS / FWD_SHAPES (ablate-fwd: the variants of benchmarks/ablations/fwd_hopper.py
-# to time, and the bench shape indices, default 0,1,2,3,4),
+# to time, and the bench shape indices, default 0,1,2,3,4), BWD_VARIANTS (ablate-bwd: the variants of
+# benchmarks/ablations/bwd_hopper.py to time),
 # TESTS_LIMIT (tests step seconds, default 300; a fresh machine compiles every kernel and needs ~400).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -52,7 +53,7 @@ step hopper-bwd 300 bash -c "python -m pytest tests/test_hopper_bwd.py -q -n 8 -
 # the d64 / d128 Gluon backward against its previous epilogue and mask, and the forward's variants not yet run
 # (FWD_VARIANTS; benchmarks/ablations/), each in one process
 step ablate-bwd 240 python benchmarks/ablate_kernel.py --variants benchmarks/ablations/bwd_hopper.py --shapes 0,1,3 \
-  --out "$out/ablate-bwd"
+  --timing kernels --rounds 2 --only "${BWD_VARIANTS:-causal mask by column residues}" --out "$out/ablate-bwd"
 step ablate-fwd 300 python benchmarks/ablate_kernel.py --variants benchmarks/ablations/fwd_hopper.py --mode fwd \
   --shapes "${FWD_SHAPES:-0,1,2,3,4}" --timing kernels --rounds 3 --out "$out/ablate-fwd" \
   --only "$fwd_variants"
