@@ -50,8 +50,8 @@ step hopper-sweep 240 python benchmarks/sweep_hopper_fwd.py --out "$out/hopper-s
 # the Gluon backward's tests (they force it on), then Gluon vs Triton vs SDPA backward timing
 step hopper-bwd 300 bash -c "python -m pytest tests/test_hopper_bwd.py -q -n 8 -p no:cacheprovider -rfE --maxfail=6 \
   && python benchmarks/bench_hopper_bwd.py --out '$out/hopper-bwd'"
-# the d64 / d128 Gluon backward against its previous epilogue and mask, and the forward's variants not yet run
-# (FWD_VARIANTS; benchmarks/ablations/), each in one process
+# the d64 / d128 Gluon backward's variants (BWD_VARIANTS, default the causal mask by column residues) and the
+# forward's (FWD_VARIANTS; benchmarks/ablations/), each in one process
 step ablate-bwd 240 python benchmarks/ablate_kernel.py --variants benchmarks/ablations/bwd_hopper.py --shapes 0,1,3 \
   --timing kernels --rounds 2 --only "${BWD_VARIANTS:-causal mask by column residues}" --out "$out/ablate-bwd"
 step ablate-fwd 300 python benchmarks/ablate_kernel.py --variants benchmarks/ablations/fwd_hopper.py --mode fwd \
