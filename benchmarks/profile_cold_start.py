@@ -44,13 +44,18 @@ def stage_targets() -> list:
     return targets + [("make_cubin (ptxas)", CUDABackend, "make_cubin")]
 
 
+def stage_function(owner, attribute):
+    """The stage as stored on its owner: a class's own entry (a staticmethod object stays one), or a module's."""
+    return owner.__dict__[attribute] if isinstance(owner, type) else getattr(owner, attribute)
+
+
 @contextlib.contextmanager
 def timed_stages(totals: dict):
     """Wrap every stage_targets() function so that its wall time adds to totals[label], restoring them afterwards
     (none of them calls another, so no time counts twice; static methods stay static)."""
     originals = []
     for label, owner, attribute in stage_targets():
-        original = owner.__dict__[attribute] if isinstance(owner, type) else getattr(owner, attribute)
+        original = stage_function(owner, attribute)
         originals.append((owner, attribute, original))
 
         def wrapper(*args, _original=original, _label=label, **kwargs):

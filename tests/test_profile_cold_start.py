@@ -10,21 +10,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import profile_cold_start  # noqa: E402
 
 
-def _attribute(owner, name):
-    return owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-
-
 def test_stages_are_wrapped_then_restored():
     targets = profile_cold_start.stage_targets()
-    before = [_attribute(owner, name) for _, owner, name in targets]
+    before = [profile_cold_start.stage_function(owner, name) for _, owner, name in targets]
     totals = defaultdict(float)
     with profile_cold_start.timed_stages(totals):
-        during = [_attribute(owner, name) for _, owner, name in targets]
+        during = [profile_cold_start.stage_function(owner, name) for _, owner, name in targets]
         assert all(now is not then for now, then in zip(during, before))
         assert all(isinstance(now, staticmethod) == isinstance(then, staticmethod)
                    for now, then in zip(during, before))
         cache = next(owner for label, owner, _ in targets if label.startswith("Triton's cache key"))
         assert cache.triton_key()
-    assert [_attribute(owner, name) for _, owner, name in targets] == before
+    assert [profile_cold_start.stage_function(owner, name) for _, owner, name in targets] == before
     assert totals["Triton's cache key (per process)"] > 0.0
     assert set(totals) == {"Triton's cache key (per process)"}

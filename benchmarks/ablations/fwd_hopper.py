@@ -156,6 +156,9 @@ def _both(head_dim: int, **fields) -> dict:
 
 # d256 with cuDNN's 128-key blocks: one K / V stage (192 KB with O staged in Q); the rescale skip's variants; the
 # consumer counts at d64
+# FA4's d64 causal shape: three consumers (192-row tiles, 160 registers each) on one program per tile
+_FA4_D64_CAUSAL = {"HOPPER_FWD": {(64, True): dict(consumers=3, consumer_regs=160, persistent=False)}}
+
 CONFIGS = {"in-order with 128-key blocks at d256": {"HOPPER_FWD": _both(256, block_n=128, stages=1)},
            "no rescale skip": {"HOPPER_FWD": {**_both(128, rescale_threshold=0.0),
                                               **_both(256, rescale_threshold=0.0)}},
@@ -169,11 +172,9 @@ CONFIGS = {"in-order with 128-key blocks at d256": {"HOPPER_FWD": _both(256, blo
            "64-key blocks in 4 stages at d128": {"HOPPER_FWD": _both(128, block_n=64, stages=4)},
            "three stages at d64": {"HOPPER_FWD": _both(64, stages=3)},
            "persistent grid at d256": {"HOPPER_FWD": _both(256, persistent=True)},
-           "three consumers at d64 causal per tile": {
-               "HOPPER_FWD": {(64, True): dict(consumers=3, consumer_regs=160, persistent=False)}},
+           "three consumers at d64 causal per tile": _FA4_D64_CAUSAL,
            "one program per tile at d64 causal": {"HOPPER_FWD": {(64, True): dict(persistent=False)}},
-           "three consumers at d64 causal per tile by column residues": {
-               "HOPPER_FWD": {(64, True): dict(consumers=3, consumer_regs=160, persistent=False)}}}
+           "three consumers at d64 causal per tile by column residues": _FA4_D64_CAUSAL}
 
 # dead code in the key-block loop: a block of fused multiply-adds on the row sums behind a branch that is never taken
 # (a row sum is never negative), so each key block executes two instructions more while the loop's code grows by
@@ -280,7 +281,8 @@ VARIANTS = {
     # iteration (offline SASS, every table entry: it goes only when all of the loop's mbarrier waits and arrivals
     # go); a second one per iteration, after the softmax, prices what removing it could buy
     "second warpgroup barrier per key block": [
-        ("        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)\n        _hold_schedule(fences)\n",
+        ("        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)\n"
+         "        _hold_schedule(fences)\n",
          "        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)\n        gl.thread_barrier()\n"
          "        _hold_schedule(fences)\n")],
     # prepared in the nineteenth session (config only): FA4's d64 causal shape, three MMA warpgroups (192-row tiles)
