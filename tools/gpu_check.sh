@@ -78,7 +78,7 @@ step fp16-clocks 240 bash -c "for dtype in bf16 fp16; do
     python -m flashtriton bench --modes fwd --timing kernels --dtype \$dtype --providers flashtriton,sdpa-cudnn \
       --out '$out/clocks-bench-'\$dtype > /dev/null 2>&1
     kill \$sampler
-    awk -F', ' -v d=\$dtype '\$2 > 300 {c += \$1; p += \$2; n++} END {printf \"%s: %d samples under load, SM clock %.0f MHz, power %.0f W\\n\", d, n, c / n, p / n}' \
+    awk -F', ' -v d=\$dtype '\$2 > 300 {c += \$1; p += \$2; n++} END {if (n) printf \"%s: %d samples under load, SM clock %.0f MHz, power %.0f W\\n\", d, n, c / n, p / n; else printf \"%s: no samples under load\\n\", d}' \
       '$out/clocks-'\$dtype.csv
   done"
 # host time per eager call (profile of 300 warm calls) and the decode tile sweep, paged caches included
