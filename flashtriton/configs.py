@@ -239,6 +239,10 @@ L2_GROUP_BYTES = {False: 0, True: 16 << 20}
 # after the switch: 764.3 against 755.6-756.6 in two earlier runs of the day): persistent for non-causal d256 only.
 # Three K / V stages at d64 level (541.9 / 541.8, causal 440.2 / 442.3); two consumers at d64 non-causal still far
 # behind three (458.0 / 541.8).
+# Twentieth session (ablations/fwd_hopper.py "causal mask by column residues", kernel time, --rounds 3, median, as is
+# / residues): d128 16x1024 causal 455.9 / 461.1, 4x4096 646.1 / 647.2, 1x16384 653.6 / 665.1 (+-2%); d256 causal
+# 685.1 / 714.7; d64 causal 442.3 / 425.2: by residues at d128 and d256 only. In the same call FA4's d64 causal shape
+# (three consumers, one program per tile) read 415.0-415.3 and one program per tile alone 409.0: neither taken.
 @dataclass(frozen=True)
 class HopperFwdConfig:
     block_n: int         # keys per K/V stage
@@ -249,6 +253,7 @@ class HopperFwdConfig:
     hold_schedule: bool = False  # a fence keeps the softmax ahead of the P V wait (kernels/fwd_hopper._hold_schedule)
     rescale_threshold: float = 0.0  # the A-1 rescale skip's (log2 units; kernels/fwd_hopper._rescale), 0: none
     consumers: int = 2   # consumer warpgroups of 64 query rows: a tile has 64 * consumers rows
+    mask_by_residues: bool = False  # causal mask compared by column residues (kernels/fwd_hopper._mask_block)
 
     def __post_init__(self):
         if self.consumers not in (2, 3):
@@ -263,8 +268,9 @@ _HOPPER_FWD_D256 = HopperFwdConfig(64, 2, 232, hold_schedule=True, rescale_thres
 # keyed by (head dim, causal)
 HOPPER_FWD = {(64, False): HopperFwdConfig(128, 2, 160, persistent=True, consumers=3),
               (64, True): HopperFwdConfig(128, 2, 232, persistent=True),
-              (128, False): _HOPPER_FWD_D128, (128, True): _HOPPER_FWD_D128,
-              (256, False): replace(_HOPPER_FWD_D256, persistent=True), (256, True): _HOPPER_FWD_D256}
+              (128, False): _HOPPER_FWD_D128, (128, True): replace(_HOPPER_FWD_D128, mask_by_residues=True),
+              (256, False): replace(_HOPPER_FWD_D256, persistent=True),
+              (256, True): replace(_HOPPER_FWD_D256, mask_by_residues=True)}
 HOPPER_FWD_HEAD_DIMS = tuple(sorted({head_dim for head_dim, _ in HOPPER_FWD}))
 
 

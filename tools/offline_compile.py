@@ -116,6 +116,7 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     `config` (default configs.HOPPER_FWD[head_dim, causal]), as a dense launch."""
     from flashtriton import configs
     from flashtriton.kernels.fwd_hopper import CONSUMER_ROWS, attn_fwd_hopper_kernel
+    from flashtriton.ops.hopper_fwd import kernel_constexprs
 
     config = config or configs.HOPPER_FWD[head_dim, causal]
 
@@ -128,9 +129,7 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     signature.update({name: "i32" for name in ("stride_lse_b", "stride_lse_h", "batch", "num_heads", "group_size",
                                                "seqlen_q", "seqlen_k", "heads_per_group", "paired")})
     signature["qk_scale_log2"] = signature["rescale_threshold"] = "fp32"
-    constexprs = dict(CAUSAL=causal, STAGES=config.stages, CONSUMERS=config.consumers,
-                      CONSUMER_REGS=config.consumer_regs, PINGPONG=config.pingpong, HOLD_SCHEDULE=config.hold_schedule,
-                      RESCALE_SKIP=config.rescale_threshold > 0.0, num_warps=4)
+    constexprs = kernel_constexprs(config, causal, config.rescale_threshold)
     return _compile_gluon(kernel or attn_fwd_hopper_kernel, signature, constexprs)
 
 

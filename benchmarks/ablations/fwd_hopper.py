@@ -48,6 +48,10 @@ after session 17's level reading) +1.7% / +2.1% at 16x1024 in one call, level / 
 0-1.3% slower. Prepared for the next run (compiled offline): "causal mask by column residues" (no column registers
 held across the loop), FA4's d64 causal shape with and without it ("three consumers at d64 causal per tile ...") and
 "one program per tile at d64 causal".
+Twentieth session (kernel time, --rounds 3, as is / variant): the causal mask by column residues +4.3% at d256
+causal (685.1 / 714.7), +1.1% at 16x1024 causal, +0.2% / +1.8% at 4x4096 / 1x16384 causal, -3.9% at d64 causal (442.3
+/ 425.2): in the table at d128 and d256 (configs.HopperFwdConfig.mask_by_residues; "causal mask by plain columns"
+prices it). FA4's d64 causal shape 415.0-415.3, one program per tile at d64 causal 409.0: slower.
 """
 
 MODULE = "flashtriton/kernels/fwd_hopper.py"
@@ -136,19 +140,6 @@ _DOUBLE_Q = [
 ]
 
 
-# the causal mask compared by column residues: the key-block loop compares each key column with its row's last key,
-# and LLVM hoists the loop-invariant columns out of the loop, which keeps the BLOCK_N / 4 distinct columns of a
-# thread live in registers across it (offline SASS: the ISETPs compare registers, and those registers are what the
-# three-consumer d64 causal kernel spills: 38 local accesses in its loops). column <= last key is written as
-# column % 8 <= last key - column // 8 * 8: two residues per thread (a thread's columns are 2 (lane % 4) + 8 k +
-# {0, 1}) and an immediate per element. Offline: no loop spills with three consumers at d64 causal (5256
-# instructions, stack 0 against 64), d128 causal's 24 bytes of stack gone; causal loops 12-34 instructions longer
-_MASK_BY_COLUMN_RESIDUE = [
-    ("""            visible = gl.expand_dims(gl.arange(0, BLOCK_N, col_s), 0) <= gl.expand_dims(row_last_key, 1)""",
-     """            columns = gl.arange(0, BLOCK_N, col_s)
-            visible = gl.expand_dims(columns % 8, 0) <= gl.expand_dims(row_last_key, 1) - gl.expand_dims(columns // 8 * 8, 0)""")]
-
-
 def _both(head_dim: int, **fields) -> dict:
     """CONFIGS entries changing configs.HOPPER_FWD's causal and non-causal entry of a head dim alike."""
     return {(head_dim, False): fields, (head_dim, True): fields}
@@ -174,7 +165,12 @@ CONFIGS = {"in-order with 128-key blocks at d256": {"HOPPER_FWD": _both(256, blo
            "persistent grid at d256": {"HOPPER_FWD": _both(256, persistent=True)},
            "three consumers at d64 causal per tile": _FA4_D64_CAUSAL,
            "one program per tile at d64 causal": {"HOPPER_FWD": {(64, True): dict(persistent=False)}},
-           "three consumers at d64 causal per tile by column residues": _FA4_D64_CAUSAL}
+           "three consumers at d64 causal per tile by column residues": {
+               "HOPPER_FWD": {(64, True): dict(consumers=3, consumer_regs=160, persistent=False,
+                                               mask_by_residues=True)}},
+           "causal mask by plain columns": {"HOPPER_FWD": {(128, True): dict(mask_by_residues=False),
+                                                           (256, True): dict(mask_by_residues=False)}},
+           "causal mask by column residues at d64": {"HOPPER_FWD": {(64, True): dict(mask_by_residues=True)}}}
 
 # dead code in the key-block loop: a block of fused multiply-adds on the row sums behind a branch that is never taken
 # (a row sum is never negative), so each key block executes two instructions more while the loop's code grows by
@@ -241,8 +237,8 @@ VARIANTS = {
     # consumer; kernels 5384 -> 5184 instructions at d64, 4088 -> 3944 at d128, 3664 -> 3592 at d256 (causal
     # unchanged). Same results; does the code size buy time again (the loop's mask code cost 4.7% at d64)?
     "non-causal mask without the row condition": [
-        ("""            visible = gl.expand_dims(gl.arange(0, BLOCK_N, col_s), 0) <= gl.expand_dims(row_last_key, 1)
-        else:""", """            visible = gl.expand_dims(gl.arange(0, BLOCK_N, col_s), 0) <= gl.expand_dims(row_last_key, 1)
+        ("""                visible = gl.expand_dims(columns, 0) <= gl.expand_dims(row_last_key, 1)
+        else:""", """                visible = gl.expand_dims(columns, 0) <= gl.expand_dims(row_last_key, 1)
             s = gl.where(visible, s, float("-inf"))
         else:"""),
         ("""            visible = gl.expand_dims(offs_n < seqlen_k, 0) & gl.expand_dims(offs_m >= 0, 1)
@@ -292,8 +288,12 @@ VARIANTS = {
     # masked path: the causal loop holds the mask code), the two-consumer one none
     "three consumers at d64 causal per tile": [],
     "one program per tile at d64 causal": [],
-    "causal mask by column residues": _MASK_BY_COLUMN_RESIDUE,
-    "three consumers at d64 causal per tile by column residues": _MASK_BY_COLUMN_RESIDUE,
+    # the causal mask compared by column residues (prepared in the nineteenth session, in the kernel since the
+    # twentieth as configs.HopperFwdConfig.mask_by_residues: at d128 / d256, where it won; kernels/fwd_hopper.
+    # _mask_block), FA4's d64 causal shape with it, and its opposites (CONFIGS)
+    "three consumers at d64 causal per tile by column residues": [],
+    "causal mask by plain columns": [],
+    "causal mask by column residues at d64": [],
     # one release per key block: K's stage is handed back with V's (after P V), not after S, so each consumer
     # iteration has one mbarrier arrival fewer, and the producer loads K of load l only once V of load l - STAGES is
     # released (correct results; prefetch one wgmma later)

@@ -153,11 +153,15 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
 
 
 @gluon.jit
-def _mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s: gl.constexpr):
+def _mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s: gl.constexpr):
     """s [ROWS, BLOCK_N] of key block j (query rows offs_m [ROWS] from row0) with keys past seqlen_k (and, causal,
     past each row's last key: bottom-right aligned) set to -inf; blocks that need neither come back untouched without
     any mask arithmetic. Causal blocks compare each key with its row's last visible key (the diagonal and seqlen_k
-    in one bound): one comparison per element (16x1024 causal: 376 -> 412 TF/s, docs/perf-notes.md)."""
+    in one bound): one comparison per element (16x1024 causal: 376 -> 412 TF/s, docs/perf-notes.md).
+    residues: (0, ) or () (configs.HopperFwdConfig.mask_by_residues): column <= last key compared as column % 8 <=
+    last key - column // 8 * 8. A thread's columns are 2 (lane % 4) + 8 k + {0, 1}: two residues per thread and an
+    immediate per element, where the plain comparison keeps the thread's BLOCK_N / 4 loop-invariant columns in
+    registers across the key-block loop (LLVM hoists them; spilled at d128 causal). Same mask either way."""
     BLOCK_N: gl.constexpr = s.shape[1]
     n_end = (j + 1) * BLOCK_N
     # the last key the tile's first row (row0) sees under the causal mask
@@ -166,8 +170,15 @@ def _mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s: gl.conste
         if causal != 0:
             # [ROWS] each row's last visible key, moved into the block
             row_last_key = gl.minimum(offs_m + (seqlen_k - seqlen_q), seqlen_k - 1) - j * BLOCK_N
-            # [ROWS, BLOCK_N]
-            visible = gl.expand_dims(gl.arange(0, BLOCK_N, col_s), 0) <= gl.expand_dims(row_last_key, 1)
+            # [BLOCK_N] the block's columns
+            columns = gl.arange(0, BLOCK_N, col_s)
+            if len(residues) > 0:
+                # [ROWS, BLOCK_N]
+                visible = (gl.expand_dims(columns % 8, 0)
+                           <= gl.expand_dims(row_last_key, 1) - gl.expand_dims(columns // 8 * 8, 0))
+            else:
+                # [ROWS, BLOCK_N]
+                visible = gl.expand_dims(columns, 0) <= gl.expand_dims(row_last_key, 1)
         else:
             # [BLOCK_N] keys of this block
             offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, col_s)
@@ -265,7 +276,7 @@ def _pass_turn(turns):
 
 @gluon.jit
 def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, release_q, first_load, n_blocks, row0,
-                offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, fences, lag,
+                offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, fences, lag, residues,
                 acc_layout: gl.constexpr):
     """One consumer's pass over a work item's key blocks (the program's loads first_load, first_load + 1, ...) for
     its Q tile q [ROWS, HEAD_DIM] (shared memory), the last key block first: step j visits block n_blocks - 1 - j.
@@ -277,7 +288,8 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     step j S_j and P_{j-1} V_{j-1} issued together, softmax j while P_{j-1} V_{j-1} runs (where fences hold the
     schedule; else ptxas waits for P V first), then P_j's operand and the rescale. Arrives on q_free (if release_q)
     once its last S wgmma completed. With ping-pong the S_0 issue and each block's S_j + P_{j-1} V_{j-1} issue are
-    steps first_load, first_load + 1, ... of _wait_turn (both consumers count the same loads). lag: _softmax_block's.
+    steps first_load, first_load + 1, ... of _wait_turn (both consumers count the same loads). lag: _softmax_block's;
+    residues: _mask_block's.
     Returns the unnormalized output [ROWS, HEAD_DIM], the running max (log2 units) and the row sum [ROWS]."""
     ROWS: gl.constexpr = q.shape[0]
     STAGES: gl.constexpr = k_smem.shape[0]
@@ -304,8 +316,8 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     s = warpgroup_mma_wait(0, deps=(s, ))
     arrive_after_wgmma(k_empty.index(stage))
     # [ROWS, BLOCK_N] probabilities of the block whose P.V is pending
-    p, m_i, l_i, alpha = _softmax_block(_mask_block(s, n_blocks - 1, row0, offs_m, seqlen_q, seqlen_k, causal, col_s),
-                                        m_i, l_i, qk_scale_log2, lag)
+    s = _mask_block(s, n_blocks - 1, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
+    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)
     # [ROWS, BLOCK_N] the wgmma's A operand, made where the softmax ends: only these half-width registers stay live
     # across the next S issue (fp32 p live there pushed ptxas to wait for P V before the softmax, serializing them)
     p = _operand_of(p, q.dtype, p_layout)
@@ -324,7 +336,8 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         s = warpgroup_mma_wait(1, deps=(s, ))
         arrive_after_wgmma(k_empty.index(stage))
         if causal != 0:
-            s = _mask_block(s, n_blocks - 1 - j, row0, offs_m, seqlen_q, seqlen_k, causal, col_s)
+            s = _mask_block(s, n_blocks - 1 - j, row0, offs_m, seqlen_q, seqlen_k, causal, residues,
+                                col_s)
         p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)
         _hold_schedule(fences)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
@@ -341,8 +354,8 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
 
 @gluon.jit
 def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, k_smem, v_smem, k_ready, v_ready,
-              k_empty, v_empty, team, fences, lag, stride_lse_b, stride_lse_h, num_heads, num_tiles, num_batch_heads,
-              heads_per_group, seqlen_q, seqlen_k, qk_scale_log2, causal, o_in_q, paired):
+              k_empty, v_empty, team, fences, lag, residues, stride_lse_b, stride_lse_h, num_heads, num_tiles,
+              num_batch_heads, heads_per_group, seqlen_q, seqlen_k, qk_scale_log2, causal, o_in_q, paired):
     """One warpgroup: query rows [m_start + row_offset, + ROWS) of every tile of this program. Per tile: wait
     for its Q tile (q_tile [1, ROWS, 1, HEAD_DIM], shared), run the key blocks, normalize, store the natural-log
     LSE and O (through o_tile by TMA, which clips rows past seqlen_q). q_empty tells the producer that q_tile may
@@ -350,7 +363,7 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
     Rows that saw no key: out 0, lse +inf (API.md §4.5). team: one entry per consumer of the program (a tile has
     len(team) * ROWS rows; a tuple's length reaches partitions where a constexpr does not). turns: the ping-pong
     barriers (_wait_turn), this consumer's first, or (); the first consumer (row_offset 0) leads. fences:
-    _hold_schedule's; lag: _softmax_block's."""
+    _hold_schedule's; lag: _softmax_block's; residues: _mask_block's."""
     ROWS: gl.constexpr = q_tile.shape[1]
     TILE_ROWS: gl.constexpr = len(team) * ROWS
     BLOCK_N: gl.constexpr = k_smem.shape[2]
@@ -377,7 +390,7 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
             mbarrier.wait(q_ready, done & 1)
             acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,
                                         load, n_blocks, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal,
-                                        turns, lead, fences, lag, acc_layout)
+                                        turns, lead, fences, lag, residues, acc_layout)
             seen = l_i > 0.0
             # [ROWS] the row sums, 1 for rows that saw no key
             row_sum = gl.where(seen, l_i, 1.0)
@@ -415,7 +428,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
                            group_size, seqlen_q, seqlen_k, heads_per_group, paired, qk_scale_log2,
                            rescale_threshold, CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, HOLD_SCHEDULE: gl.constexpr,
-                           RESCALE_SKIP: gl.constexpr, num_warps: gl.constexpr):
+                           RESCALE_SKIP: gl.constexpr, MASK_BY_RESIDUES: gl.constexpr, num_warps: gl.constexpr):
     """Work items: query tiles of CONSUMERS * 64 rows of every (batch, head), longest first, in launch-order groups of
     heads_per_group (batch, head) pairs like kernels/fwd.py, or with `paired` (1) pairs of tiles of equal total
     length (_item_tiles); program p takes items p, p + P, p + 2P, ... of a grid of P programs (one per item, or
@@ -424,7 +437,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
     producer (1 warp) are worker partitions. PINGPONG (two consumers): they issue their wgmmas in alternation
     (_wait_turn).
     RESCALE_SKIP: the max lags by up to rescale_threshold (log2 units) and unmoved warps skip the output rescale
-    (_softmax_block, _rescale)."""
+    (_softmax_block, _rescale). MASK_BY_RESIDUES: how a causal block's mask compares columns (_mask_block)."""
     ROWS: gl.constexpr = CONSUMER_ROWS
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
@@ -477,6 +490,11 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
         lag = (rescale_threshold, )
     else:
         lag = ()
+    # _mask_block's causal comparison by column residues, or () for the plain one (a tuple's length again)
+    if MASK_BY_RESIDUES:
+        residues = (0, )
+    else:
+        residues = ()
     for stage in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(stage), count=1)
         mbarrier.init(v_ready.index(stage), count=1)
@@ -485,9 +503,9 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
     # constexprs arrive in partitions as plain ints (Triton 3.6): the flags travel as tensors
     causal = gl.to_tensor(CAUSAL).to(gl.int32)
     o_in_q = gl.to_tensor(O_IN_Q).to(gl.int32)
-    common = (o_desc, Lse, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, team, fences, lag, stride_lse_b,
-              stride_lse_h, num_heads, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, qk_scale_log2,
-              causal, o_in_q, paired)
+    common = (o_desc, Lse, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, team, fences, lag, residues,
+              stride_lse_b, stride_lse_h, num_heads, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k,
+              qk_scale_log2, causal, o_in_q, paired)
     producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k,
                      causal, paired)

@@ -90,6 +90,14 @@ def grid(num_tiles: int, batch_heads: int, config, causal: bool, device: torch.d
     return (programs if PROGRAMS_CAP is None else min(programs, PROGRAMS_CAP)), paired
 
 
+def kernel_constexprs(config, causal: bool, threshold: float) -> dict:
+    """attn_fwd_hopper_kernel's compile-time arguments for `config` (configs.HOPPER_FWD) and the rescale threshold
+    (configs.hopper_rescale_threshold; tools/offline_compile builds the same kernel)."""
+    return dict(CAUSAL=causal, STAGES=config.stages, CONSUMERS=config.consumers, CONSUMER_REGS=config.consumer_regs,
+                PINGPONG=config.pingpong, HOLD_SCHEDULE=config.hold_schedule, RESCALE_SKIP=threshold > 0.0,
+                MASK_BY_RESIDUES=config.mask_by_residues, num_warps=4)
+
+
 def launch(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
            heads_per_group: int) -> None:
     """Run the Gluon forward into out (B, Sq, H, D) and lse (fp32, rows contiguous, strides lse_strides)."""
@@ -104,7 +112,5 @@ def launch(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: in
         tile_descriptor(q, CONSUMER_ROWS.value), tile_descriptor(k, config.block_n),
         tile_descriptor(v, config.block_n), tile_descriptor(out, CONSUMER_ROWS.value), lse, *lse_strides, batch,
         num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, heads_per_group, int(paired),
-        params.kernel_args()[0], threshold, CAUSAL=params.causal_like, STAGES=config.stages,
-        CONSUMERS=config.consumers, CONSUMER_REGS=config.consumer_regs, PINGPONG=config.pingpong,
-        HOLD_SCHEDULE=config.hold_schedule, RESCALE_SKIP=threshold > 0.0, num_warps=4)
+        params.kernel_args()[0], threshold, **kernel_constexprs(config, params.causal_like, threshold))
     launch_count += 1
