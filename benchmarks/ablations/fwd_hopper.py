@@ -294,6 +294,24 @@ VARIANTS = {
     "three consumers at d64 causal per tile by column residues": [],
     "causal mask by plain columns": [],
     "causal mask by column residues at d64": [],
+    # twentieth session: the row max in one dependent chain per thread, as Triton 3.6 reduces (ncu at 16x1024: the
+    # chain's FMNMX carried 11% of the consumer loop's stall samples, "wait"), against kernels/fwd_hopper._row_max's
+    # tree; and the row sums as the same kind of tree (their FADD chain interleaves with the exp2s, which pace it)
+    "row max in one chain": [("    m_block = _row_max(s) * qk_scale_log2", "    m_block = gl.max(s, 1) * qk_scale_log2")],
+    "row sums as a tree": [
+        ("@gluon.jit\ndef _softmax_block(", """@gluon.jit
+def _row_sum(p):
+    ROWS: gl.constexpr = p.shape[0]
+    BLOCK_N: gl.constexpr = p.shape[1]
+    level = gl.sum(p.reshape([ROWS, BLOCK_N // 8, 4, 2]), 3)
+    for _ in gl.static_range(BLOCK_N.bit_length() - 4):
+        level = gl.sum(level.reshape([ROWS, 2, level.shape[1] // 2, 4]), 1)
+    return gl.convert_layout(gl.sum(level.reshape([ROWS, 4]), 1), gl.SliceLayout(1, p.type.layout))
+
+
+@gluon.jit
+def _softmax_block("""),
+        ("    l_i = l_i * alpha + gl.sum(p, 1)", "    l_i = l_i * alpha + _row_sum(p)")],
     # one release per key block: K's stage is handed back with V's (after P V), not after S, so each consumer
     # iteration has one mbarrier arrival fewer, and the producer loads K of load l only once V of load l - STAGES is
     # released (correct results; prefetch one wgmma later)

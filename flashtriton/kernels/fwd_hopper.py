@@ -189,6 +189,23 @@ def _mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s:
 
 
 @gluon.jit
+def _row_max(s):
+    """[ROWS] max of each row of s [ROWS, BLOCK_N] (the wgmma accumulator layout) as a tree: Triton 3.6 reduces a
+    thread's elements in one dependent chain (BLOCK_N / 2 FMNMX per row, the two rows of a thread one after the
+    other: 64 in a row at BLOCK_N 128, the loop's largest source of fixed-latency stalls under ncu), so the columns'
+    register bits are split off as axes of length 2 and reduced one level at a time, each level's maxima
+    independent of each other; the lanes' bits (column = 8 k + 2 (lane % 4) + e) last, by shuffles."""
+    ROWS: gl.constexpr = s.shape[0]
+    BLOCK_N: gl.constexpr = s.shape[1]
+    # [ROWS, BLOCK_N // 8, 4] the maxima of column pairs (e)
+    level = gl.max(s.reshape([ROWS, BLOCK_N // 8, 4, 2]), 3)
+    for _ in gl.static_range(BLOCK_N.bit_length() - 4):
+        # [ROWS, K // 2, 4] the maxima of k and k + K // 2 (K = level.shape[1])
+        level = gl.max(level.reshape([ROWS, 2, level.shape[1] // 2, 4]), 1)
+    return gl.convert_layout(gl.max(level.reshape([ROWS, 4]), 1), gl.SliceLayout(1, s.type.layout))
+
+
+@gluon.jit
 def _softmax_block(s, m_i, l_i, qk_scale_log2, lag):
     """Online softmax step of one masked score block s [ROWS, BLOCK_N]: probabilities (scale folded into the exp2
     argument), the new running max (log2 units) and row sum, and alpha, the factor that rescales what was
@@ -196,7 +213,7 @@ def _softmax_block(s, m_i, l_i, qk_scale_log2, lag):
     (threshold, ): the A-1 rescale skip (kernels/fwd.py's): a row's max moves only when a block raises it by more
     than threshold (log2 units), else alpha is exactly 1 and p stays below 2^threshold; O, the row sum and the LSE
     share the lagging base, so the result is exact."""
-    m_block = gl.max(s, 1) * qk_scale_log2
+    m_block = _row_max(s) * qk_scale_log2
     if len(lag) > 0:
         m_new = gl.where(m_block > m_i + lag[0], m_block, m_i)
     else:
