@@ -243,6 +243,10 @@ L2_GROUP_BYTES = {False: 0, True: 16 << 20}
 # / residues): d128 16x1024 causal 455.9 / 461.1, 4x4096 646.1 / 647.2, 1x16384 653.6 / 665.1 (+-2%); d256 causal
 # 685.1 / 714.7; d64 causal 442.3 / 425.2: by residues at d128 and d256 only. In the same call FA4's d64 causal shape
 # (three consumers, one program per tile) read 415.0-415.3 and one program per tile alone 409.0: neither taken.
+# The row max as a tree (ablations/fwd_hopper.py "row max in one chain" against it, kernel time, --rounds 3, tree /
+# chain): d128 16x1024 634.5 / 629.4 (+-0.1%), 4x4096 702.9 / 693.2 (+-3%), 1x16384 653.5 / 650.1 (+-3%); causal
+# 485.9 / 489.0, 652.8 / 660.3, 661.6 / 649.9; d64 515.7 / 539.9 and causal 412.6 / 438.3; d256 752.3 / 760.5 and
+# causal 722.4 / 726.1: a tree at d128 non-causal only. The row sums as a tree too: -1.5 to +1.7%, not taken.
 @dataclass(frozen=True)
 class HopperFwdConfig:
     block_n: int         # keys per K/V stage
@@ -254,6 +258,7 @@ class HopperFwdConfig:
     rescale_threshold: float = 0.0  # the A-1 rescale skip's (log2 units; kernels/fwd_hopper._rescale), 0: none
     consumers: int = 2   # consumer warpgroups of 64 query rows: a tile has 64 * consumers rows
     mask_by_residues: bool = False  # causal mask compared by column residues (kernels/fwd_hopper._mask_block)
+    row_max_tree: bool = False  # the softmax's row max as a tree, not Triton's chain (kernels/fwd_hopper._row_max)
 
     def __post_init__(self):
         if self.consumers not in (2, 3):
@@ -268,7 +273,8 @@ _HOPPER_FWD_D256 = HopperFwdConfig(64, 2, 232, hold_schedule=True, rescale_thres
 # keyed by (head dim, causal)
 HOPPER_FWD = {(64, False): HopperFwdConfig(128, 2, 160, persistent=True, consumers=3),
               (64, True): HopperFwdConfig(128, 2, 232, persistent=True),
-              (128, False): _HOPPER_FWD_D128, (128, True): replace(_HOPPER_FWD_D128, mask_by_residues=True),
+              (128, False): replace(_HOPPER_FWD_D128, row_max_tree=True),
+              (128, True): replace(_HOPPER_FWD_D128, mask_by_residues=True),
               (256, False): replace(_HOPPER_FWD_D256, persistent=True),
               (256, True): replace(_HOPPER_FWD_D256, mask_by_residues=True)}
 HOPPER_FWD_HEAD_DIMS = tuple(sorted({head_dim for head_dim, _ in HOPPER_FWD}))

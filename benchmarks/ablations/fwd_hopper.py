@@ -170,7 +170,11 @@ CONFIGS = {"in-order with 128-key blocks at d256": {"HOPPER_FWD": _both(256, blo
                                                mask_by_residues=True)}},
            "causal mask by plain columns": {"HOPPER_FWD": {(128, True): dict(mask_by_residues=False),
                                                            (256, True): dict(mask_by_residues=False)}},
-           "causal mask by column residues at d64": {"HOPPER_FWD": {(64, True): dict(mask_by_residues=True)}}}
+           "causal mask by column residues at d64": {"HOPPER_FWD": {(64, True): dict(mask_by_residues=True)}},
+           "row max in one chain": {"HOPPER_FWD": {(128, False): dict(row_max_tree=False)}},
+           "row max as a tree everywhere": {"HOPPER_FWD": {key: dict(row_max_tree=True) for key in
+                                                           ((64, False), (64, True), (128, True), (256, False),
+                                                            (256, True))}}}
 
 # dead code in the key-block loop: a block of fused multiply-adds on the row sums behind a branch that is never taken
 # (a row sum is never negative), so each key block executes two instructions more while the loop's code grows by
@@ -277,9 +281,9 @@ VARIANTS = {
     # iteration (offline SASS, every table entry: it goes only when all of the loop's mbarrier waits and arrivals
     # go); a second one per iteration, after the softmax, prices what removing it could buy
     "second warpgroup barrier per key block": [
-        ("        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)\n"
+        ("        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag, tree)\n"
          "        _hold_schedule(fences)\n",
-         "        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)\n        gl.thread_barrier()\n"
+         "        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag, tree)\n        gl.thread_barrier()\n"
          "        _hold_schedule(fences)\n")],
     # prepared in the nineteenth session (config only): FA4's d64 causal shape, three MMA warpgroups (192-row tiles)
     # on a grid of one program per tile (ncu: FA4 594 us against our 637 at 4x4096x32x64 causal); three consumers
@@ -296,8 +300,12 @@ VARIANTS = {
     "causal mask by column residues at d64": [],
     # twentieth session: the row max in one dependent chain per thread, as Triton 3.6 reduces (ncu at 16x1024: the
     # chain's FMNMX carried 11% of the consumer loop's stall samples, "wait"), against kernels/fwd_hopper._row_max's
-    # tree; and the row sums as the same kind of tree (their FADD chain interleaves with the exp2s, which pace it)
-    "row max in one chain": [("    m_block = _row_max(s) * qk_scale_log2", "    m_block = gl.max(s, 1) * qk_scale_log2")],
+    # tree (configs.HopperFwdConfig.row_max_tree: at d128 non-causal, the only place it won; CONFIGS); and the row
+    # sums as the same kind of tree (their FADD chain interleaves with the exp2s, which pace it). First run: the tree
+    # +0.8% at 16x1024, +1.4% / +0.5% at 4x4096 / 1x16384 (spread +-3%), -5% / -6% at d64, -0.5 to -1.1% at d256, causal
+    # d128 -1.1% to +1.8%; the sums as a tree -1.5 to +1.7%
+    "row max in one chain": [],
+    "row max as a tree everywhere": [],
     "row sums as a tree": [
         ("@gluon.jit\ndef _softmax_block(", """@gluon.jit
 def _row_sum(p):
@@ -312,10 +320,18 @@ def _row_sum(p):
 @gluon.jit
 def _softmax_block("""),
         ("    l_i = l_i * alpha + gl.sum(p, 1)", "    l_i = l_i * alpha + _row_sum(p)")],
+    # twentieth session: the producer's order before it, each tile's Q tiles ahead of its first K (kernels/fwd_hopper.
+    # _producer: Q waits for the consumers' last S of the previous tile, the first K only for their second-to-last)
+    "Q before the first K": [
+        ("            _load_stage(k_desc, k_smem, k_ready, k_empty, load, batch, n_blocks - 1, head_k)\n"
+         "            for consumer in gl.static_range(CONSUMERS):", "            for consumer in gl.static_range(CONSUMERS):"),
+        ("            _load_stage(v_desc, v_smem, v_ready, v_empty, load, batch, n_blocks - 1, head_k)\n",
+         "            _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch,\n"
+         "                            n_blocks - 1, head_k)\n")],
     # one release per key block: K's stage is handed back with V's (after P V), not after S, so each consumer
     # iteration has one mbarrier arrival fewer, and the producer loads K of load l only once V of load l - STAGES is
     # released (correct results; prefetch one wgmma later)
     "one release per key block": [("arrive_after_wgmma(k_empty.index(stage))", "pass"),
-                                  ("mbarrier.wait(k_empty.index(stage), previous_use_phase, pred=load >= STAGES)",
-                                   "mbarrier.wait(v_empty.index(stage), previous_use_phase, pred=load >= STAGES)")],
+                                  ("_load_stage(k_desc, k_smem, k_ready, k_empty, load",
+                                   "_load_stage(k_desc, k_smem, k_ready, v_empty, load")],
 }

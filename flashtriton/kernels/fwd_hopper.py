@@ -98,33 +98,36 @@ def _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, causa
 
 
 @gluon.jit
-def _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch, block, head_k):
-    """The producer's load number `load`: K and V of key block `block` ([STAGES, 1, BLOCK_N, 1, HEAD_DIM] stages)
-    into stage load % STAGES, each once every consumer released that stage's previous K (resp. V), landing on
-    k_ready / v_ready (TMA transaction bytes)."""
-    STAGES: gl.constexpr = k_smem.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.shape[2]
-    HEAD_DIM: gl.constexpr = k_smem.shape[4]
-    kv_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * k_desc.dtype.primitive_bitwidth // 8
+def _load_stage(desc, smem, ready, empty, load, batch, block, head_k):
+    """The producer's load number `load` of K or V (desc, smem [STAGES, 1, BLOCK_N, 1, HEAD_DIM]): key block
+    `block` into stage load % STAGES once every consumer released that stage's previous tile, landing on ready
+    (TMA transaction bytes)."""
+    STAGES: gl.constexpr = smem.shape[0]
+    BLOCK_N: gl.constexpr = smem.shape[2]
+    HEAD_DIM: gl.constexpr = smem.shape[4]
+    tile_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * desc.dtype.primitive_bitwidth // 8
     stage = load % STAGES
-    previous_use_phase = ((load // STAGES) - 1) & 1
-    mbarrier.wait(k_empty.index(stage), previous_use_phase, pred=load >= STAGES)
-    mbarrier.expect(k_ready.index(stage), kv_bytes)
-    tma.async_copy_global_to_shared(k_desc, [batch, block * BLOCK_N, head_k, 0], k_ready.index(stage),
-                                    k_smem.index(stage))
-    mbarrier.wait(v_empty.index(stage), previous_use_phase, pred=load >= STAGES)
-    mbarrier.expect(v_ready.index(stage), kv_bytes)
-    tma.async_copy_global_to_shared(v_desc, [batch, block * BLOCK_N, head_k, 0], v_ready.index(stage),
-                                    v_smem.index(stage))
+    mbarrier.wait(empty.index(stage), ((load // STAGES) - 1) & 1, pred=load >= STAGES)
+    mbarrier.expect(ready.index(stage), tile_bytes)
+    tma.async_copy_global_to_shared(desc, [batch, block * BLOCK_N, head_k, 0], ready.index(stage), smem.index(stage))
+
+
+@gluon.jit
+def _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch, block, head_k):
+    """K, then V, of key block `block` as the producer's load number `load` (_load_stage)."""
+    _load_stage(k_desc, k_smem, k_ready, k_empty, load, batch, block, head_k)
+    _load_stage(v_desc, v_smem, v_ready, v_empty, load, batch, block, head_k)
 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, causal, paired):
-    """One warp, per tile of this program's work items: the consumers' Q tiles (q_smem [CONSUMERS, 1, ROWS, 1,
-    HEAD_DIM]) once each consumer released its previous one, then K and V of the tile's key blocks; the program's
-    load number l (counted across tiles) goes to stage l % STAGES once every consumer freed that stage's K (resp.
-    V)."""
+    """One warp, per tile of this program's work items: K of the tile's first key block, the consumers' Q tiles (q_smem
+    [CONSUMERS, 1, ROWS, 1, HEAD_DIM]) once each consumer released its previous one, then V of the first block and K
+    and V of the others; the program's load number l (counted across tiles) goes to stage l % STAGES once every
+    consumer freed that stage's K (resp. V). The first K goes ahead of Q: its stage is free once the previous tile's
+    second-to-last S is done, Q's only after its last S (loaded after the Q tiles it waited for both consumers' last
+    S, and the tile's first S for its landing: ncu at 16x1024, the largest wait at a tile's start)."""
     CONSUMERS: gl.constexpr = q_smem.shape[0]
     ROWS: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
@@ -139,16 +142,18 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
             batch, head, m_start, n_blocks = _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k,
                                                         causal, CONSUMERS * ROWS, BLOCK_N)
             head_k = head // group_size
+            # key blocks from the last to the first (_key_blocks)
+            _load_stage(k_desc, k_smem, k_ready, k_empty, load, batch, n_blocks - 1, head_k)
             for consumer in gl.static_range(CONSUMERS):
                 mbarrier.wait(q_empty.index(consumer), (done - 1) & 1, pred=done > 0)
                 mbarrier.expect(q_ready.index(consumer), q_bytes)
                 tma.async_copy_global_to_shared(q_desc, [batch, m_start + consumer * ROWS, head, 0],
                                                 q_ready.index(consumer), q_smem.index(consumer))
-            # key blocks from the last to the first (_key_blocks)
-            for j in range(n_blocks):
-                _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch,
+            _load_stage(v_desc, v_smem, v_ready, v_empty, load, batch, n_blocks - 1, head_k)
+            for j in range(1, n_blocks):
+                _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load + j, batch,
                                 n_blocks - 1 - j, head_k)
-                load += 1
+            load += n_blocks
             done += 1
 
 
@@ -206,14 +211,18 @@ def _row_max(s):
 
 
 @gluon.jit
-def _softmax_block(s, m_i, l_i, qk_scale_log2, lag):
+def _softmax_block(s, m_i, l_i, qk_scale_log2, lag, tree):
     """Online softmax step of one masked score block s [ROWS, BLOCK_N]: probabilities (scale folded into the exp2
     argument), the new running max (log2 units) and row sum, and alpha, the factor that rescales what was
     accumulated before. Rows that have seen no key yet keep max -inf and get p = 0, alpha = 0. lag: () or
     (threshold, ): the A-1 rescale skip (kernels/fwd.py's): a row's max moves only when a block raises it by more
     than threshold (log2 units), else alpha is exactly 1 and p stays below 2^threshold; O, the row sum and the LSE
-    share the lagging base, so the result is exact."""
-    m_block = _row_max(s) * qk_scale_log2
+    share the lagging base, so the result is exact. tree: (0, ) or (): the row max by _row_max or by Triton's own
+    reduction (configs.HopperFwdConfig.row_max_tree)."""
+    if len(tree) > 0:
+        m_block = _row_max(s) * qk_scale_log2
+    else:
+        m_block = gl.max(s, 1) * qk_scale_log2
     if len(lag) > 0:
         m_new = gl.where(m_block > m_i + lag[0], m_block, m_i)
     else:
@@ -293,7 +302,7 @@ def _pass_turn(turns):
 
 @gluon.jit
 def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, release_q, first_load, n_blocks, row0,
-                offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, fences, lag, residues,
+                offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, fences, lag, tree, residues,
                 acc_layout: gl.constexpr):
     """One consumer's pass over a work item's key blocks (the program's loads first_load, first_load + 1, ...) for
     its Q tile q [ROWS, HEAD_DIM] (shared memory), the last key block first: step j visits block n_blocks - 1 - j.
@@ -305,8 +314,8 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     step j S_j and P_{j-1} V_{j-1} issued together, softmax j while P_{j-1} V_{j-1} runs (where fences hold the
     schedule; else ptxas waits for P V first), then P_j's operand and the rescale. Arrives on q_free (if release_q)
     once its last S wgmma completed. With ping-pong the S_0 issue and each block's S_j + P_{j-1} V_{j-1} issue are
-    steps first_load, first_load + 1, ... of _wait_turn (both consumers count the same loads). lag: _softmax_block's;
-    residues: _mask_block's.
+    steps first_load, first_load + 1, ... of _wait_turn (both consumers count the same loads). lag, tree:
+    _softmax_block's; residues: _mask_block's.
     Returns the unnormalized output [ROWS, HEAD_DIM], the running max (log2 units) and the row sum [ROWS]."""
     ROWS: gl.constexpr = q.shape[0]
     STAGES: gl.constexpr = k_smem.shape[0]
@@ -334,7 +343,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     arrive_after_wgmma(k_empty.index(stage))
     # [ROWS, BLOCK_N] probabilities of the block whose P.V is pending
     s = _mask_block(s, n_blocks - 1, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
-    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)
+    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag, tree)
     # [ROWS, BLOCK_N] the wgmma's A operand, made where the softmax ends: only these half-width registers stay live
     # across the next S issue (fp32 p live there pushed ptxas to wait for P V before the softmax, serializing them)
     p = _operand_of(p, q.dtype, p_layout)
@@ -355,7 +364,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         if causal != 0:
             s = _mask_block(s, n_blocks - 1 - j, row0, offs_m, seqlen_q, seqlen_k, causal, residues,
                                 col_s)
-        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)
+        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag, tree)
         _hold_schedule(fences)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         arrive_after_wgmma(v_empty.index(previous))
@@ -371,7 +380,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
 
 @gluon.jit
 def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, k_smem, v_smem, k_ready, v_ready,
-              k_empty, v_empty, team, fences, lag, residues, stride_lse_b, stride_lse_h, num_heads, num_tiles,
+              k_empty, v_empty, team, fences, lag, tree, residues, stride_lse_b, stride_lse_h, num_heads, num_tiles,
               num_batch_heads, heads_per_group, seqlen_q, seqlen_k, qk_scale_log2, causal, o_in_q, paired):
     """One warpgroup: query rows [m_start + row_offset, + ROWS) of every tile of this program. Per tile: wait
     for its Q tile (q_tile [1, ROWS, 1, HEAD_DIM], shared), run the key blocks, normalize, store the natural-log
@@ -380,7 +389,7 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
     Rows that saw no key: out 0, lse +inf (API.md §4.5). team: one entry per consumer of the program (a tile has
     len(team) * ROWS rows; a tuple's length reaches partitions where a constexpr does not). turns: the ping-pong
     barriers (_wait_turn), this consumer's first, or (); the first consumer (row_offset 0) leads. fences:
-    _hold_schedule's; lag: _softmax_block's; residues: _mask_block's."""
+    _hold_schedule's; lag, tree: _softmax_block's; residues: _mask_block's."""
     ROWS: gl.constexpr = q_tile.shape[1]
     TILE_ROWS: gl.constexpr = len(team) * ROWS
     BLOCK_N: gl.constexpr = k_smem.shape[2]
@@ -407,7 +416,7 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
             mbarrier.wait(q_ready, done & 1)
             acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,
                                         load, n_blocks, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal,
-                                        turns, lead, fences, lag, residues, acc_layout)
+                                        turns, lead, fences, lag, tree, residues, acc_layout)
             seen = l_i > 0.0
             # [ROWS] the row sums, 1 for rows that saw no key
             row_sum = gl.where(seen, l_i, 1.0)
@@ -445,7 +454,8 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
                            group_size, seqlen_q, seqlen_k, heads_per_group, paired, qk_scale_log2,
                            rescale_threshold, CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, HOLD_SCHEDULE: gl.constexpr,
-                           RESCALE_SKIP: gl.constexpr, MASK_BY_RESIDUES: gl.constexpr, num_warps: gl.constexpr):
+                           RESCALE_SKIP: gl.constexpr, MASK_BY_RESIDUES: gl.constexpr,
+                           ROW_MAX_TREE: gl.constexpr, num_warps: gl.constexpr):
     """Work items: query tiles of CONSUMERS * 64 rows of every (batch, head), longest first, in launch-order groups of
     heads_per_group (batch, head) pairs like kernels/fwd.py, or with `paired` (1) pairs of tiles of equal total
     length (_item_tiles); program p takes items p, p + P, p + 2P, ... of a grid of P programs (one per item, or
@@ -454,7 +464,8 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
     producer (1 warp) are worker partitions. PINGPONG (two consumers): they issue their wgmmas in alternation
     (_wait_turn).
     RESCALE_SKIP: the max lags by up to rescale_threshold (log2 units) and unmoved warps skip the output rescale
-    (_softmax_block, _rescale). MASK_BY_RESIDUES: how a causal block's mask compares columns (_mask_block)."""
+    (_softmax_block, _rescale). MASK_BY_RESIDUES: how a causal block's mask compares columns (_mask_block).
+    ROW_MAX_TREE: the softmax's row max as a tree (_row_max)."""
     ROWS: gl.constexpr = CONSUMER_ROWS
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
@@ -508,6 +519,11 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
     else:
         lag = ()
     # _mask_block's causal comparison by column residues, or () for the plain one (a tuple's length again)
+    # _softmax_block's row max as a tree (_row_max), or () for Triton's chain
+    if ROW_MAX_TREE:
+        tree = (0, )
+    else:
+        tree = ()
     if MASK_BY_RESIDUES:
         residues = (0, )
     else:
@@ -520,7 +536,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
     # constexprs arrive in partitions as plain ints (Triton 3.6): the flags travel as tensors
     causal = gl.to_tensor(CAUSAL).to(gl.int32)
     o_in_q = gl.to_tensor(O_IN_Q).to(gl.int32)
-    common = (o_desc, Lse, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, team, fences, lag, residues,
+    common = (o_desc, Lse, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, team, fences, lag, tree, residues,
               stride_lse_b, stride_lse_h, num_heads, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k,
               qk_scale_log2, causal, o_in_q, paired)
     producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,

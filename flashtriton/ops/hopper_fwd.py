@@ -95,7 +95,7 @@ def kernel_constexprs(config, causal: bool, threshold: float) -> dict:
     (configs.hopper_rescale_threshold; tools/offline_compile builds the same kernel)."""
     return dict(CAUSAL=causal, STAGES=config.stages, CONSUMERS=config.consumers, CONSUMER_REGS=config.consumer_regs,
                 PINGPONG=config.pingpong, HOLD_SCHEDULE=config.hold_schedule, RESCALE_SKIP=threshold > 0.0,
-                MASK_BY_RESIDUES=config.mask_by_residues, num_warps=4)
+                MASK_BY_RESIDUES=config.mask_by_residues, ROW_MAX_TREE=config.row_max_tree, num_warps=4)
 
 
 def launch(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
