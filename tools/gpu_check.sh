@@ -21,8 +21,8 @@ unset TRITON_INTERPRET
 out="${OUT:-gpu-check}"
 mkdir -p "$out"
 steps=",${1:-tests,reliability,decode},"
-default_fwd_variants="causal mask by column residues,three consumers at d64 causal per tile by column residues"
-default_fwd_variants+=",three consumers at d64 causal per tile,one program per tile at d64 causal"
+# the twentieth session's choices priced again (one reading each, or within noise)
+default_fwd_variants="row max in one chain,Q before the first K,causal mask by plain columns,three stages at d64"
 fwd_variants="${FWD_VARIANTS:-$default_fwd_variants}"
 
 step() {  # step NAME SECONDS COMMAND...

@@ -63,7 +63,9 @@ _MASK_EDITS = [
 # ablations/fwd_hopper.py: key % 8 <= row's last key - key // 8 * 8, so the block's key columns (hoisted out of the
 # consumers' loop by LLVM) need not stay in registers across it. Offline at d128 causal: 42 / 18 local-memory
 # accesses in the two consumers' loops -> 24 / 15 (non-causal: 21 / 6), stack 144 -> 112 bytes, loops 713 / 685 ->
-# 671 / 624 instructions; d64 causal has no spills either way (loop 459 -> 485).
+# 671 / 624 instructions; d64 causal has no spills either way (loop 459 -> 485). Twentieth session (kernel time, --rounds
+# 2, as is / variant): 16x1024 causal 313.6 / 319.3, 4x4096 causal 495.2 / 484.2 (+-2%), d64 causal 364.2 / 364.3:
+# not taken.
 _MASK_BY_COLUMN_RESIDUE = [
     ("""        visible = (gl.expand_dims(gl.arange(0, KEYS, gl.SliceLayout(0, s.type.layout)), 0)
                    <= gl.expand_dims(row_last, 1))""", """        keys = gl.arange(0, KEYS, gl.SliceLayout(0, s.type.layout))

@@ -51,7 +51,10 @@ held across the loop), FA4's d64 causal shape with and without it ("three consum
 Twentieth session (kernel time, --rounds 3, as is / variant): the causal mask by column residues +4.3% at d256
 causal (685.1 / 714.7), +1.1% at 16x1024 causal, +0.2% / +1.8% at 4x4096 / 1x16384 causal, -3.9% at d64 causal (442.3
 / 425.2): in the table at d128 and d256 (configs.HopperFwdConfig.mask_by_residues; "causal mask by plain columns"
-prices it). FA4's d64 causal shape 415.0-415.3, one program per tile at d64 causal 409.0: slower.
+prices it). FA4's d64 causal shape 415.0-415.3, one program per tile at d64 causal 409.0: slower. The row max as a
+tree (kernels/fwd_hopper._row_max) +0.8% at 16x1024, -5% / -6% at d64: at d128 non-causal only ("row max in one chain",
+"row max as a tree everywhere"); the producer's first K ahead of Q +0.9% / +2.9% at 16x1024 ("Q before the first K"
+restores the old order); Q tiles double-buffered on top of it -3.7% to +2.7% (noise at d128, -3.7% d64 non-causal).
 """
 
 MODULE = "flashtriton/kernels/fwd_hopper.py"
