@@ -142,16 +142,20 @@ def test_gluon_forward_pingpong(monkeypatch, seqlen_q, seqlen_k, head_dim, causa
 
 
 @needs_hopper
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(700, 300), (300, 700)], ids=["sq700-sk300", "sq300-sk700"])
+@pytest.mark.parametrize("choice", ["hold_schedule", "mask_by_residues", "row_max_tree"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", configs.HOPPER_FWD_HEAD_DIMS, ids=lambda d: f"d{d}")
-def test_gluon_forward_hold_schedule(monkeypatch, head_dim, causal):
-    """The other setting of the fence that keeps the softmax ahead of the P V wait (configs.HopperFwdConfig.
-    hold_schedule) than the table's: tiles of different lengths on 3 programs, rows without keys (sq > sk causal)."""
+def test_gluon_forward_flipped_choices(monkeypatch, head_dim, causal, choice, seqlen_q, seqlen_k):
+    """The other setting than the table's of each code-generation choice of configs.HopperFwdConfig: the fence that
+    keeps the softmax ahead of the P V wait (hold_schedule), the causal mask by column residues (mask_by_residues),
+    the row max as a tree (row_max_tree): tiles of different lengths on 3 programs, rows without keys (sq > sk
+    causal), a diagonal crossing two key blocks of a consumer ((sk - sq) % 64 = 16)."""
     config = configs.HOPPER_FWD[head_dim, causal]
-    flipped = dataclasses.replace(config, hold_schedule=not config.hold_schedule)
+    flipped = dataclasses.replace(config, **{choice: not getattr(config, choice)})
     monkeypatch.setitem(configs.HOPPER_FWD, (head_dim, causal), flipped)
     with forced_hopper_grid(3):
-        checks, ran = run_forward(Case(batch=2, seqlen_q=700, seqlen_k=300, num_heads=3, num_heads_k=3,
+        checks, ran = run_forward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
                                        head_dim=head_dim, dtype=torch.bfloat16, causal=causal))
     assert ran, "the Gluon forward did not run"
     assert_checks_ok(checks)
