@@ -125,9 +125,10 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     """One warp, per tile of this program's work items: K of the tile's first key block, the consumers' Q tiles (q_smem
     [CONSUMERS, 1, ROWS, 1, HEAD_DIM]) once each consumer released its previous one, then V of the first block and K
     and V of the others; the program's load number l (counted across tiles) goes to stage l % STAGES once every
-    consumer freed that stage's K (resp. V). The first K goes ahead of Q: its stage is free once the previous tile's
-    second-to-last S is done, Q's only after its last S (loaded after the Q tiles it waited for both consumers' last
-    S, and the tile's first S for its landing: ncu at 16x1024, the largest wait at a tile's start)."""
+    consumer freed that stage's K (resp. V). The first K goes ahead of Q: its stage is free once the consumers' second-
+    to-last S of the previous tile is done, Q's only after their last. Loaded after Q (as before the twentieth
+    session), the first K waited for both consumers' last S and the tile's first S for its landing: under ncu at
+    16x1024 the largest wait at a tile's start."""
     CONSUMERS: gl.constexpr = q_smem.shape[0]
     ROWS: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
@@ -362,8 +363,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         s = warpgroup_mma_wait(1, deps=(s, ))
         arrive_after_wgmma(k_empty.index(stage))
         if causal != 0:
-            s = _mask_block(s, n_blocks - 1 - j, row0, offs_m, seqlen_q, seqlen_k, causal, residues,
-                                col_s)
+            s = _mask_block(s, n_blocks - 1 - j, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
         p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag, tree)
         _hold_schedule(fences)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
@@ -518,12 +518,12 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
         lag = (rescale_threshold, )
     else:
         lag = ()
-    # _mask_block's causal comparison by column residues, or () for the plain one (a tuple's length again)
-    # _softmax_block's row max as a tree (_row_max), or () for Triton's chain
+    # _softmax_block's row max as a tree (_row_max), or () for Triton's chain (a tuple's length again)
     if ROW_MAX_TREE:
         tree = (0, )
     else:
         tree = ()
+    # _mask_block's causal comparison by column residues, or () for the plain one
     if MASK_BY_RESIDUES:
         residues = (0, )
     else:
