@@ -43,6 +43,15 @@ def test_hot_instructions_are_the_loop_body(tmp_path):
     assert "barrier=20 wait=10" in hot[0]
 
 
+def test_instructions_grouped_by_execution_count(tmp_path):
+    """FFMA and BRA ran 100 times each (a loop body), MUFU 20: two groups, the loop's with all 40 samples first."""
+    ours, _ = ncu_sass_summary.read_kernels(_export(tmp_path))
+    loop, once = ncu_sass_summary.by_execution_count(ours)
+    assert "executed       100 x     2 instructions" in loop and "samples     40 (100.0%)" in loop
+    assert "barrier=20, wait=20" in loop
+    assert "executed        20 x     1 instructions" in once and "samples      0 (0.0%)" in once
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
 def test_forward_pair_says_it_needs_a_gpu():
     """tools/ncu_forward_pair.py (what ncu profiles) exits 2 with a message where there is no CUDA GPU."""

@@ -12,10 +12,11 @@ On the GPU machine (one call, ~1 min; the forward calls of the script are compil
 
 Here:
 
-    python tools/ncu_sass_summary.py sass.csv [--hot KERNEL_INDEX] [--min-share 0.7]
+    python tools/ncu_sass_summary.py sass.csv [--hot KERNEL_INDEX] [--min-share 0.7] [--by-count]
 
 --hot prints that kernel's instructions executed at least --min-share times as often as its most executed one
-(a loop body) or with more than 300 stall samples, each with its non-zero stall reasons.
+(a loop body) or with more than 300 stall samples, each with its non-zero stall reasons; --by-count groups each
+kernel's instructions by execution count (a loop body's share one) with their stall samples.
 """
 
 from __future__ import annotations
@@ -84,15 +85,45 @@ def hot_instructions(kernel: dict, min_share: float) -> list:
     return lines
 
 
+def by_execution_count(kernel: dict, top: int = 8) -> list:
+    """The kernel's instructions grouped by how often each executed (a loop body's instructions share one count, a
+    tile's prologue and epilogue another: the forward's seam against its key-block loop, docs/perf-notes.md session
+    20), the groups holding the most stall samples first: count per instruction, instructions, executed in all,
+    stall samples and their share, the leading stall reasons."""
+    header = kernel["header"]
+    executed = header.index("Instructions Executed")
+    samples = header.index("Warp Stall Sampling (All Samples)")
+    stall_columns = [i for i, name in enumerate(header) if name.startswith("stall_") and "Not Issued" not in name]
+    groups = collections.defaultdict(lambda: {"instructions": 0, "samples": 0, "stalls": collections.Counter()})
+    for row in kernel["rows"]:
+        group = groups[int(row[executed] or 0)]
+        group["instructions"] += 1
+        group["samples"] += int(row[samples] or 0)
+        for i in stall_columns:
+            group["stalls"][header[i][len("stall_"):]] += int(row[i] or 0)
+    total = max(sum(group["samples"] for group in groups.values()), 1)
+    lines = []
+    for count, group in sorted(groups.items(), key=lambda item: -item[1]["samples"])[:top]:
+        reasons = ", ".join(f"{name}={value}" for name, value in group["stalls"].most_common(4) if value)
+        instructions = group["instructions"]
+        lines.append(f"  executed {count:>9,} x {instructions:>5} instructions ({count * instructions:>12,}): samples "
+                     f"{group['samples']:>6} ({group['samples'] / total:.1%}) {reasons}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("csv")
     parser.add_argument("--hot", type=int, help="index of the kernel whose hot instructions to print")
     parser.add_argument("--min-share", type=float, default=0.7)
+    parser.add_argument("--by-count", action="store_true",
+                        help="also each kernel's instructions grouped by execution count (loop bodies, per-tile code)")
     args = parser.parse_args()
     kernels = read_kernels(args.csv)
     for index, kernel in enumerate(kernels):
         print(f"[{index}] {summary(kernel)}")
+        if args.by_count:
+            print("\n".join(by_execution_count(kernel)))
     if args.hot is not None:
         print("\n".join(hot_instructions(kernels[args.hot], args.min_share)))
 
