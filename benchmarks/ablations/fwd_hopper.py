@@ -174,6 +174,8 @@ CONFIGS = {"in-order with 128-key blocks at d256": {"HOPPER_FWD": _both(256, blo
            "causal mask by plain columns": {"HOPPER_FWD": {(128, True): dict(mask_by_residues=False),
                                                            (256, True): dict(mask_by_residues=False)}},
            "causal mask by column residues at d64": {"HOPPER_FWD": {(64, True): dict(mask_by_residues=True)}},
+           "three consumers at d64 causal by column residues": {
+               "HOPPER_FWD": {(64, True): dict(consumers=3, consumer_regs=160, mask_by_residues=True)}},
            "row max in one chain": {"HOPPER_FWD": {(128, False): dict(row_max_tree=False)}},
            "row max as a tree everywhere": {"HOPPER_FWD": {key: dict(row_max_tree=True) for key in
                                                            ((64, False), (64, True), (128, True), (256, False),
@@ -301,6 +303,10 @@ VARIANTS = {
     "three consumers at d64 causal per tile by column residues": [],
     "causal mask by plain columns": [],
     "causal mask by column residues at d64": [],
+    # twentieth session: three consumers on the persistent paired grid at d64 causal (session 16: 430-433 against
+    # 438-440 with two, when the three-consumer causal loop spilled: 38 local accesses offline) with the residue
+    # mask, which compiles it without loop spills
+    "three consumers at d64 causal by column residues": [],
     # twentieth session: the row max in one dependent chain per thread, as Triton 3.6 reduces (ncu at 16x1024: the
     # chain's FMNMX carried 11% of the consumer loop's stall samples, "wait"), against kernels/fwd_hopper._row_max's
     # tree (configs.HopperFwdConfig.row_max_tree: at d128 non-causal, the only place it won; CONFIGS); and the row
