@@ -204,8 +204,8 @@ VARIANTS = {
     # the consumers' ping-pong off whatever configs.HOPPER_FWD says (on at d128)
     "ping-pong off": [(_PINGPONG, "    if False:\n        # one allocation each")],
     # and on whatever it says (off at d64 and d256: 2-5% lower by wall clock in the eleventh session, before the
-    # arrivals lost their BAR.SYNC)
-    "ping-pong on": [(_PINGPONG, "    if True:\n        # one allocation each")],
+    # arrivals lost their BAR.SYNC), where there are two consumers to take turns (not d64 non-causal's three)
+    "ping-pong on": [(_PINGPONG, "    if CONSUMERS == 2:\n        # one allocation each")],
     # the consumers' arrivals as mbarrier.arrive, each after a warpgroup BAR.SYNC (the kernel before the thirteenth
     # session: four per key block; kernels/hopper_sync.arrive_after_wgmma); same results bit for bit
     "arrivals after BAR.SYNC": [("arrive_after_wgmma(", "mbarrier.arrive(")],
