@@ -23,8 +23,9 @@ mkdir -p "$out"
 steps=",${1:-tests,reliability,decode},"
 # the twentieth session's choices priced again (one reading each, or within noise)
 default_fwd_variants="row max in one chain,Q before the first K,causal mask by plain columns,three stages at d64"
-# prepared (compiled offline only): three consumers at d64 causal on the persistent grid without loop spills
-default_fwd_variants+=",three consumers at d64 causal by column residues"
+# prepared (compiled offline only): three consumers at d64 causal on the persistent grid without loop spills, and the
+# epilogue's row work under the tile's last P V
+default_fwd_variants+=",three consumers at d64 causal by column residues,epilogue's row work under the last P V"
 fwd_variants="${FWD_VARIANTS:-$default_fwd_variants}"
 
 step() {  # step NAME SECONDS COMMAND...

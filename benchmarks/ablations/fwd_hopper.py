@@ -337,6 +337,19 @@ def _softmax_block("""),
         ("            _load_stage(v_desc, v_smem, v_ready, v_empty, load, batch, n_blocks - 1, head_k)\n",
          "            _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch,\n"
          "                            n_blocks - 1, head_k)\n")],
+    # prepared in the twentieth session (compiled offline only): the tile's last P V issued without waiting, the
+    # epilogue's row work (row sums, reciprocal, LSE and its store, the wait for the previous O store) under it, then
+    # the wait (ncu at 16x1024: the last P V's wait held 140-153 stall samples per consumer, ~1% of its time)
+    "epilogue's row work under the last P V": [
+        ("    acc = warpgroup_mma(p, v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM]), acc)\n"
+         "    arrive_after_wgmma(v_empty.index(last % STAGES))\n",
+         "    acc = warpgroup_mma(p, v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)\n"),
+        ("            out = acc * gl.expand_dims(inverse_sum, 1)\n", ""),
+        ("            tma.store_wait(0)  # the previous tile's O store has read o_tile\n",
+         "            tma.store_wait(0)  # the previous tile's O store has read o_tile\n"
+         "            acc = warpgroup_mma_wait(0, deps=(acc, ))\n"
+         "            arrive_after_wgmma(v_empty.index((load + n_blocks - 1) % k_smem.shape[0]))\n"
+         "            out = acc * gl.expand_dims(inverse_sum, 1)\n")],
     # one release per key block: K's stage is handed back with V's (after P V), not after S, so each consumer
     # iteration has one mbarrier arrival fewer, and the producer loads K of load l only once V of load l - STAGES is
     # released (correct results; prefetch one wgmma later)
