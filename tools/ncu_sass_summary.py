@@ -50,18 +50,28 @@ def _opcode(source: str) -> str:
     return words[0].split(".")[0] if words else "?"
 
 
+def _columns(header: list) -> tuple:
+    """(executed, samples, stalls) column indices of an export's header: instructions executed, stall samples, and
+    each stall reason's samples (the "(Not Issued)" duplicates left out)."""
+    stalls = [i for i, name in enumerate(header) if name.startswith("stall_") and "Not Issued" not in name]
+    return header.index("Instructions Executed"), header.index("Warp Stall Sampling (All Samples)"), stalls
+
+
+def _count_stalls(counter, header: list, row: list, stall_columns: list) -> None:
+    """Add a row's stall samples to counter, by reason."""
+    for i in stall_columns:
+        counter[header[i][len("stall_"):]] += int(row[i] or 0)
+
+
 def summary(kernel: dict, top: int = 14) -> str:
     header = kernel["header"]
-    executed = header.index("Instructions Executed")
-    samples = header.index("Warp Stall Sampling (All Samples)")
-    stall_columns = [i for i, name in enumerate(header) if name.startswith("stall_") and "Not Issued" not in name]
+    executed, samples, stall_columns = _columns(header)
     opcodes, stalls = collections.Counter(), collections.Counter()
     sampled = 0
     for row in kernel["rows"]:
         opcodes[_opcode(row[1])] += int(row[executed] or 0)
         sampled += int(row[samples] or 0)
-        for i in stall_columns:
-            stalls[header[i][len("stall_"):]] += int(row[i] or 0)
+        _count_stalls(stalls, header, row, stall_columns)
     total = sum(opcodes.values())
     mix = ", ".join(f"{name} {count / total:.1%}" for name, count in opcodes.most_common(top))
     stall_mix = ", ".join(f"{name} {count / max(sampled, 1):.1%}" for name, count in stalls.most_common(8))
@@ -71,8 +81,7 @@ def summary(kernel: dict, top: int = 14) -> str:
 
 def hot_instructions(kernel: dict, min_share: float) -> list:
     header = kernel["header"]
-    executed = header.index("Instructions Executed")
-    samples = header.index("Warp Stall Sampling (All Samples)")
+    executed, samples, _ = _columns(header)
     columns = {name: header.index(name) for name in STALLS_SHOWN if name in header}
     most = max(int(row[executed] or 0) for row in kernel["rows"])
     lines = []
@@ -91,16 +100,13 @@ def by_execution_count(kernel: dict, top: int = 8) -> list:
     20), the groups holding the most stall samples first: count per instruction, instructions, executed in all,
     stall samples and their share, the leading stall reasons."""
     header = kernel["header"]
-    executed = header.index("Instructions Executed")
-    samples = header.index("Warp Stall Sampling (All Samples)")
-    stall_columns = [i for i, name in enumerate(header) if name.startswith("stall_") and "Not Issued" not in name]
+    executed, samples, stall_columns = _columns(header)
     groups = collections.defaultdict(lambda: {"instructions": 0, "samples": 0, "stalls": collections.Counter()})
     for row in kernel["rows"]:
         group = groups[int(row[executed] or 0)]
         group["instructions"] += 1
         group["samples"] += int(row[samples] or 0)
-        for i in stall_columns:
-            group["stalls"][header[i][len("stall_"):]] += int(row[i] or 0)
+        _count_stalls(group["stalls"], header, row, stall_columns)
     total = max(sum(group["samples"] for group in groups.values()), 1)
     lines = []
     for count, group in sorted(groups.items(), key=lambda item: -item[1]["samples"])[:top]:
