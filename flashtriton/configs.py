@@ -259,23 +259,29 @@ class HopperFwdConfig:
     consumers: int = 2   # consumer warpgroups of 64 query rows: a tile has 64 * consumers rows
     mask_by_residues: bool = False  # causal mask compared by column residues (kernels/fwd_hopper._mask_block)
     row_max_tree: bool = False  # the softmax's row max as a tree, not Triton's chain (kernels/fwd_hopper._row_max)
+    # persistent grids: the last, partial wave's items cut by key blocks among all programs, at least
+    # tail_min_blocks per program (ops/hopper_fwd.tail_split)
+    split_tail: bool = False
+    tail_min_blocks: int = 4
 
     def __post_init__(self):
         if self.consumers not in (2, 3):
             raise ValueError(f"consumers must be 2 or 3, got {self.consumers}")
         if self.pingpong and self.consumers != 2:
             raise ValueError("pingpong takes turns between two consumers; consumers is 3")
+        if self.tail_min_blocks < 1:
+            raise ValueError(f"tail_min_blocks must be at least 1, got {self.tail_min_blocks}")
 
 
 _HOPPER_FWD_D128 = HopperFwdConfig(128, 2, 240, persistent=True, pingpong=True, hold_schedule=True,
-                                   rescale_threshold=8.0)
+                                   rescale_threshold=8.0, split_tail=True)
 _HOPPER_FWD_D256 = HopperFwdConfig(64, 2, 232, hold_schedule=True, rescale_threshold=8.0)
 # keyed by (head dim, causal)
-HOPPER_FWD = {(64, False): HopperFwdConfig(128, 2, 160, persistent=True, consumers=3),
-              (64, True): HopperFwdConfig(128, 2, 232, persistent=True),
+HOPPER_FWD = {(64, False): HopperFwdConfig(128, 2, 160, persistent=True, consumers=3, split_tail=True),
+              (64, True): HopperFwdConfig(128, 2, 232, persistent=True, split_tail=True),
               (128, False): replace(_HOPPER_FWD_D128, row_max_tree=True),
               (128, True): replace(_HOPPER_FWD_D128, mask_by_residues=True),
-              (256, False): replace(_HOPPER_FWD_D256, persistent=True),
+              (256, False): replace(_HOPPER_FWD_D256, persistent=True, split_tail=True),
               (256, True): replace(_HOPPER_FWD_D256, mask_by_residues=True)}
 HOPPER_FWD_HEAD_DIMS = tuple(sorted({head_dim for head_dim, _ in HOPPER_FWD}))
 

@@ -103,11 +103,15 @@ def _gluon_tile_type(rows: int, head_dim: int, dtype: str) -> str:
 
 
 def _compile_gluon(kernel, signature: dict, constexprs: dict):
-    """A Gluon kernel compiled for sm_90 with 4 warps in its default partition."""
+    """A Gluon kernel compiled for sm_90 with 4 warps in its default partition; pointer arguments 16-byte aligned,
+    as Triton specializes a launch on torch's allocations."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     signature.update({name: "constexpr" for name in constexprs})
-    src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    names = list(inspect.signature(kernel.fn).parameters)
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
+             if kind.startswith("*")}
+    src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
@@ -125,9 +129,10 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
 
     rows = CONSUMER_ROWS.value
     signature = {"q_desc": descriptor(rows), "k_desc": descriptor(config.block_n), "v_desc": descriptor(config.block_n),
-                 "o_desc": descriptor(rows), "Lse": "*fp32"}
+                 "o_desc": descriptor(rows), "Lse": "*fp32", "Partial": "*fp32", "PartialLse": "*fp32"}
     signature.update({name: "i32" for name in ("stride_lse_b", "stride_lse_h", "batch", "num_heads", "group_size",
-                                               "seqlen_q", "seqlen_k", "heads_per_group", "paired")})
+                                               "seqlen_q", "seqlen_k", "heads_per_group", "paired", "full_items",
+                                               "tail_programs", "tail_blocks", "item_blocks")})
     signature["qk_scale_log2"] = signature["rescale_threshold"] = "fp32"
     constexprs = kernel_constexprs(config, causal, config.rescale_threshold)
     return _compile_gluon(kernel or attn_fwd_hopper_kernel, signature, constexprs)

@@ -55,6 +55,8 @@ prices it). FA4's d64 causal shape 415.0-415.3, one program per tile at d64 caus
 tree (kernels/fwd_hopper._row_max) +0.8% at 16x1024, -5% / -6% at d64: at d128 non-causal only ("row max in one chain",
 "row max as a tree everywhere"); the producer's first K ahead of Q +0.9% / +2.9% at 16x1024 ("Q before the first K"
 restores the old order); Q tiles double-buffered on top of it -3.7% to +2.7% (noise at d128, -3.7% d64 non-causal).
+Twenty-first session: "Q tiles double-buffered" retired (four readings since session 17, none kept; its edits are in
+git history before the tail split, which rewrote the tile loops they patched).
 """
 
 MODULE = "flashtriton/kernels/fwd_hopper.py"
@@ -89,60 +91,6 @@ _IN_ORDER = [
 
 
 # the program's tile i uses Q slot (i % Q_BUFFERS) * CONSUMERS + consumer, whose barriers count its own uses
-_DOUBLE_Q = [
-    ("SHARED_BYTES_FOR_TILES = gl.constexpr(220 * 1024)", "SHARED_BYTES_FOR_TILES = gl.constexpr(224 * 1024)"),
-    ("""def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              num_heads,""", """def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              team, num_heads,"""),
-    ("""    CONSUMERS: gl.constexpr = q_smem.shape[0]
-""", """    CONSUMERS: gl.constexpr = len(team)
-    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // CONSUMERS
-"""),
-    ("""                mbarrier.wait(q_empty.index(consumer), (done - 1) & 1, pred=done > 0)
-                mbarrier.expect(q_ready.index(consumer), q_bytes)
-                tma.async_copy_global_to_shared(q_desc, [batch, m_start + consumer * ROWS, head, 0],
-                                                q_ready.index(consumer), q_smem.index(consumer))""",
-     """                slot = (done % Q_BUFFERS) * CONSUMERS + consumer
-                mbarrier.wait(q_empty.index(slot), ((done // Q_BUFFERS) - 1) & 1, pred=done >= Q_BUFFERS)
-                mbarrier.expect(q_ready.index(slot), q_bytes)
-                tma.async_copy_global_to_shared(q_desc, [batch, m_start + consumer * ROWS, head, 0],
-                                                q_ready.index(slot), q_smem.index(slot))"""),
-    ("def _consumer(q_tile, o_tile,", "def _consumer(q_smem, o_tile,"),
-    ("""    ROWS: gl.constexpr = q_tile.shape[1]
-""", """    ROWS: gl.constexpr = q_smem.shape[2]
-    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // len(team)
-"""),
-    ("""    q = q_tile.reshape([ROWS, HEAD_DIM])
-""", ""),
-    ("""            mbarrier.wait(q_ready, done & 1)
-            acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,""",
-     """            slot = (done % Q_BUFFERS) * len(team) + row_offset // ROWS
-            mbarrier.wait(q_ready.index(slot), (done // Q_BUFFERS) & 1)
-            q = q_smem.index(slot).reshape([ROWS, HEAD_DIM])
-            acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty.index(slot),
-                                        o_in_q == 0,"""),
-    ("""                mbarrier.arrive(q_empty)""", """                mbarrier.arrive(q_empty.index(slot))"""),
-    ("""    return (q_smem.index(consumer), o_smem.index(consumer), q_ready.index(consumer), q_empty.index(consumer),
-            turns[consumer], consumer * CONSUMER_ROWS) + common""",
-     """    return (q_smem, o_smem.index(consumer), q_ready, q_empty, turns[consumer], consumer * CONSUMER_ROWS) + common"""),
-    ("""    O_IN_Q: gl.constexpr = 2 * CONSUMERS * tile_bytes + STAGES * stage_bytes > SHARED_BYTES_FOR_TILES""",
-     """    Q_BUFFERS: gl.constexpr = 2 if 3 * CONSUMERS * tile_bytes + STAGES * stage_bytes <= SHARED_BYTES_FOR_TILES else 1
-    O_IN_Q: gl.constexpr = (Q_BUFFERS + 1) * CONSUMERS * tile_bytes + STAGES * stage_bytes > SHARED_BYTES_FOR_TILES"""),
-    ("""    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM], q_desc.layout)""",
-     """    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * CONSUMERS, 1, ROWS, 1, HEAD_DIM], q_desc.layout)"""),
-    ("""    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())""",
-     """    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * CONSUMERS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * CONSUMERS, 1], mbarrier.MBarrierLayout())"""),
-    ("""    for consumer in gl.static_range(CONSUMERS):
-        mbarrier.init(q_ready.index(consumer), count=1)
-        mbarrier.init(q_empty.index(consumer), count=1)""", """    for slot in gl.static_range(Q_BUFFERS * CONSUMERS):
-        mbarrier.init(q_ready.index(slot), count=1)
-        mbarrier.init(q_empty.index(slot), count=1)"""),
-    ("""                     v_empty, num_heads, group_size,""", """                     v_empty, team, num_heads, group_size,"""),
-]
-
-
 def _both(head_dim: int, **fields) -> dict:
     """CONFIGS entries changing configs.HOPPER_FWD's causal and non-causal entry of a head dim alike."""
     return {(head_dim, False): fields, (head_dim, True): fields}
@@ -177,6 +125,10 @@ CONFIGS = {"in-order with 128-key blocks at d256": {"HOPPER_FWD": _both(256, blo
            "three consumers at d64 causal by column residues": {
                "HOPPER_FWD": {(64, True): dict(consumers=3, consumer_regs=160, mask_by_residues=True)}},
            "row max in one chain": {"HOPPER_FWD": {(128, False): dict(row_max_tree=False)}},
+           "tail not split": {"HOPPER_FWD": {key: dict(split_tail=False) for key in
+                                             ((64, False), (64, True), (128, False), (128, True), (256, False))}},
+           "tail split by 8 blocks at least": {"HOPPER_FWD": {key: dict(tail_min_blocks=8) for key in
+                                             ((64, False), (64, True), (128, False), (128, True), (256, False))}},
            "row max as a tree everywhere": {"HOPPER_FWD": {key: dict(row_max_tree=True) for key in
                                                            ((64, False), (64, True), (128, True), (256, False),
                                                             (256, True))}}}
@@ -239,8 +191,8 @@ VARIANTS = {
     "5 KB of unexecuted code in the key-block loop": _unexecuted_code(320),
     # the mask's code back in the non-causal key-block loop (as before the eighteenth session, with the blocks now
     # visited last first it is never executed there: only its branch runs)
-    "mask code in the non-causal loop": [("        if causal != 0:\n            s = _mask_block(s, n_blocks - 1 - j",
-                                          "        if True:\n            s = _mask_block(s, n_blocks - 1 - j")],
+    "mask code in the non-causal loop": [("        if causal != 0:\n            s = _mask_block(s, top - j",
+                                          "        if True:\n            s = _mask_block(s, top - j")],
     # prepared in the eighteenth session (compiled offline only): the non-causal mask (the first step's, its only
     # one) without its always-true row condition, broadcast over the rows instead: 64 FSEL and 64 PLOP3 fewer per
     # consumer; kernels 5384 -> 5184 instructions at d64, 4088 -> 3944 at d128, 3664 -> 3592 at d256 (causal
@@ -278,10 +230,6 @@ VARIANTS = {
     # the P operand without the opaque copy (LLVM may carry fp32 P around the loop again)
     "no opaque P copy": [('    return gl.inline_asm_elementwise("mov.b32 $0, $1;"',
                           '    return operand\n    gl.inline_asm_elementwise("mov.b32 $0, $1;"')],
-    # nineteenth session: two Q tiles per consumer (where shared memory allows: d64, d128 with the limit at 224 KiB),
-    # so the producer loads the next tile's Q while this one runs, not after the consumer's last S of it (in the
-    # table for one commit, 8f756d9, as configs.HopperFwdConfig.q_buffers; reverted: docs/perf-notes.md)
-    "Q tiles double-buffered": _DOUBLE_Q,
     # nineteenth session: Triton's barrier pass puts a warpgroup BAR.SYNC at the top of every consumer loop
     # iteration (offline SASS, every table entry: it goes only when all of the loop's mbarrier waits and arrivals
     # go); a second one per iteration, after the softmax, prices what removing it could buy
@@ -313,6 +261,12 @@ VARIANTS = {
     # sums as the same kind of tree (their FADD chain interleaves with the exp2s, which pace it). First run: the tree
     # +0.8% at 16x1024, +1.4% / +0.5% at 4x4096 / 1x16384 (spread +-3%), -5% / -6% at d64, -0.5 to -1.1% at d256, causal
     # d128 -1.1% to +1.8%; the sums as a tree -1.5 to +1.7%
+    # twenty-first session: the persistent grids' last, partial wave cut by key blocks among all programs
+    # (configs.HopperFwdConfig.split_tail; ops/hopper_fwd.tail_split) against the whole-tile last wave (SPLIT_TAIL
+    # off: no code for it), and with at least 8 key blocks per program's share (16x1024: no cut, whose seams cost
+    # about what the cut saves there)
+    "tail not split": [],
+    "tail split by 8 blocks at least": [],
     "row max in one chain": [],
     "row max as a tree everywhere": [],
     "row sums as a tree": [
@@ -332,24 +286,23 @@ def _softmax_block("""),
     # twentieth session: the producer's order before it, each tile's Q tiles ahead of its first K (kernels/fwd_hopper.
     # _producer: Q waits for the consumers' last S of the previous tile, the first K only for their second-to-last)
     "Q before the first K": [
-        ("            _load_stage(k_desc, k_smem, k_ready, k_empty, load, batch, n_blocks - 1, head_k)\n"
-         "            for consumer in gl.static_range(CONSUMERS):", "            for consumer in gl.static_range(CONSUMERS):"),
-        ("            _load_stage(v_desc, v_smem, v_ready, v_empty, load, batch, n_blocks - 1, head_k)\n",
-         "            _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch,\n"
-         "                            n_blocks - 1, head_k)\n")],
+        ("        _load_stage(k_desc, k_smem, k_ready, k_empty, load, batch, top, head_k)\n"
+         "        for consumer in gl.static_range(CONSUMERS):", "        for consumer in gl.static_range(CONSUMERS):"),
+        ("        _load_stage(v_desc, v_smem, v_ready, v_empty, load, batch, top, head_k)\n",
+         "        _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch, top,\n"
+         "                        head_k)\n")],
     # prepared in the twentieth session (compiled offline only): the tile's last P V issued without waiting, the
-    # epilogue's row work (row sums, reciprocal, LSE and its store, the wait for the previous O store) under it, then
+    # epilogue's row work (row sums, reciprocal, the LSE; since the twenty-first session's tail split no longer its
+    # store and the wait for the previous O store, which moved into kernels/fwd_hopper._store_output) under it, then
     # the wait (ncu at 16x1024: the last P V's wait held 140-153 stall samples per consumer, ~1% of its time)
     "epilogue's row work under the last P V": [
         ("    acc = warpgroup_mma(p, v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM]), acc)\n"
          "    arrive_after_wgmma(v_empty.index(last % STAGES))\n",
          "    acc = warpgroup_mma(p, v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)\n"),
-        ("            out = acc * gl.expand_dims(inverse_sum, 1)\n", ""),
-        ("            tma.store_wait(0)  # the previous tile's O store has read o_tile\n",
-         "            tma.store_wait(0)  # the previous tile's O store has read o_tile\n"
-         "            acc = warpgroup_mma_wait(0, deps=(acc, ))\n"
-         "            arrive_after_wgmma(v_empty.index((load + n_blocks - 1) % k_smem.shape[0]))\n"
-         "            out = acc * gl.expand_dims(inverse_sum, 1)\n")],
+        ("        out = acc * gl.expand_dims(inverse_sum, 1)\n",
+         "        acc = warpgroup_mma_wait(0, deps=(acc, ))\n"
+         "        arrive_after_wgmma(v_empty.index((load + count - 1) % k_smem.shape[0]))\n"
+         "        out = acc * gl.expand_dims(inverse_sum, 1)\n")],
     # one release per key block: K's stage is handed back with V's (after P V), not after S, so each consumer
     # iteration has one mbarrier arrival fewer, and the producer loads K of load l only once V of load l - STAGES is
     # released (correct results; prefetch one wgmma later)

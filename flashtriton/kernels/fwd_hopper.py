@@ -98,6 +98,79 @@ def _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, causa
 
 
 @gluon.jit
+def _tail_range(tail):
+    """This program's share [start, end) of the tail (tail: (full_items, programs, blocks, item_blocks), or
+    (full_items, ) where no tail is cut (configs.HopperFwdConfig.split_tail off: none of its code is compiled);
+    ops/hopper_fwd.tail_split): the work items from full_items on, their tiles one after the other and each tile's
+    key blocks in visiting order (last first), as `blocks` positions cut evenly among the first `programs`
+    programs."""
+    start = gl.program_id(0) * 0
+    end = start
+    if len(tail) > 1:
+        mine = (gl.program_id(0) < tail[1]).to(gl.int32)
+        programs = gl.maximum(tail[1], 1)
+        start = mine * (gl.program_id(0) * tail[2] // programs)
+        end = mine * ((gl.program_id(0) + 1) * tail[2] // programs)
+    return start, end
+
+
+@gluon.jit
+def _more_work(item, x, x_end, tail):
+    """Whether the program has work left: a whole item below full_items, or positions of its tail share."""
+    more = item < tail[0]
+    if len(tail) > 1:
+        more = more | (x < x_end)
+    return more
+
+
+@gluon.jit
+def _next_piece(item, which, x, x_start, x_end, tail, work, TILE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The program's next piece of work, from its cursor: tile `which` of work item `item` (the program's items p,
+    p + P, ... below full_items = tail[0]), each tile whole; then positions [x, x_end) of its tail share [x_start,
+    x_end) (_tail_range; every tail item has item_blocks = tail[3] key blocks: a paired item's first tile, then its
+    second), a tile's part at a time. Returns (batch, head, first query row, the first key block visited, key
+    blocks, slot, the cursor after it): the blocks are visited from the first one down; slot -1: the piece is its
+    tile's whole (O and the LSE go to the output), else 2 P + 0 for the piece at the start of the program's share,
+    2 P + 1 for the one at its end (ops/hopper_fwd.tail_split's workspace, which attn_fwd_hopper_tail_kernel
+    merges). work: (num_tiles, num_batch_heads, heads_per_group, num_heads, seqlen_q, seqlen_k, causal, paired).
+    Branch-free, one copy of the item arithmetic for both kinds of piece: each partition holds this code."""
+    num_tiles, num_batch_heads, heads_per_group, num_heads, seqlen_q, seqlen_k, causal, paired = work
+    if len(tail) > 1:
+        in_tail = item >= tail[0]
+        offset = x // tail[3]
+        batch_head, first_tile, end_tile, tile_step = _item_tiles(gl.where(in_tail, tail[0] + offset, item),
+                                                                  num_tiles, num_batch_heads, heads_per_group, paired)
+        first_blocks = _tile_work(first_tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, causal,
+                                  TILE_ROWS, BLOCK_N)[3]
+        position = x - offset * tail[3]
+        which = gl.where(in_tail, (position >= first_blocks).to(gl.int32), which)
+        tile = first_tile + which * tile_step
+        batch, head, m_start, n_blocks = _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k,
+                                                    causal, TILE_ROWS, BLOCK_N)
+        # blocks of the tile visited before this piece
+        before = gl.where(in_tail, position - which * first_blocks, 0)
+        count = gl.where(in_tail, gl.minimum(x_end - x, n_blocks - before), n_blocks)
+        slot = gl.where(in_tail & (count < n_blocks), 2 * gl.program_id(0) + (x != x_start).to(gl.int32), -1)
+        last_of_item = tile + tile_step >= end_tile
+        next_item = gl.where(in_tail | ~last_of_item, item, item + gl.num_programs(0))
+        x = x + in_tail.to(gl.int32) * count
+    else:
+        batch_head, first_tile, end_tile, tile_step = _item_tiles(item, num_tiles, num_batch_heads, heads_per_group,
+                                                                  paired)
+        tile = first_tile + which * tile_step
+        batch, head, m_start, n_blocks = _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k,
+                                                    causal, TILE_ROWS, BLOCK_N)
+        before = 0
+        count = n_blocks
+        slot = -1
+        last_of_item = tile + tile_step >= end_tile
+        next_item = gl.where(last_of_item, item + gl.num_programs(0), item)
+        x = x + (count >> 31)
+    next_which = gl.where(last_of_item, 0, which + 1)
+    return batch, head, m_start, n_blocks - 1 - before, count, slot, next_item, next_which, x
+
+
+@gluon.jit
 def _load_stage(desc, smem, ready, empty, load, batch, block, head_k):
     """The producer's load number `load` of K or V (desc, smem [STAGES, 1, BLOCK_N, 1, HEAD_DIM]): key block
     `block` into stage load % STAGES once every consumer released that stage's previous tile, landing on ready
@@ -121,7 +194,7 @@ def _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k, causal, paired):
+              group_size, tail, work):
     """One warp, per tile of this program's work items: K of the tile's first key block, the consumers' Q tiles (q_smem
     [CONSUMERS, 1, ROWS, 1, HEAD_DIM]) once each consumer released its previous one, then V of the first block and K
     and V of the others; the program's load number l (counted across tiles) goes to stage l % STAGES once every
@@ -136,26 +209,27 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     q_bytes: gl.constexpr = ROWS * HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8
     load = 0
     done = 0
-    for item in range(gl.program_id(0), _slots(num_tiles, paired) * num_batch_heads, gl.num_programs(0)):
-        batch_head, first_tile, end_tile, tile_step = _item_tiles(item, num_tiles, num_batch_heads, heads_per_group,
-                                                                  paired)
-        for tile in range(first_tile, end_tile, tile_step):
-            batch, head, m_start, n_blocks = _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k,
-                                                        causal, CONSUMERS * ROWS, BLOCK_N)
-            head_k = head // group_size
-            # key blocks from the last to the first (_key_blocks)
-            _load_stage(k_desc, k_smem, k_ready, k_empty, load, batch, n_blocks - 1, head_k)
-            for consumer in gl.static_range(CONSUMERS):
-                mbarrier.wait(q_empty.index(consumer), (done - 1) & 1, pred=done > 0)
-                mbarrier.expect(q_ready.index(consumer), q_bytes)
-                tma.async_copy_global_to_shared(q_desc, [batch, m_start + consumer * ROWS, head, 0],
-                                                q_ready.index(consumer), q_smem.index(consumer))
-            _load_stage(v_desc, v_smem, v_ready, v_empty, load, batch, n_blocks - 1, head_k)
-            for j in range(1, n_blocks):
-                _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load + j, batch,
-                                n_blocks - 1 - j, head_k)
-            load += n_blocks
-            done += 1
+    item = gl.program_id(0)
+    which = item * 0
+    x_start, x_end = _tail_range(tail)
+    x = x_start
+    while _more_work(item, x, x_end, tail):
+        batch, head, m_start, top, count, slot, item, which, x = _next_piece(item, which, x, x_start, x_end, tail,
+                                                                             work, CONSUMERS * ROWS, BLOCK_N)
+        head_k = head // group_size
+        # key blocks from the piece's last to its first (_key_blocks)
+        _load_stage(k_desc, k_smem, k_ready, k_empty, load, batch, top, head_k)
+        for consumer in gl.static_range(CONSUMERS):
+            mbarrier.wait(q_empty.index(consumer), (done - 1) & 1, pred=done > 0)
+            mbarrier.expect(q_ready.index(consumer), q_bytes)
+            tma.async_copy_global_to_shared(q_desc, [batch, m_start + consumer * ROWS, head, 0],
+                                            q_ready.index(consumer), q_smem.index(consumer))
+        _load_stage(v_desc, v_smem, v_ready, v_empty, load, batch, top, head_k)
+        for j in range(1, count):
+            _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load + j, batch,
+                            top - j, head_k)
+        load += count
+        done += 1
 
 
 @gluon.jit
@@ -302,11 +376,12 @@ def _pass_turn(turns):
 
 
 @gluon.jit
-def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, release_q, first_load, n_blocks, row0,
-                offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, fences, lag, tree, residues,
+def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, release_q, first_load, top, count,
+                row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, fences, lag, tree, residues,
                 acc_layout: gl.constexpr):
     """One consumer's pass over a work item's key blocks (the program's loads first_load, first_load + 1, ...) for
-    its Q tile q [ROWS, HEAD_DIM] (shared memory), the last key block first: step j visits block n_blocks - 1 - j.
+    its Q tile q [ROWS, HEAD_DIM] (shared memory): `count` key blocks from block `top` down (step j visits block
+    top - j; a whole tile's top is its last block).
     Only blocks crossing seqlen_k or (causal) the diagonal need a mask, and they come first: non-causal, the first
     step's block alone, so the loop has no mask code (never executed there, the code still cost 4.7% at head dim 64:
     docs/perf-notes.md); causal, the loop keeps it (a 64-row consumer's diagonal can cross two blocks, and its
@@ -343,12 +418,12 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     s = warpgroup_mma_wait(0, deps=(s, ))
     arrive_after_wgmma(k_empty.index(stage))
     # [ROWS, BLOCK_N] probabilities of the block whose P.V is pending
-    s = _mask_block(s, n_blocks - 1, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
+    s = _mask_block(s, top, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
     p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag, tree)
     # [ROWS, BLOCK_N] the wgmma's A operand, made where the softmax ends: only these half-width registers stay live
     # across the next S issue (fp32 p live there pushed ptxas to wait for P V before the softmax, serializing them)
     p = _operand_of(p, q.dtype, p_layout)
-    for j in range(1, n_blocks):
+    for j in range(1, count):
         load = first_load + j
         stage = load % STAGES
         previous = (load - 1) % STAGES
@@ -363,7 +438,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         s = warpgroup_mma_wait(1, deps=(s, ))
         arrive_after_wgmma(k_empty.index(stage))
         if causal != 0:
-            s = _mask_block(s, n_blocks - 1 - j, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
+            s = _mask_block(s, top - j, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
         p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag, tree)
         _hold_schedule(fences)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
@@ -371,7 +446,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         p = _operand_of(p, q.dtype, p_layout)
         acc = _rescale(acc, gl.convert_layout(alpha, row_o), lag)
     arrive_after_wgmma(q_free, pred=release_q)
-    last = first_load + n_blocks - 1
+    last = first_load + count - 1
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
     acc = warpgroup_mma(p, v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM]), acc)
     arrive_after_wgmma(v_empty.index(last % STAGES))
@@ -379,9 +454,45 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
 
 
 @gluon.jit
-def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, k_smem, v_smem, k_ready, v_ready,
-              k_empty, v_empty, team, fences, lag, tree, residues, stride_lse_b, stride_lse_h, num_heads, num_tiles,
-              num_batch_heads, heads_per_group, seqlen_q, seqlen_k, qk_scale_log2, causal, o_in_q, paired):
+def _store_output(out, lse, o_tile, o_desc, q_empty, Lse, stride_lse_b, stride_lse_h, batch, head, row0, offs_m,
+                  seqlen_q, o_in_q):
+    """A consumer's rows of a whole tile's result: lse [ROWS] (rows offs_m below seqlen_q), out [ROWS, HEAD_DIM]
+    through o_tile by TMA (which clips rows past seqlen_q); where O is staged in the consumer's Q tile (o_in_q), Q's
+    slot is released once the store has read it."""
+    ROWS: gl.constexpr = out.shape[0]
+    HEAD_DIM: gl.constexpr = out.shape[1]
+    lse_row_base = batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
+    gl.store(Lse + lse_row_base + offs_m, lse, mask=offs_m < seqlen_q)
+    tma.store_wait(0)  # the previous tile's O store has read o_tile
+    o_tile.reshape([ROWS, HEAD_DIM]).store(out.to(o_tile.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_tile)
+    if o_in_q != 0:
+        tma.store_wait(0)
+        mbarrier.arrive(q_empty)
+
+
+@gluon.jit
+def _store_partial(out, lse, Partial, PartialLse, slot, row_offset, TILE_ROWS: gl.constexpr):
+    """A consumer's part of a tail piece's result (out [ROWS, HEAD_DIM] normalized by the piece's own row sums, lse
+    [ROWS] its natural-log LSE, -inf for rows that saw no key in it) into workspace slot `slot` (Partial
+    [slots, TILE_ROWS, HEAD_DIM], PartialLse [slots, TILE_ROWS], fp32; rows past seqlen_q too: the merge skips
+    them)."""
+    ROWS: gl.constexpr = out.shape[0]
+    HEAD_DIM: gl.constexpr = out.shape[1]
+    # [ROWS] the tile's rows of this consumer; [HEAD_DIM] the columns
+    rows = row_offset + gl.arange(0, ROWS, gl.SliceLayout(1, out.type.layout))
+    columns = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, out.type.layout))
+    slot_rows = slot.to(gl.int64) * TILE_ROWS + rows
+    gl.store(Partial + gl.expand_dims(slot_rows * HEAD_DIM, 1) + gl.expand_dims(columns, 0), out)
+    gl.store(PartialLse + slot.to(gl.int64) * TILE_ROWS + row_offset
+             + gl.arange(0, ROWS, lse.type.layout), lse)
+
+
+@gluon.jit
+def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, Partial, PartialLse, k_smem, v_smem,
+              k_ready, v_ready, k_empty, v_empty, team, fences, lag, tree, residues, stride_lse_b, stride_lse_h, tail,
+              work, qk_scale_log2, o_in_q):
     """One warpgroup: query rows [m_start + row_offset, + ROWS) of every tile of this program. Per tile: wait
     for its Q tile (q_tile [1, ROWS, 1, HEAD_DIM], shared), run the key blocks, normalize, store the natural-log
     LSE and O (through o_tile by TMA, which clips rows past seqlen_q). q_empty tells the producer that q_tile may
@@ -400,43 +511,49 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
                                                          instr_shape=[16, HEAD_DIM, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    seqlen_q, seqlen_k, causal = work[4], work[5], work[6]
     q = q_tile.reshape([ROWS, HEAD_DIM])
     lead = (row_offset == 0).to(gl.int32)
     load = 0
     done = 0
-    for item in range(gl.program_id(0), _slots(num_tiles, paired) * num_batch_heads, gl.num_programs(0)):
-        batch_head, first_tile, end_tile, tile_step = _item_tiles(item, num_tiles, num_batch_heads, heads_per_group,
-                                                                  paired)
-        for tile in range(first_tile, end_tile, tile_step):
-            batch, head, m_start, n_blocks = _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k,
-                                                        causal, TILE_ROWS, BLOCK_N)
-            row0 = m_start + row_offset
-            # [ROWS] this consumer's query rows
-            offs_m = row0 + gl.arange(0, ROWS, row_s)
-            mbarrier.wait(q_ready, done & 1)
-            acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,
-                                        load, n_blocks, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal,
-                                        turns, lead, fences, lag, tree, residues, acc_layout)
-            seen = l_i > 0.0
-            # [ROWS] the row sums, 1 for rows that saw no key
-            row_sum = gl.where(seen, l_i, 1.0)
-            # [ROWS] one reciprocal per row, then a multiply per element (a division per element cost ~5
-            # instructions each: div.full's range fix-ups); rcp.approx is within 1 ulp, and a seen row's sum is >= 1
-            # (its max's own term), so no denormal reaches it. 1.0 / x (div.full) left 32 bytes of spills at d128.
-            inverse_sum = gl.convert_layout(_reciprocal(row_sum), row_o)
-            out = acc * gl.expand_dims(inverse_sum, 1)
-            lse = gl.where(seen, (m_i + gl.log2(row_sum)) * 0.6931471805599453, float("inf"))
-            lse_row_base = batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
-            gl.store(Lse + lse_row_base + offs_m, lse, mask=offs_m < seqlen_q)
-            tma.store_wait(0)  # the previous tile's O store has read o_tile
-            o_tile.reshape([ROWS, HEAD_DIM]).store(out.to(o_tile.dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_tile)
-            if o_in_q != 0:
-                tma.store_wait(0)
-                mbarrier.arrive(q_empty)
-            load += n_blocks
-            done += 1
+    item = gl.program_id(0)
+    which = item * 0
+    x_start, x_end = _tail_range(tail)
+    x = x_start
+    while _more_work(item, x, x_end, tail):
+        batch, head, m_start, top, count, slot, item, which, x = _next_piece(item, which, x, x_start, x_end, tail,
+                                                                             work, TILE_ROWS, BLOCK_N)
+        row0 = m_start + row_offset
+        # [ROWS] this consumer's query rows
+        offs_m = row0 + gl.arange(0, ROWS, row_s)
+        mbarrier.wait(q_ready, done & 1)
+        acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,
+                                    load, top, count, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal,
+                                    turns, lead, fences, lag, tree, residues, acc_layout)
+        seen = l_i > 0.0
+        # [ROWS] the row sums, 1 for rows that saw no key
+        row_sum = gl.where(seen, l_i, 1.0)
+        # [ROWS] one reciprocal per row, then a multiply per element (a division per element cost ~5
+        # instructions each: div.full's range fix-ups); rcp.approx is within 1 ulp, and a seen row's sum is >= 1
+        # (its max's own term), so no denormal reaches it. 1.0 / x (div.full) left 32 bytes of spills at d128.
+        inverse_sum = gl.convert_layout(_reciprocal(row_sum), row_o)
+        # [ROWS] natural-log LSE (rows without a key: +inf in the output, -inf, no weight, in a partial result)
+        lse = (m_i + gl.log2(row_sum)) * 0.6931471805599453
+        out = acc * gl.expand_dims(inverse_sum, 1)
+        if len(tail) > 1:
+            if slot < 0:
+                _store_output(out, gl.where(seen, lse, float("inf")), o_tile, o_desc, q_empty, Lse, stride_lse_b,
+                              stride_lse_h, batch, head, row0, offs_m, seqlen_q, o_in_q)
+            else:
+                _store_partial(out, gl.where(seen, lse, float("-inf")), Partial, PartialLse, slot, row_offset,
+                               TILE_ROWS)
+                if o_in_q != 0:
+                    mbarrier.arrive(q_empty)
+        else:
+            _store_output(out, gl.where(seen, lse, float("inf")), o_tile, o_desc, q_empty, Lse, stride_lse_b,
+                          stride_lse_h, batch, head, row0, offs_m, seqlen_q, o_in_q)
+        load += count
+        done += 1
     tma.store_wait(0)
 
 
@@ -449,17 +566,22 @@ def _consumer_args(consumer: gl.constexpr, q_smem, o_smem, q_ready, q_empty, tur
 
 
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "batch", "seqlen_q", "seqlen_k", "heads_per_group",
-                              "paired"])
-def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, stride_lse_h, batch, num_heads,
-                           group_size, seqlen_q, seqlen_k, heads_per_group, paired, qk_scale_log2,
+                              "paired", "full_items", "tail_programs", "tail_blocks", "item_blocks"])
+def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, batch,
+                           num_heads, group_size, seqlen_q, seqlen_k, heads_per_group, paired, full_items,
+                           tail_programs, tail_blocks, item_blocks, qk_scale_log2,
                            rescale_threshold, CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, HOLD_SCHEDULE: gl.constexpr,
                            RESCALE_SKIP: gl.constexpr, MASK_BY_RESIDUES: gl.constexpr,
-                           ROW_MAX_TREE: gl.constexpr, num_warps: gl.constexpr):
+                           ROW_MAX_TREE: gl.constexpr, SPLIT_TAIL: gl.constexpr, num_warps: gl.constexpr):
     """Work items: query tiles of CONSUMERS * 64 rows of every (batch, head), longest first, in launch-order groups of
     heads_per_group (batch, head) pairs like kernels/fwd.py, or with `paired` (1) pairs of tiles of equal total
     length (_item_tiles); program p takes items p, p + P, p + 2P, ... of a grid of P programs (one per item, or
-    persistent: one per SM, so the next tile's loads overlap this one's end).
+    persistent: one per SM, so the next tile's loads overlap this one's end) below full_items. The items from
+    full_items on (the tail: fewer than a wave) are cut by key blocks evenly among the first tail_programs programs
+    (ops/hopper_fwd.tail_split: tail_blocks positions, every item item_blocks long); pieces short of their tile
+    write partial results (Partial, PartialLse: two slots per tail program) that attn_fwd_hopper_tail_kernel
+    merges (_next_piece). full_items = all items and tail_programs = 0: no tail; SPLIT_TAIL off: no code for one.
     num_warps (4) is the first consumer's; the other consumers (4 warps, CONSUMER_REGS registers each) and the
     producer (1 warp) are worker partitions. PINGPONG (two consumers): they issue their wgmmas in alternation
     (_wait_turn).
@@ -536,12 +658,16 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
     # constexprs arrive in partitions as plain ints (Triton 3.6): the flags travel as tensors
     causal = gl.to_tensor(CAUSAL).to(gl.int32)
     o_in_q = gl.to_tensor(O_IN_Q).to(gl.int32)
-    common = (o_desc, Lse, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, team, fences, lag, tree, residues,
-              stride_lse_b, stride_lse_h, num_heads, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k,
-              qk_scale_log2, causal, o_in_q, paired)
+    # the work items and the tail's cut (_next_piece)
+    work = (num_tiles, num_batch_heads, heads_per_group, num_heads, seqlen_q, seqlen_k, causal, paired)
+    if SPLIT_TAIL:
+        tail = (full_items, tail_programs, tail_blocks, item_blocks)
+    else:
+        tail = (full_items, )
+    common = (o_desc, Lse, Partial, PartialLse, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, team, fences, lag,
+              tree, residues, stride_lse_b, stride_lse_h, tail, work, qk_scale_log2, o_in_q)
     producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, num_heads, group_size, num_tiles, num_batch_heads, heads_per_group, seqlen_q, seqlen_k,
-                     causal, paired)
+                     v_empty, group_size, tail, work)
     first = _consumer_args(0, q_smem, o_smem, q_ready, q_empty, turns, common)
     second = _consumer_args(1, q_smem, o_smem, q_ready, q_empty, turns, common)
     if CONSUMERS == 3:
@@ -551,3 +677,78 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_b, st
     else:
         gl.warp_specialize([(_consumer, first), (_consumer, second), (_producer, producer_args)], [4, 1],
                            [CONSUMER_REGS, 24])
+
+
+TAIL_MERGE_ROWS = gl.constexpr(32)  # query rows per program of attn_fwd_hopper_tail_kernel
+
+
+@gluon.jit
+def _programs_upto(x, tail):
+    """How many tail programs' shares (_tail_range) start at or before tail position x."""
+    return gl.minimum(tail[1], ((x + 1) * tail[1] + tail[2] - 1) // tail[2])
+
+
+@gluon.jit(do_not_specialize=["stride_ob", "stride_om", "stride_oh", "stride_lse_b", "stride_lse_h", "batch",
+                              "seqlen_q", "seqlen_k", "heads_per_group", "paired", "full_items", "tail_programs",
+                              "tail_blocks", "item_blocks"])
+def attn_fwd_hopper_tail_kernel(Partial, PartialLse, Out, Lse, stride_ob, stride_om, stride_oh, stride_lse_b,
+                                stride_lse_h, batch, num_heads, seqlen_q, seqlen_k, heads_per_group, paired,
+                                full_items, tail_programs, tail_blocks, item_blocks, CAUSAL: gl.constexpr,
+                                TILE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                                num_warps: gl.constexpr):
+    """The tail's merge, after attn_fwd_hopper_kernel (same work arguments): program i takes TAIL_MERGE_ROWS rows of
+    tail tile i // (TILE_ROWS / TAIL_MERGE_ROWS) (tail tiles: item full_items + t // (1 + paired)'s tiles in turn). A
+    tile cut among programs p_first .. p_last gets out = sum_p exp(lse_p - lse) out_p with lse = log(sum_p
+    exp(lse_p)) over their partial results (kernels/combine.py's rule: rows no piece saw, out 0 and lse +inf); p's
+    slot is 2 p + 1 where its share started before the tile (the piece at its share's end), else 2 p. A tile its
+    program ran whole is left as written."""
+    ROWS: gl.constexpr = TAIL_MERGE_ROWS
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    tail = (full_items, tail_programs, tail_blocks, item_blocks)
+    num_tiles = gl.cdiv(seqlen_q, TILE_ROWS)
+    chunks: gl.constexpr = TILE_ROWS // ROWS
+    tail_tile = gl.program_id(0) // chunks
+    offset = tail_tile // (1 + paired)
+    second = tail_tile - offset * (1 + paired)
+    batch_head, first_tile, end_tile, tile_step = _item_tiles(full_items + offset, num_tiles, batch * num_heads,
+                                                              heads_per_group, paired)
+    first_blocks = _tile_work(first_tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, CAUSAL, TILE_ROWS,
+                              BLOCK_N)[3]
+    batch_index, head, m_start, n_blocks = _tile_work(first_tile + second * tile_step, batch_head, num_tiles,
+                                                      num_heads, seqlen_q, seqlen_k, CAUSAL, TILE_ROWS, BLOCK_N)
+    # the tile's positions in the tail: [first, first + n_blocks)
+    first = offset * item_blocks + second * first_blocks
+    first_program = _programs_upto(first, tail) - 1
+    last_program = _programs_upto(first + n_blocks - 1, tail) - 1
+    if last_program > first_program:
+        # [ROWS] rows of the tile; [HEAD_DIM] columns
+        rows = gl.program_id(0) % chunks * ROWS + gl.arange(0, ROWS, rows_layout)
+        columns = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, layout))
+        lse_max = gl.full([ROWS], float("-inf"), gl.float32, rows_layout)
+        for program in range(first_program, last_program + 1):
+            slot = 2 * program + (program * tail_blocks // tail_programs < first).to(gl.int32)
+            lse_max = gl.maximum(lse_max, gl.load(PartialLse + slot.to(gl.int64) * TILE_ROWS + rows))
+        pivot = gl.where(lse_max == float("-inf"), 0.0, lse_max)
+        weight_sum = gl.zeros([ROWS], gl.float32, rows_layout)
+        for program in range(first_program, last_program + 1):
+            slot = 2 * program + (program * tail_blocks // tail_programs < first).to(gl.int32)
+            weight_sum += gl.exp(gl.load(PartialLse + slot.to(gl.int64) * TILE_ROWS + rows) - pivot)
+        seen = weight_sum > 0.0
+        lse = gl.where(seen, pivot + gl.log(gl.where(seen, weight_sum, 1.0)), float("inf"))
+        # [ROWS, HEAD_DIM]
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout)
+        for program in range(first_program, last_program + 1):
+            slot = 2 * program + (program * tail_blocks // tail_programs < first).to(gl.int32)
+            slot_rows = slot.to(gl.int64) * TILE_ROWS + rows
+            weight = gl.where(seen, gl.exp(gl.load(PartialLse + slot_rows) - gl.where(seen, lse, 0.0)), 0.0)
+            partial = gl.load(Partial + gl.expand_dims(slot_rows * HEAD_DIM, 1) + gl.expand_dims(columns, 0))
+            acc += partial * gl.expand_dims(weight, 1)
+        query_rows = m_start + rows
+        inside = query_rows < seqlen_q
+        out_rows = (Out + batch_index.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
+                    + query_rows.to(gl.int64) * stride_om)
+        gl.store(gl.expand_dims(out_rows, 1) + gl.expand_dims(columns, 0), acc.to(Out.dtype.element_ty),
+                 mask=gl.expand_dims(inside, 1))
+        gl.store(Lse + batch_index.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + query_rows, lse,
+                 mask=inside)

@@ -7,8 +7,9 @@ Gluon kernel does not cover. Gluon has no interpreter: CPU tensors never get her
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -19,14 +20,17 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from ..kernels.fwd_hopper import CONSUMER_ROWS, attn_fwd_hopper_kernel
+    from ..kernels.fwd_hopper import CONSUMER_ROWS, TAIL_MERGE_ROWS, attn_fwd_hopper_kernel, \
+        attn_fwd_hopper_tail_kernel
     # host descriptors of tensors runs_on / the launchers checked (tma_compatible)
     checked_descriptor = descriptor_builder(TensorDescriptor)
 except Exception:  # Triton without Gluon's Hopper API, or its interpreter: the Triton kernel runs everything
     attn_fwd_hopper_kernel = None
 
-# Launches of this kernel since import; tests read it to know that the path they check ran.
+# Launches of this kernel since import, and of the tail's merge (a cut last wave); tests read them to know that the
+# path they check ran.
 launch_count = 0
+tail_merge_count = 0
 
 
 @lru_cache(maxsize=None)  # called on every eligible forward (and backward, ops/hopper_bwd)
@@ -90,27 +94,93 @@ def grid(num_tiles: int, batch_heads: int, config, causal: bool, device: torch.d
     return (programs if PROGRAMS_CAP is None else min(programs, PROGRAMS_CAP)), paired
 
 
+@dataclass(frozen=True)
+class TailSplit:
+    """How a persistent grid's last, partial wave is cut (kernels/fwd_hopper._next_piece): items from full_items on
+    form the tail, `blocks` key blocks of `tiles` tiles (item_blocks per item) cut evenly among the first `programs`
+    programs, each of which leaves at most two partial results (the workspace's slots)."""
+    full_items: int
+    programs: int
+    blocks: int
+    item_blocks: int
+    tiles: int
+
+
+def tile_key_blocks(tile: int, num_tiles: int, tile_rows: int, block_n: int, seqlen_q: int, seqlen_k: int,
+                    causal: bool) -> int:
+    """Key blocks of tile `tile` (numbered longest first), as kernels/fwd_hopper._tile_work counts them."""
+    key_end = seqlen_k
+    if causal:
+        key_end = min((num_tiles - tile) * tile_rows + seqlen_k - seqlen_q, seqlen_k)
+    return max(triton_cdiv(key_end, block_n), 1)
+
+
+@lru_cache(maxsize=4096)
+def tail_split(items: int, programs: int, paired: bool, num_tiles: int, tile_rows: int, block_n: int, seqlen_q: int,
+               seqlen_k: int, causal: bool, min_blocks: int) -> Optional[TailSplit]:
+    """The cut of the last wave of a persistent grid of `programs` taking `items` work items in turn, or None where
+    there is no partial wave, where cutting it would leave a program fewer than min_blocks key blocks or no more
+    programs working than tail items, or where the items differ in length (causal pairs of another total when
+    seqlen_k - seqlen_q crosses the tiles unevenly, or an odd number of tiles; the kernel's positions assume one
+    length). The last wave then takes 1 / (programs / tail items) of a tile's time instead of a whole one: about 3%
+    of the time of 15.5 waves (BASELINES.md's 16k-token rows at head dim 128)."""
+    full_waves, tail_items = divmod(items, programs)
+    if tail_items == 0 or (paired and num_tiles % 2):
+        return None
+    blocks = [tile_key_blocks(tile, num_tiles, tile_rows, block_n, seqlen_q, seqlen_k, causal)
+              for tile in range(num_tiles)]
+    item_lengths = {blocks[slot] + blocks[num_tiles - 1 - slot] for slot in range(num_tiles // 2)} if paired \
+        else {blocks[0]}
+    if len(item_lengths) != 1:
+        return None
+    item_blocks = item_lengths.pop()
+    tail_blocks = tail_items * item_blocks
+    tail_programs = min(programs, tail_blocks // min_blocks)
+    if tail_programs <= tail_items:
+        return None
+    return TailSplit(full_waves * programs, tail_programs, tail_blocks, item_blocks, tail_items * (2 if paired else 1))
+
+
 def kernel_constexprs(config, causal: bool, threshold: float) -> dict:
     """attn_fwd_hopper_kernel's compile-time arguments for `config` (configs.HOPPER_FWD) and the rescale threshold
     (configs.hopper_rescale_threshold; tools/offline_compile builds the same kernel)."""
     return dict(CAUSAL=causal, STAGES=config.stages, CONSUMERS=config.consumers, CONSUMER_REGS=config.consumer_regs,
                 PINGPONG=config.pingpong, HOLD_SCHEDULE=config.hold_schedule, RESCALE_SKIP=threshold > 0.0,
-                MASK_BY_RESIDUES=config.mask_by_residues, ROW_MAX_TREE=config.row_max_tree, num_warps=4)
+                MASK_BY_RESIDUES=config.mask_by_residues, ROW_MAX_TREE=config.row_max_tree,
+                SPLIT_TAIL=config.persistent and config.split_tail, num_warps=4)
 
 
 def launch(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
            heads_per_group: int) -> None:
     """Run the Gluon forward into out (B, Sq, H, D) and lse (fp32, rows contiguous, strides lse_strides)."""
-    global launch_count
+    global launch_count, tail_merge_count
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     config = configs.HOPPER_FWD[head_dim, params.causal_like]
     threshold = configs.hopper_rescale_threshold(config)
     tile_rows = config.consumers * CONSUMER_ROWS.value
-    programs, paired = grid(triton_cdiv(seqlen_q, tile_rows), batch * num_heads, config, params.causal_like,
-                            q.device)
+    num_tiles = triton_cdiv(seqlen_q, tile_rows)
+    programs, paired = grid(num_tiles, batch * num_heads, config, params.causal_like, q.device)
+    items = ((num_tiles + 1) // 2 if paired else num_tiles) * batch * num_heads
+    split = None
+    if config.persistent and config.split_tail:
+        split = tail_split(items, programs, paired, num_tiles, tile_rows, config.block_n, seqlen_q, seqlen_k,
+                           params.causal_like, config.tail_min_blocks)
+    work = (heads_per_group, int(paired), items, 0, 0, 1)
+    partial = partial_lse = lse  # not read without a tail cut (any fp32 tensor)
+    if split is not None:
+        rows = 2 * split.programs * tile_rows  # two slots per tail program (kernels/fwd_hopper._next_piece)
+        partial = torch.empty(rows * head_dim, dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty(rows, dtype=torch.float32, device=q.device)
+        work = (heads_per_group, int(paired), split.full_items, split.programs, split.blocks, split.item_blocks)
     attn_fwd_hopper_kernel[(programs,)](
         tile_descriptor(q, CONSUMER_ROWS.value), tile_descriptor(k, config.block_n),
-        tile_descriptor(v, config.block_n), tile_descriptor(out, CONSUMER_ROWS.value), lse, *lse_strides, batch,
-        num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, heads_per_group, int(paired),
+        tile_descriptor(v, config.block_n), tile_descriptor(out, CONSUMER_ROWS.value), lse, partial, partial_lse,
+        *lse_strides, batch, num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, *work,
         params.kernel_args()[0], threshold, **kernel_constexprs(config, params.causal_like, threshold))
+    if split is not None:
+        attn_fwd_hopper_tail_kernel[(split.tiles * tile_rows // TAIL_MERGE_ROWS.value,)](
+            partial, partial_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), *lse_strides, batch,
+            num_heads, seqlen_q, seqlen_k, *work, CAUSAL=params.causal_like, TILE_ROWS=tile_rows,
+            BLOCK_N=config.block_n, HEAD_DIM=head_dim, num_warps=4)
+        tail_merge_count += 1
     launch_count += 1
