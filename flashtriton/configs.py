@@ -262,7 +262,7 @@ class HopperFwdConfig:
     # persistent grids: the last, partial wave's items cut by key blocks among all programs, at least
     # tail_min_blocks per program (ops/hopper_fwd.tail_split)
     split_tail: bool = False
-    tail_min_blocks: int = 4
+    tail_min_blocks: int = 8
 
     def __post_init__(self):
         if self.consumers not in (2, 3):
@@ -274,12 +274,12 @@ class HopperFwdConfig:
 
 
 _HOPPER_FWD_D128 = HopperFwdConfig(128, 2, 240, persistent=True, pingpong=True, hold_schedule=True,
-                                   rescale_threshold=8.0, split_tail=True)
+                                   rescale_threshold=8.0)
 _HOPPER_FWD_D256 = HopperFwdConfig(64, 2, 232, hold_schedule=True, rescale_threshold=8.0)
 # keyed by (head dim, causal)
 HOPPER_FWD = {(64, False): HopperFwdConfig(128, 2, 160, persistent=True, consumers=3, split_tail=True),
               (64, True): HopperFwdConfig(128, 2, 232, persistent=True, split_tail=True),
-              (128, False): replace(_HOPPER_FWD_D128, row_max_tree=True),
+              (128, False): replace(_HOPPER_FWD_D128, row_max_tree=True, split_tail=True),
               (128, True): replace(_HOPPER_FWD_D128, mask_by_residues=True),
               (256, False): replace(_HOPPER_FWD_D256, persistent=True, split_tail=True),
               (256, True): replace(_HOPPER_FWD_D256, mask_by_residues=True)}

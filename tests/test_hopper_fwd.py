@@ -394,14 +394,14 @@ TAIL_CASES = {  # name: (head_dim, causal, seqlen_q, seqlen_k, heads, heads_k, p
     "d128-full-ragged": (128, False, 1000, 1000, 3, 3, 5),
     "d128-full-7-programs": (128, False, 1000, 1000, 3, 3, 7),
     "d128-causal": (128, True, 1000, 1000, 3, 3, 5),
-    "d128-causal-sq<sk": (128, True, 512, 1024, 3, 3, 3),
+    "d128-causal-sq<sk": (128, True, 512, 1024, 3, 3, 5),
     "d128-gqa": (128, False, 700, 300, 4, 2, 5),
     "d64-full-three-consumers": (64, False, 1000, 1000, 3, 3, 5),
     "d64-causal": (64, True, 1000, 1000, 3, 3, 5),
     "d256-full": (256, False, 1000, 1000, 3, 3, 5),
     "d256-causal-persistent": (256, True, 1000, 1000, 3, 3, 5),
     "d128-full-configured-grid": (128, False, 2048, 2048, 12, 12, None),
-    "d64-causal-configured-grid": (64, True, 2048, 2048, 12, 12, None),
+    "d64-causal-configured-grid": (64, True, 2048, 2048, 20, 20, None),
 }
 
 
