@@ -12,8 +12,11 @@ lagging) where configs.HOPPER_FWD has a rescale_threshold, decided per warp (_re
 Work: the grid's programs take work items in turn, p, p + P, p + 2P, ... (ops/hopper_fwd sizes the grid: one
 program per item, or persistent: as many as fit the GPU at once). An item is one tile, or for persistent
 causal grids a pair of tiles (the longest and the shortest left) so that every item has the same number of key
-blocks. The producer loads the next tile's Q and K/V blocks while the consumers finish the current one (their
-last wgmmas, normalization, O store). A tile's key blocks are visited from the last to the first (FA2's order): the
+blocks. Where configs.HopperFwdConfig.split_tail says, the items of a persistent grid's last, partial wave (the
+tail) are cut by key blocks evenly among all programs (stream-K style, _next_piece): a piece short of its tile
+writes its normalized partial output and LSE to a workspace, and attn_fwd_hopper_tail_kernel merges them by LSE
+weights after the kernel. The producer loads the next tile's Q and K/V blocks while the consumers finish the current
+one (their last wgmmas, normalization, O store). A tile's key blocks are visited from the last to the first (FA2's order): the
 blocks that can need a mask come first, so non-causal kernels mask only the first one visited and their key-block
 loop holds no mask code (_key_blocks).
 
@@ -115,6 +118,13 @@ def _tail_range(tail):
 
 
 @gluon.jit
+def _first_cursor(tail):
+    """The program's cursor before its first piece (_next_piece): its first item, its first tile, its tail share."""
+    x_start, x_end = _tail_range(tail)
+    return gl.program_id(0), x_start * 0, x_start, x_end
+
+
+@gluon.jit
 def _more_work(item, x, x_end, tail):
     """Whether the program has work left: a whole item below full_items, or positions of its tail share."""
     more = item < tail[0]
@@ -209,9 +219,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     q_bytes: gl.constexpr = ROWS * HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8
     load = 0
     done = 0
-    item = gl.program_id(0)
-    which = item * 0
-    x_start, x_end = _tail_range(tail)
+    item, which, x_start, x_end = _first_cursor(tail)
     x = x_start
     while _more_work(item, x, x_end, tail):
         batch, head, m_start, top, count, slot, item, which, x = _next_piece(item, which, x, x_start, x_end, tail,
@@ -493,9 +501,10 @@ def _store_partial(out, lse, Partial, PartialLse, slot, row_offset, TILE_ROWS: g
 def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, Partial, PartialLse, k_smem, v_smem,
               k_ready, v_ready, k_empty, v_empty, team, fences, lag, tree, residues, stride_lse_b, stride_lse_h, tail,
               work, qk_scale_log2, o_in_q):
-    """One warpgroup: query rows [m_start + row_offset, + ROWS) of every tile of this program. Per tile: wait
-    for its Q tile (q_tile [1, ROWS, 1, HEAD_DIM], shared), run the key blocks, normalize, store the natural-log
-    LSE and O (through o_tile by TMA, which clips rows past seqlen_q). q_empty tells the producer that q_tile may
+    """One warpgroup: query rows [m_start + row_offset, + ROWS) of every piece of work of this program (a tile, or
+    part of a tail tile's key blocks: _next_piece). Per piece: wait for its Q tile (q_tile [1, ROWS, 1, HEAD_DIM],
+    shared), run the key blocks, normalize, store the natural-log LSE and O (_store_output; a partial piece's to
+    the workspace instead: _store_partial). q_empty tells the producer that q_tile may
     be refilled: after the last S wgmma, or where O is staged in q_tile itself (o_in_q) once O's store has read it.
     Rows that saw no key: out 0, lse +inf (API.md §4.5). team: one entry per consumer of the program (a tile has
     len(team) * ROWS rows; a tuple's length reaches partitions where a constexpr does not). turns: the ping-pong
@@ -516,9 +525,7 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
     lead = (row_offset == 0).to(gl.int32)
     load = 0
     done = 0
-    item = gl.program_id(0)
-    which = item * 0
-    x_start, x_end = _tail_range(tail)
+    item, which, x_start, x_end = _first_cursor(tail)
     x = x_start
     while _more_work(item, x, x_end, tail):
         batch, head, m_start, top, count, slot, item, which, x = _next_piece(item, which, x, x_start, x_end, tail,
