@@ -247,6 +247,13 @@ L2_GROUP_BYTES = {False: 0, True: 16 << 20}
 # chain): d128 16x1024 634.5 / 629.4 (+-0.1%), 4x4096 702.9 / 693.2 (+-3%), 1x16384 653.5 / 650.1 (+-3%); causal
 # 485.9 / 489.0, 652.8 / 660.3, 661.6 / 649.9; d64 515.7 / 539.9 and causal 412.6 / 438.3; d256 752.3 / 760.5 and
 # causal 722.4 / 726.1: a tree at d128 non-causal only. The row sums as a tree too: -1.5 to +1.7%, not taken.
+# Twenty-first session: the last, partial wave of a persistent grid cut by key blocks among all programs (split_tail;
+# ops/hopper_fwd.tail_split; ablations/fwd_hopper.py "tail not split" etc., kernel time, --rounds 3, two calls, TF/s
+# cut / whole tiles): d128 4x4096 726.2 / 711.4 and 708.4 / 698.4, 1x16384 686.3 / 676.2 and 681.1 / 628.0 (+-4%),
+# d256 782.8 / 760.0 and 779.4 / 746.0; d64 530.9 / 528.6 and 528.2 / 526.1 (level), d64 causal 440.4 / 435.5 and
+# 438.1 / 441.9 (level); 16x1024 with shares of 4 key blocks 624.8 / 646.4 and 601.7 / 632.0 (shares of 8: no cut
+# there); d128 causal 427.9 / 474.3 and 422.5 / 470.3 at 16x1024, 647.5 / 662.9 and 632.6 / 645.3 at 4x4096. On at
+# d128 and d256 non-causal, shares of 8 blocks at least.
 @dataclass(frozen=True)
 class HopperFwdConfig:
     block_n: int         # keys per K/V stage
@@ -277,8 +284,8 @@ _HOPPER_FWD_D128 = HopperFwdConfig(128, 2, 240, persistent=True, pingpong=True, 
                                    rescale_threshold=8.0)
 _HOPPER_FWD_D256 = HopperFwdConfig(64, 2, 232, hold_schedule=True, rescale_threshold=8.0)
 # keyed by (head dim, causal)
-HOPPER_FWD = {(64, False): HopperFwdConfig(128, 2, 160, persistent=True, consumers=3, split_tail=True),
-              (64, True): HopperFwdConfig(128, 2, 232, persistent=True, split_tail=True),
+HOPPER_FWD = {(64, False): HopperFwdConfig(128, 2, 160, persistent=True, consumers=3),
+              (64, True): HopperFwdConfig(128, 2, 232, persistent=True),
               (128, False): replace(_HOPPER_FWD_D128, row_max_tree=True, split_tail=True),
               (128, True): replace(_HOPPER_FWD_D128, mask_by_residues=True),
               (256, False): replace(_HOPPER_FWD_D256, persistent=True, split_tail=True),
