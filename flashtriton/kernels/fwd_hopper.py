@@ -686,7 +686,9 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
                            [CONSUMER_REGS, 24])
 
 
-TAIL_MERGE_ROWS = gl.constexpr(32)  # query rows per program of attn_fwd_hopper_tail_kernel
+# query rows x head dim per program of attn_fwd_hopper_tail_kernel: 32 rows at head dim 128, 16 at 256 (32 rows of
+# 256 took 254 registers, and 11.6 us for 100 tiles where 128 took 5-7 us)
+TAIL_MERGE_ELEMENTS = gl.constexpr(4096)
 
 
 @gluon.jit
@@ -714,14 +716,14 @@ def attn_fwd_hopper_tail_kernel(Partial, PartialLse, Out, Lse, stride_ob, stride
                                 full_items, tail_programs, tail_blocks, item_blocks, CAUSAL: gl.constexpr,
                                 TILE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                                 num_warps: gl.constexpr):
-    """The tail's merge, after attn_fwd_hopper_kernel (same work arguments): program i takes TAIL_MERGE_ROWS rows of
-    tail tile i // (TILE_ROWS / TAIL_MERGE_ROWS) (tail tiles: item full_items + t // (1 + paired)'s tiles in turn). A
+    """The tail's merge, after attn_fwd_hopper_kernel (same work arguments): program i takes ROWS = TAIL_MERGE_ELEMENTS
+    / HEAD_DIM rows of tail tile i // (TILE_ROWS / ROWS) (tail tiles: item full_items + t // (1 + paired)'s tiles in turn). A
     tile cut among programs p_first .. p_last gets out = sum_p exp(lse_p - lse) out_p with lse = log(sum_p
     exp(lse_p)) over their partial results (kernels/combine.py's rule: rows no piece saw, out 0 and lse +inf), in
     one pass with a running max (three passes over the pieces, each load waited for in turn, took 9-12 us per
     call: more than the cut saved at 16x1024); p's slot is 2 p + 1 where its share started before the tile (the
     piece at its share's end), else 2 p. A tile its program ran whole is left as written."""
-    ROWS: gl.constexpr = TAIL_MERGE_ROWS
+    ROWS: gl.constexpr = TAIL_MERGE_ELEMENTS // HEAD_DIM
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
     rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
     tail = (full_items, tail_programs, tail_blocks, item_blocks)
