@@ -58,15 +58,45 @@ def warm_up_config(head_dim: int, causal: bool, dtype: torch.dtype, seqlen: int,
     return result
 
 
+TAIL_SEQLEN = 2048  # the sequence length of the calls that warm up the Gluon forward's tail merge
+
+
+def tail_cut_heads(head_dim: int, causal: bool, device, seqlen: int = TAIL_SEQLEN) -> Optional[int]:
+    """The fewest heads (batch 1, seqlen x seqlen) for which the Gluon Hopper forward cuts its grid's last wave
+    (ops/hopper_fwd.tail_split), so that the call compiles the tail merge (attn_fwd_hopper_tail_kernel); None where
+    the config does not cut tails, the device is no Hopper GPU or no head count up to 256 gives a cut."""
+    from . import configs
+    from .ops import hopper_fwd
+
+    config = configs.HOPPER_FWD.get((head_dim, causal))
+    if config is None or not (config.persistent and config.split_tail) or not hopper_fwd.is_hopper(device):
+        return None
+    tile_rows = config.consumers * 64
+    num_tiles = -(-seqlen // tile_rows)
+    for heads in range(1, 257):
+        programs, paired = hopper_fwd.grid(num_tiles, heads, config, causal, device)
+        items = ((num_tiles + 1) // 2 if paired else num_tiles) * heads
+        if hopper_fwd.tail_split(items, programs, paired, num_tiles, tile_rows, config.block_n, seqlen, seqlen, causal,
+                                 config.tail_min_blocks):
+            return heads
+    return None
+
+
 def warm_up(head_dims: Sequence[int] = HEAD_DIMS, dtypes: Sequence[torch.dtype] = DTYPES,
             causal_values: Sequence[bool] = (False, True), seqlens: Sequence[int] = SEQLENS,
             progress: Optional[Callable[[int, int, str], None]] = None) -> list[WarmupResult]:
-    configs = [(d, c, t, s) for d in head_dims for c in causal_values for t in dtypes for s in seqlens]
+    """warm_up_config for every (head dim, causal, dtype, seqlen), then, where the Gluon forward cuts its last wave
+    (tail_cut_heads), one call that does so per (head dim, causal, dtype): the tail merge compiles only then."""
+    configs = [(d, c, t, s, 2) for d in head_dims for c in causal_values for t in dtypes for s in seqlens]
+    for head_dim in head_dims:
+        for causal in causal_values:
+            heads = tail_cut_heads(head_dim, causal, torch.device("cuda"))
+            configs += [(head_dim, causal, dtype, TAIL_SEQLEN, heads) for dtype in dtypes if heads]
     results = []
-    for index, (head_dim, causal, dtype, seqlen) in enumerate(configs):
+    for index, (head_dim, causal, dtype, seqlen, heads) in enumerate(configs):
         if progress:
-            progress(index + 1, len(configs), f"d{head_dim} causal={causal} {dtype} seqlen {seqlen}")
-        results.append(warm_up_config(head_dim, causal, dtype, seqlen))
+            progress(index + 1, len(configs), f"d{head_dim} causal={causal} {dtype} seqlen {seqlen} heads {heads}")
+        results.append(warm_up_config(head_dim, causal, dtype, seqlen, heads=heads))
     return results
 
 

@@ -390,6 +390,21 @@ def test_tail_split_skips_items_of_different_lengths(paired, num_tiles, seqlen_q
     assert hopper_fwd.tail_split(num_tiles * 7, 5, paired, num_tiles, 128, 128, seqlen_q, seqlen_k, True, 1) is None
 
 
+def test_warmup_compiles_the_tail_merge(monkeypatch):
+    """`flashtriton warmup` adds a call whose last wave is cut (the merge compiles only on such calls) where the table
+    cuts tails, with the fewest heads that do at seqlen 2048 on a 132-SM Hopper GPU: 16 tiles per head, 9 heads (144
+    items, 12 in the last wave); none where it does not cut them or the GPU is no Hopper one."""
+    from flashtriton import warmup
+
+    monkeypatch.setattr(hopper_fwd, "_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(hopper_fwd, "is_hopper", lambda device: True)
+    for key, config in configs.HOPPER_FWD.items():
+        heads = warmup.tail_cut_heads(*key, "cuda")
+        assert heads == (9 if config.persistent and config.split_tail else None), key
+    monkeypatch.setattr(hopper_fwd, "is_hopper", lambda device: False)
+    assert warmup.tail_cut_heads(128, False, "cuda") is None
+
+
 TAIL_CASES = {  # name: (head_dim, causal, seqlen_q, seqlen_k, heads, heads_k, programs)
     "d128-full-ragged": (128, False, 1000, 1000, 3, 3, 5),
     "d128-full-7-programs": (128, False, 1000, 1000, 3, 3, 7),
