@@ -175,7 +175,6 @@ def _next_piece(item, which, x, x_start, x_end, tail, work, TILE_ROWS: gl.conste
         slot = -1
         last_of_item = tile + tile_step >= end_tile
         next_item = gl.where(last_of_item, item + gl.num_programs(0), item)
-        x = x + (count >> 31)
     next_which = gl.where(last_of_item, 0, which + 1)
     return batch, head, m_start, n_blocks - 1 - before, count, slot, next_item, next_which, x
 
