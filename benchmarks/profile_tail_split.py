@@ -1,5 +1,5 @@
 """Where the cut last wave's time goes (configs.HopperFwdConfig.split_tail): per-kernel GPU time of the Gluon forward
-and of its tail merge (attn_fwd_hopper_tail_kernel), with the cut and without it, on BASELINES.md shapes.
+and of its tail merge (attn_tail_merge_kernel), with the cut and without it, on BASELINES.md shapes.
 
     python benchmarks/profile_tail_split.py [--shapes 0,1,2,3,4] [--min-blocks 8]
 
@@ -51,8 +51,8 @@ def main() -> None:
                 finally:
                     configs.HOPPER_FWD[dim, causal] = table
                 parts = ", ".join(f"{name[:40]} {us:.1f}" for name, us in sorted(times.items(), key=lambda x: -x[1]))
-                print(f"{batch}x{seqlen}x{heads}x{dim} causal={causal} split={split}: total {sum(times.values()):.1f} us"
-                      f" ({parts})")
+                print(f"{batch}x{seqlen}x{heads}x{dim} causal={causal} split={split}: "
+                      f"total {sum(times.values()):.1f} us ({parts})")
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ TAIL_SEQLEN = 2048  # the sequence length of the calls that warm up the Gluon fo
 
 def tail_cut_heads(head_dim: int, causal: bool, device, seqlen: int = TAIL_SEQLEN) -> Optional[int]:
     """The fewest heads (batch 1, seqlen x seqlen) for which the Gluon Hopper forward cuts its grid's last wave
-    (ops/hopper_fwd.tail_split), so that the call compiles the tail merge (attn_fwd_hopper_tail_kernel); None where
+    (ops/hopper_fwd.tail_split), so that the call compiles the tail merge (attn_tail_merge_kernel); None where
     the config does not cut tails, the device is no Hopper GPU or no head count up to 256 gives a cut."""
     from . import configs
     from .ops import hopper_fwd

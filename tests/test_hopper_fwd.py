@@ -312,7 +312,7 @@ def _tail_pieces(split: hopper_fwd.TailSplit, programs: int, tile_blocks) -> dic
 
 
 def _merged_slots(split: hopper_fwd.TailSplit, first: int, blocks: int) -> list:
-    """attn_fwd_hopper_tail_kernel's slots for the tail tile at positions [first, first + blocks) ([] if one
+    """attn_tail_merge_kernel's slots for the tail tile at positions [first, first + blocks) ([] if one
     program ran it whole)."""
     def programs_upto(x):
         return min(split.programs, -(-((x + 1) * split.programs) // split.blocks))
@@ -344,8 +344,8 @@ def test_tail_split_covers_the_last_wave_once(items, programs, paired, num_tiles
                                   min_blocks)
     full_waves, tail_items = divmod(items, programs)
     if split is None:
-        assert tail_items == 0 or min(programs, tail_items * _item_blocks(paired, num_tiles, tile_rows, block_n,
-                                                                          seqlen_q, seqlen_k) // min_blocks) <= tail_items
+        tail_blocks = tail_items * _item_blocks(paired, num_tiles, tile_rows, block_n, seqlen_q, seqlen_k)
+        assert tail_items == 0 or min(programs, tail_blocks // min_blocks) <= tail_items
         return
     assert split.full_items == full_waves * programs
     per_tile = [hopper_fwd.tile_key_blocks(t, num_tiles, tile_rows, block_n, seqlen_q, seqlen_k, paired)
@@ -424,7 +424,7 @@ TAIL_CASES = {  # name: (head_dim, causal, seqlen_q, seqlen_k, heads, heads_k, p
 @pytest.mark.parametrize("name", list(TAIL_CASES))
 def test_gluon_forward_tail_split(monkeypatch, name):
     """The cut last wave (configs.HopperFwdConfig.split_tail, at least one key block per program's share so that
-    pieces are short and many): partial results merged by attn_fwd_hopper_tail_kernel, whole tail tiles written
+    pieces are short and many): partial results merged by attn_tail_merge_kernel, whole tail tiles written
     directly, ragged key blocks in a piece's first block, causal pairs, GQA, every head dim, a small capped grid and
     the configured one."""
     head_dim, causal, seqlen_q, seqlen_k, heads, heads_k, programs = TAIL_CASES[name]

@@ -14,10 +14,10 @@ program per item, or persistent: as many as fit the GPU at once). An item is one
 causal grids a pair of tiles (the longest and the shortest left) so that every item has the same number of key
 blocks. Where configs.HopperFwdConfig.split_tail says, the items of a persistent grid's last, partial wave (the
 tail) are cut by key blocks evenly among all programs (stream-K style, _next_piece): a piece short of its tile
-writes its normalized partial output and LSE to a workspace, and attn_fwd_hopper_tail_kernel merges them by LSE
-weights after the kernel. The producer loads the next tile's Q and K/V blocks while the consumers finish the current
-one (their last wgmmas, normalization, O store). A tile's key blocks are visited from the last to the first (FA2's order): the
-blocks that can need a mask come first, so non-causal kernels mask only the first one visited and their key-block
+writes its normalized partial output and LSE to a workspace, and attn_tail_merge_kernel merges them by LSE
+weights after the kernel. The producer loads the next tile's Q and K/V blocks while the consumers finish the
+current one (their last wgmmas, normalization, O store). A tile's key blocks are visited from the last to the
+first (FA2's order): the blocks that can need a mask come first, so non-causal kernels mask only the first one visited and their key-block
 loop holds no mask code (_key_blocks).
 
 Synchronisation: q_ready[c] completes when consumer c's Q tile has landed, q_empty[c] when consumer c no longer
@@ -141,7 +141,7 @@ def _next_piece(item, which, x, x_start, x_end, tail, work, TILE_ROWS: gl.conste
     second), a tile's part at a time. Returns (batch, head, first query row, the first key block visited, key
     blocks, slot, the cursor after it): the blocks are visited from the first one down; slot -1: the piece is its
     tile's whole (O and the LSE go to the output), else 2 P + 0 for the piece at the start of the program's share,
-    2 P + 1 for the one at its end (ops/hopper_fwd.tail_split's workspace, which attn_fwd_hopper_tail_kernel
+    2 P + 1 for the one at its end (ops/hopper_fwd.tail_split's workspace, which attn_tail_merge_kernel
     merges). work: (num_tiles, num_batch_heads, heads_per_group, num_heads, seqlen_q, seqlen_k, causal, paired).
     Branch-free, one copy of the item arithmetic for both kinds of piece: each partition holds this code."""
     num_tiles, num_batch_heads, heads_per_group, num_heads, seqlen_q, seqlen_k, causal, paired = work
@@ -586,7 +586,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
     persistent: one per SM, so the next tile's loads overlap this one's end) below full_items. The items from
     full_items on (the tail: fewer than a wave) are cut by key blocks evenly among the first tail_programs programs
     (ops/hopper_fwd.tail_split: tail_blocks positions, every item item_blocks long); pieces short of their tile
-    write partial results (Partial, PartialLse: two slots per tail program) that attn_fwd_hopper_tail_kernel
+    write partial results (Partial, PartialLse: two slots per tail program) that attn_tail_merge_kernel
     merges (_next_piece). full_items = all items and tail_programs = 0: no tail; SPLIT_TAIL off: no code for one.
     num_warps (4) is the first consumer's; the other consumers (4 warps, CONSUMER_REGS registers each) and the
     producer (1 warp) are worker partitions. PINGPONG (two consumers): they issue their wgmmas in alternation
@@ -685,7 +685,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
                            [CONSUMER_REGS, 24])
 
 
-# query rows x head dim per program of attn_fwd_hopper_tail_kernel: 32 rows at head dim 128, 16 at 256 (32 rows of
+# query rows x head dim per program of attn_tail_merge_kernel: 32 rows at head dim 128, 16 at 256 (32 rows of
 # 256 took 254 registers, and 11.6 us for 100 tiles where 128 took 5-7 us)
 TAIL_MERGE_ELEMENTS = gl.constexpr(4096)
 
@@ -707,16 +707,17 @@ def _load_partial(Partial, PartialLse, program, first, tail, rows, columns, TILE
             gl.load(Partial + gl.expand_dims(slot_rows * columns.shape[0], 1) + gl.expand_dims(columns, 0)))
 
 
+# named apart from the attn_fwd_* kernels: kernel_inspect's forward gates ask those for wgmma, which a merge has none of
 @gluon.jit(do_not_specialize=["stride_ob", "stride_om", "stride_oh", "stride_lse_b", "stride_lse_h", "batch",
                               "seqlen_q", "seqlen_k", "heads_per_group", "paired", "full_items", "tail_programs",
                               "tail_blocks", "item_blocks"])
-def attn_fwd_hopper_tail_kernel(Partial, PartialLse, Out, Lse, stride_ob, stride_om, stride_oh, stride_lse_b,
-                                stride_lse_h, batch, num_heads, seqlen_q, seqlen_k, heads_per_group, paired,
-                                full_items, tail_programs, tail_blocks, item_blocks, CAUSAL: gl.constexpr,
-                                TILE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                                num_warps: gl.constexpr):
-    """The tail's merge, after attn_fwd_hopper_kernel (same work arguments): program i takes ROWS = TAIL_MERGE_ELEMENTS
-    / HEAD_DIM rows of tail tile i // (TILE_ROWS / ROWS) (tail tiles: item full_items + t // (1 + paired)'s tiles in turn). A
+def attn_tail_merge_kernel(Partial, PartialLse, Out, Lse, stride_ob, stride_om, stride_oh, stride_lse_b,
+                           stride_lse_h, batch, num_heads, seqlen_q, seqlen_k, heads_per_group, paired, full_items,
+                           tail_programs, tail_blocks, item_blocks, CAUSAL: gl.constexpr, TILE_ROWS: gl.constexpr,
+                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, num_warps: gl.constexpr):
+    """The tail's merge, after attn_fwd_hopper_kernel (same work arguments): program i takes ROWS =
+    TAIL_MERGE_ELEMENTS / HEAD_DIM rows of tail tile i // (TILE_ROWS / ROWS) (tail tiles: item full_items + t // (1 +
+    paired)'s tiles in turn). A
     tile cut among programs p_first .. p_last gets out = sum_p exp(lse_p - lse) out_p with lse = log(sum_p
     exp(lse_p)) over their partial results (kernels/combine.py's rule: rows no piece saw, out 0 and lse +inf), in
     one pass with a running max (three passes over the pieces, each load waited for in turn, took 9-12 us per

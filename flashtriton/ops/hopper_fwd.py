@@ -21,7 +21,7 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..kernels.fwd_hopper import CONSUMER_ROWS, TAIL_MERGE_ELEMENTS, attn_fwd_hopper_kernel, \
-        attn_fwd_hopper_tail_kernel
+        attn_tail_merge_kernel
     # host descriptors of tensors runs_on / the launchers checked (tma_compatible)
     checked_descriptor = descriptor_builder(TensorDescriptor)
 except Exception:  # Triton without Gluon's Hopper API, or its interpreter: the Triton kernel runs everything
@@ -178,7 +178,7 @@ def launch(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: in
         *lse_strides, batch, num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, *work,
         params.kernel_args()[0], threshold, **kernel_constexprs(config, params.causal_like, threshold))
     if split is not None:
-        attn_fwd_hopper_tail_kernel[(split.tiles * tile_rows * head_dim // TAIL_MERGE_ELEMENTS.value,)](
+        attn_tail_merge_kernel[(split.tiles * tile_rows * head_dim // TAIL_MERGE_ELEMENTS.value,)](
             partial, partial_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), *lse_strides, batch,
             num_heads, seqlen_q, seqlen_k, *work, CAUSAL=params.causal_like, TILE_ROWS=tile_rows,
             BLOCK_N=config.block_n, HEAD_DIM=head_dim, num_warps=4)
