@@ -13,24 +13,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import flashtriton
 from flashtriton import configs
-from flashtriton.bench import select_shapes
+from flashtriton.bench import profiled_kernels, select_shapes
 
 CALLS = 20
 
 
 def kernel_times_us(fn) -> dict:
     """Mean GPU time per call (us) of each kernel fn launches, by kernel name."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
-            fn()
-        torch.cuda.synchronize()
-    return {event.key: event.device_time_total / CALLS for event in prof.key_averages()
+    return {event.key: event.device_time_total / CALLS for event in profiled_kernels(fn, CALLS)
             if event.device_time_total > 0}
 
 

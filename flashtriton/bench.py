@@ -263,9 +263,8 @@ def median_ms(fn: Callable, warmup: int = 25, rep: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def kernel_ms(fn: Callable, calls: int = 20) -> float:
-    """Mean GPU time in ms of the kernels one call of fn launches (torch.profiler's CUDA activity): host time and
-    the gaps between kernels are left out, so eager calls shorter than their host time read their GPU cost."""
+def profiled_kernels(fn: Callable, calls: int = 20):
+    """torch.profiler's per-kernel averages (CUDA activity) over `calls` calls of fn, after one call outside it."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -274,7 +273,13 @@ def kernel_ms(fn: Callable, calls: int = 20) -> float:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    total_us = sum(event.device_time_total for event in prof.key_averages())
+    return prof.key_averages()
+
+
+def kernel_ms(fn: Callable, calls: int = 20) -> float:
+    """Mean GPU time in ms of the kernels one call of fn launches (torch.profiler's CUDA activity): host time and
+    the gaps between kernels are left out, so eager calls shorter than their host time read their GPU cost."""
+    total_us = sum(event.device_time_total for event in profiled_kernels(fn, calls))
     if total_us <= 0:
         raise RuntimeError("kernel_ms: the profiler recorded no GPU kernel time for this call")
     return total_us / calls * 1e-3
