@@ -136,3 +136,61 @@ def test_device_guard_is_a_no_op_off_the_gpu_and_on_the_current_device():
         current = torch.cuda.current_device()
         with device_guard(torch.empty(1, device=f"cuda:{current}")):
             assert torch.cuda.current_device() == current
+
+
+def test_wrapped_compile_step_disables_line_info_unless_the_user_chose():
+    """launching.compiled_without_line_info: only the kernel's compile step sees TRITON_DISABLE_LINE_INFO set (and
+    Triton's knob with it); afterwards the process's setting is back; a user's own setting is left alone; wrapping
+    twice wraps once; an object without a compile step (an interpreted kernel) is left as it is."""
+    import os
+
+    from triton import knobs
+
+    from flashtriton.ops.launching import LINE_INFO_VARIABLE, compiled_without_line_info
+
+    class Kernel:
+        def __init__(self):
+            self.seen = []
+
+        def _do_compile(self, key):
+            self.seen.append((key, os.environ.get(LINE_INFO_VARIABLE), knobs.compilation.disable_line_info))
+            return key
+
+    saved = os.environ.pop(LINE_INFO_VARIABLE, None)
+    try:
+        kernel, interpreted = Kernel(), object()
+        compiled_without_line_info(kernel, interpreted)
+        compiled_without_line_info(kernel)
+        assert kernel._do_compile("first") == "first"
+        assert kernel.seen == [("first", "1", True)]
+        assert LINE_INFO_VARIABLE not in os.environ and not knobs.compilation.disable_line_info
+        os.environ[LINE_INFO_VARIABLE] = "0"
+        kernel._do_compile("mine")
+        assert kernel.seen[-1] == ("mine", "0", False)
+        assert os.environ[LINE_INFO_VARIABLE] == "0"
+    finally:
+        os.environ.pop(LINE_INFO_VARIABLE, None)
+        if saved is not None:
+            os.environ[LINE_INFO_VARIABLE] = saved
+
+
+def test_every_compiled_kernel_is_wrapped_to_compile_without_line_info():
+    """Outside the interpreter (a fresh process without TRITON_INTERPRET: kernels are Triton's JITFunctions, which
+    a CPU-only machine can create), every flashtriton kernel entry point compiles without line info once the
+    launchers are imported."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import flashtriton, flashtriton.ops.backend, flashtriton.ops.hopper_bwd, flashtriton.ops.kvcache, "
+              "flashtriton.ops.triton.rotary\n"
+              "from flashtriton.kernel_inspect import flashtriton_kernels\n"
+              "kernels = flashtriton_kernels()\n"
+              "compiled = {n for n, k in kernels.items() if hasattr(k, '_do_compile')}\n"
+              "bare = sorted(n for n in compiled if not getattr(kernels[n]._do_compile, 'without_line_info', False))\n"
+              "print(len(compiled), bare)\n")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    count, bare = result.stdout.split(maxsplit=1)
+    assert int(count) >= 12 and bare.strip() == "[]", result.stdout

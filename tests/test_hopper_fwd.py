@@ -557,3 +557,26 @@ def test_rescale_threshold_override(monkeypatch, override, expected):
     for config in configs.HOPPER_FWD.values():
         want = config.rescale_threshold if expected == "config" else expected
         assert configs.hopper_rescale_threshold(config) == want
+
+
+@needs_hopper
+def test_compiled_forwards_carry_no_line_info():
+    """launching.compiled_without_line_info on the GPU: after a Gluon forward and a Triton-kernel forward (head dim
+    96, which the Gluon kernel does not take), every compiled variant of both kernels has PTX without `.loc`
+    directives, unless the user set TRITON_DISABLE_LINE_INFO (then Triton's own setting holds and the test only
+    checks that both ran)."""
+    import os
+
+    from flashtriton import kernel_inspect
+    from flashtriton.kernels.fwd import attn_fwd_kernel
+    from flashtriton.ops.launching import LINE_INFO_VARIABLE
+
+    for head_dim, gluon in ((128, True), (96, False)):
+        checks, ran = run_forward(Case(batch=1, seqlen_q=130, seqlen_k=130, head_dim=head_dim, dtype=torch.bfloat16))
+        assert ran == gluon
+        assert_checks_ok(checks)
+    for kernel in (hopper_fwd.attn_fwd_hopper_kernel, attn_fwd_kernel):
+        compiled = kernel_inspect.compiled_kernels(kernel)
+        assert compiled, "no compiled variant held"
+        if LINE_INFO_VARIABLE not in os.environ:
+            assert all(".loc" not in variant.asm["ptx"] for variant in compiled)

@@ -16,7 +16,9 @@ import torch
 
 from ..kernels.dropout import dropout_mask_kernel
 from ..reference import attention_probabilities, row_slopes, sequence_slices
-from .launching import device_guard, triton_cdiv
+from .launching import compiled_without_line_info, device_guard, triton_cdiv
+
+compiled_without_line_info(dropout_mask_kernel)
 
 MASK_BLOCK = 64
 

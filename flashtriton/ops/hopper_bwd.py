@@ -17,7 +17,7 @@ import torch
 
 from .. import configs
 from .hopper_fwd import _multiprocessors, covers as forward_covers, is_hopper, shared_layout, tile_descriptor
-from .launching import tma_compatible, triton_cdiv
+from .launching import compiled_without_line_info, tma_compatible, triton_cdiv
 
 try:
     from ..kernels.bwd_hopper import KEYS_PER_CONSUMER, attn_bwd_hopper_kernel
@@ -27,6 +27,7 @@ try:
     KEY_BLOCK = 2 * KEYS_PER_CONSUMER.value
     KEY_BLOCK_D256 = KEYS_PER_PROGRAM.value
     DQ_ROWS = ROWS_PER_CONSUMER.value
+    compiled_without_line_info(attn_bwd_hopper_kernel, attn_bwd_hopper_d256_kernel, attn_bwd_hopper_dq_kernel)
 except Exception:  # Triton without Gluon's Hopper API, or its interpreter: the Triton kernels run everything
     attn_bwd_hopper_kernel = attn_bwd_hopper_d256_kernel = attn_bwd_hopper_dq_kernel = None
     KEY_BLOCK, KEY_BLOCK_D256, DQ_ROWS = 128, 64, 64

@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import configs
-from .launching import descriptor_builder, tma_compatible, triton_cdiv
+from .launching import compiled_without_line_info, descriptor_builder, tma_compatible, triton_cdiv
 
 try:
     from triton.experimental.gluon import language as gl
@@ -22,6 +22,7 @@ try:
 
     from ..kernels.fwd_hopper import CONSUMER_ROWS, TAIL_MERGE_ELEMENTS, attn_fwd_hopper_kernel, \
         attn_tail_merge_kernel
+    compiled_without_line_info(attn_fwd_hopper_kernel, attn_tail_merge_kernel)
     # host descriptors of tensors runs_on / the launchers checked (tma_compatible)
     checked_descriptor = descriptor_builder(TensorDescriptor)
 except Exception:  # Triton without Gluon's Hopper API, or its interpreter: the Triton kernel runs everything

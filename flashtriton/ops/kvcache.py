@@ -16,7 +16,9 @@ from ..kernels.append import kv_append_kernel
 from ..reference import kvcache_reference
 from . import checks
 from .backend import fwd_tile_grid, launch_fwd, new_empty, runs_triton, score_params
-from .launching import device_guard, triton_cdiv
+from .launching import compiled_without_line_info, device_guard, triton_cdiv
+
+compiled_without_line_info(kv_append_kernel)
 from .triton.rotary import apply_rotary
 
 APPEND_BLOCK = 32

@@ -15,7 +15,9 @@ import triton
 
 from ...kernels.rotary import rotary_kernel
 from ..backend import new_empty
-from ..launching import device_guard
+from ..launching import compiled_without_line_info, device_guard
+
+compiled_without_line_info(rotary_kernel)
 
 # TRITON_INTERPRET is read when @triton.jit runs, so the kernel object says how it runs.
 KERNELS_INTERPRETED = type(rotary_kernel).__name__ == "InterpretedFunction"
