@@ -247,6 +247,9 @@ L2_GROUP_BYTES = {False: 0, True: 16 << 20}
 # chain): d128 16x1024 634.5 / 629.4 (+-0.1%), 4x4096 702.9 / 693.2 (+-3%), 1x16384 653.5 / 650.1 (+-3%); causal
 # 485.9 / 489.0, 652.8 / 660.3, 661.6 / 649.9; d64 515.7 / 539.9 and causal 412.6 / 438.3; d256 752.3 / 760.5 and
 # causal 722.4 / 726.1: a tree at d128 non-causal only. The row sums as a tree too: -1.5 to +1.7%, not taken.
+# Twenty-fourth session, the same pair at fe18e48 (kernel time, --rounds 3, tree / chain): d128 16x1024 644.8 / 651.9
+# (+-0.1%), 4x4096 726.9 / 742.9 (+-1.3%), 1x16384 678.9 / 696.8 (+-4%): the chain at d128 non-causal too, so the
+# tree is in no entry now (ablations/fwd_hopper.py "row max as a tree at d128" prices it again).
 # Twenty-first session: the last, partial wave of a persistent grid cut by key blocks among all programs (split_tail;
 # ops/hopper_fwd.tail_split; ablations/fwd_hopper.py "tail not split" etc., kernel time, --rounds 3, two calls, TF/s
 # cut / whole tiles): d128 4x4096 726.2 / 711.4 and 708.4 / 698.4, 1x16384 686.3 / 676.2 and 681.1 / 628.0 (+-4%),
@@ -286,7 +289,7 @@ _HOPPER_FWD_D256 = HopperFwdConfig(64, 2, 232, hold_schedule=True, rescale_thres
 # keyed by (head dim, causal)
 HOPPER_FWD = {(64, False): HopperFwdConfig(128, 2, 160, persistent=True, consumers=3),
               (64, True): HopperFwdConfig(128, 2, 232, persistent=True),
-              (128, False): replace(_HOPPER_FWD_D128, row_max_tree=True, split_tail=True),
+              (128, False): replace(_HOPPER_FWD_D128, split_tail=True),
               (128, True): replace(_HOPPER_FWD_D128, mask_by_residues=True),
               (256, False): replace(_HOPPER_FWD_D256, persistent=True, split_tail=True),
               (256, True): replace(_HOPPER_FWD_D256, mask_by_residues=True)}

@@ -21,11 +21,9 @@ unset TRITON_INTERPRET
 out="${OUT:-gpu-check}"
 mkdir -p "$out"
 steps=",${1:-tests,reliability,decode},"
-# the twenty-first session's tail cut priced again (two readings each), and session 20's weakest choice
-default_fwd_variants="tail not split,tail split at d128 causal,row max in one chain"
-# prepared in the twentieth session (compiled offline only, not yet run): three consumers at d64 causal on the
-# persistent grid without loop spills, and the epilogue's row work under the tile's last P V
-default_fwd_variants+=",three consumers at d64 causal by column residues,epilogue's row work under the last P V"
+# the twenty-fourth session's one change (the row max in one chain at d128 non-causal, after its first reading)
+# priced a second time from the other side
+default_fwd_variants="row max as a tree at d128"
 fwd_variants="${FWD_VARIANTS:-$default_fwd_variants}"
 
 step() {  # step NAME SECONDS COMMAND...

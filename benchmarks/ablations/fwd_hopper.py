@@ -57,6 +57,9 @@ tree (kernels/fwd_hopper._row_max) +0.8% at 16x1024, -5% / -6% at d64: at d128 n
 restores the old order); Q tiles double-buffered on top of it -3.7% to +2.7% (noise at d128, -3.7% d64 non-causal).
 Twenty-first session: "Q tiles double-buffered" retired (four readings since session 17, none kept; its edits are in
 git history before the tail split, which rewrote the tile loops they patched).
+Twenty-fourth session: the chain +1.1% / +2.2% / +2.6% at d128 non-causal, so no entry keeps the tree ("row max as a
+tree at d128" replaces "row max in one chain"); three consumers at d64 causal by column residues -1.3%, the epilogue's
+row work under the last P V -0.8% to +2% (+-2%): neither taken.
 """
 
 MODULE = "flashtriton/kernels/fwd_hopper.py"
@@ -124,15 +127,15 @@ CONFIGS = {"in-order with 128-key blocks at d256": {"HOPPER_FWD": _both(256, blo
            "causal mask by column residues at d64": {"HOPPER_FWD": {(64, True): dict(mask_by_residues=True)}},
            "three consumers at d64 causal by column residues": {
                "HOPPER_FWD": {(64, True): dict(consumers=3, consumer_regs=160, mask_by_residues=True)}},
-           "row max in one chain": {"HOPPER_FWD": {(128, False): dict(row_max_tree=False)}},
+           "row max as a tree at d128": {"HOPPER_FWD": {(128, False): dict(row_max_tree=True)}},
            "tail not split": {"HOPPER_FWD": {key: dict(split_tail=False) for key in ((128, False), (256, False))}},
            "tail split by 4 blocks at least": {"HOPPER_FWD": {key: dict(tail_min_blocks=4) for key in
                                                                ((128, False), (256, False))}},
            "tail split at d128 causal": {"HOPPER_FWD": {(128, True): dict(split_tail=True)}},
            "tail split at d64": {"HOPPER_FWD": {key: dict(split_tail=True) for key in ((64, False), (64, True))}},
            "row max as a tree everywhere": {"HOPPER_FWD": {key: dict(row_max_tree=True) for key in
-                                                           ((64, False), (64, True), (128, True), (256, False),
-                                                            (256, True))}}}
+                                                           ((64, False), (64, True), (128, False), (128, True),
+                                                            (256, False), (256, True))}}}
 
 # dead code in the key-block loop: a block of fused multiply-adds on the row sums behind a branch that is never taken
 # (a row sum is never negative), so each key block executes two instructions more while the loop's code grows by
@@ -261,7 +264,9 @@ VARIANTS = {
     # tree (configs.HopperFwdConfig.row_max_tree: at d128 non-causal, the only place it won; CONFIGS); and the row
     # sums as the same kind of tree (their FADD chain interleaves with the exp2s, which pace it). First run: the tree
     # +0.8% at 16x1024, +1.4% / +0.5% at 4x4096 / 1x16384 (spread +-3%), -5% / -6% at d64, -0.5 to -1.1% at d256, causal
-    # d128 -1.1% to +1.8%; the sums as a tree -1.5 to +1.7%
+    # d128 -1.1% to +1.8%; the sums as a tree -1.5 to +1.7%. Twenty-fourth session: the chain +1.1% / +2.2% / +2.6%
+    # at d128 non-causal (16x1024 / 4x4096 / 1x16384), so the tree left the table; "row max as a tree at d128" is
+    # the pair seen from the chain's side
     # twenty-first session: the persistent grids' last, partial wave cut by key blocks among all programs
     # (configs.HopperFwdConfig.split_tail; ops/hopper_fwd.tail_split) against the whole-tile last wave (SPLIT_TAIL
     # off: no code for it); with shares of 4 key blocks at least (16x1024: cut, -3.4% / -4.8%), at d128 causal
@@ -270,7 +275,7 @@ VARIANTS = {
     "tail split by 4 blocks at least": [],
     "tail split at d128 causal": [],
     "tail split at d64": [],
-    "row max in one chain": [],
+    "row max as a tree at d128": [],
     "row max as a tree everywhere": [],
     "row sums as a tree": [
         ("@gluon.jit\ndef _softmax_block(", """@gluon.jit
