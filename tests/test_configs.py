@@ -174,6 +174,65 @@ def test_wrapped_compile_step_disables_line_info_unless_the_user_chose():
             os.environ[LINE_INFO_VARIABLE] = saved
 
 
+def test_compiler_key_ahead_starts_only_where_compiles_can_happen(monkeypatch):
+    """launching.compiler_key_ahead: with a CUDA build of torch, compiled kernels and an empty cache, a daemon
+    thread computes Triton's key once (a stand-in key function counts the calls); FLASHTRITON_KEY_AHEAD=0,
+    TRITON_INTERPRET=1, a CPU build of torch and a key already computed each start nothing."""
+    import functools
+    import threading
+
+    import triton.runtime.cache
+
+    from flashtriton.ops.launching import KEY_AHEAD_VARIABLE, compiler_key_ahead
+
+    calls = []
+
+    @functools.lru_cache
+    def stand_in_key():
+        calls.append(threading.current_thread().name)
+        return "key"
+
+    monkeypatch.setattr(triton.runtime.cache, "triton_key", stand_in_key)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv(KEY_AHEAD_VARIABLE, "0")
+    assert compiler_key_ahead() is None
+    monkeypatch.delenv(KEY_AHEAD_VARIABLE)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert compiler_key_ahead() is None
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert compiler_key_ahead() is None
+    assert calls == []
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    thread = compiler_key_ahead()
+    assert thread is not None and thread.daemon
+    thread.join(timeout=30)
+    assert calls == ["flashtriton-triton-key"] and stand_in_key.cache_info().currsize == 1
+    assert compiler_key_ahead() is None
+
+
+def test_import_computes_the_compiler_key_ahead_on_cuda_builds_only():
+    """In a fresh process without TRITON_INTERPRET, importing flashtriton starts the key's thread exactly where
+    torch is a CUDA build (CI's CPU build: no thread, key not computed; the H200: the key cached once the thread
+    ends)."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import threading, torch, flashtriton\n"
+              "from triton.runtime.cache import triton_key\n"
+              "started = [t for t in threading.enumerate() if t.name == 'flashtriton-triton-key']\n"
+              "[t.join(60) for t in started]\n"
+              "print(torch.version.cuda is not None, len(started), triton_key.cache_info().currsize)\n")
+    env = {key: value for key, value in os.environ.items() if key not in ("TRITON_INTERPRET", "FLASHTRITON_KEY_AHEAD")}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    cuda_build, started, cached = result.stdout.split()
+    expected = "1" if cuda_build == "True" else "0"
+    assert (started, cached) == (expected, expected), result.stdout
+
+
 def test_every_compiled_kernel_is_wrapped_to_compile_without_line_info():
     """Outside the interpreter (a fresh process without TRITON_INTERPRET: kernels are Triton's JITFunctions, which
     a CPU-only machine can create), every flashtriton kernel entry point compiles without line info once the

@@ -24,10 +24,11 @@ from ..kernels.fwd import attn_fwd_kernel
 from ..reference import (attention_reference, attention_reference_backward, attention_reference_varlen,
                          attention_reference_varlen_backward, is_pure_causal, normalize_window)
 from . import checks, dropout, hopper_bwd, hopper_fwd
-from .launching import compiled_without_line_info, device_guard, tma_compatible, triton_cdiv
+from .launching import compiled_without_line_info, compiler_key_ahead, device_guard, tma_compatible, triton_cdiv
 
 compiled_without_line_info(attn_fwd_kernel, attn_combine_kernel, fill_uncovered_rows_kernel, attn_bwd_preprocess_kernel,
                            attn_bwd_dkdv_kernel, attn_bwd_dq_kernel)
+compiler_key_ahead()
 
 LOG2E = 1.4426950408889634
 
