@@ -297,7 +297,10 @@ class Child:
         first = self.make_inputs(spec["shape"], seed=0)
         self.sync()
         result["cache_before"] = self.snapshot("start")
-        result["compiler_key_ready"] = compiler_key_ready()
+        from flashtriton.ops.launching import compiler_key_computed
+
+        # Triton's per-process key, started at import (launching.compiler_key_ahead): (a) does not pay it when ready
+        result["compiler_key_ready"] = compiler_key_computed()
         self.call("first", first)
         if spec["phase"] == "warm":
             return
@@ -311,14 +314,6 @@ class Child:
             self.sync()
             self.call("other", other)
             self.spec = spec
-
-
-def compiler_key_ready():
-    """Whether Triton's per-process compiler key is computed already (flashtriton starts it at import:
-    launching.compiler_key_ahead), so the first call does not pay it; None where Triton does not cache it."""
-    from triton.runtime.cache import triton_key
-
-    return triton_key.cache_info().currsize > 0 if hasattr(triton_key, "cache_info") else None
 
 
 def child_main(spec_json: str) -> int:

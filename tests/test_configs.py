@@ -177,13 +177,13 @@ def test_wrapped_compile_step_disables_line_info_unless_the_user_chose():
 def test_compiler_key_ahead_starts_only_where_compiles_can_happen(monkeypatch):
     """launching.compiler_key_ahead: with a CUDA build of torch, compiled kernels and an empty cache, a daemon
     thread computes Triton's key once (a stand-in key function counts the calls); FLASHTRITON_KEY_AHEAD=0,
-    TRITON_INTERPRET=1, a CPU build of torch and a key already computed each start nothing."""
+    interpreted kernels, a CPU build of torch and a key already computed each start nothing."""
     import functools
     import threading
 
     import triton.runtime.cache
 
-    from flashtriton.ops.launching import KEY_AHEAD_VARIABLE, compiler_key_ahead
+    from flashtriton.ops.launching import KEY_AHEAD_VARIABLE, compiler_key_ahead, compiler_key_computed
 
     calls = []
 
@@ -194,22 +194,20 @@ def test_compiler_key_ahead_starts_only_where_compiles_can_happen(monkeypatch):
 
     monkeypatch.setattr(triton.runtime.cache, "triton_key", stand_in_key)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv(KEY_AHEAD_VARIABLE, "0")
-    assert compiler_key_ahead() is None
+    assert compiler_key_ahead(False) is None
     monkeypatch.delenv(KEY_AHEAD_VARIABLE)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert compiler_key_ahead() is None
-    monkeypatch.delenv("TRITON_INTERPRET")
+    assert compiler_key_ahead(True) is None
     monkeypatch.setattr(torch.version, "cuda", None)
-    assert compiler_key_ahead() is None
-    assert calls == []
+    assert compiler_key_ahead(False) is None
+    assert calls == [] and compiler_key_computed() is False
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    thread = compiler_key_ahead()
+    thread = compiler_key_ahead(False)
     assert thread is not None and thread.daemon
     thread.join(timeout=30)
     assert calls == ["flashtriton-triton-key"] and stand_in_key.cache_info().currsize == 1
-    assert compiler_key_ahead() is None
+    assert compiler_key_computed() is True
+    assert compiler_key_ahead(False) is None
 
 
 def test_import_computes_the_compiler_key_ahead_on_cuda_builds_only():

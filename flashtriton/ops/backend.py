@@ -28,7 +28,6 @@ from .launching import compiled_without_line_info, compiler_key_ahead, device_gu
 
 compiled_without_line_info(attn_fwd_kernel, attn_combine_kernel, fill_uncovered_rows_kernel, attn_bwd_preprocess_kernel,
                            attn_bwd_dkdv_kernel, attn_bwd_dq_kernel)
-compiler_key_ahead()
 
 LOG2E = 1.4426950408889634
 
@@ -37,6 +36,7 @@ TMA_OFF, TMA_HOST, TMA_DEVICE, TMA_PACKED = (mode.value for mode in (
 
 # TRITON_INTERPRET is read when @triton.jit runs, so the kernel objects themselves say how they run.
 KERNELS_INTERPRETED = type(attn_fwd_kernel).__name__ == "InterpretedFunction"
+compiler_key_ahead(KERNELS_INTERPRETED)
 
 
 # Tests set this (flashtriton.testing.poisoned_outputs) so every output buffer starts as NaN/garbage

@@ -114,7 +114,15 @@ def compiled_without_line_info(*kernels) -> None:
 KEY_AHEAD_VARIABLE = "FLASHTRITON_KEY_AHEAD"
 
 
-def compiler_key_ahead():
+def compiler_key_computed():
+    """Whether this process holds Triton's compiler key already (triton.runtime.cache.triton_key, cached by
+    functools.lru_cache); None for a Triton that does not cache it."""
+    from triton.runtime.cache import triton_key
+
+    return triton_key.cache_info().currsize > 0 if hasattr(triton_key, "cache_info") else None
+
+
+def compiler_key_ahead(kernels_interpreted: bool):
     """Start Triton's per-process compiler key on a daemon thread; returns the thread, or None where none starts.
 
     Triton's first compile in a process computes triton.runtime.cache.triton_key(): the sha256 of Triton's own
@@ -124,19 +132,15 @@ def compiler_key_ahead():
     compile finds it done. hashlib and file reads release the GIL, and the key is the same whichever thread computes
     it; if the first compile comes first, Triton computes it there too (no wait, no harm).
 
-    Only where compiles can happen: a CUDA build of torch, kernels not interpreted (TRITON_INTERPRET), a Triton
-    whose triton_key is cached (else there is nothing to keep); FLASHTRITON_KEY_AHEAD=0 turns it off. Errors in
-    the thread are dropped: the compile that needs the key computes it again and reports them."""
-    if os.environ.get(KEY_AHEAD_VARIABLE, "1") == "0" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    Only where compiles can happen: a CUDA build of torch, kernels not interpreted (as the kernel objects say:
+    backend.KERNELS_INTERPRETED), a Triton whose triton_key is cached and not computed yet (else there is nothing
+    to keep); FLASHTRITON_KEY_AHEAD=0 turns it off. Errors in the thread are dropped: the compile that needs the key
+    computes it again and reports them."""
+    if kernels_interpreted or os.environ.get(KEY_AHEAD_VARIABLE, "1") == "0" or torch.version.cuda is None:
         return None
-    if torch.version.cuda is None:
+    if compiler_key_computed() is not False:
         return None
-    try:
-        from triton.runtime.cache import triton_key
-    except ImportError:
-        return None
-    if not hasattr(triton_key, "cache_info") or triton_key.cache_info().currsize:
-        return None
+    from triton.runtime.cache import triton_key
 
     def compute_quietly():
         try:
