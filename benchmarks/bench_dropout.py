@@ -38,7 +38,7 @@ EXIT_OK, EXIT_CHECK_FAILED, EXIT_CANNOT_RUN = 0, 1, 2
 PROVIDERS = ("flashtriton", "sdpa-flash")
 MODES = ("fwd", "bwd", "fwd+bwd")
 TARGET_RATIO = 1.10  # issue #8
-DROP_RATE_TOLERANCE = 0.01  # API.md §4.7
+DROP_RATE_TOLERANCE = 0.01  # docs/api.md §4.7
 SMALL_SHAPE = (2, 256, 4)  # batch, seqlen, heads of the drop-rate / mask check
 
 

@@ -1,4 +1,4 @@
-"""Padding helpers of `flash_attn.bert_padding` (API.md §9.1): padded (B, S, ...) <-> varlen (nnz, ...).
+"""Padding helpers of `flash_attn.bert_padding` (docs/api.md §9.1): padded (B, S, ...) <-> varlen (nnz, ...).
 
 Shapes: B batch, S padded sequence length, N = B * S flat positions, nnz selected tokens.
 `indices` are flat positions `b * S + s` into the (N, ...) view of a padded tensor.

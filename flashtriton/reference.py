@@ -1,7 +1,7 @@
 """Exact PyTorch attention with every flash_attn 2.x semantic: the oracle of the tests and the CPU path.
 
 Layout is flash_attn's padded one: q (B, Sq, H, D), k/v (B, Sk, Hk, D). Everything follows
-shared/API.md §4 literally; nothing here is tuned for speed. Run it in float64 for an oracle, in
+shared/docs/api.md §4 literally; nothing here is tuned for speed. Run it in float64 for an oracle, in
 float32 for the CPU fallback, or in the input dtype to measure what PyTorch itself achieves there.
 """
 
@@ -18,7 +18,7 @@ __all__ = ["normalize_window", "is_pure_causal", "visible_mask", "attention_prob
 
 
 def normalize_window(window_size: Sequence[int], causal: bool, seqlen_k_star: int) -> Tuple[int, int]:
-    """FA2's host-side window rewrite (API.md §4.2.3): returns the (left, right) window the mask uses.
+    """FA2's host-side window rewrite (docs/api.md §4.2.3): returns the (left, right) window the mask uses.
 
     After the rewrite either both sides are negative (no window) or both are >= 0.
     """
@@ -37,7 +37,7 @@ def normalize_window(window_size: Sequence[int], causal: bool, seqlen_k_star: in
 
 
 def is_pure_causal(window_size: Sequence[int], causal: bool, seqlen_k_star: int) -> bool:
-    """The configuration in which FA2's ALiBi uses `+slope * j` (API.md §4.2.3, §4.4 quirk)."""
+    """The configuration in which FA2's ALiBi uses `+slope * j` (docs/api.md §4.2.3, §4.4 quirk)."""
     left, right = int(window_size[0]), int(window_size[1])
     if left >= seqlen_k_star:
         left = -1
@@ -147,7 +147,7 @@ def attention_reference(
     seqlen_k_star: Optional[int] = None,
     compute_dtype: Optional[torch.dtype] = torch.float64,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Attention exactly as API.md §4.1 defines it. Returns (out in q's dtype, lse (B, H, Sq) float32).
+    """Attention exactly as docs/api.md §4.1 defines it. Returns (out in q's dtype, lse (B, H, Sq) float32).
 
     compute_dtype: float64 for an oracle, float32 for the CPU path, None (or q.dtype) to do the
     math in the input dtype, which measures PyTorch's own rounding error there.
@@ -177,7 +177,7 @@ def attention_reference_backward(
     seqlen_k_star: Optional[int] = None,
     compute_dtype: Optional[torch.dtype] = torch.float32,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of attention_reference written out (API.md §4.10), without autograd.
+    """(dq, dk, dv) of attention_reference written out (docs/api.md §4.10), without autograd.
 
     Used where autograd is unavailable (inside custom ops); GQA gradients are summed over each group.
     """
@@ -238,7 +238,7 @@ def attention_reference_varlen(
     dropout_mask: Optional[torch.Tensor] = None,
     compute_dtype: Optional[torch.dtype] = torch.float64,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Varlen attention (API.md §4.9): each sequence on its own, window normalized with S* = max_seqlen_k.
+    """Varlen attention (docs/api.md §4.9): each sequence on its own, window normalized with S* = max_seqlen_k.
 
     q (Tq, H, D), k/v (Tk, Hk, D). Returns (out (Tq, H, D), lse (H, Tq)); uncovered rows are 0 / +inf.
     dropout_mask: bool (B, H, >= max Sq, >= max Sk) in each sequence's local indices.
@@ -289,7 +289,7 @@ def attention_reference_varlen_backward(
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """Rotary embedding of API.md §9.2 on the first 2 * cos.shape[-1] features of x (..., D), in fp32.
+    """Rotary embedding of docs/api.md §9.2 on the first 2 * cos.shape[-1] features of x (..., D), in fp32.
 
     cos/sin broadcast against x's leading dims with a last dim of rotary_dim / 2.
     """
@@ -321,7 +321,7 @@ def kvcache_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
                       cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                       window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
                       compute_dtype=torch.float64):
-    """flash_attn_with_kvcache literally (API.md §5), one batch row at a time; host loops, any device.
+    """flash_attn_with_kvcache literally (docs/api.md §5), one batch row at a time; host loops, any device.
 
     Returns (out (B, Sq, H, D), lse (B, H, Sq) fp32, new k_cache, new v_cache); the caches passed in are
     not modified.

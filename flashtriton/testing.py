@@ -1,6 +1,6 @@
 """Input generators, the tolerance rule and NaN-poisoning, shared by the tests and `flashtriton validate`.
 
-The tolerance rule (API.md §4.10): with `ref` the float64 reference and `pt` the same reference run
+The tolerance rule (docs/api.md §4.10): with `ref` the float64 reference and `pt` the same reference run
 in the input dtype, a kernel result passes when max|kernel - ref| <= factor * max|pt - ref| + atol.
 """
 

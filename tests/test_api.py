@@ -1,4 +1,4 @@
-"""API surface of the dense half (API.md §1, §2.7-2.9, §3.1-3.3, §7, §10): signatures, exports, return
+"""API surface of the dense half (docs/api.md §1, §2.7-2.9, §3.1-3.3, §7, §10): signatures, exports, return
 structures, autograd plumbing, low-level ops and torch.compile. Numerics are checked elsewhere in depth;
 here they are only compared with the reference where a structural test also produces values."""
 
@@ -22,7 +22,7 @@ import flashtriton.flash_attn_interface as fai
 from flashtriton.testing import Case, compare_with_reference, cu_seqlens, make_case_inputs, poisoned_outputs
 
 # ------------------------------------------------------------------------------------------------------------
-# Signature parity. Each entry is the parameter list copied verbatim from API.md; add rows as functions land.
+# Signature parity. Each entry is the parameter list copied verbatim from docs/api.md; add rows as functions land.
 # ------------------------------------------------------------------------------------------------------------
 
 PUBLIC_SIGNATURES = {
@@ -102,7 +102,7 @@ def test_public_signature_matches_spec(module, name):
     params = list(inspect.signature(getattr(module, name)).parameters.values())
     positional = [p for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
     assert [(p.name, p.default) for p in positional] == _spec_parameters(PUBLIC_SIGNATURES[name])
-    # Only keyword-only extras may follow the FA2 parameters (API.md §3, §8); no *args / **kwargs.
+    # Only keyword-only extras may follow the FA2 parameters (docs/api.md §3, §8); no *args / **kwargs.
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[len(positional):])
 
 
@@ -114,12 +114,12 @@ def test_low_level_signature_matches_spec(name, prefix):
 
 
 def test_window_size_is_a_named_parameter():
-    # transformers gates sliding windows on exactly this check (API.md §3).
+    # transformers gates sliding windows on exactly this check (docs/api.md §3).
     assert "window_size" in inspect.signature(flash_attn.flash_attn_func).parameters
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Module surface and version (API.md §1, §10)
+# Module surface and version (docs/api.md §1, §10)
 # ------------------------------------------------------------------------------------------------------------
 
 DENSE_FUNCTIONS = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func"]
@@ -256,7 +256,7 @@ def test_kvpacked_gqa_return_shapes():
 
 
 def test_out_is_contiguous():
-    # API.md §2.3: we SHOULD return a contiguous out of the documented shape (callers call .view() on it).
+    # docs/api.md §2.3: we SHOULD return a contiguous out of the documented shape (callers call .view() on it).
     q, k, v = _inputs(GQA_CASE)
     out = flash_attn.flash_attn_func(q, k, v, causal=True)
     assert out.is_contiguous(), f"out strides {out.stride()}"
@@ -430,7 +430,7 @@ def test_non_contiguous_last_dim_dout_is_accepted():
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Low-level API (API.md §7)
+# Low-level API (docs/api.md §7)
 # ------------------------------------------------------------------------------------------------------------
 
 
@@ -525,7 +525,7 @@ def test_wrapped_aliases_are_the_low_level_ops():
 
 
 # ------------------------------------------------------------------------------------------------------------
-# torch.compile (API.md §2.9)
+# torch.compile (docs/api.md §2.9)
 # ------------------------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""flashtriton.bert_padding against API.md §9.1, with plain Python loops as the reference."""
+"""flashtriton.bert_padding against docs/api.md §9.1, with plain Python loops as the reference."""
 
 import pytest
 import torch

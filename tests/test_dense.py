@@ -1,7 +1,7 @@
 """Dense attention (flash_attn_func and the packed forms) against the float64 reference.
 
 Every case draws fresh random inputs, runs forward and backward with NaN-poisoned output buffers,
-and applies the tolerance rule of API.md §4.10 (out: 2x PyTorch's own error in the dtype + 1e-5;
+and applies the tolerance rule of docs/api.md §4.10 (out: 2x PyTorch's own error in the dtype + 1e-5;
 gradients: 3x + 1e-4; LSE: +inf exactly where the reference has it, else 1e-4 relative).
 On CPU the shapes are interpreter-sized; on a GPU the `gpu` cases add long sequences.
 """

@@ -1,4 +1,4 @@
-"""Dropout (API.md §4.7): Bernoulli keep mask from torch's RNG, read back through S_dmask and checked exactly."""
+"""Dropout (docs/api.md §4.7): Bernoulli keep mask from torch's RNG, read back through S_dmask and checked exactly."""
 
 import pytest
 import torch
@@ -17,7 +17,7 @@ def make_qkv(batch=2, seqlen_q=70, seqlen_k=90, heads=4, heads_k=2, dim=32, dtyp
 
 
 def keep_mask_of(s_dmask, seqlen_q, seqlen_k):
-    """The keep mask S_dmask encodes: non-negative means kept (sign-bit encoding of API.md §4.7)."""
+    """The keep mask S_dmask encodes: non-negative means kept (sign-bit encoding of docs/api.md §4.7)."""
     return ~torch.signbit(s_dmask[:, :, :seqlen_q, :seqlen_k])
 
 

@@ -1,4 +1,4 @@
-"""Argument validation of the dense API (API.md §6, with §2.4, §4.3, §4.7): every error is raised with the
+"""Argument validation of the dense API (docs/api.md §6, with §2.4, §4.3, §4.7): every error is raised with the
 documented type and message BEFORE anything is launched. An autouse fixture replaces the Triton launchers and
 the CPU reference path with functions that raise AssertionError("launched"), so a check that comes too late
 (or is missing) surfaces as "launched" instead of the expected error."""
@@ -70,7 +70,7 @@ class Bad:
     k: Callable = _kv()
     v: Callable = _kv()
     options: dict = field(default_factory=dict)
-    message: Optional[str] = None  # None: any message (API.md §6 asks for a generic RuntimeError)
+    message: Optional[str] = None  # None: any message (docs/api.md §6 asks for a generic RuntimeError)
 
 
 KV_SHAPE = "(batch_size, seqlen_k, num_heads_k, head_size)"
@@ -216,7 +216,7 @@ def test_low_level_backward_rejects_inputs(dtype, dim, message):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Varlen (API.md §6 rows for cu_seqlens and block_table), through flash_attn_varlen_func and the low-level op
+# Varlen (docs/api.md §6 rows for cu_seqlens and block_table), through flash_attn_varlen_func and the low-level op
 # ------------------------------------------------------------------------------------------------------------
 
 LENS = (3, 5)

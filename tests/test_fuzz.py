@@ -2,7 +2,7 @@
 
 Profiles (tests/conftest.py): `ci` (default, a few minutes through the interpreter) and `long`
 (`--hypothesis-profile=long`, for a GPU or a long CPU run). Every drawn case runs forward and backward with
-NaN-poisoned outputs and applies the tolerance rule of API.md §4.10.
+NaN-poisoned outputs and applies the tolerance rule of docs/api.md §4.10.
 """
 
 import contextlib

@@ -87,7 +87,7 @@ def compiled_variants():
 
 
 def kvcache_checks(out, lse, ref_out, ref_lse, pt_out, factor=3.0):
-    """The kv-cache tolerance rule (API.md §4.10: 3x PyTorch's own error + 1e-5) and the LSE check."""
+    """The kv-cache tolerance rule (docs/api.md §4.10: 3x PyTorch's own error + 1e-5) and the LSE check."""
     return [check_error("out", out, ref_out, pt_out, factor=factor), check_lse(lse, ref_lse)]
 
 

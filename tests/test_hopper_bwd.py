@@ -3,7 +3,7 @@ float64 reference.
 
 It runs only on sm_90 GPUs (Gluon has no interpreter); the CPU part checks the routing rule. Every GPU case forces
 the kernel on (testing.forced_gluon_backward), asserts that it ran, NaN-poisons the outputs and applies the tolerance
-rule of API.md §4.10 to dq, dk and dv.
+rule of docs/api.md §4.10 to dq, dk and dv.
 """
 
 import sys

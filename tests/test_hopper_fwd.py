@@ -2,7 +2,7 @@
 
 It runs only on sm_90 GPUs (Gluon has no interpreter), so most of this file is skipped elsewhere; the CPU part
 checks the routing rule and the configs. Every GPU case asserts that the Gluon kernel actually ran (or, for the
-cases it does not cover, that it did not), NaN-poisons the outputs and applies the tolerance rule of API.md §4.10.
+cases it does not cover, that it did not), NaN-poisons the outputs and applies the tolerance rule of docs/api.md §4.10.
 """
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""flash_attn_with_kvcache against the literal float64 reference (API.md §5), contiguous and paged caches."""
+"""flash_attn_with_kvcache against the literal float64 reference (docs/api.md §5), contiguous and paged caches."""
 
 from dataclasses import dataclass, replace
 
@@ -169,7 +169,7 @@ def test_paged_capacity_error_mentions_block_table():
                                  "leftpad-int64", "batch-idx-int64", "rotary-dim-above-head-dim", "rotary-dtype",
                                  "paged-table-int64", "paged-table-rows"])
 def test_kvcache_errors(bad):
-    """API.md §6 rows of flash_attn_with_kvcache (seqlens_k contiguity is not reachable: the Python layer makes
+    """docs/api.md §6 rows of flash_attn_with_kvcache (seqlens_k contiguity is not reachable: the Python layer makes
     cache_seqlens contiguous first, as flash_attn's does)."""
     case = KVCase(seqlen_new=1, rotary_dim=32, page_size=16 if bad.startswith("paged") else 0)
     q, k_cache, v_cache, inputs, _ = make_inputs(case)

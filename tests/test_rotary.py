@@ -1,4 +1,4 @@
-"""Rotary embeddings (flash_attn.layers.rotary, flash_attn.ops.triton.rotary; API.md §9.2).
+"""Rotary embeddings (flash_attn.layers.rotary, flash_attn.ops.triton.rotary; docs/api.md §9.2).
 
 Tolerance: the rotation is two fp32 products and a sum per element, rounded once to the output dtype. A
 result y passes against the float64 reference y64 when

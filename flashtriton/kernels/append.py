@@ -1,4 +1,4 @@
-"""KV-cache append: copy new keys/values into a contiguous or paged cache at each row's end (API.md §5.4).
+"""KV-cache append: copy new keys/values into a contiguous or paged cache at each row's end (docs/api.md §5.4).
 
 Row b's new token t goes to cache position cache_seqlens[b] + t of cache row cache_batch_idx[b] (or b),
 or through the block table when the cache is paged. Copies are bit-exact; positions at or past the

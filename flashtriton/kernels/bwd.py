@@ -5,7 +5,7 @@ reproducible. DQ_ATOMIC (configs that ask for it, never with deterministic=True)
 adds each key tile's share of dQ (dS K, unscaled, fp32) into DQAccum with atomics, and the dQ kernel does
 not run; the launcher scales and converts DQAccum. GQA reduces dK/dV over the query heads of a
 group inside the dK/dV program. P is recomputed from the saved natural-log LSE (+inf rows give
-P = 0). With softcap, dS is multiplied by 1 - tanh^2 before the scale (API.md §4.10).
+P = 0). With softcap, dS is multiplied by 1 - tanh^2 before the scale (docs/api.md §4.10).
 USE_TMA (the sm90 configs): the Q and dO tiles of the dK/dV kernel and the K and V tiles of the dQ kernel
 come through in-kernel tensor descriptors over one sequence's rows of every head
 (common.head_rows_descriptor); rows past the sequence read as zeros.

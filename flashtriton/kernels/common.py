@@ -3,7 +3,7 @@
 Naming legend (all kernels):
   m_block / n_block   index of a query / key tile; offs_m, offs_n, offs_d index rows, keys, features
   BLOCK_M, BLOCK_N    tile sizes; BLOCK_D the head dim rounded up to a power of two (>= 16)
-  window_left/right   the normalized window of API.md §4.2.3: both < 0 (no window) or both >= 0;
+  window_left/right   the normalized window of docs/api.md §4.2.3: both < 0 (no window) or both >= 0;
                       causal is window_right == 0 with window_left >= seqlen_k (never binds)
   *_log2              a quantity in log2 units (scores are kept as log2-domain logits inside kernels)
 Masks and key-block ranges live here and nowhere else.
@@ -136,7 +136,7 @@ def tanh(x):
 
 @triton.jit
 def alibi_bias_log2(slope_log2, offs_m, offs_n, seqlen_q, seqlen_k, alibi_pure_causal):
-    """[BLOCK_M, BLOCK_N] ALiBi bias in log2 units (API.md §4.4), with FA2's pure-causal LSE quirk."""
+    """[BLOCK_M, BLOCK_N] ALiBi bias in log2 units (docs/api.md §4.4), with FA2's pure-causal LSE quirk."""
     # [BLOCK_M, BLOCK_N] key distance |c_i - j|, or -j in the pure causal configuration
     aligned = offs_m[:, None] + (seqlen_k - seqlen_q)
     distance = tl.where(alibi_pure_causal != 0, -offs_n[None, :] + 0 * aligned, tl.abs(aligned - offs_n[None, :]))
@@ -146,7 +146,7 @@ def alibi_bias_log2(slope_log2, offs_m, offs_n, seqlen_q, seqlen_k, alibi_pure_c
 
 @triton.jit
 def scores_log2(qk, qk_scale_log2, softcap_in_scale, softcap_out_log2, HAS_SOFTCAP: tl.constexpr):
-    """Raw q.k (fp32) to log2-domain logits: scale, then softcap * tanh(scaled / softcap) (API.md §4.1)."""
+    """Raw q.k (fp32) to log2-domain logits: scale, then softcap * tanh(scaled / softcap) (docs/api.md §4.1)."""
     if HAS_SOFTCAP:
         return tanh(qk * softcap_in_scale) * softcap_out_log2
     else:
@@ -159,7 +159,7 @@ def sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, seqlen_q,
     """(first row of q, q length, first row of k, k length) of one batch entry.
 
     Varlen reads cu_seqlens; seqused_k replaces the key length; leftpad_k moves the first key forward
-    inside the sequence's slot (API.md §7).
+    inside the sequence's slot (docs/api.md §7).
     """
     if IS_VARLEN:
         q_start = tl.load(CuSeqlensQ + batch)
@@ -207,7 +207,7 @@ def row_offsets(n_start, offs_col, seqlen_k, stride_row, block_table_row, page_s
                 IS_PAGED: tl.constexpr, TILE_IN_PAGE: tl.constexpr = False):
     """[BLOCK] int64 element offsets of rows n_start + offs_col (keys, or query rows) from their head's base.
 
-    Paged caches (API.md §3.4, §5.2) map key t to row t % page_size of page block_table_row[t // page_size].
+    Paged caches (docs/api.md §3.4, §5.2) map key t to row t % page_size of page block_table_row[t // page_size].
     TILE_IN_PAGE (the tile size divides page_size, n_start is a tile start): the whole tile lies in one
     page, looked up once.
     """

@@ -1,6 +1,6 @@
 """Prefill forward: one program per (query tile, batch * head), online softmax in the log2 domain.
 
-Numerics (API.md §4.10): fp32 scores and accumulators, P rounded to V's dtype before P.V,
+Numerics (docs/api.md §4.10): fp32 scores and accumulators, P rounded to V's dtype before P.V,
 natural-log LSE out (+inf for rows that see no key). The running max lags by up to
 RESCALE_THRESHOLD (log2 units) so most tiles skip the O / row-sum rescale; P then stays below
 2**RESCALE_THRESHOLD, and the result is exact because O, the row sum and P share one base.
@@ -257,7 +257,7 @@ def attn_fwd_kernel(
         slope_log2, alibi_pure_causal, RngState, stream, dropout_p, HEAD_DIM, BLOCK_N, BLOCK_D, True, IS_LOCAL,
         HAS_SOFTCAP, HAS_ALIBI, IS_PAGED, HAS_DROPOUT, TMA_MODE, FOLD_SCALE, TILE_IN_PAGE, RESCALE_THRESHOLD)
 
-    # rows that saw no key: out 0, lse +inf (API.md §4.5)
+    # rows that saw no key: out 0, lse +inf (docs/api.md §4.5)
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     if HAS_DROPOUT:

@@ -505,7 +505,7 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
     shared), run the key blocks, normalize, store the natural-log LSE and O (_store_output; a partial piece's to
     the workspace instead: _store_partial). q_empty tells the producer that q_tile may
     be refilled: after the last S wgmma, or where O is staged in q_tile itself (o_in_q) once O's store has read it.
-    Rows that saw no key: out 0, lse +inf (API.md §4.5). team: one entry per consumer of the program (a tile has
+    Rows that saw no key: out 0, lse +inf (docs/api.md §4.5). team: one entry per consumer of the program (a tile has
     len(team) * ROWS rows; a tuple's length reaches partitions where a constexpr does not). turns: the ping-pong
     barriers (_wait_turn), this consumer's first, or (); the first consumer (row_offset 0) leads. fences:
     _hold_schedule's; lag, tree: _softmax_block's; residues: _mask_block's."""

@@ -1,4 +1,4 @@
-"""Rotary position embedding: rotate feature pairs of x by the angle of each token's position (API.md §9.2).
+"""Rotary position embedding: rotate feature pairs of x by the angle of each token's position (docs/api.md §9.2).
 
 One program per (sequence block, head block, batch entry); grid axis 0 enumerates (batch entry, sequence
 block) pairs, so the batch may exceed the 65535 limit of the other grid axes. With r = ROTARY_DIM, pair m < r/2 is

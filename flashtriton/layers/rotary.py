@@ -1,4 +1,4 @@
-"""flash_attn.layers.rotary: rotary position embeddings with autograd, and the RotaryEmbedding module (API.md §9.2).
+"""flash_attn.layers.rotary: rotary position embeddings with autograd, and the RotaryEmbedding module (docs/api.md §9.2).
 
 The rotation itself is flashtriton.ops.triton.rotary.apply_rotary. Its adjoint (for backward) is the same
 rotation with sin negated (conjugate=True), also with XPos-scaled tables, since scaling commutes with it.

@@ -255,7 +255,7 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
 
 
 def check_fwd(q, k, v, dropout_p: float, softcap: float, alibi_slopes, return_softmax: bool) -> None:
-    """Every check of the dense forward (API.md §6); also run by the fake implementation."""
+    """Every check of the dense forward (docs/api.md §6); also run by the fake implementation."""
     checks.check_dense_qkv(q, k, v)
     checks.check_options(dropout_p, softcap, alibi_slopes, q.shape[0], q.shape[2], q)
     checks.check(not return_softmax or dropout_p > 0.0, "return_softmax is only supported when p_dropout > 0.0")
@@ -263,7 +263,7 @@ def check_fwd(q, k, v, dropout_p: float, softcap: float, alibi_slopes, return_so
 
 def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
             window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor], return_softmax: bool):
-    """Dense forward. Returns (out, softmax_lse (B, H, Sq), S_dmask, rng_state); see API.md §7."""
+    """Dense forward. Returns (out, softmax_lse (B, H, Sq), S_dmask, rng_state); see docs/api.md §7."""
     check_fwd(q, k, v, dropout_p, softcap, alibi_slopes, return_softmax)
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k = k.shape[1]
@@ -484,7 +484,7 @@ def _gather_paged(cache: torch.Tensor, block_table: torch.Tensor, cu_seqlens_k: 
 
 
 def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, direction: str = "forward") -> int:
-    """Checks of API.md §6 for the varlen layout; returns the batch size."""
+    """Checks of docs/api.md §6 for the varlen layout; returns the batch size."""
     checks.check_dtypes(q, k, v)
     checks.check_same_device(q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table)
     checks.check_device_capability(q)
@@ -545,7 +545,7 @@ def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, return_softmax: bool = False,
                    block_table: Optional[torch.Tensor] = None, leftpad_k: Optional[torch.Tensor] = None,
                    seqused_k: Optional[torch.Tensor] = None, zero_tensors: bool = False, num_splits: int = 0):
-    """Varlen forward. Returns (out (Tq, H, D), softmax_lse (H, Tq), S_dmask, rng_state); see API.md §7.
+    """Varlen forward. Returns (out (Tq, H, D), softmax_lse (H, Tq), S_dmask, rng_state); see docs/api.md §7.
 
     Rows not covered by any sequence get out 0 and lse +inf; no host synchronization on cu_seqlens.
     """

@@ -1,4 +1,4 @@
-"""Argument checks of API.md §6, run before anything is launched. Messages follow flash_attn's."""
+"""Argument checks of docs/api.md §6, run before anything is launched. Messages follow flash_attn's."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Dropout plumbing: the RNG state of a call, the keep mask as a tensor, and S_dmask (API.md §4.7).
+"""Dropout plumbing: the RNG state of a call, the keep mask as a tensor, and S_dmask (docs/api.md §4.7).
 
 rng_state is a (2,) int64 tensor (seed, offset) drawn from PyTorch's default generator of q's device with
 torch.randint, on that device: no host synchronization, CUDA-graph capturable, reproducible under

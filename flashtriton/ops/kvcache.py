@@ -1,4 +1,4 @@
-"""flash_attn_with_kvcache's backend (API.md §5): validate, rotate, append into the cache, attend.
+"""flash_attn_with_kvcache's backend (docs/api.md §5): validate, rotate, append into the cache, attend.
 
 The attention itself runs the prefill forward kernel with per-row key bounds (seqused_k / leftpad_k),
 cache_batch_idx and paged addressing. Split-KV: each row's keys are cut into num_splits parts (the heuristic
@@ -30,7 +30,7 @@ def _capacity(k_cache: torch.Tensor, block_table: Optional[torch.Tensor]) -> int
 
 def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                   block_table, softcap, alibi_slopes, num_splits) -> None:
-    """Every check of API.md §6 for flash_attn_with_kvcache that needs no host synchronization."""
+    """Every check of docs/api.md §6 for flash_attn_with_kvcache that needs no host synchronization."""
     if k_cache.stride(-1) != 1:
         raise AssertionError("k_cache must have contiguous last dimension")
     if v_cache.stride(-1) != 1:
@@ -99,7 +99,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
 
 
 def _check_paged_capacity(cache_seqlens: torch.Tensor, seqlen_new: int, capacity: int) -> None:
-    """flash_attn's paged-capacity check (API.md §5.2); one host synchronization, as upstream.
+    """flash_attn's paged-capacity check (docs/api.md §5.2); one host synchronization, as upstream.
 
     Skipped while a CUDA graph is being captured (a capture cannot read device values). The kernels stay
     in bounds without it: appends past the capacity are not written and reads stop at the capacity.
@@ -114,7 +114,7 @@ def _check_paged_capacity(cache_seqlens: torch.Tensor, seqlen_new: int, capacity
 
 
 def _rotate_queries(q, rotary_cos, rotary_sin, cache_seqlens, interleaved: bool, per_row_positions: bool):
-    """Queries at positions cache_seqlens + i (causal/local) or all at cache_seqlens (API.md §5.5)."""
+    """Queries at positions cache_seqlens + i (causal/local) or all at cache_seqlens (docs/api.md §5.5)."""
     if per_row_positions:
         return apply_rotary(q, rotary_cos, rotary_sin, seqlen_offsets=cache_seqlens, interleaved=interleaved)
     batch, seqlen_q = q.shape[:2]

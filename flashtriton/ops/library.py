@@ -1,7 +1,7 @@
 """torch.library custom ops and their fake (meta) implementations: the torch.compile boundary.
 
 Named `flashtriton::*` so they never clash with a real flash_attn installed beside us. The op
-objects are callable and serve as flash_attn's low-level `_flash_attn_*` functions (API.md §7).
+objects are callable and serve as flash_attn's low-level `_flash_attn_*` functions (docs/api.md §7).
 """
 
 from __future__ import annotations

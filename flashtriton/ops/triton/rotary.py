@@ -1,4 +1,4 @@
-"""`apply_rotary`: the rotary-embedding entry point of flash_attn.ops.triton.rotary (API.md §9.2), no autograd.
+"""`apply_rotary`: the rotary-embedding entry point of flash_attn.ops.triton.rotary (docs/api.md §9.2), no autograd.
 
 Where it runs, as for attention (flashtriton.ops.backend): CUDA tensors run the compiled Triton kernel;
 CPU tensors run the same kernel through Triton's interpreter when kernels are interpreted
@@ -40,7 +40,7 @@ def block_sizes(rotary_dim: int, head_dim: int, num_heads: int, copy_tail: bool)
 
 
 def _check(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen):
-    """The asserts of API.md §9.2; returns (batch, seqlen) where seqlen is max_seqlen for varlen."""
+    """The asserts of docs/api.md §9.2; returns (batch, seqlen) where seqlen is max_seqlen for varlen."""
     if cu_seqlens is None:
         assert x.dim() == 4, f"x must have shape (batch, seqlen, nheads, headdim), got {tuple(x.shape)}"
         batch, seqlen = x.shape[0], x.shape[1]
