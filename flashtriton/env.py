@@ -146,7 +146,7 @@ def collect_environment() -> Environment:
     devices = [device_info(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     variables = {name: os.environ.get(name) for name in ("TRITON_INTERPRET", "TRITON_CACHE_DIR",
                                                          "FLASHTRITON_RESCALE_THRESHOLD", "FLASHTRITON_TMA", "FLASHTRITON_GLUON",
-                                                         "FLASHTRITON_GLUON_BWD", "FLASHTRITON_KEY_AHEAD",
+                                                         "FLASHTRITON_GLUON_BWD",
                                                          "CUDA_VISIBLE_DEVICES")}
     return Environment(versions, backend.KERNELS_INTERPRETED, cpu_path_description(backend.KERNELS_INTERPRETED),
                        triton_cache_dir(), variables, devices, library_gaps())

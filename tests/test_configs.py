@@ -176,14 +176,14 @@ def test_wrapped_compile_step_disables_line_info_unless_the_user_chose():
 
 def test_compiler_key_ahead_starts_only_where_compiles_can_happen(monkeypatch):
     """launching.compiler_key_ahead: with a CUDA build of torch, compiled kernels and an empty cache, a daemon
-    thread computes Triton's key once (a stand-in key function counts the calls); FLASHTRITON_KEY_AHEAD=0,
-    interpreted kernels, a CPU build of torch and a key already computed each start nothing."""
+    thread computes Triton's key once (a stand-in key function counts the calls); interpreted kernels, a CPU build
+    of torch and a key already computed each start nothing."""
     import functools
     import threading
 
     import triton.runtime.cache
 
-    from flashtriton.ops.launching import KEY_AHEAD_VARIABLE, compiler_key_ahead, compiler_key_computed
+    from flashtriton.ops.launching import compiler_key_ahead, compiler_key_computed
 
     calls = []
 
@@ -194,9 +194,6 @@ def test_compiler_key_ahead_starts_only_where_compiles_can_happen(monkeypatch):
 
     monkeypatch.setattr(triton.runtime.cache, "triton_key", stand_in_key)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setenv(KEY_AHEAD_VARIABLE, "0")
-    assert compiler_key_ahead(False) is None
-    monkeypatch.delenv(KEY_AHEAD_VARIABLE)
     assert compiler_key_ahead(True) is None
     monkeypatch.setattr(torch.version, "cuda", None)
     assert compiler_key_ahead(False) is None
@@ -223,7 +220,7 @@ def test_import_computes_the_compiler_key_ahead_on_cuda_builds_only():
               "started = [t for t in threading.enumerate() if t.name == 'flashtriton-triton-key']\n"
               "[t.join(60) for t in started]\n"
               "print(torch.version.cuda is not None, len(started), triton_key.cache_info().currsize)\n")
-    env = {key: value for key, value in os.environ.items() if key not in ("TRITON_INTERPRET", "FLASHTRITON_KEY_AHEAD")}
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     cuda_build, started, cached = result.stdout.split()

@@ -84,9 +84,8 @@ LINE_INFO_VARIABLE = "TRITON_DISABLE_LINE_INFO"
 def compiled_without_line_info(*kernels) -> None:
     """Make each Triton / Gluon kernel compile without source-line debug info (Triton's TRITON_DISABLE_LINE_INFO),
     for its own compiles only: the other kernels of the process keep Triton's default. Line info is for profilers'
-    source views; without it LLVM, PTX generation and ptxas have less to carry (offline, this repository's CPU
-    machine, d128 Gluon forward: 2.5 against 3.1 s in five compiles each, the cubin 77 against 293 KB; the H200
-    reading is in BENCHMARKS.md's cold-start section). Setting TRITON_DISABLE_LINE_INFO yourself (0 for ncu's
+    source views; without it LLVM, PTX generation and ptxas have less to carry (the d128 Gluon forward compiled
+    offline: 2.5 against 3.1 s, the cubin 77 against 293 KB; BENCHMARKS.md's cold-start section has the GPU reading). Setting TRITON_DISABLE_LINE_INFO yourself (0 for ncu's
     source view) keeps your choice. The setting is part of Triton's cache key, so cached kernels stay consistent.
 
     Wraps the kernel object's compile step (JITFunction._do_compile, run only where the in-memory cache misses), so
@@ -111,9 +110,6 @@ def compiled_without_line_info(*kernels) -> None:
         kernel._do_compile = compile_without
 
 
-KEY_AHEAD_VARIABLE = "FLASHTRITON_KEY_AHEAD"
-
-
 def compiler_key_computed():
     """Whether this process holds Triton's compiler key already (triton.runtime.cache.triton_key, cached by
     functools.lru_cache); None for a Triton that does not cache it."""
@@ -126,17 +122,16 @@ def compiler_key_ahead(kernels_interpreted: bool):
     """Start Triton's per-process compiler key on a daemon thread; returns the thread, or None where none starts.
 
     Triton's first compile in a process computes triton.runtime.cache.triton_key(): the sha256 of Triton's own
-    sources and of its ~400 MB libtriton (0.35 s on this repository's CPU machine, 0.45 s on the H200 host in
-    session 19), kept by functools.lru_cache for the rest of the process. Started at import, it runs while the
-    process does what comes before its first attention call (CUDA context, building the model), so the first
-    compile finds it done. hashlib and file reads release the GIL, and the key is the same whichever thread computes
-    it; if the first compile comes first, Triton computes it there too (no wait, no harm).
+    sources and of its ~400 MB libtriton (0.35-0.45 s), kept by functools.lru_cache for the rest of the process.
+    Started at import, it runs while the process does what comes before its first attention call (CUDA context,
+    building the model), so the first compile finds it done. hashlib and file reads release the GIL, and the key is
+    the same whichever thread computes it; if the first compile comes first, Triton computes it there too (no wait,
+    no harm).
 
     Only where compiles can happen: a CUDA build of torch, kernels not interpreted (as the kernel objects say:
     backend.KERNELS_INTERPRETED), a Triton whose triton_key is cached and not computed yet (else there is nothing
-    to keep); FLASHTRITON_KEY_AHEAD=0 turns it off. Errors in the thread are dropped: the compile that needs the key
-    computes it again and reports them."""
-    if kernels_interpreted or os.environ.get(KEY_AHEAD_VARIABLE, "1") == "0" or torch.version.cuda is None:
+    to keep). Errors in the thread are dropped: the compile that needs the key computes it again and reports them."""
+    if kernels_interpreted or torch.version.cuda is None:
         return None
     if compiler_key_computed() is not False:
         return None
