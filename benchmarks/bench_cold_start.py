@@ -1,9 +1,9 @@
-"""Cold start (issue #5, GPU): first-call compile time per configuration, and no recompiles on new batch / seqlen.
+"""Cold start (GPU): first-call compile time per configuration, and no recompiles on new batch / seqlen.
 
     python benchmarks/bench_cold_start.py --out DIR [--quick] [--configs NAME,NAME] [--list]
 
-Issue #5: "the first call of a new configuration compiles in <= 2 s median on the H200" and "changing only
-batch or sequence length never recompiles". Every configuration runs in two fresh child processes
+The targets: the first call of a new configuration compiles in <= 2 s median on an H200, and changing only
+batch or sequence length never recompiles. Every configuration runs in two fresh child processes
 (`python benchmarks/bench_cold_start.py --child SPEC_JSON`, one JSON result line on stdout) sharing a new, empty
 TRITON_CACHE_DIR (tempfile.mkdtemp, deleted afterwards unless --keep-cache):
 
@@ -50,7 +50,7 @@ if importlib.util.find_spec("flashtriton") is None:  # run from a checkout witho
     sys.path.insert(0, str(REPO_ROOT))
 
 EXIT_OK, EXIT_CHILD_FAILED, EXIT_CANNOT_RUN = 0, 1, 2
-TARGET_S = 2.0  # issue #5: median first-call (compile) time of a new configuration
+TARGET_S = 2.0  # the target median first-call (compile) time of a new configuration
 RESULT_MARKER = "@@cold_start_result@@ "
 HEAD_DIMS = (64, 128, 256)
 
@@ -60,8 +60,7 @@ HEAD_DIMS = (64, 128, 256)
 # ----------------------------------------------------------------------------------------------------------------
 
 # (e): the head dim of the configuration compiled next in the same process (kernels not compiled yet there): another
-# head dim of the Gluon Hopper forward (configs.HOPPER_FWD; until session 19 this was 96 / 160, which time the Triton
-# forward instead)
+# head dim of the Gluon Hopper forward (configs.HOPPER_FWD)
 OTHER_HEAD_DIM = {64: 128, 128: 256, 256: 64}
 
 
@@ -470,7 +469,7 @@ def markdown(result: dict) -> str:
         lines.append("CPU plumbing check (TRITON_INTERPRET=1, tiny shapes): nothing is compiled, the times below "
                      "mean nothing.")
     lines += [f"Median (a) first forward call over {s['configs_fwd']} configurations: "
-             f"{fmt(s['median_first_call_fwd_s'])} s (issue #5 target <= {TARGET_S:.0f} s: {verdict}).",
+             f"{fmt(s['median_first_call_fwd_s'])} s (target <= {TARGET_S:.0f} s: {verdict}).",
              f"Median (a) first forward + backward over {s['configs_fwd_bwd']} configurations: "
              f"{fmt(s['median_first_call_fwd_bwd_s'])} s.",
              f"Median (d) first forward call with a warm on-disk cache: "

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_decode.py [--paged 0,64,256] [--sweep]
 
-Rows of issue #4: (batch, seqlen_k) in (64, 4096), (16, 16384), (4, 65536), (1, 131072), contiguous and
+Rows: (batch, seqlen_k) in (64, 4096), (16, 16384), (4, 65536), (1, 131072), contiguous and
 paged. The device-copy bandwidth and SDPA (FLASH / CUDNN, GQA through enable_gqa) are measured in the
 same run. Every flashtriton row is checked against SDPA's output. --sweep times every candidate decode
 tile config of DECODE_CANDIDATES too (the table in flashtriton/configs.py cites the run that chose it).
@@ -28,7 +28,7 @@ HEADS, HEADS_K, DIM = 32, 8, 128
 # query heads of a KV head. Paged caches never use descriptors.
 # Paged loops need two more stages than contiguous ones for the same K/V double buffering (offline sm_90
 # compile: 16x128 w4 paged s3/s4 74 KB of shared memory = one K/V buffer, s5 139 KB = two, as contiguous s3),
-# hence the s5/s6 candidates (timed at commit 08441d7: s5 chosen for page-sized tiles, configs.PAGED_DECODE_STAGES).
+# hence the s5/s6 candidates (configs.PAGED_DECODE_STAGES holds the chosen one).
 DECODE_CANDIDATES = [(16, 128, 4, 3, False), (16, 128, 4, 2, False), (16, 64, 4, 3, False), (16, 64, 4, 4, False),
                      (16, 64, 2, 4, False), (16, 128, 8, 3, False), (16, 256, 8, 2, False), (16, 32, 2, 6, False),
                      (16, 128, 4, 5, False), (16, 64, 4, 5, False), (16, 64, 4, 6, False),

@@ -45,14 +45,6 @@ DQ_CANDIDATES = {
 }
 
 
-# dK/dV tiles for the atomic-dQ backward: offline sm_90 compiles with descriptors (docs/perf-notes.md) spill at
-# most 64 B in these; 128-key tiles halve the dQ atomics per FLOP.
-ATOMIC_DKDV_CANDIDATES = {
-    "small": [TileConfig(32, 64, 4, 3), TileConfig(32, 128, 8, 2), TileConfig(64, 128, 8, 2)],
-    "large": [TileConfig(16, 64, 8, 2), TileConfig(32, 64, 8, 2)],
-}
-
-
 # Backward candidates are swept with these tensor-descriptor settings (the current table entry runs with both).
 BWD_TMA = (True,)
 
@@ -84,9 +76,8 @@ def main():
     parser.add_argument("--modes", default="fwd,bwd")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--shapes", default="all", help="'all' or indices into bench.BASELINE_SHAPES, e.g. 1,3")
-    parser.add_argument("--bwd-candidates", default="all", choices=("all", "base", "atomic", "dq"),
+    parser.add_argument("--bwd-candidates", default="all", choices=("all", "base", "dq"),
                         help="base: only the current backward entry, with and without tensor descriptors; "
-                             "atomic: the current entry, then it and ATOMIC_DKDV_CANDIDATES with dQ by atomics; "
                              "dq: the current entry, then DQ_CANDIDATES (the dQ kernel alone changes: at head "
                              "dim 256 what runs after the Gluon dK / dV kernel)")
     args = parser.parse_args()
@@ -124,9 +115,6 @@ def main():
                 out = flashtriton.flash_attn_func(q, k, v, causal=causal)
                 base = original_bwd(arch, dim)
                 candidates = [replace(base, use_tma=tma) for tma in (False, True)]
-                if args.bwd_candidates == "atomic":
-                    candidates = [base] + [replace(base, dkdv=c, dq_atomic=True)
-                                           for c in [base.dkdv] + ATOMIC_DKDV_CANDIDATES[size]]
                 if args.bwd_candidates == "dq":
                     candidates = [base] + [replace(base, dq=c) for c in DQ_CANDIDATES[size] if c != base.dq]
                 for tma in BWD_TMA if args.bwd_candidates == "all" else ():

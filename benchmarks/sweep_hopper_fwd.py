@@ -1,11 +1,12 @@
 """Sweep the Gluon Hopper forward's configurations (configs.HopperFwdConfig: key tile, stages, consumer registers,
-persistent grid, ping-pong) on the BASELINES.md shapes, with SDPA FLASH and CUDNN timed in the same process.
+persistent grid, ping-pong) on the baseline shapes (bench.BASELINE_SHAPES), with SDPA FLASH and CUDNN timed in the
+same process.
 
     python benchmarks/sweep_hopper_fwd.py [--shapes 0,1] [--out DIR]
 
 Every candidate's output is compared with SDPA FLASH's before it is timed (max abs error printed); a candidate
-that fails to compile is recorded with NaN. Results go to DIR/hopper-sweep.json; configs.HOPPER_FWD cites the run
-that chose its entries.
+that fails to compile is recorded with NaN, and each row records whether the Gluon kernel ran (torch.profiler's kernel
+names). Results go to DIR/hopper-sweep.json; configs.HOPPER_FWD cites the run that chose its entries.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtriton
 from flashtriton import configs
-from flashtriton.bench import attention_flops, median_ms, select_shapes
+from flashtriton.bench import attention_flops, median_ms, profiled_kernels, select_shapes
 from flashtriton.configs import HopperFwdConfig
-from flashtriton.ops import hopper_fwd
 
 # shared memory: Q and O 2 x 64 rows each (O staged in Q at d256), K and V `stages` x block_n rows (227 KiB per
 # program on sm_90)
@@ -35,6 +35,13 @@ CANDIDATES = {
     256: [HopperFwdConfig(64, 2, 232), HopperFwdConfig(64, 2, 232, pingpong=True),
           HopperFwdConfig(64, 2, 232, persistent=True, pingpong=True)],
 }
+
+GLUON_FORWARD_KERNEL = "attn_fwd_hopper_kernel"
+
+
+def runs_gluon_forward(fn) -> bool:
+    """Whether a call of fn launches the Gluon Hopper forward kernel."""
+    return any(GLUON_FORWARD_KERNEL in event.key for event in profiled_kernels(fn, calls=1))
 
 
 def main():
@@ -62,15 +69,16 @@ def main():
                     rows.append(dict(tag, provider=name, ms=ms, tflops=peers[name]))
                 for candidate in CANDIDATES[dim]:
                     configs.HOPPER_FWD[dim, causal] = candidate
-                    launches = hopper_fwd.launch_count
+                    def forward():
+                        return flashtriton.flash_attn_func(q, k, v, causal=causal)
+
                     try:
-                        out = flashtriton.flash_attn_func(q, k, v, causal=causal)
-                        error = float((out.float() - expected.float()).abs().max())
-                        ms = median_ms(lambda: flashtriton.flash_attn_func(q, k, v, causal=causal))
+                        error = float((forward().float() - expected.float()).abs().max())
+                        ms = median_ms(forward)
+                        ran_gluon = runs_gluon_forward(forward)
                     except Exception as exc:  # a candidate that does not compile is recorded, not fatal
-                        error, ms = float("nan"), float("nan")
+                        error, ms, ran_gluon = float("nan"), float("nan"), False
                         print("candidate failed", candidate, type(exc).__name__, str(exc)[:300], flush=True)
-                    ran_gluon = hopper_fwd.launch_count > launches
                     rows.append(dict(tag, provider="flashtriton", config=asdict(candidate), ms=ms, max_err=error,
                                      ran_gluon=ran_gluon, tflops=flops / ms * 1e-9))
                     print(f"{tag} {asdict(candidate)}: {rows[-1]['tflops']:.1f} TF/s err {error:.1e} "

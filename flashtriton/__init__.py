@@ -2,6 +2,7 @@
 
 from pkgutil import extend_path
 
+# Subpackages installed separately under flashtriton/ (as flash_attn.cute is beside flash_attn) import through us.
 __path__ = extend_path(__path__, __name__)
 
 

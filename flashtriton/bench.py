@@ -24,7 +24,7 @@ from .reference import attention_reference
 
 PROVIDERS = ("flashtriton", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "fa4")
 # timed unless --providers says otherwise; fa4 (FlashAttention-4's CuTe DSL kernels, `flash_attn.cute` of the
-# flash-attn-4 package: issue #5's goal) only on request, as it is rarely installed
+# flash-attn-4 package) only on request, as it is rarely installed
 DEFAULT_PROVIDERS = PROVIDERS[:4]
 MODES = ("fwd", "bwd", "fwd+bwd", "fwd+bwd-graph")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -56,7 +56,7 @@ class Shape:
         return iter(astuple(self))
 
 
-# BASELINES.md: 16k tokens, hidden 2048 (H = 2048 / D).
+# The baseline shapes: 16k tokens (batch x seqlen), hidden 2048 (heads = 2048 / head_dim), in (B, S, H, D) memory.
 BASELINE_SHAPES = (Shape(16, 1024, 16, 128), Shape(4, 4096, 16, 128), Shape(1, 16384, 16, 128),
                    Shape(4, 4096, 32, 64), Shape(4, 4096, 8, 256))
 QUICK_SHAPES = (Shape(4, 2048, 16, 128), Shape(4, 2048, 32, 64))
@@ -194,10 +194,10 @@ def attention_callable(provider: str, causal: bool) -> Callable:
 
 
 def provider_inputs(provider: str, q, k, v, requires_grad: bool):
-    """Leaf copies of (B, S, H, D) inputs, in (B, S, H, D) memory for every provider (BASELINES.md's layout): as
-    they are for flashtriton and FA4, as (B, H, S, D) views of that memory for SDPA. (Until the ninth session SDPA got
-    contiguous (B, H, S, D) copies, with which its FLASH backward read 170 TF/s at 16x1024x16x128 causal where the
-    same session's (B, S, H, D) views read 207 and BASELINES.md 209: the earlier tables flattered the short rows.)"""
+    """Leaf copies of (B, S, H, D) inputs, in (B, S, H, D) memory for every provider (the baseline shapes' layout):
+    as they are for flashtriton and FA4, as (B, H, S, D) views of that memory for SDPA. Every provider reads the same
+    memory layout; contiguous (B, H, S, D) copies would change SDPA's speed (its FLASH backward is slower on them at
+    16x1024x16x128 causal)."""
     def prepare(t):
         t = t.detach().clone()
         return (t if provider in ("flashtriton", "fa4") else t.transpose(1, 2)).requires_grad_(requires_grad)

@@ -86,7 +86,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser, default_out: str = "ben
                         help="comma-separated: fwd, bwd (backward only), fwd+bwd (also measures peak memory), "
                              "fwd+bwd-graph (the fwd+bwd step replayed from a CUDA graph: no host cost)")
     parser.add_argument("--shapes", choices=sorted(bench.SHAPE_SETS), default="baseline",
-                        help="baseline: the BASELINES.md shapes (16k tokens, hidden 2048); quick: two small ones")
+                        help="baseline: the baseline shapes (16k tokens, hidden 2048); quick: two small ones")
     parser.add_argument("--providers", type=comma_list(bench.PROVIDERS), default=list(bench.DEFAULT_PROVIDERS),
                         help=f"comma-separated subset of {', '.join(bench.PROVIDERS)} (default: all but fa4, "
                         "FlashAttention-4, which needs the flash-attn-4 package)")

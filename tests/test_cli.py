@@ -259,7 +259,7 @@ def test_write_results_round_trip(tmp_path):
 
 
 def test_provider_inputs_keep_the_bshd_memory_layout():
-    """Every provider's timed inputs are leaves in (B, S, H, D) memory (BASELINES.md's layout); SDPA sees them as
+    """Every provider's timed inputs are leaves in (B, S, H, D) memory (the baseline shapes' layout); SDPA sees them as
     (B, H, S, D) views, so no provider pays for a layout copy the others do not."""
     q, k, v = bench.random_inputs(bench.Shape(2, 8, 3, 4), torch.float32, device="cpu")
     for provider in ("flashtriton", "sdpa-flash"):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# FlashAttention-4 (flash-attn-4 and its CuTe DSL wheels, ~100 MB for Python 3.12) for the device machine, which has
-# no network and takes 64 MiB of carried files per call (issue #5's goal is measured against FA4 in the same run).
+# FlashAttention-4 (flash-attn-4 and its CuTe DSL wheels, ~100 MB for Python 3.12) for a GPU machine without network
+# access that takes at most 64 MiB of carried files per call, so `flashtriton bench --providers ...,fa4` can run there.
 #
 #   bash tools/fa4_wheels.sh fetch     # here (pip reaches the index): the wheels into .fa4/, split in two halves:
 #                                      # .fa4/a (the first half of the 92 MB nvidia-cutlass-dsl-libs-cu13 wheel) and

@@ -1,11 +1,11 @@
-"""Host time of flashtriton's own Python per call (checks, configs, allocation, launch arguments), on any machine.
+"""Host time of flashtriton's own Python per call (checks, configs, allocation, launch arguments), without a GPU.
 
     python tools/host_overhead_probe.py [--calls 2000] [--profile]
 
 The attention kernels are replaced by no-op launchers and CPU tensors are used (TRITON_INTERPRET=1 is set so
 they take the kernel path, not the PyTorch reference), so what is timed is the work before Triton's own launch.
-On a GPU, tools/profile_first_call.py --steady measures the whole eager call instead. Numbers from a loaded
-or slow machine are only good for before/after comparisons in the same run.
+On a GPU, tools/profile_first_call.py --steady times the whole eager call instead. Compare numbers only within
+one run on one machine (before / after a change).
 """
 
 import argparse

@@ -1,12 +1,11 @@
-"""Where the first flashtriton call of a process spends its time (issue #5 cold start), on CUDA, and with
---steady N where N later calls spend their host time (eager per-call overhead: inference forward, training step
-(forward through autograd + backward), backward alone, decode).
+"""cProfile of a process's first flashtriton call on CUDA and, with --steady N, host time per warm eager call.
 
     python tools/profile_first_call.py [--head-dim 128] [--top 35] [--steady 0]
 
 CUDA is initialised and one unrelated kernel is run first, so the profile holds only what the first
-flash_attn_func call adds: Triton's cache lookup / compilation, launcher loading, our checks. Run it once with
-an empty TRITON_CACHE_DIR and once with a warm one to separate compilation from the rest.
+flash_attn_func call adds: Triton's cache lookup / compilation, launcher loading, flashtriton's checks. Run it once
+with an empty TRITON_CACHE_DIR and once with a warm one to separate compilation from the rest. --steady N times N
+warm calls of each kind (inference forward, training step, backward alone, decode) and profiles them.
 """
 
 import argparse
@@ -48,7 +47,7 @@ def main() -> None:
 
 def profile_steady(flashtriton, q, k, v, calls: int, top: int) -> None:
     """Host time per warm call (no synchronization inside the loop), then the profile of the same loop."""
-    from flashtriton.testing import forced_gluon_forward
+    from flashtriton.bench import host_us_per_call
 
     for causal in (False, True):
         flashtriton.flash_attn_func(q, k, v, causal=causal)
@@ -67,10 +66,7 @@ def profile_steady(flashtriton, q, k, v, calls: int, top: int) -> None:
                         ("backward", lambda: torch.autograd.grad(graph, (q_grad, k_grad, v_grad), dout,
                                                                  retain_graph=True)),
                         ("decode", lambda: flashtriton.flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=400))):
-        print(f"{label}: host time per call {host_time(call, calls):.1f} us")
-        if label == "forward":
-            with forced_gluon_forward(False):
-                print_forward_breakdown(flashtriton, q, k, v, calls)
+        print(f"{label}: host time per call {host_us_per_call(call, calls):.1f} us")
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(calls):
@@ -78,54 +74,6 @@ def profile_steady(flashtriton, q, k, v, calls: int, top: int) -> None:
         profiler.disable()
         torch.cuda.synchronize()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
-
-
-def host_time(call, calls: int) -> float:
-    """Microseconds of host time per call of call() (warm, no synchronization inside the loop)."""
-    call()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    host = (time.perf_counter() - start) / calls
-    torch.cuda.synchronize()
-    return host * 1e6
-
-
-def print_forward_breakdown(flashtriton, q, k, v, calls: int) -> None:
-    """The causal forward's host time by layer: public function, op without autograd, the bare Triton launch
-    (arguments captured from one call and replayed), building the four host tensor descriptors, and the
-    three allocations of a call. Measures the Triton kernel's path (the Gluon Hopper forward is switched off
-    for it: its launch is not the one replayed here)."""
-    from flashtriton.ops import backend
-
-    captured = {}
-    kernel = backend.attn_fwd_kernel
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                captured.update(grid=grid, args=args, kwargs=kwargs)
-                return kernel[grid](*args, **kwargs)
-            return launch
-
-    backend.attn_fwd_kernel = Recorder()
-    try:
-        flashtriton.flash_attn_func(q, k, v, causal=True)
-    finally:
-        backend.attn_fwd_kernel = kernel
-    grid, args, kwargs = captured["grid"], captured["args"], captured["kwargs"]
-    scale = q.shape[-1] ** -0.5
-    rows = {
-        "flash_attn_func": lambda: flashtriton.flash_attn_func(q, k, v, causal=True),
-        "backend.mha_fwd (no autograd)": lambda: backend.mha_fwd(q, k, v, 0.0, scale, True, -1, 0, 0.0, None, False),
-        "Triton launch, captured args": lambda: kernel[grid](*args, **kwargs),
-        "4 host tensor descriptors": lambda: [backend._row_descriptor(t, 64, 128) for t in (q, k, v, q)],
-        "torch.empty x2 + torch.zeros": lambda: (torch.empty_like(q), torch.empty(2, 8, 512, device=q.device),
-                                                 torch.zeros(2, dtype=torch.int64, device=q.device)),
-    }
-    for name, call in rows.items():
-        print(f"  {name}: {host_time(call, calls):.1f} us")
 
 
 if __name__ == "__main__":

