@@ -23,7 +23,7 @@ from flashtriton.ops import backend
 from flashtriton.reference import attention_reference, attention_reference_varlen, kvcache_reference
 from flashtriton.testing import (Case, assert_checks_ok, check_error, check_lse, compare_with_reference, cu_seqlens,
                                  poisoned_outputs)
-from flashtriton.validate import rotated_key_tolerance
+from flashtriton.validate_checks import rotated_key_tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # edge tests (section e)
 COMPILED_GPU = torch.cuda.is_available() and not backend.KERNELS_INTERPRETED

@@ -8,7 +8,7 @@ import torch
 import flashtriton
 from flashtriton.reference import kvcache_reference
 from flashtriton.testing import assert_checks_ok, check_error, check_lse, poisoned_outputs
-from flashtriton.validate import rotated_key_tolerance
+from flashtriton.validate_checks import rotated_key_tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
