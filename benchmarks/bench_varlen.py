@@ -75,10 +75,10 @@ def main():
 
     # Dense rows for flashtriton and the SDPA peers: `dense` is tokens / 4096 sequences of 4096; `dense, same
     # lengths` times each varlen length as a full batch of ~SAME_LENGTH_TOKENS / n sequences and adds the
-    # per-sequence times: a provider's own rate on this workload, without any varlen machinery. The batches are larger than the varlen call so that even the shortest length keeps the GPU
-    # busier than the host (an eager call costs 0.15-0.35 ms of host time; a 16k-token batch of 293-token
-    # sequences is host-bound). Short causal sequences run at a lower rate on every kernel; the peers' rows show
-    # how much.
+    # per-sequence times: a provider's own rate on this workload, without any varlen machinery. The batches are
+    # larger than the varlen call so that even the shortest length keeps the GPU busier than the host (an eager
+    # call costs 0.15-0.35 ms of host time; a 16k-token batch of 293-token sequences is host-bound). Short causal
+    # sequences run at a lower rate on every kernel; the peers' rows show how much.
     dense_lengths = [4096] * (args.tokens // 4096)
     for provider in args.providers.split(","):
         for mode in ("fwd", "bwd"):

@@ -15,9 +15,8 @@
 #
 #   bash tools/fa4_wheels.sh stash     # there, in the call that carried .fa4/a: its half into /tmp/fa4-parts
 #
-# Two device calls back to back (a warm machine keeps /tmp; it goes back after ~30 s idle, and a carried path is
-# removed there by the next call that does not carry it): the first with carry [".fa4/a"] running stash (and any
-# other work), the second with carry [".fa4/b"] running install.
+# Two calls on the same GPU machine, one after the other (it keeps /tmp between them): the first carries .fa4/a and
+# runs stash, the second carries .fa4/b and runs install.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 dir="$root/.fa4"
@@ -31,7 +30,6 @@ wheels=(flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs
 
 case "${1:-}" in
   fetch)
-    grep -qx "/.fa4/" "$root/.git/info/exclude" 2>/dev/null || echo "/.fa4/" >> "$root/.git/info/exclude"
     mkdir -p "$dir/download" "$dir/a" "$dir/b"
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
@@ -60,7 +58,7 @@ case "${1:-}" in
     echo "$site_path"
     ;;
   *)
-    sed -n '2,20p' "${BASH_SOURCE[0]}"
+    sed -n '2,19p' "${BASH_SOURCE[0]}"
     exit 2
     ;;
 esac

@@ -45,8 +45,7 @@ step decode-sweep 200 python benchmarks/bench_decode.py --paged 0,64,256 --graph
 step varlen 60 python benchmarks/bench_varlen.py --causal
 step dropout 110 python benchmarks/bench_dropout.py --out "$out/dropout"
 step cold 130 python benchmarks/bench_cold_start.py --quick --out "$out/cold"
-# the forward against FlashAttention-4 by kernel time, bf16 and fp16: needs tools/fa4_wheels.sh stash run on the
-# same machine before (carry .fa4/a there) and carry [".fa4/b"] in this one
+# the forward against FlashAttention-4 by kernel time, bf16 and fp16 (installs the wheels of tools/fa4_wheels.sh)
 step fa4 300 bash -c "bash tools/fa4_wheels.sh install && export PYTHONPATH=\$(bash tools/fa4_wheels.sh path):\$PYTHONPATH \
   && for dtype in bf16 fp16; do python -m flashtriton bench --modes fwd --timing kernels --dtype \$dtype \
        --providers flashtriton,sdpa-flash,sdpa-cudnn,fa4 --out '$out/bench-fa4-'\$dtype || exit 1; done"

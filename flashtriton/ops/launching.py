@@ -85,8 +85,9 @@ def compiled_without_line_info(*kernels) -> None:
     """Make each Triton / Gluon kernel compile without source-line debug info (Triton's TRITON_DISABLE_LINE_INFO),
     for its own compiles only: the other kernels of the process keep Triton's default. Line info is for profilers'
     source views; without it LLVM, PTX generation and ptxas have less to carry (the d128 Gluon forward compiled
-    offline: 2.5 against 3.1 s, the cubin 77 against 293 KB; BENCHMARKS.md's cold-start section has the GPU reading). Setting TRITON_DISABLE_LINE_INFO yourself (0 for ncu's
-    source view) keeps your choice. The setting is part of Triton's cache key, so cached kernels stay consistent.
+    offline: 2.5 against 3.1 s, the cubin 77 against 293 KB; BENCHMARKS.md's cold-start section has the GPU
+    reading). Setting TRITON_DISABLE_LINE_INFO yourself (0 for ncu's source view) keeps your choice. The setting is
+    part of Triton's cache key, so cached kernels stay consistent.
 
     Wraps the kernel object's compile step (JITFunction._do_compile, run only where the in-memory cache misses), so
     launches pay nothing; kernels without one (the interpreter's) are left as they are, and so is a Triton whose
