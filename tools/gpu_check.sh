@@ -2,9 +2,9 @@
 # GPU checks and benchmarks, each step under a time limit; logs go to ${OUT:-gpu-check}/<step>.log and the last
 # lines of each are printed.
 #
-#   bash tools/gpu_check.sh [STEPS]     STEPS: comma list of tests,reliability,sanitize,bench,triton,sweep,
-#                                       hopper-sweep,l2-groups,decode,decode-sweep,varlen,dropout,cold,fa4,host,
-#                                       fuzz (default tests,reliability,decode)
+#   bash tools/gpu_check.sh [STEPS]     STEPS: comma list of tests,reliability,sanitize,bench,triton,deterministic,
+#                                       sweep,hopper-sweep,l2-groups,decode,decode-sweep,varlen,dropout,cold,fa4,
+#                                       host,fuzz (default tests,reliability,decode)
 # Environment: FLASHTRITON_COMMIT (the commit recorded in bench metadata), OUT, FUZZ_EXAMPLES (fuzz step, default
 # 120), TESTS_LIMIT (tests step seconds, default 300; a machine with an empty Triton cache needs ~400).
 set -uo pipefail
@@ -36,6 +36,7 @@ step bench 240 python -m flashtriton bench --modes fwd,bwd --providers flashtrit
 # the same with every Gluon kernel off (every call on the Triton kernels)
 step triton 240 env FLASHTRITON_GLUON=0 python -m flashtriton bench --modes fwd,bwd \
   --providers flashtriton,sdpa-flash,sdpa-cudnn --out "$out/bench-triton"
+step deterministic 150 python benchmarks/bench_deterministic.py --shapes 0,1,2 --timing kernels --out "$out/deterministic"
 # the config sweeps behind configs.py's tables: Triton tiles, the Gluon Hopper forward, launch-order budgets
 step sweep 300 python benchmarks/sweep_configs.py --modes fwd,bwd --out "$out/sweep"
 step hopper-sweep 240 python benchmarks/sweep_hopper_fwd.py --out "$out/hopper-sweep"
