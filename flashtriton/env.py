@@ -101,18 +101,18 @@ def device_info(index: int) -> DeviceInfo:
         info.supported = list(DENSE_FEATURES) + implemented_optional_features()
         if props.major == 9:
             from . import configs
-            from .ops import hopper_bwd, hopper_fwd
+            from .ops import hopper
 
-            if hopper_fwd.attn_fwd_hopper_kernel is None:
+            if hopper.attn_fwd_hopper_kernel is None:
                 info.unsupported["Gluon forward"] = "this Triton has no Gluon Hopper API; the Triton kernel runs"
             elif not (configs.GLUON_ALLOWED and configs.TMA_ALLOWED):
                 info.unsupported["Gluon forward"] = "switched off (FLASHTRITON_GLUON=0 or FLASHTRITON_TMA=0)"
             else:
                 info.supported.append("Gluon forward (dense, no window but causal, d64/128/256)")
-            if hopper_bwd.attn_bwd_hopper_kernel is None:
+            if hopper.attn_bwd_hopper_kernel is None:
                 info.unsupported["Gluon backward"] = "this Triton's Gluon has no TMA reduction; the Triton kernels run"
-            elif not (configs.HOPPER_BWD_ALLOWED and configs.TMA_ALLOWED):
-                info.unsupported["Gluon backward"] = "switched off (FLASHTRITON_GLUON_BWD=0 or FLASHTRITON_TMA=0)"
+            elif not (configs.GLUON_ALLOWED and configs.TMA_ALLOWED):
+                info.unsupported["Gluon backward"] = "switched off (FLASHTRITON_GLUON=0 or FLASHTRITON_TMA=0)"
             else:
                 info.supported.append("Gluon backward (dense, no window but causal, d64/128/256; "
                                       "deterministic at d128 (ordered dQ) and d256)")
@@ -144,10 +144,8 @@ def collect_environment() -> Environment:
         "CUDA driver": cuda_driver_version(),
     }
     devices = [device_info(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    variables = {name: os.environ.get(name) for name in ("TRITON_INTERPRET", "TRITON_CACHE_DIR",
-                                                         "FLASHTRITON_RESCALE_THRESHOLD", "FLASHTRITON_TMA", "FLASHTRITON_GLUON",
-                                                         "FLASHTRITON_GLUON_BWD",
-                                                         "CUDA_VISIBLE_DEVICES")}
+    variables = {name: os.environ.get(name) for name in ("TRITON_INTERPRET", "TRITON_CACHE_DIR", "FLASHTRITON_TMA",
+                                                         "FLASHTRITON_GLUON", "CUDA_VISIBLE_DEVICES")}
     return Environment(versions, backend.KERNELS_INTERPRETED, cpu_path_description(backend.KERNELS_INTERPRETED),
                        triton_cache_dir(), variables, devices, library_gaps())
 

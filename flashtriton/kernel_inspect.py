@@ -47,12 +47,13 @@ class KernelReport:
 
 
 def flashtriton_kernels() -> dict:
-    """name -> kernel object of every `*_kernel` entry point in the flashtriton.kernels modules."""
+    """name -> kernel object of every `*_kernel` entry point in the flashtriton.kernels modules (kernels/hopper/
+    too)."""
     from . import kernels
 
     found = {}
-    for module_info in pkgutil.iter_modules(kernels.__path__):
-        module = importlib.import_module(f"{kernels.__name__}.{module_info.name}")
+    for module_info in pkgutil.walk_packages(kernels.__path__, f"{kernels.__name__}."):
+        module = importlib.import_module(module_info.name)
         for name, value in vars(module).items():
             if name.endswith("_kernel") and hasattr(value, "run"):
                 found[name] = value

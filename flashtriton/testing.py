@@ -83,44 +83,26 @@ def forced_heads_per_group(heads_per_group: Optional[int]):
         configs.heads_per_l2_group = original
 
 
-def forced_gluon_forward(enabled: bool):
-    """Within this block the Gluon Hopper forward (ops/hopper_fwd) may run (True, where it covers the call) or
-    never runs (False: every forward takes the Triton kernel), whatever FLASHTRITON_GLUON says."""
+def forced_gluon(enabled: bool = True):
+    """Within this block the Gluon Hopper kernels (ops/hopper) may run where they cover the call (True) or never run
+    (False: every forward and backward takes the Triton kernels), whatever FLASHTRITON_GLUON says."""
     from . import configs
 
     return _overridden(configs, "GLUON_ALLOWED", enabled)
 
 
-def forced_gluon_backward(enabled: bool = True):
-    """Within this block the Gluon Hopper backward (ops/hopper_bwd) may run where it covers the call (True) or never
-    runs (False), whatever FLASHTRITON_GLUON_BWD says."""
-    from . import configs
-
-    return _overridden(configs, "HOPPER_BWD_ALLOWED", enabled)
-
-
-def forced_gluon_dq(enabled: bool = True):
-    """Within this block the Gluon dQ kernel (ops/hopper_bwd.launch_dq) computes dQ where a Gluon dK / dV kernel
-    leaves it (True) or the Triton dQ kernel always does (False), whatever FLASHTRITON_GLUON_DQ says."""
-    from . import configs
-
-    return _overridden(configs, "HOPPER_DQ_ALLOWED", enabled)
-
-
-def forced_ordered_dq(enabled: bool = True):
-    """Within this block the head dim 128 Gluon backward adds dQ in its fixed order on every call (True) or only with
-    deterministic=True (False), whatever FLASHTRITON_ORDERED_DQ says (ops/hopper_bwd.orders_dq)."""
-    from . import configs
-
-    return _overridden(configs, "HOPPER_BWD_ORDERED", enabled)
+def forced_rescale_threshold(threshold: float):
+    """Within this block the Triton forward's configs have this A-1 rescale threshold (FwdConfig.rescale_threshold,
+    log2 units; 0: every key block rescales), whatever their tables say."""
+    return _forced_config_fields(dict(rescale_threshold=threshold), {})
 
 
 def forced_hopper_grid(programs: Optional[int]):
     """Within this block the Gluon Hopper forward's grid has at most `programs` programs (None: as configured), so
-    each program runs many work items (ops/hopper_fwd.grid)."""
-    from .ops import hopper_fwd
+    each program runs many work items (ops/hopper.forward_grid)."""
+    from .ops import hopper
 
-    return _overridden(hopper_fwd, "PROGRAMS_CAP", programs)
+    return _overridden(hopper, "PROGRAMS_CAP", programs)
 
 
 def cu_seqlens(lengths: Sequence[int], device="cpu", dtype: torch.dtype = torch.int32) -> torch.Tensor:

@@ -63,21 +63,21 @@ TAIL_SEQLEN = 2048  # the sequence length of the calls that warm up the Gluon fo
 
 def tail_cut_heads(head_dim: int, causal: bool, device, seqlen: int = TAIL_SEQLEN) -> Optional[int]:
     """The fewest heads (batch 1, seqlen x seqlen) for which the Gluon Hopper forward cuts its grid's last wave
-    (ops/hopper_fwd.tail_split), so that the call compiles the tail merge (attn_tail_merge_kernel); None where
+    (ops/hopper.tail_split), so that the call compiles the tail merge (attn_tail_merge_kernel); None where
     the config does not cut tails, the device is no Hopper GPU or no head count up to 256 gives a cut."""
     from . import configs
-    from .ops import hopper_fwd
+    from .ops import hopper
 
     config = configs.HOPPER_FWD.get((head_dim, causal))
-    if config is None or not (config.persistent and config.split_tail) or not hopper_fwd.is_hopper(device):
+    if config is None or not (config.persistent and config.split_tail) or not hopper.is_hopper(device):
         return None
     tile_rows = config.consumers * 64
     num_tiles = -(-seqlen // tile_rows)
     for heads in range(1, 257):
-        programs, paired = hopper_fwd.grid(num_tiles, heads, config, causal, device)
+        programs, paired = hopper.forward_grid(num_tiles, heads, config, causal, device)
         items = ((num_tiles + 1) // 2 if paired else num_tiles) * heads
-        if hopper_fwd.tail_split(items, programs, paired, num_tiles, tile_rows, config.block_n, seqlen, seqlen, causal,
-                                 config.tail_min_blocks):
+        if hopper.tail_split(items, programs, paired, num_tiles, tile_rows, config.block_n, seqlen, seqlen, causal,
+                             config.tail_min_blocks):
             return heads
     return None
 

@@ -236,7 +236,7 @@ def test_every_compiled_kernel_is_wrapped_to_compile_without_line_info():
     import subprocess
     import sys
 
-    script = ("import flashtriton, flashtriton.ops.backend, flashtriton.ops.hopper_bwd, flashtriton.ops.kvcache, "
+    script = ("import flashtriton, flashtriton.ops.backend, flashtriton.ops.hopper, flashtriton.ops.kvcache, "
               "flashtriton.ops.triton.rotary\n"
               "from flashtriton.kernel_inspect import flashtriton_kernels\n"
               "kernels = flashtriton_kernels()\n"

@@ -13,8 +13,8 @@ import torch
 
 import flashtriton
 from flashtriton import configs
-from flashtriton.testing import (Case, assert_checks_ok, compare_with_reference, forced_gluon_backward,
-                                 forced_heads_per_group, make_case_inputs, poisoned_outputs)
+from flashtriton.testing import (Case, assert_checks_ok, compare_with_reference, forced_gluon, forced_heads_per_group,
+                                 forced_rescale_threshold, make_case_inputs, poisoned_outputs)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -161,7 +161,7 @@ def test_deterministic_backward_skips_atomic_dq(force_dq_atomic, monkeypatch):
     monkeypatch.setattr(backend, "attn_bwd_dkdv_kernel", Recorder())
     case = Case(seqlen_q=70, seqlen_k=90)
     q, k, v, _ = make_case_inputs(case, DEVICE, requires_grad=True)
-    with forced_gluon_backward(False):
+    with forced_gluon(False):
         for deterministic in (True, False):
             out = flashtriton.flash_attn_func(q, k, v, deterministic=deterministic)
             torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
@@ -205,26 +205,25 @@ def test_large_magnitudes_stay_finite():
 
 
 @pytest.mark.parametrize("threshold", [0.0, 8.0], ids=["always-rescale", "lagging-max"])
-def test_rescale_skip_is_exact(monkeypatch, threshold):
+def test_rescale_skip_is_exact(threshold):
     """A-1: with the max lagging by up to 8 (log2), out and LSE match the always-rescale kernel within rounding."""
-    monkeypatch.setattr(configs, "RESCALE_THRESHOLD_OVERRIDE", threshold)
     # Growing logits along the keys make the row max rise slowly, so most tiles take the skip.
     case = Case(batch=1, seqlen_q=70, seqlen_k=260, num_heads=2, num_heads_k=2, head_dim=32)
     q, k, v, _ = make_case_inputs(case, DEVICE)
     ramp = torch.linspace(0.0, 3.0, case.seqlen_k, device=DEVICE)[None, :, None, None]
     k = (k.float() + ramp * q.float().mean(1, keepdim=True)).to(case.dtype)
-    with poisoned_outputs():
+    with poisoned_outputs(), forced_rescale_threshold(threshold):
         out, lse, _ = flashtriton.flash_attn_func(q, k, v, return_attn_probs=True)
     assert_checks_ok(compare_with_reference(case, out, lse, q, k, v, None))
 
 
-def test_rescale_skip_matches_always_rescale(monkeypatch):
+def test_rescale_skip_matches_always_rescale():
     case = Case(batch=1, seqlen_q=65, seqlen_k=300, num_heads=2, num_heads_k=2, head_dim=64)
     q, k, v, _ = make_case_inputs(case, DEVICE, scale=2.0)
     results = []
     for threshold in (0.0, 8.0):
-        monkeypatch.setattr(configs, "RESCALE_THRESHOLD_OVERRIDE", threshold)
-        results.append(flashtriton.flash_attn_func(q, k, v, causal=True, return_attn_probs=True))
+        with forced_rescale_threshold(threshold):
+            results.append(flashtriton.flash_attn_func(q, k, v, causal=True, return_attn_probs=True))
     (out0, lse0, _), (out8, lse8, _) = results
     torch.testing.assert_close(lse8, lse0, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out8.float(), out0.float(), rtol=2e-3, atol=2e-3)

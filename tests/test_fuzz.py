@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import flashtriton
 from flashtriton import configs
-from flashtriton.ops import hopper_fwd
+from flashtriton.ops import hopper
 from flashtriton.reference import kvcache_reference
 from flashtriton.testing import (Case, assert_checks_ok, check_error, check_lse, compare_varlen_with_reference,
                                  compare_with_reference, cu_seqlens, forced_dq_atomic, forced_heads_per_group,
@@ -89,7 +89,7 @@ def test_fuzz_flash_attn_func(case, input_scale, tma, dq_atomic, heads_per_group
 
 @st.composite
 def hopper_forward_cases(draw):
-    """Cases in the domain of the Gluon Hopper forward (ops/hopper_fwd.covers): head dim 64 / 128 / 256, 16-bit,
+    """Cases in the domain of the Gluon Hopper forward (ops/hopper.covers): head dim 64 / 128 / 256, 16-bit,
     no window but the causal one (also spelled (-1, 0)), no softcap or ALiBi, TMA-addressable layouts, more than
     DECODE_MAX_ROWS query rows."""
     heads_k = draw(st.sampled_from([1, 2]))
@@ -110,7 +110,7 @@ def hopper_forward_cases(draw):
 
 
 ON_HOPPER = (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
-             and hopper_fwd.attn_fwd_hopper_kernel is not None and configs.GLUON_ALLOWED and configs.TMA_ALLOWED)
+             and hopper.attn_fwd_hopper_kernel is not None and configs.GLUON_ALLOWED and configs.TMA_ALLOWED)
 
 
 @given(case=hopper_forward_cases(), input_scale=st.sampled_from([1.0, 4.0]),
@@ -119,13 +119,13 @@ def test_fuzz_hopper_forward_domain(case, input_scale, programs):
     """On sm_90 these all run the Gluon forward (asserted), with the configured grid or a few programs that each
     take many tiles; elsewhere the same cases check the Triton kernels."""
     q, k, v, _ = make_case_inputs(case, DEVICE, requires_grad=True, scale=input_scale)
-    launches = hopper_fwd.launch_count
+    launches = hopper.fwd_launch_count
     with poisoned_outputs(), forced_hopper_grid(programs):
         out, lse, _ = flashtriton.flash_attn_func(q, k, v, 0.0, case.softmax_scale, case.causal, case.window_size,
                                                   return_attn_probs=True)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
-    assert (hopper_fwd.launch_count > launches) == ON_HOPPER
+    assert (hopper.fwd_launch_count > launches) == ON_HOPPER
     assert_checks_ok(compare_with_reference(case, out, lse, q, k, v, None, grads, dout))
 
 

@@ -1,9 +1,9 @@
-"""The warp-specialized Gluon backward (kernels/bwd_hopper.py; FLASHTRITON_GLUON_BWD=0 turns it off) against the
-float64 reference.
+"""The warp-specialized Gluon backward (kernels/hopper/bwd.py, kernels/hopper/bwd_d256.py; FLASHTRITON_GLUON=0 turns
+it off) against the float64 reference.
 
 It runs only on sm_90 GPUs (Gluon has no interpreter); the CPU part checks the routing rule. Every GPU case forces
-the kernel on (testing.forced_gluon_backward), asserts that it ran, NaN-poisons the outputs and applies the tolerance
-rule of docs/api.md §4.10 to dq, dk and dv.
+the kernel on (testing.forced_gluon), asserts that it ran, NaN-poisons the outputs and applies the tolerance rule of
+docs/api.md §4.10 to dq, dk and dv.
 """
 
 import sys
@@ -14,15 +14,15 @@ import torch
 
 import flashtriton
 from flashtriton import configs
-from flashtriton.kernels import bwd_hopper
-from flashtriton.ops import hopper_bwd
+from flashtriton.kernels.hopper import bwd as hopper_bwd, common as hopper_common
+from flashtriton.ops import hopper
 from flashtriton.ops.backend import KERNELS_INTERPRETED, score_params
-from flashtriton.testing import Case, assert_checks_ok, compare_with_reference, forced_gluon_backward, \
-    forced_gluon_dq, forced_ordered_dq, make_case_inputs, poisoned_outputs
+from flashtriton.testing import Case, assert_checks_ok, compare_with_reference, forced_gluon, make_case_inputs, \
+    poisoned_outputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-needs_hopper = pytest.mark.skipif(not ON_HOPPER or hopper_bwd.attn_bwd_hopper_kernel is None,
+needs_hopper = pytest.mark.skipif(not ON_HOPPER or hopper.attn_bwd_hopper_kernel is None,
                                   reason="the Gluon backward runs on sm_90 only")
 
 
@@ -52,30 +52,27 @@ def test_gluon_backward_coverage_rule(name):
     call = dict(head_dim=128, dtype=torch.bfloat16, seqlen_q=100, seqlen_k=100, params=_params(), plain=True,
                 deterministic=False)
     call.update(options)
-    assert hopper_bwd.covers(**call) == expected
+    assert hopper.covers("bwd", **call) == expected
 
 
 def test_deterministic_takes_the_gluon_backward_only_without_unordered_dq_reductions():
     """deterministic=True takes the Gluon backward at head dim 256 (dK / dV only, then the Triton dQ kernel) and 128
     (dQ reductions in a fixed order), never at 64 (both consumers add into the same dQ features, unordered)."""
     call = dict(dtype=torch.bfloat16, seqlen_q=100, seqlen_k=100, params=_params(), plain=True, deterministic=True)
-    assert hopper_bwd.covers(head_dim=256, **call) and not hopper_bwd.computes_dq(256)
-    assert hopper_bwd.covers(head_dim=128, **call) and hopper_bwd.orders_dq(128, deterministic=True)
-    assert not hopper_bwd.covers(head_dim=64, **call) and not hopper_bwd.can_order_dq(64)
-    with forced_ordered_dq(False):
-        assert not hopper_bwd.orders_dq(128, deterministic=False)
-    with forced_ordered_dq(True):
-        assert hopper_bwd.orders_dq(128, deterministic=False) and not hopper_bwd.orders_dq(64, deterministic=False)
+    assert hopper.covers("bwd", head_dim=256, **call) and not hopper.computes_dq(256)
+    assert hopper.covers("bwd", head_dim=128, **call) and hopper.orders_dq(128, deterministic=True)
+    assert not hopper.covers("bwd", head_dim=64, **call) and not hopper.can_order_dq(64)
+    assert not hopper.orders_dq(128, deterministic=False) and not hopper.orders_dq(64, deterministic=True)
 
 
 def test_ordered_dq_needs_a_heads_key_blocks_resident_together(monkeypatch):
     """Ordered dQ waits resolve only with every key block of a head resident at once (one program per SM): longer
     key sequences than 128 keys per multiprocessor leave deterministic=True at head dim 128 to the Triton backward
-    (ops/hopper_bwd.runs_on); a pure rule, checked with a stand-in device of 132 multiprocessors."""
-    monkeypatch.setattr(hopper_bwd, "_multiprocessors", lambda device: 132)
+    (ops/hopper.gluon_runs); a pure rule, checked with a stand-in device of 132 multiprocessors."""
+    monkeypatch.setattr(hopper, "_multiprocessors", lambda device: 132)
     device = torch.device("cpu")
-    assert hopper_bwd.order_fits(132 * hopper_bwd.KEY_BLOCK, device)
-    assert not hopper_bwd.order_fits(132 * hopper_bwd.KEY_BLOCK + 1, device)
+    assert hopper.order_fits(132 * hopper.KEY_BLOCK, device)
+    assert not hopper.order_fits(132 * hopper.KEY_BLOCK + 1, device)
 
 
 def _ordered_schedule(seqlen_q, seqlen_k, group_size, causal, rows=64, keys=128):
@@ -90,12 +87,12 @@ def _ordered_schedule(seqlen_q, seqlen_k, group_size, causal, rows=64, keys=128)
         assert seen == list(range(seen[0] if seen else n_query_blocks, n_query_blocks))  # a suffix, as the loop has
         blocks, m_lo = len(seen), (seen[0] if seen else 0)
         iterations = group_size * blocks
-        first = bwd_hopper._first_visit.fn(n, iterations, 0 if causal else 1, keys // rows)
+        first = hopper_bwd._first_visit.fn(n, iterations, 0 if causal else 1, keys // rows)
         visits = []
         for i in range(iterations):
-            visit = bwd_hopper._visit.fn(i, first, iterations)
+            visit = hopper_common.loop_position.fn(i, first, iterations)
             m = m_lo + visit % blocks
-            visits.append((visit // blocks, m, bwd_hopper._reduction_rank.fn(
+            visits.append((visit // blocks, m, hopper_bwd._reduction_rank.fn(
                 n, n_key_blocks, visit, m, seqlen_q, seqlen_k, int(causal), rows, keys)))
         schedule.append(visits)
     return schedule
@@ -109,7 +106,7 @@ ORDER_SHAPES = [(1024, 1024, 1), (1000, 1000, 2), (300, 700, 1), (700, 300, 3), 
 @pytest.mark.parametrize("seqlen_q,seqlen_k,group_size", ORDER_SHAPES,
                          ids=[f"sq{a}-sk{b}-g{g}" for a, b, g in ORDER_SHAPES])
 def test_ordered_dq_schedule(seqlen_q, seqlen_k, group_size, causal):
-    """The fixed order of the dQ reductions (kernels/bwd_hopper.py, ORDERED): every query block's contributors hold
+    """The fixed order of the dQ reductions (kernels/hopper/bwd.py, ORDERED): every query block's contributors hold
     the ranks 0..n-1 once each, and with all key blocks of a head running in step (each takes one reduction per
     step if the tile's counter, as it stood at the step's start, is its rank; a reduction is released at the step
     after it, when its program reaches the next one, and counts from the step after that) every reduction goes
@@ -153,14 +150,14 @@ ROW_LAYOUTS = {
 }
 
 
-@pytest.mark.skipif(hopper_bwd.attn_bwd_hopper_kernel is None, reason="this Triton has no Gluon Hopper API")
+@pytest.mark.skipif(hopper.attn_bwd_hopper_kernel is None, reason="this Triton has no Gluon Hopper API")
 @pytest.mark.parametrize("layout", list(ROW_LAYOUTS))
 def test_row_statistic_descriptor_covers_every_row(layout):
     """The (B * H, S) matrix the kernel loads lse / delta blocks from holds every row's value, with 16-byte aligned
     rows (a TMA requirement), whatever the statistic's own strides; host-side only, so it runs on CPU too."""
     batch, heads, seqlen, allocated = ROW_LAYOUTS[layout]
     stat = torch.randn(batch, heads, allocated or seqlen)[:, :, :seqlen]
-    descriptor = hopper_bwd._row_statistic_descriptor(stat, (stat.stride(0), stat.stride(1)), batch, heads, seqlen, 64)
+    descriptor = hopper._row_statistic_descriptor(stat, (stat.stride(0), stat.stride(1)), batch, heads, seqlen, 64)
     matrix = descriptor.base
     assert list(descriptor.shape) == [batch * heads, seqlen] and descriptor.block_shape == [1, 64]
     assert matrix.stride(1) == 1 and (matrix.stride(0) * 4) % 16 == 0 and matrix.data_ptr() % 16 == 0
@@ -168,30 +165,17 @@ def test_row_statistic_descriptor_covers_every_row(layout):
     assert (matrix.data_ptr() == stat.data_ptr()) == (layout != "odd-length")
 
 
-def test_gluon_dq_kernel_rule():
-    """The Gluon dQ kernel runs only where switched on, for a head dim with a configs.HOPPER_DQ entry, on a dq that
-    a tensor descriptor can address; checked on CPU tensors (a pure rule)."""
-    dq = torch.empty(2, 100, 3, 256, dtype=torch.bfloat16)
-    available = hopper_bwd.attn_bwd_hopper_dq_kernel is not None
-    with forced_gluon_dq(False):
-        assert not hopper_bwd.dq_kernel_runs(dq)
-    with forced_gluon_dq(True):
-        assert hopper_bwd.dq_kernel_runs(dq) == available
-        assert not hopper_bwd.dq_kernel_runs(torch.empty(2, 100, 3, 128, dtype=torch.bfloat16))
-        assert not hopper_bwd.dq_kernel_runs(torch.empty(2, 100, 3, 260, dtype=torch.bfloat16)[..., 1:257])
-
-
 def run_backward(case: Case, deterministic: bool = False, repeats: int = 1):
     """Forward (whichever kernel) and the backward forced onto the Gluon kernel; (tolerance checks, whether it ran).
     With repeats > 1 the backward runs that many times and must give the same bits each time."""
     q, k, v, _ = make_case_inputs(case, "cuda", requires_grad=True)
-    before = hopper_bwd.launch_count
-    with poisoned_outputs(), forced_gluon_backward():
+    before = hopper.bwd_launch_count
+    with poisoned_outputs(), forced_gluon():
         out, lse, _ = flashtriton.flash_attn_func(q, k, v, 0.0, case.softmax_scale, case.causal, case.window_size,
                                                   deterministic=deterministic, return_attn_probs=True)
         dout = torch.randn_like(out)
         runs = [torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) for _ in range(repeats)]
-    ran = hopper_bwd.launch_count >= before + repeats
+    ran = hopper.bwd_launch_count >= before + repeats
     for grads in runs[1:]:
         for name, first, again in zip(("dq", "dk", "dv"), runs[0], grads):
             assert torch.equal(first, again), f"{name} differs between two deterministic backward calls"
@@ -251,24 +235,6 @@ def test_gluon_backward_ordered_dq(name):
     assert_checks_ok(checks)
 
 
-@needs_hopper
-@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape", [(17, 17, 3, 3), (333, 200, 3, 3), (200, 333, 6, 2), (1000, 1000, 4, 1)],
-                         ids=["sq17-sk17", "sq333-sk200", "sq200-sk333-gqa", "sq1000-sk1000-mqa"])
-def test_gluon_dq_kernel_matches_reference(shape, causal, deterministic):
-    """Head dim 256 with dQ by the Gluon dQ kernel (forced on): partial query tiles and key blocks, sq > sk under
-    the causal mask (rows without keys), GQA / MQA; deterministic=True gives the same bits twice."""
-    seqlen_q, seqlen_k, heads, heads_k = shape
-    before = hopper_bwd.dq_launch_count
-    with forced_gluon_dq():
-        checks, ran = run_backward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads,
-                                        num_heads_k=heads_k, head_dim=256, dtype=torch.bfloat16, causal=causal),
-                                   deterministic, repeats=2 if deterministic else 1)
-    assert ran and hopper_bwd.dq_launch_count > before, "the Gluon dQ kernel did not run"
-    assert_checks_ok(checks)
-
-
 FEATURES = {
     "gqa": dict(num_heads=6, num_heads_k=2),
     "mqa-causal": dict(num_heads=4, num_heads_k=1, causal=True),
@@ -297,11 +263,10 @@ def _gluon_hopper_api() -> bool:
 
 @pytest.mark.skipif(not _gluon_hopper_api(), reason="this Triton has no Gluon Hopper API with TMA reductions")
 def test_gluon_backward_modules_import():
-    """ops/hopper_bwd turns an import error of the kernel modules into 'the Triton backward runs' (for Tritons without
+    """ops/hopper turns an import error of the kernel modules into 'the Triton backward runs' (for Tritons without
     the API); where the API is there, the kernel modules must import, or a broken kernel file would only show as a
     slower backward on the GPU. Runs on CPU."""
-    assert hopper_bwd.attn_bwd_hopper_kernel is not None and hopper_bwd.attn_bwd_hopper_d256_kernel is not None
-    assert hopper_bwd.attn_bwd_hopper_dq_kernel is not None
+    assert hopper.attn_bwd_hopper_kernel is not None and hopper.attn_bwd_hopper_d256_kernel is not None
 
 
 @pytest.mark.skipif(not _gluon_hopper_api() or KERNELS_INTERPRETED,
@@ -310,7 +275,7 @@ def test_gluon_backward_modules_import():
 def test_probabilities_run_under_the_dp_product(head_dim):
     """Offline SASS (tools/offline_compile.exp2_before_pv_wait): in both consumers' loops every exp2 of P comes
     between the S wait and the dP wait, so P is computed while dP = dO V^T is on the tensor cores (ptxas moved the
-    forward's equivalent wait ahead of its exp2s until session 14; this guards the backward against the same)."""
+    forward's equivalent wait ahead of its exp2s without a fence; this guards the backward against the same)."""
     import offline_compile
 
     per_block = configs.HOPPER_BWD[head_dim].query_rows * 64 // 128  # a thread's share of P [rows, 64 keys]

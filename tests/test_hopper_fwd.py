@@ -1,4 +1,4 @@
-"""The warp-specialized Gluon forward (kernels/fwd_hopper.py) against the float64 reference.
+"""The warp-specialized Gluon forward (kernels/hopper/fwd.py) against the float64 reference.
 
 It runs only on sm_90 GPUs (Gluon has no interpreter), so most of this file is skipped elsewhere; the CPU part
 checks the routing rule and the configs. Every GPU case asserts that the Gluon kernel actually ran (or, for the
@@ -15,14 +15,14 @@ import torch
 
 import flashtriton
 from flashtriton import configs
-from flashtriton.ops import hopper_fwd
+from flashtriton.ops import hopper
 from flashtriton.ops.backend import KERNELS_INTERPRETED, score_params
 from flashtriton.testing import Case, assert_checks_ok, compare_with_reference, forced_heads_per_group, \
     forced_hopper_grid, make_case_inputs, poisoned_outputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-needs_hopper = pytest.mark.skipif(not ON_HOPPER or hopper_fwd.attn_fwd_hopper_kernel is None,
+needs_hopper = pytest.mark.skipif(not ON_HOPPER or hopper.attn_fwd_hopper_kernel is None,
                                   reason="the Gluon forward runs on sm_90 only")
 # shared memory per program on sm_90 (227 KiB opt-in) minus what the kernel's barriers take
 SM90_SHARED_BYTES = 227 * 1024 - 1024
@@ -31,7 +31,11 @@ SM90_SHARED_BYTES = 227 * 1024 - 1024
 def test_cpu_tensors_never_take_the_gluon_path():
     q = torch.randn(1, 64, 2, 128, dtype=torch.bfloat16)
     params = score_params(0.1, False, -1, -1, 0.0, 64)
-    assert not hopper_fwd.runs_on(q, q, q, q, params, 64, 64, plain=True)
+    for direction in hopper.DIRECTIONS:
+        assert hopper.covers(direction, 128, q.dtype, 64, 64, params, True)
+        assert not hopper.gluon_runs(direction, q, params, 64, 64, True, (q, q, q, q))
+    with pytest.raises(ValueError, match="direction"):
+        hopper.covers("forward", 128, q.dtype, 64, 64, params, True)
 
 
 COVERS = {  # name: (head_dim, dtype, seqlen_q, seqlen_k, causal, window, softcap, scale, plain, covered)
@@ -55,7 +59,7 @@ def test_gluon_forward_coverage_rule(name):
     """What the Gluon kernel takes; everything else must stay on the Triton kernel (checked on CPU: pure rule)."""
     head_dim, dtype, seqlen_q, seqlen_k, causal, window, softcap, scale, plain, covered = COVERS[name]
     params = score_params(scale, causal, *window, softcap, seqlen_k)
-    assert hopper_fwd.covers(head_dim, dtype, seqlen_q, seqlen_k, params, plain) == covered
+    assert hopper.covers("fwd", head_dim, dtype, seqlen_q, seqlen_k, params, plain) == covered
 
 
 def config_ids(key) -> str:
@@ -89,13 +93,13 @@ def with_consumers(config: configs.HopperFwdConfig, consumers: int) -> configs.H
 def run_forward(case: Case, grads: bool = False):
     """Forward (and backward) of one case; returns (tolerance checks, whether the Gluon kernel ran)."""
     q, k, v, slopes = make_case_inputs(case, "cuda", requires_grad=grads)
-    before = hopper_fwd.launch_count
+    before = hopper.fwd_launch_count
     with poisoned_outputs():
         out, lse, _ = flashtriton.flash_attn_func(q, k, v, 0.0, case.softmax_scale, case.causal, case.window_size,
                                                   case.softcap, slopes, return_attn_probs=True)
         dout = torch.randn_like(out) if grads else None
         grad_values = torch.autograd.grad(out, (q, k, v), dout) if grads else None
-    ran = hopper_fwd.launch_count > before
+    ran = hopper.fwd_launch_count > before
     return compare_with_reference(case, out, lse, q, k, v, slopes, grad_values, dout), ran
 
 
@@ -143,14 +147,14 @@ def test_gluon_forward_pingpong(monkeypatch, seqlen_q, seqlen_k, head_dim, causa
 
 @needs_hopper
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(700, 300), (300, 700)], ids=["sq700-sk300", "sq300-sk700"])
-@pytest.mark.parametrize("choice", ["hold_schedule", "mask_by_residues", "row_max_tree"])
+@pytest.mark.parametrize("choice", ["hold_schedule", "mask_by_residues"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", configs.HOPPER_FWD_HEAD_DIMS, ids=lambda d: f"d{d}")
 def test_gluon_forward_flipped_choices(monkeypatch, head_dim, causal, choice, seqlen_q, seqlen_k):
     """The other setting than the table's of each code-generation choice of configs.HopperFwdConfig: the fence that
-    keeps the softmax ahead of the P V wait (hold_schedule), the causal mask by column residues (mask_by_residues),
-    the row max as a tree (row_max_tree): tiles of different lengths on 3 programs, rows without keys (sq > sk
-    causal), a diagonal crossing two key blocks of a consumer ((sk - sq) % 64 = 16)."""
+    keeps the softmax ahead of the P V wait (hold_schedule), the causal mask by column residues (mask_by_residues):
+    tiles of different lengths on 3 programs, rows without keys (sq > sk causal), a diagonal crossing two key blocks
+    of a consumer ((sk - sq) % 64 = 16)."""
     config = configs.HOPPER_FWD[head_dim, causal]
     flipped = dataclasses.replace(config, **{choice: not getattr(config, choice)})
     monkeypatch.setitem(configs.HOPPER_FWD, (head_dim, causal), flipped)
@@ -199,7 +203,7 @@ def late_jumping_inputs(case: Case, jump: float):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", configs.HOPPER_FWD_HEAD_DIMS, ids=lambda d: f"d{d}")
 def test_gluon_forward_rows_whose_max_moves_late(monkeypatch, head_dim, causal, threshold):
-    """The A-1 rescale skip (configs.HopperFwdConfig.rescale_threshold, kernels/fwd_hopper._rescale: a warp skips
+    """The A-1 rescale skip (configs.HopperFwdConfig.rescale_threshold, kernels/hopper/fwd._rescale: a warp skips
     its output rescale when none of its 16 rows moved) on and off at every head dim, on rows whose max jumps by
     ~10 (natural units) at a key block of their own: a warp whose vote missed a moved row (e.g. the row r + 8 of a
     thread) would leave that row's earlier blocks unscaled, far outside the tolerance."""
@@ -209,10 +213,10 @@ def test_gluon_forward_rows_whose_max_moves_late(monkeypatch, head_dim, causal, 
     case = Case(batch=1, seqlen_q=256, seqlen_k=1024, num_heads=2, num_heads_k=2, head_dim=head_dim,
                 dtype=torch.bfloat16, causal=causal)
     q, k, v = late_jumping_inputs(case, jump=10.0)
-    before = hopper_fwd.launch_count
+    before = hopper.fwd_launch_count
     with poisoned_outputs():
         out, lse, _ = flashtriton.flash_attn_func(q, k, v, 0.0, None, causal, return_attn_probs=True)
-    assert hopper_fwd.launch_count > before, "the Gluon forward did not run"
+    assert hopper.fwd_launch_count > before, "the Gluon forward did not run"
     assert_checks_ok(compare_with_reference(case, out, lse, q, k, v, None))
 
 
@@ -280,19 +284,19 @@ def test_features_it_does_not_cover_take_the_triton_kernel(feature):
 def test_grid_sizes(monkeypatch, persistent, causal):
     """One program per tile, or (persistent) at most one per SM over the work items: tiles, or for causal calls
     pairs of tiles (an odd count leaves the middle tile alone); the test cap bounds both."""
-    monkeypatch.setattr(hopper_fwd, "_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(hopper, "_multiprocessors", lambda device: 132)
     config = configs.HopperFwdConfig(128, 2, 240, persistent=persistent)
     paired = persistent and causal
     for num_tiles, batch_heads in ((8, 256), (7, 3), (1, 1)):
         items = (num_tiles + 1) // 2 * batch_heads if paired else num_tiles * batch_heads
         expected = min(items, 132) if persistent else items
-        assert hopper_fwd.grid(num_tiles, batch_heads, config, causal, "cuda") == (expected, paired)
-    monkeypatch.setattr(hopper_fwd, "PROGRAMS_CAP", 3)
-    assert hopper_fwd.grid(8, 256, config, causal, "cuda") == (3, paired)
+        assert hopper.forward_grid(num_tiles, batch_heads, config, causal, "cuda") == (expected, paired)
+    monkeypatch.setattr(hopper, "PROGRAMS_CAP", 3)
+    assert hopper.forward_grid(8, 256, config, causal, "cuda") == (3, paired)
 
 
-def _tail_pieces(split: hopper_fwd.TailSplit, programs: int, tile_blocks) -> dict:
-    """The model of kernels/fwd_hopper._next_piece's tail: {program: [(tail tile, first position, blocks, slot)]} for
+def _tail_pieces(split: hopper.TailSplit, programs: int, tile_blocks) -> dict:
+    """The model of kernels/hopper/fwd._next_piece's tail: {program: [(tail tile, first position, blocks, slot)]} for
     tail tiles of tile_blocks[t] key blocks laid end to end (slot -1: the whole tile)."""
     starts = [sum(tile_blocks[:t]) for t in range(len(tile_blocks))]
     pieces = {}
@@ -311,7 +315,7 @@ def _tail_pieces(split: hopper_fwd.TailSplit, programs: int, tile_blocks) -> dic
     return pieces
 
 
-def _merged_slots(split: hopper_fwd.TailSplit, first: int, blocks: int) -> list:
+def _merged_slots(split: hopper.TailSplit, first: int, blocks: int) -> list:
     """attn_tail_merge_kernel's slots for the tail tile at positions [first, first + blocks) ([] if one
     program ran it whole)."""
     def programs_upto(x):
@@ -334,21 +338,21 @@ TAIL_GRIDS = [(2048, 132, False, 8, 128, 1024, 1024), (2048, 132, False, 128, 12
 @pytest.mark.parametrize("min_blocks", [1, 4])
 def test_tail_split_covers_the_last_wave_once(items, programs, paired, num_tiles, block_n, seqlen_q, seqlen_k,
                                              min_blocks):
-    """ops/hopper_fwd.tail_split and the kernel's cut of it (modelled by _tail_pieces): every key block of every
+    """ops/hopper.tail_split and the kernel's cut of it (modelled by _tail_pieces): every key block of every
     tail tile in exactly one piece, each program's share within min_blocks of the others and at least min_blocks,
     partial results in distinct slots below 2 * programs, and the merge reading exactly the slots of each cut
     tile's pieces. Grids where the cut would not help (no partial wave, or no more programs than tail items) get
     none."""
     tile_rows = seqlen_q // num_tiles if seqlen_q % num_tiles == 0 else -(-seqlen_q // num_tiles)
-    split = hopper_fwd.tail_split(items, programs, paired, num_tiles, tile_rows, block_n, seqlen_q, seqlen_k, paired,
-                                  min_blocks)
+    split = hopper.tail_split(items, programs, paired, num_tiles, tile_rows, block_n, seqlen_q, seqlen_k, paired,
+                              min_blocks)
     full_waves, tail_items = divmod(items, programs)
     if split is None:
         tail_blocks = tail_items * _item_blocks(paired, num_tiles, tile_rows, block_n, seqlen_q, seqlen_k)
         assert tail_items == 0 or min(programs, tail_blocks // min_blocks) <= tail_items
         return
     assert split.full_items == full_waves * programs
-    per_tile = [hopper_fwd.tile_key_blocks(t, num_tiles, tile_rows, block_n, seqlen_q, seqlen_k, paired)
+    per_tile = [hopper.tile_key_blocks(t, num_tiles, tile_rows, block_n, seqlen_q, seqlen_k, paired)
                 for t in range(num_tiles)]
     # the tail's items in the kernel's order: tiles s and num_tiles - 1 - s paired, else one tile each (non-causal
     # tiles all alike, so which one does not matter here)
@@ -377,7 +381,7 @@ def test_tail_split_covers_the_last_wave_once(items, programs, paired, num_tiles
 
 
 def _item_blocks(paired, num_tiles, tile_rows, block_n, seqlen_q, seqlen_k) -> int:
-    blocks = [hopper_fwd.tile_key_blocks(t, num_tiles, tile_rows, block_n, seqlen_q, seqlen_k, paired)
+    blocks = [hopper.tile_key_blocks(t, num_tiles, tile_rows, block_n, seqlen_q, seqlen_k, paired)
               for t in range(num_tiles)]
     return blocks[0] + blocks[-1] if paired else blocks[0]
 
@@ -387,7 +391,7 @@ def _item_blocks(paired, num_tiles, tile_rows, block_n, seqlen_q, seqlen_k) -> i
 def test_tail_split_skips_items_of_different_lengths(paired, num_tiles, seqlen_q, seqlen_k):
     """Causal pairs whose key blocks do not add up to one length (an odd tile count's middle tile alone, rows past
     the keys' end) are not cut: the kernel's positions assume one item length."""
-    assert hopper_fwd.tail_split(num_tiles * 7, 5, paired, num_tiles, 128, 128, seqlen_q, seqlen_k, True, 1) is None
+    assert hopper.tail_split(num_tiles * 7, 5, paired, num_tiles, 128, 128, seqlen_q, seqlen_k, True, 1) is None
 
 
 def test_warmup_compiles_the_tail_merge(monkeypatch):
@@ -396,12 +400,12 @@ def test_warmup_compiles_the_tail_merge(monkeypatch):
     items, 12 in the last wave); none where it does not cut them or the GPU is no Hopper one."""
     from flashtriton import warmup
 
-    monkeypatch.setattr(hopper_fwd, "_multiprocessors", lambda device: 132)
-    monkeypatch.setattr(hopper_fwd, "is_hopper", lambda device: True)
+    monkeypatch.setattr(hopper, "_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
     for key, config in configs.HOPPER_FWD.items():
         heads = warmup.tail_cut_heads(*key, "cuda")
         assert heads == (9 if config.persistent and config.split_tail else None), key
-    monkeypatch.setattr(hopper_fwd, "is_hopper", lambda device: False)
+    monkeypatch.setattr(hopper, "is_hopper", lambda device: False)
     assert warmup.tail_cut_heads(128, False, "cuda") is None
 
 
@@ -431,13 +435,13 @@ def test_gluon_forward_tail_split(monkeypatch, name):
     config = dataclasses.replace(configs.HOPPER_FWD[head_dim, causal], persistent=True, split_tail=True,
                                  tail_min_blocks=1)
     monkeypatch.setitem(configs.HOPPER_FWD, (head_dim, causal), config)
-    merges = hopper_fwd.tail_merge_count
+    merges = hopper.tail_merge_count
     with forced_hopper_grid(programs):
         checks, ran = run_forward(Case(batch=2 if programs else 1, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                                        num_heads=heads, num_heads_k=heads_k, head_dim=head_dim, dtype=torch.bfloat16,
                                        causal=causal))
     assert ran, "the Gluon forward did not run"
-    assert hopper_fwd.tail_merge_count > merges, "no tail was cut"
+    assert hopper.tail_merge_count > merges, "no tail was cut"
     assert_checks_ok(checks)
 
 
@@ -466,10 +470,10 @@ def _table_sass(head_dim: int, causal: bool) -> str:
 
 @pytest.mark.skipif(not _gluon_hopper_api(), reason="this Triton has no Gluon Hopper API")
 def test_gluon_forward_module_imports():
-    """ops/hopper_fwd turns an import error of kernels/fwd_hopper.py into 'the Triton kernel runs' (for Tritons
+    """ops/hopper turns an import error of kernels/hopper/fwd.py into 'the Triton kernel runs' (for Tritons
     without the API); where the API is there the module must import, or a broken kernel file would only show as a
     slower forward on the GPU. Runs on CPU."""
-    assert hopper_fwd.attn_fwd_hopper_kernel is not None
+    assert hopper.attn_fwd_hopper_kernel is not None
 
 
 @compiles_for_sm90
@@ -490,8 +494,8 @@ def test_softmax_runs_under_its_p_v_product(key):
     assert len(held) == config.consumers
     assert all(count is not None and probabilities <= count <= probabilities + 2 for count in held), held
     loose = offline_compile.compile_hopper_fwd(head_dim, causal, dataclasses.replace(config, hold_schedule=False))
-    # (d256 non-causal: [0, 15] since the tail split (twenty-first session; [0, 4] before it, [0, 0] with the split
-    # off), the rest [0, 0]: short of half the block's exp2s, where the fence keeps all of them ahead)
+    # (d256 non-causal: [0, 15], the rest [0, 0]: short of half the block's exp2s, where the fence keeps all of them
+    # ahead)
     assert all(count is not None and count < probabilities // 2
                for count in offline_compile.exp2_before_pv_wait(loose.asm["cubin"]))
 
@@ -549,16 +553,6 @@ def test_only_causal_key_block_loops_hold_mask_code(key):
         assert all(count < scores_per_thread // 4 for count in selects), selects
 
 
-@pytest.mark.parametrize("override,expected", [(None, "config"), (0.0, 0.0), (-3.0, 0.0), (5.0, 5.0)])
-def test_rescale_threshold_override(monkeypatch, override, expected):
-    """FLASHTRITON_RESCALE_THRESHOLD (configs.RESCALE_THRESHOLD_OVERRIDE) sets the Gluon forward's threshold at
-    every head dim, 0 (or less) switching the skip off; unset, each entry keeps its own."""
-    monkeypatch.setattr(configs, "RESCALE_THRESHOLD_OVERRIDE", override)
-    for config in configs.HOPPER_FWD.values():
-        want = config.rescale_threshold if expected == "config" else expected
-        assert configs.hopper_rescale_threshold(config) == want
-
-
 @needs_hopper
 def test_compiled_forwards_carry_no_line_info():
     """launching.compiled_without_line_info on the GPU: after a Gluon forward and a Triton-kernel forward (head dim
@@ -575,7 +569,7 @@ def test_compiled_forwards_carry_no_line_info():
         checks, ran = run_forward(Case(batch=1, seqlen_q=130, seqlen_k=130, head_dim=head_dim, dtype=torch.bfloat16))
         assert ran == gluon
         assert_checks_ok(checks)
-    for kernel in (hopper_fwd.attn_fwd_hopper_kernel, attn_fwd_kernel):
+    for kernel in (hopper.attn_fwd_hopper_kernel, attn_fwd_kernel):
         compiled = kernel_inspect.compiled_kernels(kernel)
         assert compiled, "no compiled variant held"
         if LINE_INFO_VARIABLE not in os.environ:

@@ -5,7 +5,7 @@ import torch
 
 import flashtriton
 from flashtriton.flash_attn_interface import _flash_attn_varlen_backward, _flash_attn_varlen_forward
-from flashtriton.testing import (assert_checks_ok, compare_varlen_with_reference, cu_seqlens, forced_gluon_forward,
+from flashtriton.testing import (assert_checks_ok, compare_varlen_with_reference, cu_seqlens, forced_gluon,
                                  poisoned_outputs)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -130,7 +130,7 @@ def test_varlen_equals_dense_on_equal_lengths():
     q = torch.randn(batch, seqlen, 4, 64, device=DEVICE, dtype=torch.float16)
     k, v = torch.randn_like(q), torch.randn_like(q)
     cu = cumulative([seqlen] * batch)
-    with forced_gluon_forward(False):
+    with forced_gluon(False):
         dense = flashtriton.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     varlen = flashtriton.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, seqlen,
                                                 seqlen, causal=True, return_attn_probs=True)
@@ -247,7 +247,7 @@ def test_seqused_and_leftpad_through_tensor_descriptors(force_tma):
 def test_new_lengths_do_not_recompile():
     from flashtriton.kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
     from flashtriton.kernels.fwd import attn_fwd_kernel
-    from flashtriton.ops.hopper_fwd import attn_fwd_hopper_kernel
+    from flashtriton.ops.hopper import attn_fwd_hopper_kernel
 
     # on sm_90 the dense forwards below run the Gluon kernel
     kernels = [fn for fn in (attn_fwd_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_fwd_hopper_kernel) if fn]

@@ -9,8 +9,6 @@
     python tools/offline_compile.py --kernel bwd-hopper [--head-dim 128] [--causal] [--ordered]
                                     [--hopper-config ROWS,STAGES,REGS]
                                                        # the Gluon backward; default: its configs.HOPPER_BWD entry
-    python tools/offline_compile.py --kernel bwd-hopper-dq [--head-dim 256] [--causal]
-                                                       # the Gluon dQ kernel with its configs.HOPPER_DQ entry
     (fwd-hopper also prints exp2_before_pv_wait: how much of each consumer loop's softmax runs under its P V product,
     and rescale_skip_branches: the warp votes that skip the output's rescale, warp_vote_branches)
 
@@ -89,7 +87,7 @@ def compile_kernel(kernel, head_dim, local, block_m, block_n, warps, stages, dty
 
 
 def _gluon_descriptor_type(block: list, dtype: str) -> str:
-    """Signature type of a host descriptor moving `block` tiles with the launchers' layout (ops/hopper_fwd)."""
+    """Signature type of a host descriptor moving `block` tiles with the launchers' layout (ops/hopper)."""
     from triton.experimental.gluon import language as gl
 
     element = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32}[dtype]
@@ -98,7 +96,7 @@ def _gluon_descriptor_type(block: list, dtype: str) -> str:
 
 
 def _gluon_tile_type(rows: int, head_dim: int, dtype: str) -> str:
-    """A descriptor of (B, S, H, D) moving [1, rows, 1, head_dim] tiles (ops/hopper_fwd.tile_descriptor)."""
+    """A descriptor of (B, S, H, D) moving [1, rows, 1, head_dim] tiles (ops/hopper.tile_descriptor)."""
     return _gluon_descriptor_type([1, rows, 1, head_dim], dtype)
 
 
@@ -115,12 +113,12 @@ def _compile_gluon(kernel, signature: dict, constexprs: dict):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
-def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", kernel=None):
-    """The Gluon Hopper forward (kernels/fwd_hopper.py, or `kernel`: a copy of it, benchmarks/ablate_kernel.py) with
-    `config` (default configs.HOPPER_FWD[head_dim, causal]), as a dense launch."""
+def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16"):
+    """The Gluon Hopper forward (kernels/hopper/fwd.py) with `config` (default configs.HOPPER_FWD[head_dim, causal]),
+    as a dense launch."""
     from flashtriton import configs
-    from flashtriton.kernels.fwd_hopper import CONSUMER_ROWS, attn_fwd_hopper_kernel
-    from flashtriton.ops.hopper_fwd import kernel_constexprs
+    from flashtriton.kernels.hopper.fwd import CONSUMER_ROWS, attn_fwd_hopper_kernel
+    from flashtriton.ops.hopper import forward_constexprs
 
     config = config or configs.HOPPER_FWD[head_dim, causal]
 
@@ -134,21 +132,17 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
                                                "seqlen_q", "seqlen_k", "heads_per_group", "paired", "full_items",
                                                "tail_programs", "tail_blocks", "item_blocks")})
     signature["qk_scale_log2"] = signature["rescale_threshold"] = "fp32"
-    constexprs = kernel_constexprs(config, causal, config.rescale_threshold)
-    return _compile_gluon(kernel or attn_fwd_hopper_kernel, signature, constexprs)
+    return _compile_gluon(attn_fwd_hopper_kernel, signature, forward_constexprs(config, causal))
 
 
-def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", ordered: bool = False,
-                       kernel=None):
-    """The Gluon Hopper backward (kernels/bwd_hopper.py; bwd_hopper_d256.py at head dim 256; or `kernel`: a copy of
-    the head dim's kernel, benchmarks/ablate_kernel.py) with `config` (default configs.HOPPER_BWD[head_dim]);
-    `ordered`: dQ reductions in a fixed order (head dim 128)."""
+def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", ordered: bool = False):
+    """The Gluon Hopper backward (kernels/hopper/bwd.py; kernels/hopper/bwd_d256.py at head dim 256) with `config`
+    (default configs.HOPPER_BWD[head_dim]); `ordered`: dQ reductions in a fixed order (head dim 128)."""
     from flashtriton import configs
-    from flashtriton.ops.hopper_bwd import division
+    from flashtriton.ops.hopper import backward_division
 
     config = config or configs.HOPPER_BWD[head_dim]
-    table_kernel, keys, qdo_features, dq_box = division(head_dim)
-    kernel = kernel or table_kernel
+    kernel, keys, qdo_features, dq_box = backward_division(head_dim)
     signature = {"k_desc": _gluon_tile_type(keys, head_dim, dtype), "v_desc": _gluon_tile_type(keys, head_dim, dtype),
                  "q_desc": _gluon_tile_type(config.query_rows, qdo_features, dtype),
                  "do_desc": _gluon_tile_type(config.query_rows, qdo_features, dtype),
@@ -167,29 +161,11 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     return _compile_gluon(kernel, signature, constexprs)
 
 
-def compile_hopper_dq(head_dim: int, causal: bool, dtype: str = "bf16"):
-    """The Gluon dQ kernel (kernels/bwd_hopper_dq.py) with its configs.HOPPER_DQ entry."""
-    from flashtriton import configs
-    from flashtriton.kernels.bwd_hopper_dq import ROWS_PER_CONSUMER, attn_bwd_hopper_dq_kernel
-
-    config = configs.HOPPER_DQ[head_dim]
-    rows = ROWS_PER_CONSUMER.value
-    signature = {"q_desc": _gluon_tile_type(rows, head_dim, dtype), "do_desc": _gluon_tile_type(rows, head_dim, dtype),
-                 "k_desc": _gluon_tile_type(config.block_n, head_dim, dtype),
-                 "v_desc": _gluon_tile_type(config.block_n, head_dim, dtype),
-                 "dq_desc": _gluon_tile_type(rows, head_dim, dtype), "Lse": "*fp32", "Delta": "*fp32"}
-    signature.update({name: "i32" for name in ("stride_lse_b", "stride_lse_h", "stride_delta_b", "stride_delta_h",
-                                               "num_heads", "group_size", "seqlen_q", "seqlen_k")})
-    signature.update(softmax_scale="fp32", qk_scale_log2="fp32")
-    return _compile_gluon(attn_bwd_hopper_dq_kernel, signature, dict(CAUSAL=causal, STAGES=config.stages,
-                                                                     CONSUMER_REGS=config.consumer_regs, num_warps=4))
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--local", action="store_true")
-    parser.add_argument("--kernel", default="fwd", choices=[*KERNELS, "fwd-hopper", "bwd-hopper", "bwd-hopper-dq"])
+    parser.add_argument("--kernel", default="fwd", choices=[*KERNELS, "fwd-hopper", "bwd-hopper"])
     parser.add_argument("--causal", action="store_true", help="fwd-hopper only: the causal variant")
     parser.add_argument("--hopper-config", help="fwd-hopper: BLOCK_N,STAGES,REGS[,PERSISTENT,PINGPONG,HOLD,THRESHOLD"
                                                 "[,CONSUMERS]], "
@@ -218,11 +194,6 @@ def main():
               f"{args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} shared {compiled.metadata.shared} wgmma {ptx.count('wgmma.mma_async')} "
               f"atomics {ptx.count('atom.global')} reductions {ptx.count('cp.reduce.async.bulk')}")
-        return
-    if args.kernel == "bwd-hopper-dq":
-        compiled = compile_hopper_dq(args.head_dim, args.causal)
-        print(f"bwd-hopper-dq d{args.head_dim} causal={args.causal}: {resource_usage(compiled)} "
-              f"shared {compiled.metadata.shared} wgmma {compiled.asm['ptx'].count('wgmma.mma_async')}")
         return
     if args.kernel == "fwd-hopper":
         config = None
@@ -266,12 +237,12 @@ def sass_of(cubin: bytes) -> tuple:
 
 
 def exp2_before_pv_wait(cubin: bytes) -> list:
-    """For each consumer loop of the Gluon forward (kernels/fwd_hopper._key_blocks), the MUFU.EX2 count between its
+    """For each consumer loop of the Gluon forward (kernels/hopper/fwd._key_blocks), the MUFU.EX2 count between its
     S wait (WARPGROUP.DEPBAR.LE gsb0, 0x1) and its P V wait (0x0), following the unmasked block's path (taken
     `@P BRA`s and plain `BRA`s; `@!P BRA`s are barrier-wait retries): the part of the softmax that overlaps P V.
-    A block's softmax is BLOCK_N / 2 + 2 exp2s per thread, so BLOCK_N / 2 + 2 means all of it; 0, that ptxas waited
-    for P V first (docs/perf-notes.md, session 14). None for a loop whose walk did not reach a wait. The same walk
-    on the Gluon backward (kernels/bwd_hopper.py) counts P's exp2s between its S wait and its dP wait."""
+    A block's softmax is BLOCK_N / 2 + 2 exp2s per thread, so BLOCK_N / 2 + 2 means all of it; 0, that ptxas waits
+    for P V first. None for a loop whose walk did not reach a wait. The same walk on the Gluon backward
+    (kernels/hopper/bwd.py) counts P's exp2s between its S wait and its dP wait."""
     instructions, labels = sass_of(cubin)
     counts = []
     for start, text in enumerate(instructions):
@@ -294,7 +265,7 @@ def exp2_before_pv_wait(cubin: bytes) -> list:
 
 def warp_vote_branches(cubin: bytes) -> int:
     """How many `VOTE.ANY Pn` of the SASS are followed, within 32 instructions, by a branch on `!Pn`: in the Gluon
-    forward, the rescale skip's warp-uniform branch around the output's multiplies (kernels/fwd_hopper._rescale;
+    forward, the rescale skip's warp-uniform branch around the output's multiplies (kernels/hopper/fwd._rescale;
     ptxas schedules P's conversions between the two). 0 where the kernel has no skip."""
     instructions, _ = sass_of(cubin)
     count = 0

@@ -204,9 +204,9 @@ case("rotary-qkv-inplace", "apply_rotary_emb_qkv_ (GQA layout), fwd+bwd")(lambda
 
 
 def _with_gluon_backward(body):
-    from flashtriton.testing import forced_gluon_backward
+    from flashtriton.testing import forced_gluon
 
-    with forced_gluon_backward():
+    with forced_gluon():
         return body()
 
 
@@ -328,7 +328,7 @@ def main(argv=None) -> int:
         return 2
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from flashtriton.ops import hopper_bwd, hopper_fwd
+    from flashtriton.ops import hopper
     from flashtriton.testing import poisoned_outputs
 
     failures = 0
@@ -336,7 +336,7 @@ def main(argv=None) -> int:
         what, body = CASES[name]
         torch.manual_seed(args.seed)
         start = time.perf_counter()
-        gluon_launches = (hopper_fwd.launch_count, hopper_bwd.launch_count)
+        gluon_launches = (hopper.fwd_launch_count, hopper.bwd_launch_count)
         try:
             with poisoned_outputs(args.poison):
                 tensors = body()
@@ -351,9 +351,9 @@ def main(argv=None) -> int:
             print(f"FAIL {name:28s} {time.perf_counter() - start:7.2f}s  {type(error).__name__}: {message[:200]}",
                   flush=True)
             continue
-        ran_gluon = "".join(f"  [Gluon Hopper {kind}]" for kind, before, module in (
-            ("forward", gluon_launches[0], hopper_fwd), ("backward", gluon_launches[1], hopper_bwd))
-            if module.launch_count > before)
+        ran_gluon = "".join(f"  [Gluon Hopper {kind}]" for kind, before, after in (
+            ("forward", gluon_launches[0], hopper.fwd_launch_count),
+            ("backward", gluon_launches[1], hopper.bwd_launch_count)) if after > before)
         print(f"ok   {name:28s} {time.perf_counter() - start:7.2f}s  {what}{ran_gluon}", flush=True)
     print(f"{len(names) - failures} ok, {failures} failed", flush=True)
     return 1 if failures else 0

@@ -1,6 +1,7 @@
-"""Backward dK/dV (and dQ) for Hopper (sm_90) in Gluon, warp-specialized, FA3's division of the work: one program
-per 128-key block, a one-warp TMA producer streaming Q / dO blocks of 64 rows, two consumer warpgroups that each own
-64 keys of the block (their dK, dV accumulators stay in registers for the whole loop) and share the query blocks.
+"""Backward dK / dV and dQ for Hopper (sm_90) at head dims 64 and 128 in Gluon, warp-specialized, FA3's division of
+the work: one program per 128-key block, a one-warp TMA producer streaming Q / dO blocks of 64 rows, two consumer
+warpgroups that each own 64 keys of the block (their dK, dV accumulators stay in registers for the whole loop) and
+share the query blocks.
 
 Per query block i (64 rows), consumer w (keys [64w, 64w + 64) of the block), every product an M = 64 wgmma:
   S = Q_i K_w^T, dP = dO_i V_w^T                  [64 rows, 64 keys], both issued async, then waited
@@ -11,43 +12,36 @@ Per query block i (64 rows), consumer w (keys [64w, 64w + 64) of the block), eve
   - head dim 128, by features: once both consumers' dS are there (ds_ready), consumer w computes
     dQ_i[:, 64w:64w+64] = dS_0 K_0[:, 64w:64w+64] + dS_1 K_1[:, 64w:64w+64] (both key halves), one block late
     (during block i + 1, dS double-buffered) so that neither consumer waits for the other's dS of the same block:
-    their softmax phases drift apart and overlap each other's wgmmas (+23-35% over the same-block product);
+    their softmax phases drift apart and overlap each other's wgmmas;
   - head dim 64, by keys: consumer w computes every feature from its own keys, dS_w K_w, with no barrier
     between the consumers but twice the reductions.
   Each consumer scales its [64 rows, 64 features] product by the softmax scale, stores it to a shared fp32 tile and
-  adds that to the fp32 dQ accumulator with one TMA reduction (cp.reduce.async.bulk.tensor .add, FA3's path): per
-  element atomics (red.global.add.v4.f32) took half of the kernel's time (docs/perf-notes.md). The launcher
-  converts the accumulator into dq. dK is scaled here. GQA: the loop runs over the group's query heads too (dK/dV
-  summed in registers).
+  adds that to the fp32 dQ accumulator with one TMA reduction (cp.reduce.async.bulk.tensor .add, FA3's path; per
+  element atomics would cost about half of the kernel's time). The launcher converts the accumulator into dq. dK is
+  scaled here. GQA: the loop runs over the group's query heads too (dK/dV summed in registers).
 
-Ordered dQ (ORDERED, head dim 128; deterministic=True, ops/hopper_bwd.orders_dq): the reductions into each (query
+Ordered dQ (ORDERED, head dim 128; deterministic=True, ops/hopper.orders_dq): the reductions into each (query
 block, feature half) come in one fixed order, so dQ is the same bits on every call. A zeroed int32 counter per tile
 counts the reductions that have completed; a reduction waits until it reads its rank (_reduction_rank; the counter
 is read while the dQ product runs, and spun on only if the turn has not come). When a consumer starts its next
 block's dQ it reports the previous reduction (cp.async.bulk.wait_group 0: its writes have landed) to a one-warp
 releaser partition of its own (_releaser), which advances the counter with a GPU-scope release: that fence costs
-the issuing warp over a microsecond under load, which in the consumer was 10-15% of the kernel. Without the causal
-mask the key blocks' loops are a rotation, two query blocks apart, and under it they start at the diagonal, so each
-contributor finds the one before it (a later key block) released: the later key blocks launch first and all of a
-head's key blocks must be resident together (the launcher's groups of one head, at most one key block per SM).
+the issuing warp over a microsecond under load, too much for the consumer's loop. Without the causal mask the key
+blocks' loops are a rotation, two query blocks apart, and under it they start at the diagonal, so each contributor
+finds the one before it (a later key block) released: the later key blocks launch first and all of a head's key
+blocks must be resident together (the launcher's groups of one head, at most one key block per SM).
 
-Scope (ops/hopper_bwd.covers): what ops/hopper_fwd covers (dense bf16/fp16, no window or the causal one, bottom-right
-aligned, no softcap, ALiBi or dropout), head dim 64 / 128. Keys past seqlen_k are masked out of P (their dK/dV rows
-are never stored; their K rows read as zeros, but P would not be 0); query rows past seqlen_q read Q, dO, lse and
-delta as zeros (TMA fills them), so P = 1 there but dS = 0 and every product they enter adds zeros (dQ rows past
-seqlen_q are clipped by the reduction).
+Scope (ops/hopper.covers): the forward's (dense bf16/fp16, no window or the causal one, bottom-right aligned, no
+softcap, ALiBi or dropout), head dim 64 / 128. Keys past seqlen_k are masked out of P (their dK/dV rows are never
+stored; their K rows read as zeros, but P would not be 0); query rows past seqlen_q read Q, dO, lse and delta as
+zeros (TMA fills them), so P = 1 there but dS = 0 and every product they enter adds zeros (dQ rows past seqlen_q
+are clipped by the reduction).
 
 Synchronisation: kv_ready (K and V landed), q_ready[s] (Q_i, dO_i, lse_i and delta_i of stage s landed), q_empty[s]
 (both consumers are done with stage s, count 2), with the feature split ds_ready (both consumers' dS written, count
 2) and ds_free (both consumers' dQ products of a block completed, count 2: its dS buffer may be rewritten), one of
 each per dS buffer. Each consumer's P tile is read only by its own dV product, which it waits for before the next
 iteration; its dQ tile is rewritten after tma.store_wait(0) says the previous reduction has read it.
-
-Measured (H200, 2026-12-01, configs.HOPPER_BWD has the steps; library bench of the eleventh session): d128 4x4096
-499 / 459 TF/s non-causal / causal, d64 375 / 354, against 363 / 333 and 283 / 238 for the Triton backward
-(kernels/bwd.py), which keeps every call this kernel does not cover and deterministic=True at head dim 64. Ordered
-(twelfth session, kernel time, same process, default / ordered): 16x1024 431 / 387, causal 314 / 257; 4x4096 537 /
-493, 496 / 398; 1x16384 542 / 497, 548 / 456 (the Triton deterministic backward: 303 / 221, 366 / 336, 383 / 380).
 """
 
 from triton._C.libtriton import gluon_ir, ir
@@ -57,14 +51,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .common import grouped_tile_of
-from .hopper_sync import arrive_after_wgmma
+from .common import arrive_after_wgmma, backward_producer, key_block_of_program, loop_position, masked_probabilities, \
+    query_block, store_key_rows
 
 if not hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce"):
     raise ImportError("this Triton's Gluon has no TMA reduction; the Triton backward runs instead")
 
 KEYS_PER_CONSUMER = gl.constexpr(64)  # one wgmma M tile; a program covers 2 * KEYS_PER_CONSUMER keys
-_grouped_tile_of = gluon.jit(grouped_tile_of.fn)
 
 
 @gl_core.builtin
@@ -74,21 +67,6 @@ def _async_reduce_add(tensor_desc, coord, src, _semantic=None):
     (ttng.async_tma_reduce) but has no public function for it; this is that function."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
-@gluon.jit
-def _query_block(iteration, blocks_per_head, m_block_lo, head_k, group_size, ROWS: gl.constexpr):
-    """(query head, first row) of loop iteration `iteration`: the group's heads in turn, each over its blocks of
-    ROWS rows."""
-    head = head_k * group_size + iteration // blocks_per_head
-    return head, (m_block_lo + iteration % blocks_per_head) * ROWS
-
-
-@gluon.jit
-def _visit(i, first_visit, n_iterations):
-    """The loop position (query block of the group's heads, as _query_block counts them) of iteration i: the
-    program's n_iterations positions in turn from first_visit."""
-    return (first_visit + i) % n_iterations
 
 
 @gluon.jit
@@ -153,7 +131,7 @@ def _releaser(reduced, freed, counters, half, first_visit, n_iterations, blocks_
     the consumer's feature half."""
     for block in range(n_iterations):
         mbarrier.wait(reduced.index(block % 2), (block // 2) & 1)
-        visit = _visit(block, first_visit, n_iterations)
+        visit = loop_position(block, first_visit, n_iterations)
         counter = _counter(counters, visit, blocks_per_head, m_block_lo + visit % blocks_per_head, n_query_blocks, half)
         gl.atomic_add(counter, 1, sem="release", scope="gpu")
         mbarrier.arrive(freed.index(block % 2))
@@ -167,117 +145,6 @@ def _wait_turn(counter, rank, seen):
         seen = gl.load(counter, volatile=True)
     gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32,
                               is_pure=False, pack=1)
-
-
-@gluon.jit
-def _key_block_of_program(num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, KEYS: gl.constexpr,
-                          ROWS: gl.constexpr, CAUSAL: gl.constexpr, LAST_FIRST: gl.constexpr = False):
-    """(batch, kv head, first key, first query block, query blocks per head, loop iterations) of this program: key
-    blocks of KEYS keys in order (under a causal mask the blocks seen by the most query rows first; LAST_FIRST: the
-    last key block first, as ordered dQ needs: a block's reductions wait for the next block's), in launch-order
-    groups of heads_per_group (batch, kv head) pairs; the query blocks of ROWS rows that see a key of the block, all
-    or, under the causal mask (bottom-right aligned), those from row n_start - (seqlen_k - seqlen_q) on; the loop
-    runs over the group's query heads too."""
-    n_key_blocks = gl.cdiv(seqlen_k, KEYS)
-    n_block, batch_head = _grouped_tile_of(gl.program_id(0), n_key_blocks, gl.num_programs(0) // n_key_blocks,
-                                           heads_per_group)
-    if LAST_FIRST:
-        n_block = n_key_blocks - 1 - n_block
-    batch = batch_head // num_heads_k
-    head_k = batch_head % num_heads_k
-    n_start = n_block * KEYS
-    m_block_lo = 0
-    if CAUSAL:
-        m_block_lo = gl.maximum(n_start - (seqlen_k - seqlen_q), 0) // ROWS
-    blocks_per_head = gl.cdiv(seqlen_q, ROWS) - m_block_lo
-    return batch, head_k, n_start, m_block_lo, blocks_per_head, group_size * blocks_per_head
-
-
-@gluon.jit
-def _store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
-                    batch, head_k, first_row, feature0, seqlen_k, softmax_scale):
-    """Store dk * softmax_scale and dv ([KEY_ROWS, FEATURES] fp32 accumulators) into key rows [first_row, +
-    KEY_ROWS) below seqlen_k and features [feature0, + FEATURES) of DK and DV, in their dtype. The rows go out in
-    16-byte pieces (a blocked layout, converted through shared memory): stored straight from the wgmma layout, every
-    32-byte sector was written in two halves (ncu: 50% excessive sectors)."""
-    KEY_ROWS: gl.constexpr = dk.shape[0]
-    FEATURES: gl.constexpr = dk.shape[1]
-    dtype: gl.constexpr = DK.dtype.element_ty
-    VECTOR: gl.constexpr = 16 // (dtype.primitive_bitwidth // 8)
-    ROW_THREADS: gl.constexpr = 32 // (FEATURES // VECTOR)
-    layout: gl.constexpr = gl.BlockedLayout([1, VECTOR], [ROW_THREADS, FEATURES // VECTOR], [gl.num_warps(), 1],
-                                            [1, 0])
-    # [KEY_ROWS] key rows, [FEATURES] features
-    rows = first_row + gl.arange(0, KEY_ROWS, gl.SliceLayout(1, layout))
-    features = feature0 + gl.arange(0, FEATURES, gl.SliceLayout(0, layout))
-    store_mask = gl.expand_dims(rows < seqlen_k, 1)
-    dk_ptrs = (DK + batch.to(gl.int64) * stride_dk_b + head_k.to(gl.int64) * stride_dk_h
-               + gl.expand_dims(rows.to(gl.int64) * stride_dk_n, 1) + gl.expand_dims(features, 0))
-    dv_ptrs = (DV + batch.to(gl.int64) * stride_dv_b + head_k.to(gl.int64) * stride_dv_h
-               + gl.expand_dims(rows.to(gl.int64) * stride_dv_n, 1) + gl.expand_dims(features, 0))
-    gl.store(dk_ptrs, gl.convert_layout((dk * softmax_scale).to(dtype), layout), mask=store_mask)
-    gl.store(dv_ptrs, gl.convert_layout(dv.to(dtype), layout), mask=store_mask)
-
-
-@gluon.jit
-def _producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_pieces, do_pieces, lse_smem,
-              delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads, group_size, m_block_lo,
-              blocks_per_head, n_iterations, first_visit):
-    """One warp: the key block's K and V once, then Q_i, dO_i and their rows' log2(e) * lse and delta of every
-    iteration (loop position _visit(i)) into stage i % STAGES. Q and dO are staged in feature pieces (q_pieces,
-    do_pieces: tuples of [STAGES, 1, ROWS, 1, PIECE] buffers, piece j holding features [j PIECE, + PIECE); one piece
-    at head dims 64 and 128, two at 256)."""
-    STAGES: gl.constexpr = q_pieces[0].shape[0]
-    KEYS: gl.constexpr = k_smem.shape[1]
-    ROWS: gl.constexpr = q_pieces[0].shape[2]
-    PIECE: gl.constexpr = q_pieces[0].shape[4]
-    HEAD_DIM: gl.constexpr = k_smem.shape[3]
-    element_bytes: gl.constexpr = k_desc.dtype.primitive_bitwidth // 8
-    mbarrier.expect(kv_ready, 2 * KEYS * HEAD_DIM * element_bytes)
-    tma.async_copy_global_to_shared(k_desc, [batch, n_start, head_k, 0], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [batch, n_start, head_k, 0], kv_ready, v_smem)
-    for i in range(n_iterations):
-        stage = i % STAGES
-        mbarrier.wait(q_empty.index(stage), ((i // STAGES) - 1) & 1, pred=i >= STAGES)
-        head, m_start = _query_block(_visit(i, first_visit, n_iterations), blocks_per_head, m_block_lo, head_k,
-                                     group_size, ROWS)
-        mbarrier.expect(q_ready.index(stage), 2 * ROWS * HEAD_DIM * element_bytes + 2 * ROWS * 4)
-        for piece in gl.static_range(len(q_pieces)):
-            tma.async_copy_global_to_shared(q_desc, [batch, m_start, head, piece * PIECE], q_ready.index(stage),
-                                            q_pieces[piece].index(stage))
-        for piece in gl.static_range(len(do_pieces)):
-            tma.async_copy_global_to_shared(do_desc, [batch, m_start, head, piece * PIECE], q_ready.index(stage),
-                                            do_pieces[piece].index(stage))
-        row = batch * num_heads + head
-        tma.async_copy_global_to_shared(lse_desc, [row, m_start], q_ready.index(stage), lse_smem.index(stage))
-        tma.async_copy_global_to_shared(delta_desc, [row, m_start], q_ready.index(stage), delta_smem.index(stage))
-
-
-@gluon.jit
-def _masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal):
-    """P = exp2(s * qk_scale_log2 - lse_log2) of scores s [ROWS, KEYS] (query rows from m_start, keys from first_key),
-    0 where a key is past seqlen_k or, causal (bottom-right aligned), after the row's last key; blocks that need
-    neither come back without mask arithmetic. One comparison per element against each row's last visible key,
-    and nothing kept live across the caller's loop (key vectors held across it cost the d128 causal consumers ~40
-    spilled registers). Query rows past seqlen_q are not masked: their Q, dO, lse and delta read as zeros, so P = 1
-    there but dS = 0 and dO = 0, and every product they enter adds zeros. Keys past seqlen_k are (their K rows are
-    zeros, so P would be exp2(-lse_log2), which may overflow)."""
-    ROWS: gl.constexpr = s.shape[0]
-    KEYS: gl.constexpr = s.shape[1]
-    p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(lse_log2, 1))
-    last_key = first_key + KEYS - 1
-    if (last_key >= seqlen_k) | ((causal != 0) & (last_key > m_start + (seqlen_k - seqlen_q))):
-        row_layout: gl.constexpr = gl.SliceLayout(1, s.type.layout)
-        # [ROWS] each row's last visible key, counted from first_key
-        row_last = gl.full([ROWS], seqlen_k - 1 - first_key, gl.int32, row_layout)
-        if causal != 0:
-            diagonal = m_start + gl.arange(0, ROWS, row_layout) + (seqlen_k - seqlen_q) - first_key
-            row_last = gl.minimum(row_last, diagonal)
-        # [ROWS, KEYS]
-        visible = (gl.expand_dims(gl.arange(0, KEYS, gl.SliceLayout(0, s.type.layout)), 0)
-                   <= gl.expand_dims(row_last, 1))
-        p = gl.where(visible, p, 0.0)
-    return p
 
 
 @gluon.jit
@@ -310,8 +177,8 @@ def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_
     FEATURES: gl.constexpr = zero_dq.shape[1]
     KEYS: gl.constexpr = 2 * k_lo.shape[0]
     dq = _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, block % 2, block // 2, zero_dq, OVER_ALL_KEYS)
-    visit = _visit(block, first_visit, n_iterations)
-    head, m_start = _query_block(visit, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
+    visit = loop_position(block, first_visit, n_iterations)
+    head, m_start = query_block(visit, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
     turn = ()
     if len(order) > 0:
         m_block = m_start // ROWS
@@ -387,8 +254,8 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     mbarrier.wait(kv_ready, 0)
     for i in range(n_iterations):
         stage = i % STAGES
-        head, m_start = _query_block(_visit(i, first_visit, n_iterations), blocks_per_head, m_block_lo, head_k,
-                                     group_size, ROWS)
+        head, m_start = query_block(loop_position(i, first_visit, n_iterations), blocks_per_head, m_block_lo,
+                                    head_k, group_size, ROWS)
         mbarrier.wait(q_ready.index(stage), (i // STAGES) & 1)
         q_tile = q_smem.index(stage).reshape([ROWS, HEAD_DIM])
         do_tile = do_smem.index(stage).reshape([ROWS, HEAD_DIM])
@@ -400,7 +267,7 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
         dp = warpgroup_mma(do_tile, v_own.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s, ))
         # [ROWS, OWN] P
-        p = _masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal)
+        p = masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal)
         # this consumer's previous dV product (the reader of p_own) completed last iteration
         p_own.store(p.to(dtype))
         dp = warpgroup_mma_wait(0, deps=(dp, ))
@@ -435,8 +302,8 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
             if len(order) > 0:
                 _report_reduction(order[4], order[5], n_iterations - 1)
     # [OWN, HEAD_DIM] this consumer's key rows
-    _store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
-                    batch, head_k, n_start + key0, 0, seqlen_k, softmax_scale)
+    store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
+                   batch, head_k, n_start + key0, 0, seqlen_k, softmax_scale)
     tma.store_wait(0)
 
 
@@ -459,7 +326,7 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     dtype: gl.constexpr = k_desc.dtype
-    batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations = _key_block_of_program(
+    batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations = key_block_of_program(
         num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, KEYS, ROWS, CAUSAL, ORDERED)
     # [1, KEYS, 1, HEAD_DIM] K, V; [STAGES, 1, ROWS, 1, HEAD_DIM] Q, dO; [KEYS, ROWS] dS^T
     k_smem = gl.allocate_shared_memory(dtype, [1, KEYS, 1, HEAD_DIM], k_desc.layout)
@@ -547,10 +414,10 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
                 group_size, m_block_lo, blocks_per_head, n_iterations, first_visit)
     if ORDERED:
         placement = (first_visit, n_iterations, blocks_per_head, m_block_lo, n_query_blocks)
-        gl.warp_specialize([(_consumer, first), (_consumer, second), (_producer, producer),
+        gl.warp_specialize([(_consumer, first), (_consumer, second), (backward_producer, producer),
                             (_releaser, (reduced[0], freed[0], counters, gl.to_tensor(0)) + placement),
                             (_releaser, (reduced[1], freed[1], counters, gl.to_tensor(1)) + placement)],
                            [4, 1, 1, 1], [CONSUMER_REGS, 24, 24, 24])
     else:
-        gl.warp_specialize([(_consumer, first), (_consumer, second), (_producer, producer)], [4, 1],
+        gl.warp_specialize([(_consumer, first), (_consumer, second), (backward_producer, producer)], [4, 1],
                            [CONSUMER_REGS, 24])

@@ -1,13 +1,13 @@
-"""Backward dK/dV for Hopper (sm_90) at head dim 256 in Gluon, warp-specialized: the division of
-kernels/bwd_hopper.py (one program per key block, a one-warp TMA producer streaming Q / dO blocks of 64 rows, two
-consumer warpgroups) cut to fit 256 features into shared memory. dQ is not computed here: backend.launch_bwd runs
-the Triton dQ kernel (kernels/bwd.py) after this one, so there is no fp32 accumulator and no reduction, and the
-result is deterministic.
+"""Backward dK/dV for Hopper (sm_90) at head dim 256 in Gluon, warp-specialized: bwd.py's division (one program
+per key block, a one-warp TMA producer streaming Q / dO blocks of 64 rows, two consumer warpgroups) cut to fit 256
+features into shared memory. dQ is not computed here: backend.launch_bwd runs the Triton dQ kernel (kernels/bwd.py)
+after this one, so there is no fp32 accumulator and no reduction, and the result is deterministic (TMA reductions
+of dQ in this kernel cost it more than the separate dQ kernel does).
 
 Per query block i (64 rows), for a block of 64 keys, consumer w:
   S_w = Q_i K_w^T, dP_w = dO_i V_w^T over its 32 keys [32w, 32w + 32)  [64 rows, 32 keys], M = 64 wgmmas over
   the two feature halves of Q_i / dO_i
-  P_w, dS_w as in kernels/bwd_hopper.py, stored into its 32-key half of the [64 rows, 64 keys] P and dS tiles
+  P_w, dS_w as in bwd.py, stored into its 32-key half of the [64 rows, 64 keys] P and dS tiles
   then, once both halves are there (pds_ready), over its 128 features [128w, 128w + 128):
   dV_w += P^T dO_i[:, feats], dK_w += dS^T Q_i[:, feats]      [64 keys, 128 features] accumulators in registers
 Every product needs both consumers' P / dS halves, so the consumers run in phase (pds_ready, then pds_free once
@@ -18,12 +18,7 @@ half: a slice of a staged buffer along its last dimension does not compile in Tr
 lse / delta 1 KB; the layout conversion of the dK / dV stores 16 KB: 230480 bytes of the 232448 a program may have
 (offline compile).
 
-Measured (H200, 2026-12-01, benchmarks/bench_hopper_bwd.py, 4x4096x8x256 bf16, non-causal / causal): the first
-version added dQ here too, in [64 features, 32 rows] pieces by TMA reductions: 284 / 240 TF/s (FA2 255 / 232). An
-ablation (eleventh session) put the cost in those reductions (without them 437 / 357; without dQ at all 595 /
-531), so dQ moved to the Triton dQ kernel: this kernel plus it 351 / 328 (1.39 / 1.43x FA2; cuDNN 378 / 346).
-
-Scope, masking and rows past seqlen_q: as kernels/bwd_hopper.py (ops/hopper_bwd decides).
+Scope, masking and rows past seqlen_q: as bwd.py (ops/hopper.covers decides).
 """
 
 from triton.experimental import gluon
@@ -31,8 +26,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .bwd_hopper import _key_block_of_program, _masked_probabilities, _producer, _query_block, _store_key_rows
-from .hopper_sync import arrive_after_wgmma
+from .common import arrive_after_wgmma, backward_producer, key_block_of_program, masked_probabilities, query_block, \
+    store_key_rows
 
 KEYS_PER_PROGRAM = gl.constexpr(64)  # the M of the dK / dV wgmmas; each consumer's S / dP covers half of them
 
@@ -64,7 +59,7 @@ def _consumer(k_own, v_own, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse_smem, d
     mbarrier.wait(kv_ready, 0)
     for i in range(n_iterations):
         stage = i % STAGES
-        head, m_start = _query_block(i, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
+        head, m_start = query_block(i, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
         mbarrier.wait(q_ready.index(stage), (i // STAGES) & 1)
         # [ROWS, FEAT] feature halves of Q_i and dO_i
         q_tile_lo = q_lo.index(stage).reshape([ROWS, FEAT])
@@ -82,7 +77,7 @@ def _consumer(k_own, v_own, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse_smem, d
         dp = warpgroup_mma(do_tile_hi, v_own.slice(FEAT, FEAT, dim=1).permute((1, 0)), dp, is_async=True)
         s = warpgroup_mma_wait(2, deps=(s, ))
         # [ROWS, OWN] P
-        p = _masked_probabilities(s, lse_log2, qk_scale_log2, n_start + key0, m_start, seqlen_q, seqlen_k, causal)
+        p = masked_probabilities(s, lse_log2, qk_scale_log2, n_start + key0, m_start, seqlen_q, seqlen_k, causal)
         # both consumers' products of the previous block (readers of P and dS) completed
         mbarrier.wait(pds_free, (i - 1) & 1, pred=i >= 1)
         p_own.store(p.to(dtype))
@@ -105,8 +100,8 @@ def _consumer(k_own, v_own, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse_smem, d
         arrive_after_wgmma(pds_free)
         arrive_after_wgmma(q_empty.index(stage))
     # [KEYS, FEAT] this consumer's features of the key rows
-    _store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
-                    batch, head_k, n_start, feature0, seqlen_k, softmax_scale)
+    store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
+                   batch, head_k, n_start, feature0, seqlen_k, softmax_scale)
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "heads_per_group"])
@@ -115,16 +110,16 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta
                                 num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, softmax_scale,
                                 qk_scale_log2, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                                 CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """One program per (64-key block, batch * kv head), in kernels/bwd_hopper.py's order and launch-order groups.
+    """One program per (64-key block, batch * kv head), in bwd.py's order and launch-order groups.
     q_desc / do_desc move [1, ROWS, 1, HEAD_DIM / 2] feature halves. num_warps (4) is the first consumer's; the
-    second consumer (4 warps, CONSUMER_REGS registers) and the producer (1 warp, kernels/bwd_hopper's) are worker
+    second consumer (4 warps, CONSUMER_REGS registers) and the producer (1 warp, common.backward_producer) are worker
     partitions."""
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     FEAT: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = k_desc.dtype
-    batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations = _key_block_of_program(
+    batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations = key_block_of_program(
         num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, KEYS, ROWS, CAUSAL)
     # [1, KEYS, 1, HEAD_DIM] K, V
     k_smem = gl.allocate_shared_memory(dtype, [1, KEYS, 1, HEAD_DIM], k_desc.layout)
@@ -172,8 +167,8 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta
     gl.warp_specialize([
         (_consumer, first + barriers + pointers + (gl.to_tensor(0), gl.to_tensor(0)) + loop),
         (_consumer, second + barriers + pointers + (gl.to_tensor(OWN), gl.to_tensor(FEAT)) + loop),
-        (_producer, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, (q_lo, q_hi),
-                     (do_lo, do_hi), lse_smem, delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start,
-                     num_heads_k * group_size, group_size, m_block_lo, blocks_per_head, n_iterations,
-                     gl.to_tensor(0))),
+        (backward_producer, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, (q_lo, q_hi),
+                             (do_lo, do_hi), lse_smem, delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start,
+                             num_heads_k * group_size, group_size, m_block_lo, blocks_per_head, n_iterations,
+                             gl.to_tensor(0))),
     ], [4, 1], [CONSUMER_REGS, 24])

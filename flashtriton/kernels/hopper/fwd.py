@@ -3,37 +3,37 @@ three consumer warpgroups (configs.HopperFwdConfig.consumers: three for non-caus
 rows of a 128- (192-) row tile. The consumers share the stages and run out of phase with each other, so one's
 softmax overlaps another's wgmma (what the Triton kernel cannot schedule).
 
-Scope (ops/hopper_fwd.covers and runs_on decide): dense (B, S, H, D) bf16/fp16 tensors addressed by host tensor
-descriptors, head dim 64 / 128 / 256, GQA, no window or the causal one (bottom-right aligned), positive softmax scale,
-no softcap, ALiBi or dropout; everything else runs kernels/fwd.py. Numerics are those of kernels/fwd.py: fp32 scores and
-accumulators, P rounded to V's dtype, natural-log LSE, +inf for rows that see no key; the A-1 rescale skip (max
+Scope (ops/hopper.gluon_runs decides): dense (B, S, H, D) bf16/fp16 tensors addressed by host tensor descriptors,
+head dim 64 / 128 / 256, GQA, no window or the causal one (bottom-right aligned), positive softmax scale, no
+softcap, ALiBi or dropout; everything else runs kernels/fwd.py. Numerics are those of kernels/fwd.py: fp32 scores
+and accumulators, P rounded to V's dtype, natural-log LSE, +inf for rows that see no key; the A-1 rescale skip (max
 lagging) where configs.HOPPER_FWD has a rescale_threshold, decided per warp (_rescale).
 
-Work: the grid's programs take work items in turn, p, p + P, p + 2P, ... (ops/hopper_fwd sizes the grid: one
-program per item, or persistent: as many as fit the GPU at once). An item is one tile, or for persistent
+Work: the grid's programs take work items in turn, p, p + P, p + 2P, ... (ops/hopper.forward_grid sizes the grid:
+one program per item, or persistent: as many as fit the GPU at once). An item is one tile, or for persistent
 causal grids a pair of tiles (the longest and the shortest left) so that every item has the same number of key
 blocks. Where configs.HopperFwdConfig.split_tail says, the items of a persistent grid's last, partial wave (the
 tail) are cut by key blocks evenly among all programs (stream-K style, _next_piece): a piece short of its tile
 writes its normalized partial output and LSE to a workspace, and attn_tail_merge_kernel merges them by LSE
 weights after the kernel. The producer loads the next tile's Q and K/V blocks while the consumers finish the
 current one (their last wgmmas, normalization, O store). A tile's key blocks are visited from the last to the
-first (FA2's order): the blocks that can need a mask come first, so non-causal kernels mask only the first one visited and their key-block
-loop holds no mask code (_key_blocks).
+first (FA2's order): the blocks that can need a mask come first, so non-causal kernels mask only the first one
+visited and their key-block loop holds no mask code (_key_blocks).
 
 Synchronisation: q_ready[c] completes when consumer c's Q tile has landed, q_empty[c] when consumer c no longer
 reads it (after its last S wgmma; where O is staged in the Q tile, after O's store). k_ready[s] / v_ready[s]
 complete when stage s's K / V tile has landed (TMA transaction bytes); k_empty[s] / v_empty[s] when all consumers
 are done with stage s's K / V tile (one arrival per consumer warpgroup, by one thread without a warpgroup barrier:
-hopper_sync.arrive_after_wgmma), so the producer refills K before V is free. The program's loads are numbered
-across its items: load l goes to stage l % STAGES and is the (l // STAGES)-th use of that stage, whose parity the
-waits check; the program's i-th tile's Q tiles are the i-th use of q_ready / q_empty.
+common.arrive_after_wgmma), so the producer refills K before V is free. The program's loads are numbered across
+its items: load l goes to stage l % STAGES and is the (l // STAGES)-th use of that stage, whose parity the waits
+check; the program's i-th tile's Q tiles are the i-th use of q_ready / q_empty.
 
 Consumer schedule (FA3's intra-warpgroup pipelining): S_j and P_{j-1} V_{j-1} are issued together, the softmax of
 block j runs while P_{j-1} V_{j-1} is on the tensor cores, and the output rescale waits for it. In the binary the
 softmax runs under P V only where configs.HOPPER_FWD holds the schedule (_hold_schedule; ptxas otherwise waits for
-P V first: tools/offline_compile.exp2_before_pv_wait). (An in-order schedule, S_j, softmax j, P_j V_j, was 2-9%
-slower on every BASELINES row: configs.py.) With ping-pong (config, on at head dim 128; two consumers only) the two
-also take turns issuing those wgmmas, so that one's softmax runs while the other's products do (_wait_turn).
+P V first: tools/offline_compile.exp2_before_pv_wait). With ping-pong (config, on at head dim 128; two consumers
+only) the two also take turns issuing those wgmmas, so that one's softmax runs while the other's products do
+(_wait_turn).
 """
 
 from triton.experimental import gluon
@@ -41,12 +41,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .common import grouped_tile_of
-from .hopper_sync import arrive_after_wgmma
+from .common import arrive_after_wgmma, grouped_tile_of
 
 SHARED_BYTES_FOR_TILES = gl.constexpr(220 * 1024)  # sm_90: 227 KiB per program, less barriers and the compiler's
 CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M tile); a tile has one per consumer
-_grouped_tile_of = gluon.jit(grouped_tile_of.fn)
 
 
 def _rescale_unless_unmoved_ptx(pack: int) -> str:
@@ -82,7 +80,7 @@ def _item_tiles(item, num_tiles, num_batch_heads, heads_per_group, paired):
     first, items in grouped_tile_of's order. Unpaired an item is one tile; paired (persistent causal grids) item s
     is tiles s and num_tiles - 1 - s, whose key blocks add up to the same count for every s, so that programs taking
     items in turn get equal work."""
-    slot, batch_head = _grouped_tile_of(item, _slots(num_tiles, paired), num_batch_heads, heads_per_group)
+    slot, batch_head = grouped_tile_of(item, _slots(num_tiles, paired), num_batch_heads, heads_per_group)
     end = gl.where(paired != 0, num_tiles - slot, slot + 1)
     return batch_head, slot, end, gl.maximum(num_tiles - 1 - 2 * slot, 1)
 
@@ -104,7 +102,7 @@ def _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, causa
 def _tail_range(tail):
     """This program's share [start, end) of the tail (tail: (full_items, programs, blocks, item_blocks), or
     (full_items, ) where no tail is cut (configs.HopperFwdConfig.split_tail off: none of its code is compiled);
-    ops/hopper_fwd.tail_split): the work items from full_items on, their tiles one after the other and each tile's
+    ops/hopper.tail_split): the work items from full_items on, their tiles one after the other and each tile's
     key blocks in visiting order (last first), as `blocks` positions cut evenly among the first `programs`
     programs."""
     start = gl.program_id(0) * 0
@@ -141,7 +139,7 @@ def _next_piece(item, which, x, x_start, x_end, tail, work, TILE_ROWS: gl.conste
     second), a tile's part at a time. Returns (batch, head, first query row, the first key block visited, key
     blocks, slot, the cursor after it): the blocks are visited from the first one down; slot -1: the piece is its
     tile's whole (O and the LSE go to the output), else 2 P + 0 for the piece at the start of the program's share,
-    2 P + 1 for the one at its end (ops/hopper_fwd.tail_split's workspace, which attn_tail_merge_kernel
+    2 P + 1 for the one at its end (ops/hopper.tail_split's workspace, which attn_tail_merge_kernel
     merges). work: (num_tiles, num_batch_heads, heads_per_group, num_heads, seqlen_q, seqlen_k, causal, paired).
     Branch-free, one copy of the item arithmetic for both kinds of piece: each partition holds this code."""
     num_tiles, num_batch_heads, heads_per_group, num_heads, seqlen_q, seqlen_k, causal, paired = work
@@ -208,9 +206,8 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     [CONSUMERS, 1, ROWS, 1, HEAD_DIM]) once each consumer released its previous one, then V of the first block and K
     and V of the others; the program's load number l (counted across tiles) goes to stage l % STAGES once every
     consumer freed that stage's K (resp. V). The first K goes ahead of Q: its stage is free once the consumers' second-
-    to-last S of the previous tile is done, Q's only after their last. Loaded after Q (as before the twentieth
-    session), the first K waited for both consumers' last S and the tile's first S for its landing: under ncu at
-    16x1024 the largest wait at a tile's start."""
+    to-last S of the previous tile is done, Q's only after their last (loaded after Q, the first K would wait for
+    both consumers' last S, and the tile's first S for its landing)."""
     CONSUMERS: gl.constexpr = q_smem.shape[0]
     ROWS: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
@@ -244,11 +241,11 @@ def _mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s:
     """s [ROWS, BLOCK_N] of key block j (query rows offs_m [ROWS] from row0) with keys past seqlen_k (and, causal,
     past each row's last key: bottom-right aligned) set to -inf; blocks that need neither come back untouched without
     any mask arithmetic. Causal blocks compare each key with its row's last visible key (the diagonal and seqlen_k
-    in one bound): one comparison per element (16x1024 causal: 376 -> 412 TF/s, docs/perf-notes.md).
+    in one bound): one comparison per element.
     residues: (0, ) or () (configs.HopperFwdConfig.mask_by_residues): column <= last key compared as column % 8 <=
     last key - column // 8 * 8. A thread's columns are 2 (lane % 4) + 8 k + {0, 1}: two residues per thread and an
     immediate per element, where the plain comparison keeps the thread's BLOCK_N / 4 loop-invariant columns in
-    registers across the key-block loop (LLVM hoists them; spilled at d128 causal). Same mask either way."""
+    registers across the key-block loop (LLVM hoists them; they spill at d128 causal). Same mask either way."""
     BLOCK_N: gl.constexpr = s.shape[1]
     n_end = (j + 1) * BLOCK_N
     # the last key the tile's first row (row0) sees under the causal mask
@@ -276,35 +273,14 @@ def _mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s:
 
 
 @gluon.jit
-def _row_max(s):
-    """[ROWS] max of each row of s [ROWS, BLOCK_N] (the wgmma accumulator layout) as a tree: Triton 3.6 reduces a
-    thread's elements in one dependent chain (BLOCK_N / 2 FMNMX per row, the two rows of a thread one after the
-    other: 64 in a row at BLOCK_N 128, the loop's largest source of fixed-latency stalls under ncu), so the columns'
-    register bits are split off as axes of length 2 and reduced one level at a time, each level's maxima
-    independent of each other; the lanes' bits (column = 8 k + 2 (lane % 4) + e) last, by shuffles."""
-    ROWS: gl.constexpr = s.shape[0]
-    BLOCK_N: gl.constexpr = s.shape[1]
-    # [ROWS, BLOCK_N // 8, 4] the maxima of column pairs (e)
-    level = gl.max(s.reshape([ROWS, BLOCK_N // 8, 4, 2]), 3)
-    for _ in gl.static_range(BLOCK_N.bit_length() - 4):
-        # [ROWS, K // 2, 4] the maxima of k and k + K // 2 (K = level.shape[1])
-        level = gl.max(level.reshape([ROWS, 2, level.shape[1] // 2, 4]), 1)
-    return gl.convert_layout(gl.max(level.reshape([ROWS, 4]), 1), gl.SliceLayout(1, s.type.layout))
-
-
-@gluon.jit
-def _softmax_block(s, m_i, l_i, qk_scale_log2, lag, tree):
+def _softmax_block(s, m_i, l_i, qk_scale_log2, lag):
     """Online softmax step of one masked score block s [ROWS, BLOCK_N]: probabilities (scale folded into the exp2
     argument), the new running max (log2 units) and row sum, and alpha, the factor that rescales what was
     accumulated before. Rows that have seen no key yet keep max -inf and get p = 0, alpha = 0. lag: () or
     (threshold, ): the A-1 rescale skip (kernels/fwd.py's): a row's max moves only when a block raises it by more
     than threshold (log2 units), else alpha is exactly 1 and p stays below 2^threshold; O, the row sum and the LSE
-    share the lagging base, so the result is exact. tree: (0, ) or (): the row max by _row_max or by Triton's own
-    reduction (configs.HopperFwdConfig.row_max_tree)."""
-    if len(tree) > 0:
-        m_block = _row_max(s) * qk_scale_log2
-    else:
-        m_block = gl.max(s, 1) * qk_scale_log2
+    share the lagging base, so the result is exact."""
+    m_block = gl.max(s, 1) * qk_scale_log2
     if len(lag) > 0:
         m_new = gl.where(m_block > m_i + lag[0], m_block, m_i)
     else:
@@ -319,8 +295,8 @@ def _softmax_block(s, m_i, l_i, qk_scale_log2, lag, tree):
 @gluon.jit
 def _rescale(acc, alpha, lag):
     """acc [ROWS, HEAD_DIM] * alpha [ROWS] by rows. With the rescale skip (lag: (threshold, )) each warp skips the
-    multiplies when none of its rows moved its max (_rescale_unless_unmoved_ptx; a warpgroup-wide decision, a
-    reduction through shared memory, cost more than it saved: docs/perf-notes.md)."""
+    multiplies when none of its rows moved its max (_rescale_unless_unmoved_ptx: a warp vote, where a
+    warpgroup-wide decision would need a reduction through shared memory)."""
     alpha_by_row = gl.expand_dims(alpha, 1)
     if len(lag) > 0:
         if acc.shape[1] >= 128:
@@ -345,8 +321,8 @@ def _reciprocal(x):
 def _operand_of(p, dtype: gl.constexpr, p_layout: gl.constexpr):
     """P [ROWS, BLOCK_N] fp32 -> the P V wgmma's A operand in dtype, through an opaque register copy: LLVM folds a
     loop-carried value made by the same conversion on every path into one conversion of a loop-carried fp32 P at
-    the loop's top (InstCombine), which keeps 64 fp32 registers live across the next S wgmma and made ptxas wait
-    for P V before the softmax; the copy keeps the conversion where it is written."""
+    the loop's top (InstCombine), which keeps 64 fp32 registers live across the next S wgmma and makes ptxas
+    wait for P V before the softmax; the copy keeps the conversion where it is written."""
     operand = gl.convert_layout(p.to(dtype), p_layout)
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [operand], dtype=operand.dtype, is_pure=True,
                                     pack=2)
@@ -356,8 +332,8 @@ def _operand_of(p, dtype: gl.constexpr, p_layout: gl.constexpr):
 def _hold_schedule(fences):
     """fences: (0, ) or (): a CTA memory fence (MEMBAR.ALL.CTA; a consumer has no memory operation of its own in
     flight here but barrier arrivals) that ptxas does not move instructions across, so the softmax's exp2s before it
-    stay ahead of the P V wait after it. Without it ptxas scheduled P's conversion into the exp2s and the wait with
-    it (offline SASS: no MUFU.EX2 between the S wait and the P V wait), so P V never overlapped the softmax. On where
+    stay ahead of the P V wait after it. Without it ptxas schedules P's conversion into the exp2s and the wait with
+    it (offline SASS: no MUFU.EX2 between the S wait and the P V wait), so P V does not overlap the softmax. On where
     configs.HOPPER_FWD says (the fence's cost exceeds the overlap's gain without ping-pong)."""
     for _ in gl.static_range(len(fences)):
         gl.inline_asm_elementwise("fence.acq_rel.cta;\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
@@ -384,20 +360,20 @@ def _pass_turn(turns):
 
 @gluon.jit
 def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, release_q, first_load, top, count,
-                row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, fences, lag, tree, residues,
+                row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, fences, lag, residues,
                 acc_layout: gl.constexpr):
     """One consumer's pass over a work item's key blocks (the program's loads first_load, first_load + 1, ...) for
     its Q tile q [ROWS, HEAD_DIM] (shared memory): `count` key blocks from block `top` down (step j visits block
     top - j; a whole tile's top is its last block).
     Only blocks crossing seqlen_k or (causal) the diagonal need a mask, and they come first: non-causal, the first
-    step's block alone, so the loop has no mask code (never executed there, the code still cost 4.7% at head dim 64:
-    docs/perf-notes.md); causal, the loop keeps it (a 64-row consumer's diagonal can cross two blocks, and its
+    step's block alone, so the loop has no mask code (code that never runs there would still cost time); causal,
+    the loop keeps it (a 64-row consumer's diagonal can cross two blocks, and its
     tile's last block can lie wholly past it: the second step may need one, never the third). Overlapped inside the
     warpgroup: step 0's softmax first, then per
     step j S_j and P_{j-1} V_{j-1} issued together, softmax j while P_{j-1} V_{j-1} runs (where fences hold the
     schedule; else ptxas waits for P V first), then P_j's operand and the rescale. Arrives on q_free (if release_q)
     once its last S wgmma completed. With ping-pong the S_0 issue and each block's S_j + P_{j-1} V_{j-1} issue are
-    steps first_load, first_load + 1, ... of _wait_turn (both consumers count the same loads). lag, tree:
+    steps first_load, first_load + 1, ... of _wait_turn (both consumers count the same loads). lag:
     _softmax_block's; residues: _mask_block's.
     Returns the unnormalized output [ROWS, HEAD_DIM], the running max (log2 units) and the row sum [ROWS]."""
     ROWS: gl.constexpr = q.shape[0]
@@ -426,9 +402,9 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     arrive_after_wgmma(k_empty.index(stage))
     # [ROWS, BLOCK_N] probabilities of the block whose P.V is pending
     s = _mask_block(s, top, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
-    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag, tree)
+    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)
     # [ROWS, BLOCK_N] the wgmma's A operand, made where the softmax ends: only these half-width registers stay live
-    # across the next S issue (fp32 p live there pushed ptxas to wait for P V before the softmax, serializing them)
+    # across the next S issue (fp32 p live there pushes ptxas to wait for P V before the softmax, serializing them)
     p = _operand_of(p, q.dtype, p_layout)
     for j in range(1, count):
         load = first_load + j
@@ -446,7 +422,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         arrive_after_wgmma(k_empty.index(stage))
         if causal != 0:
             s = _mask_block(s, top - j, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
-        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag, tree)
+        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)
         _hold_schedule(fences)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         arrive_after_wgmma(v_empty.index(previous))
@@ -498,7 +474,7 @@ def _store_partial(out, lse, Partial, PartialLse, slot, row_offset, TILE_ROWS: g
 
 @gluon.jit
 def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, Partial, PartialLse, k_smem, v_smem,
-              k_ready, v_ready, k_empty, v_empty, team, fences, lag, tree, residues, stride_lse_b, stride_lse_h, tail,
+              k_ready, v_ready, k_empty, v_empty, team, fences, lag, residues, stride_lse_b, stride_lse_h, tail,
               work, qk_scale_log2, o_in_q):
     """One warpgroup: query rows [m_start + row_offset, + ROWS) of every piece of work of this program (a tile, or
     part of a tail tile's key blocks: _next_piece). Per piece: wait for its Q tile (q_tile [1, ROWS, 1, HEAD_DIM],
@@ -508,7 +484,7 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
     Rows that saw no key: out 0, lse +inf (docs/api.md §4.5). team: one entry per consumer of the program (a tile has
     len(team) * ROWS rows; a tuple's length reaches partitions where a constexpr does not). turns: the ping-pong
     barriers (_wait_turn), this consumer's first, or (); the first consumer (row_offset 0) leads. fences:
-    _hold_schedule's; lag, tree: _softmax_block's; residues: _mask_block's."""
+    _hold_schedule's; lag: _softmax_block's; residues: _mask_block's."""
     ROWS: gl.constexpr = q_tile.shape[1]
     TILE_ROWS: gl.constexpr = len(team) * ROWS
     BLOCK_N: gl.constexpr = k_smem.shape[2]
@@ -535,13 +511,13 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
         mbarrier.wait(q_ready, done & 1)
         acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,
                                     load, top, count, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal,
-                                    turns, lead, fences, lag, tree, residues, acc_layout)
+                                    turns, lead, fences, lag, residues, acc_layout)
         seen = l_i > 0.0
         # [ROWS] the row sums, 1 for rows that saw no key
         row_sum = gl.where(seen, l_i, 1.0)
-        # [ROWS] one reciprocal per row, then a multiply per element (a division per element cost ~5
-        # instructions each: div.full's range fix-ups); rcp.approx is within 1 ulp, and a seen row's sum is >= 1
-        # (its max's own term), so no denormal reaches it. 1.0 / x (div.full) left 32 bytes of spills at d128.
+        # [ROWS] one reciprocal per row, then a multiply per element (a division per element costs ~5
+        # instructions: div.full's range fix-ups, and spills at d128); rcp.approx is within 1 ulp, and a seen row's
+        # sum is >= 1 (its max's own term), so no denormal reaches it.
         inverse_sum = gl.convert_layout(_reciprocal(row_sum), row_o)
         # [ROWS] natural-log LSE (rows without a key: +inf in the output, -inf, no weight, in a partial result)
         lse = (m_i + gl.log2(row_sum)) * 0.6931471805599453
@@ -579,21 +555,20 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
                            rescale_threshold, CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, HOLD_SCHEDULE: gl.constexpr,
                            RESCALE_SKIP: gl.constexpr, MASK_BY_RESIDUES: gl.constexpr,
-                           ROW_MAX_TREE: gl.constexpr, SPLIT_TAIL: gl.constexpr, num_warps: gl.constexpr):
+                           SPLIT_TAIL: gl.constexpr, num_warps: gl.constexpr):
     """Work items: query tiles of CONSUMERS * 64 rows of every (batch, head), longest first, in launch-order groups of
     heads_per_group (batch, head) pairs like kernels/fwd.py, or with `paired` (1) pairs of tiles of equal total
     length (_item_tiles); program p takes items p, p + P, p + 2P, ... of a grid of P programs (one per item, or
     persistent: one per SM, so the next tile's loads overlap this one's end) below full_items. The items from
     full_items on (the tail: fewer than a wave) are cut by key blocks evenly among the first tail_programs programs
-    (ops/hopper_fwd.tail_split: tail_blocks positions, every item item_blocks long); pieces short of their tile
+    (ops/hopper.tail_split: tail_blocks positions, every item item_blocks long); pieces short of their tile
     write partial results (Partial, PartialLse: two slots per tail program) that attn_tail_merge_kernel
     merges (_next_piece). full_items = all items and tail_programs = 0: no tail; SPLIT_TAIL off: no code for one.
     num_warps (4) is the first consumer's; the other consumers (4 warps, CONSUMER_REGS registers each) and the
     producer (1 warp) are worker partitions. PINGPONG (two consumers): they issue their wgmmas in alternation
     (_wait_turn).
     RESCALE_SKIP: the max lags by up to rescale_threshold (log2 units) and unmoved warps skip the output rescale
-    (_softmax_block, _rescale). MASK_BY_RESIDUES: how a causal block's mask compares columns (_mask_block).
-    ROW_MAX_TREE: the softmax's row max as a tree (_row_max)."""
+    (_softmax_block, _rescale). MASK_BY_RESIDUES: how a causal block's mask compares columns (_mask_block)."""
     ROWS: gl.constexpr = CONSUMER_ROWS
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
@@ -646,11 +621,6 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
         lag = (rescale_threshold, )
     else:
         lag = ()
-    # _softmax_block's row max as a tree (_row_max), or () for Triton's chain (a tuple's length again)
-    if ROW_MAX_TREE:
-        tree = (0, )
-    else:
-        tree = ()
     # _mask_block's causal comparison by column residues, or () for the plain one
     if MASK_BY_RESIDUES:
         residues = (0, )
@@ -671,7 +641,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
     else:
         tail = (full_items, )
     common = (o_desc, Lse, Partial, PartialLse, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, team, fences, lag,
-              tree, residues, stride_lse_b, stride_lse_h, tail, work, qk_scale_log2, o_in_q)
+              residues, stride_lse_b, stride_lse_h, tail, work, qk_scale_log2, o_in_q)
     producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, group_size, tail, work)
     first = _consumer_args(0, q_smem, o_smem, q_ready, q_empty, turns, common)
@@ -686,7 +656,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
 
 
 # query rows x head dim per program of attn_tail_merge_kernel: 32 rows at head dim 128, 16 at 256 (32 rows of
-# 256 took 254 registers, and 11.6 us for 100 tiles where 128 took 5-7 us)
+# 256 would need 254 registers)
 TAIL_MERGE_ELEMENTS = gl.constexpr(4096)
 
 
@@ -700,7 +670,7 @@ def _programs_upto(x, tail):
 def _load_partial(Partial, PartialLse, program, first, tail, rows, columns, TILE_ROWS: gl.constexpr):
     """Tail program `program`'s partial result of the tail tile starting at position `first`: its LSE [ROWS] and
     output [ROWS, HEAD_DIM] at `rows` of the tile (slot 2 p + 1 where p's share started before the tile, else 2 p:
-    kernels/fwd_hopper._next_piece)."""
+    _next_piece)."""
     slot = 2 * program + (program * tail[2] // tail[1] < first).to(gl.int32)
     slot_rows = slot.to(gl.int64) * TILE_ROWS + rows
     return (gl.load(PartialLse + slot_rows),
@@ -720,8 +690,8 @@ def attn_tail_merge_kernel(Partial, PartialLse, Out, Lse, stride_ob, stride_om, 
     paired)'s tiles in turn). A
     tile cut among programs p_first .. p_last gets out = sum_p exp(lse_p - lse) out_p with lse = log(sum_p
     exp(lse_p)) over their partial results (kernels/combine.py's rule: rows no piece saw, out 0 and lse +inf), in
-    one pass with a running max (three passes over the pieces, each load waited for in turn, took 9-12 us per
-    call: more than the cut saved at 16x1024); p's slot is 2 p + 1 where its share started before the tile (the
+    one pass with a running max and the next piece's loads issued ahead (a pass per statistic would wait for each
+    load in turn); p's slot is 2 p + 1 where its share started before the tile (the
     piece at its share's end), else 2 p. A tile its program ran whole is left as written."""
     ROWS: gl.constexpr = TAIL_MERGE_ELEMENTS // HEAD_DIM
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])

@@ -1,0 +1,152 @@
+"""Gluon helpers shared by the Hopper kernels (fwd.py, bwd.py, bwd_d256.py): launch-order scheduling, the barrier
+arrival after wgmmas, and the backward's key-block schedule, producer, probabilities and dK / dV stores, which the d64
+/ d128 kernel (bwd.py) and the d256 kernel (bwd_d256.py) share."""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+from ..common import grouped_tile_of as _triton_grouped_tile_of
+
+# kernels/common.grouped_tile_of (plain integer arithmetic) compiled as a Gluon function
+grouped_tile_of = gluon.jit(_triton_grouped_tile_of.fn)
+
+
+@gluon.jit
+def arrive_after_wgmma(barrier, pred=True):
+    """One arrival on `barrier` (by one thread of the calling warpgroup) handing back shared memory that only the
+    warpgroup's wgmmas read, once the caller waited for them (or, for a turn barrier, issued them): an arrival that
+    expects zero bytes. mbarrier.arrive arrives the same way but after a warpgroup-wide BAR.SYNC (Triton 3.6's
+    barrier pass orders every shared-memory access of the partition before an arrival, and the next barrier
+    operation after it), which would cost the forward four warpgroup barriers per key block. A wgmma completes for
+    its whole warpgroup, so the thread that waited for it may arrive alone (CUTLASS's clustered consumer release
+    relies on the same). Not for shared memory the warpgroup's threads also read or wrote with plain loads / stores,
+    unless a warpgroup barrier (gl.thread_barrier) follows the last of those before the arrival (the backward's Q /
+    dO stages: lse and delta are loaded by every thread, then the dS store's barrier)."""
+    mbarrier.expect(barrier, 0, pred=pred)
+
+
+@gluon.jit
+def query_block(iteration, blocks_per_head, m_block_lo, head_k, group_size, ROWS: gl.constexpr):
+    """(query head, first row) of loop iteration `iteration`: the group's heads in turn, each over its blocks of
+    ROWS rows."""
+    head = head_k * group_size + iteration // blocks_per_head
+    return head, (m_block_lo + iteration % blocks_per_head) * ROWS
+
+
+@gluon.jit
+def loop_position(i, first_visit, n_iterations):
+    """The loop position (query block of the group's heads, as query_block counts them) of iteration i: the
+    program's n_iterations positions in turn from first_visit."""
+    return (first_visit + i) % n_iterations
+
+
+@gluon.jit
+def key_block_of_program(num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, KEYS: gl.constexpr,
+                         ROWS: gl.constexpr, CAUSAL: gl.constexpr, LAST_FIRST: gl.constexpr = False):
+    """(batch, kv head, first key, first query block, query blocks per head, loop iterations) of this program: key
+    blocks of KEYS keys in order (under a causal mask the blocks seen by the most query rows first; LAST_FIRST: the
+    last key block first, as ordered dQ needs: a block's reductions wait for the next block's), in launch-order
+    groups of heads_per_group (batch, kv head) pairs; the query blocks of ROWS rows that see a key of the block, all
+    or, under the causal mask (bottom-right aligned), those from row n_start - (seqlen_k - seqlen_q) on; the loop
+    runs over the group's query heads too."""
+    n_key_blocks = gl.cdiv(seqlen_k, KEYS)
+    n_block, batch_head = grouped_tile_of(gl.program_id(0), n_key_blocks, gl.num_programs(0) // n_key_blocks,
+                                          heads_per_group)
+    if LAST_FIRST:
+        n_block = n_key_blocks - 1 - n_block
+    batch = batch_head // num_heads_k
+    head_k = batch_head % num_heads_k
+    n_start = n_block * KEYS
+    m_block_lo = 0
+    if CAUSAL:
+        m_block_lo = gl.maximum(n_start - (seqlen_k - seqlen_q), 0) // ROWS
+    blocks_per_head = gl.cdiv(seqlen_q, ROWS) - m_block_lo
+    return batch, head_k, n_start, m_block_lo, blocks_per_head, group_size * blocks_per_head
+
+
+@gluon.jit
+def store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
+                   batch, head_k, first_row, feature0, seqlen_k, softmax_scale):
+    """Store dk * softmax_scale and dv ([KEY_ROWS, FEATURES] fp32 accumulators) into key rows [first_row, +
+    KEY_ROWS) below seqlen_k and features [feature0, + FEATURES) of DK and DV, in their dtype. The rows go out in
+    16-byte pieces (a blocked layout, converted through shared memory): stored straight from the wgmma layout, every
+    32-byte sector would be written in two halves."""
+    KEY_ROWS: gl.constexpr = dk.shape[0]
+    FEATURES: gl.constexpr = dk.shape[1]
+    dtype: gl.constexpr = DK.dtype.element_ty
+    VECTOR: gl.constexpr = 16 // (dtype.primitive_bitwidth // 8)
+    ROW_THREADS: gl.constexpr = 32 // (FEATURES // VECTOR)
+    layout: gl.constexpr = gl.BlockedLayout([1, VECTOR], [ROW_THREADS, FEATURES // VECTOR], [gl.num_warps(), 1],
+                                            [1, 0])
+    # [KEY_ROWS] key rows, [FEATURES] features
+    rows = first_row + gl.arange(0, KEY_ROWS, gl.SliceLayout(1, layout))
+    features = feature0 + gl.arange(0, FEATURES, gl.SliceLayout(0, layout))
+    store_mask = gl.expand_dims(rows < seqlen_k, 1)
+    dk_ptrs = (DK + batch.to(gl.int64) * stride_dk_b + head_k.to(gl.int64) * stride_dk_h
+               + gl.expand_dims(rows.to(gl.int64) * stride_dk_n, 1) + gl.expand_dims(features, 0))
+    dv_ptrs = (DV + batch.to(gl.int64) * stride_dv_b + head_k.to(gl.int64) * stride_dv_h
+               + gl.expand_dims(rows.to(gl.int64) * stride_dv_n, 1) + gl.expand_dims(features, 0))
+    gl.store(dk_ptrs, gl.convert_layout((dk * softmax_scale).to(dtype), layout), mask=store_mask)
+    gl.store(dv_ptrs, gl.convert_layout(dv.to(dtype), layout), mask=store_mask)
+
+
+@gluon.jit
+def backward_producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_pieces, do_pieces,
+                      lse_smem, delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads, group_size,
+                      m_block_lo, blocks_per_head, n_iterations, first_visit):
+    """One warp: the key block's K and V once, then Q_i, dO_i and their rows' log2(e) * lse and delta of every
+    iteration (loop_position(i)) into stage i % STAGES. Q and dO are staged in feature pieces (q_pieces,
+    do_pieces: tuples of [STAGES, 1, ROWS, 1, PIECE] buffers, piece j holding features [j PIECE, + PIECE); one piece
+    at head dims 64 and 128, two at 256)."""
+    STAGES: gl.constexpr = q_pieces[0].shape[0]
+    KEYS: gl.constexpr = k_smem.shape[1]
+    ROWS: gl.constexpr = q_pieces[0].shape[2]
+    PIECE: gl.constexpr = q_pieces[0].shape[4]
+    HEAD_DIM: gl.constexpr = k_smem.shape[3]
+    element_bytes: gl.constexpr = k_desc.dtype.primitive_bitwidth // 8
+    mbarrier.expect(kv_ready, 2 * KEYS * HEAD_DIM * element_bytes)
+    tma.async_copy_global_to_shared(k_desc, [batch, n_start, head_k, 0], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [batch, n_start, head_k, 0], kv_ready, v_smem)
+    for i in range(n_iterations):
+        stage = i % STAGES
+        mbarrier.wait(q_empty.index(stage), ((i // STAGES) - 1) & 1, pred=i >= STAGES)
+        head, m_start = query_block(loop_position(i, first_visit, n_iterations), blocks_per_head, m_block_lo,
+                                    head_k, group_size, ROWS)
+        mbarrier.expect(q_ready.index(stage), 2 * ROWS * HEAD_DIM * element_bytes + 2 * ROWS * 4)
+        for piece in gl.static_range(len(q_pieces)):
+            tma.async_copy_global_to_shared(q_desc, [batch, m_start, head, piece * PIECE], q_ready.index(stage),
+                                            q_pieces[piece].index(stage))
+        for piece in gl.static_range(len(do_pieces)):
+            tma.async_copy_global_to_shared(do_desc, [batch, m_start, head, piece * PIECE], q_ready.index(stage),
+                                            do_pieces[piece].index(stage))
+        row = batch * num_heads + head
+        tma.async_copy_global_to_shared(lse_desc, [row, m_start], q_ready.index(stage), lse_smem.index(stage))
+        tma.async_copy_global_to_shared(delta_desc, [row, m_start], q_ready.index(stage), delta_smem.index(stage))
+
+
+@gluon.jit
+def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal):
+    """P = exp2(s * qk_scale_log2 - lse_log2) of scores s [ROWS, KEYS] (query rows from m_start, keys from first_key),
+    0 where a key is past seqlen_k or, causal (bottom-right aligned), after the row's last key; blocks that need
+    neither come back without mask arithmetic. One comparison per element against each row's last visible key,
+    and nothing kept live across the caller's loop (key vectors held across it would spill ~40 registers of the
+    d128 causal consumers). Query rows past seqlen_q are not masked: their Q, dO, lse and delta read as zeros, so
+    P = 1 there but dS = 0 and dO = 0, and every product they enter adds zeros. Keys past seqlen_k are (their K
+    rows are zeros, so P would be exp2(-lse_log2), which may overflow)."""
+    ROWS: gl.constexpr = s.shape[0]
+    KEYS: gl.constexpr = s.shape[1]
+    p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(lse_log2, 1))
+    last_key = first_key + KEYS - 1
+    if (last_key >= seqlen_k) | ((causal != 0) & (last_key > m_start + (seqlen_k - seqlen_q))):
+        row_layout: gl.constexpr = gl.SliceLayout(1, s.type.layout)
+        # [ROWS] each row's last visible key, counted from first_key
+        row_last = gl.full([ROWS], seqlen_k - 1 - first_key, gl.int32, row_layout)
+        if causal != 0:
+            diagonal = m_start + gl.arange(0, ROWS, row_layout) + (seqlen_k - seqlen_q) - first_key
+            row_last = gl.minimum(row_last, diagonal)
+        # [ROWS, KEYS]
+        visible = (gl.expand_dims(gl.arange(0, KEYS, gl.SliceLayout(0, s.type.layout)), 0)
+                   <= gl.expand_dims(row_last, 1))
+        p = gl.where(visible, p, 0.0)
+    return p

@@ -1,0 +1,322 @@
+"""Launchers of the warp-specialized Hopper kernels in Gluon (kernels/hopper/) and the one rule for when they run.
+
+backend.launch_fwd and backend.launch_bwd ask `gluon_runs` first and fall back to the Triton kernels (kernels/fwd.py,
+kernels/bwd.py) for everything the Gluon kernels do not take. The forward is kernels/hopper/fwd.py; the backward is
+kernels/hopper/bwd.py at head dims 64 and 128 (dK, dV and dQ in one kernel, dQ by TMA reductions: at 128 they can
+come in a fixed order, `orders_dq`, which deterministic=True takes; at 64 never, so deterministic=True does not take
+it there) and kernels/hopper/bwd_d256.py at 256 (dK and dV only: backend.launch_bwd runs the Triton dQ kernel after
+it, deterministic). FLASHTRITON_GLUON=0 (configs.GLUON_ALLOWED) keeps every call on the Triton kernels. Gluon has no
+interpreter: CPU tensors never get here, and the GPU tests (tests/test_hopper_fwd.py, tests/test_hopper_bwd.py, plus
+every dense test whose case is eligible) are what check these kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+
+from .. import configs
+from .launching import compiled_without_line_info, descriptor_builder, tma_compatible, triton_cdiv
+
+try:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ..kernels.hopper.fwd import CONSUMER_ROWS, TAIL_MERGE_ELEMENTS, attn_fwd_hopper_kernel, \
+        attn_tail_merge_kernel
+    compiled_without_line_info(attn_fwd_hopper_kernel, attn_tail_merge_kernel)
+    # host descriptors of tensors gluon_runs / the launchers checked (tma_compatible)
+    checked_descriptor = descriptor_builder(TensorDescriptor)
+except Exception:  # Triton without Gluon's Hopper API, or its interpreter: the Triton kernels run everything
+    attn_fwd_hopper_kernel = None
+
+try:
+    if attn_fwd_hopper_kernel is None:
+        raise ImportError("no Gluon Hopper API")
+    from ..kernels.hopper.bwd import KEYS_PER_CONSUMER, attn_bwd_hopper_kernel
+    from ..kernels.hopper.bwd_d256 import KEYS_PER_PROGRAM, attn_bwd_hopper_d256_kernel
+    KEY_BLOCK = 2 * KEYS_PER_CONSUMER.value
+    KEY_BLOCK_D256 = KEYS_PER_PROGRAM.value
+    compiled_without_line_info(attn_bwd_hopper_kernel, attn_bwd_hopper_d256_kernel)
+except Exception:  # no Gluon Hopper API, or no TMA reduction in it: the Triton backward runs everything
+    attn_bwd_hopper_kernel = attn_bwd_hopper_d256_kernel = None
+    KEY_BLOCK, KEY_BLOCK_D256 = 128, 64
+
+# Launches since import of the forward, of the tail's merge (a cut last wave) and of the backward's dK / dV (and
+# dQ) kernel; tests read them to know that the path they check ran.
+fwd_launch_count = 0
+tail_merge_count = 0
+bwd_launch_count = 0
+
+DIRECTIONS = ("fwd", "bwd")
+
+
+@lru_cache(maxsize=None)  # called on every eligible forward and backward
+def is_hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9  # wgmma and setmaxnreg: sm_90 only
+
+
+@lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seqlen_k: int, params, plain: bool,
+           deterministic: bool = False) -> bool:
+    """gluon_runs' rule on the call's shape and options alone (no device, layout or switch): whether the Gluon
+    kernels compute this forward ("fwd") or backward ("bwd"). `plain`: dense (B, S, H, D) layout with no varlen,
+    paged cache, seqused_k / leftpad_k / cache_batch_idx, split-KV, dropout or ALiBi (the caller knows those).
+    Windows: none, or the causal one (window_right 0, left never binding). The backward also needs a head dim with a
+    configs.HOPPER_BWD entry, and with deterministic=True one where dQ is not added in an arbitrary order
+    (`can_order_dq`)."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    if direction == "bwd" and (head_dim not in configs.HOPPER_BWD
+                               or (deterministic and computes_dq(head_dim) and not can_order_dq(head_dim))):
+        return False
+    no_window = params.window_left < 0 and params.window_right < 0
+    causal = params.window_right == 0 and params.window_left >= seqlen_k
+    return (plain and head_dim in configs.HOPPER_FWD_HEAD_DIMS and dtype in (torch.float16, torch.bfloat16)
+            and seqlen_q > configs.DECODE_MAX_ROWS and seqlen_k > 0 and params.softcap == 0.0
+            and params.softmax_scale > 0.0 and (no_window or causal))
+
+
+def gluon_runs(direction: str, q: torch.Tensor, params, seqlen_q: int, seqlen_k: int, plain: bool,
+               addressable: Union[bool, Sequence[torch.Tensor]], deterministic: bool = False) -> bool:
+    """Whether this forward (direction "fwd") or backward ("bwd") runs the Gluon kernels: Triton has them, they are
+    switched on (FLASHTRITON_GLUON; and FLASHTRITON_TMA: they load and store only through tensor descriptors), they
+    cover the call (`covers`), q is on an sm_90 GPU, the tensors the kernel addresses by tensor descriptors (q, k, v
+    and out, or q, k, v and dout) are in layouts descriptors can address, and, for a backward whose dQ is ordered,
+    every key block of a head fits on the GPU at once (`order_fits`). addressable: those tensors, checked here with
+    launching.tma_compatible (after the cheaper conditions), or the caller's own answer for them (True / False)
+    where it checks them anyway."""
+    kernel = attn_fwd_hopper_kernel if direction == "fwd" else attn_bwd_hopper_kernel
+    return (kernel is not None and configs.GLUON_ALLOWED and configs.TMA_ALLOWED and q.is_cuda
+            and covers(direction, q.shape[-1], q.dtype, seqlen_q, seqlen_k, params, plain, deterministic)
+            and (addressable if isinstance(addressable, bool) else all(tma_compatible(t) for t in addressable))
+            and is_hopper(q.device)
+            and not (direction == "bwd" and orders_dq(q.shape[-1], deterministic)
+                     and not order_fits(seqlen_k, q.device)))
+
+
+@lru_cache(maxsize=None)
+def shared_layout(block: Tuple[int, ...], dtype: torch.dtype):
+    """The shared-memory layout of a tensor descriptor's block (cached: building it costs ~8 us of host time)."""
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), element)
+
+
+def tile_descriptor(tensor: torch.Tensor, rows: int, columns: int = 0):
+    """Host descriptor of a (B, S, H, D) tensor moving [1, rows, 1, columns] tiles (columns 0: all D); out-of-bounds
+    rows read 0 and are never stored."""
+    columns = columns or tensor.shape[-1]
+    return checked_descriptor(tensor, list(tensor.shape), list(tensor.stride()), [1, rows, 1, columns],
+                              shared_layout((1, rows, 1, columns), tensor.dtype))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------------------------
+
+# Tests cap the grid (testing.forced_hopper_grid) so that every program runs many work items.
+PROGRAMS_CAP = None
+
+
+def forward_grid(num_tiles: int, batch_heads: int, config, causal: bool, device: torch.device) -> Tuple[int, bool]:
+    """(programs, paired) of the forward's grid over num_tiles query tiles of each of batch_heads (batch, head)
+    pairs: one program per tile, or persistent (config.persistent) one per SM (shared memory allows one program per
+    SM at every head dim) taking work items in turn, never more programs than items. Causal tiles differ in length,
+    so a persistent causal grid pairs them (the longest with the shortest left), so that programs taking items in
+    turn get equal work."""
+    paired = config.persistent and causal
+    items = ((num_tiles + 1) // 2 if paired else num_tiles) * batch_heads
+    programs = min(items, _multiprocessors(device)) if config.persistent else items
+    return (programs if PROGRAMS_CAP is None else min(programs, PROGRAMS_CAP)), paired
+
+
+@dataclass(frozen=True)
+class TailSplit:
+    """How a persistent grid's last, partial wave is cut (kernels/hopper/fwd._next_piece): items from full_items on
+    form the tail, `blocks` key blocks of `tiles` tiles (item_blocks per item) cut evenly among the first `programs`
+    programs, each of which leaves at most two partial results (the workspace's slots)."""
+    full_items: int
+    programs: int
+    blocks: int
+    item_blocks: int
+    tiles: int
+
+
+def tile_key_blocks(tile: int, num_tiles: int, tile_rows: int, block_n: int, seqlen_q: int, seqlen_k: int,
+                    causal: bool) -> int:
+    """Key blocks of tile `tile` (numbered longest first), as kernels/hopper/fwd._tile_work counts them."""
+    key_end = seqlen_k
+    if causal:
+        key_end = min((num_tiles - tile) * tile_rows + seqlen_k - seqlen_q, seqlen_k)
+    return max(triton_cdiv(key_end, block_n), 1)
+
+
+@lru_cache(maxsize=4096)
+def tail_split(items: int, programs: int, paired: bool, num_tiles: int, tile_rows: int, block_n: int, seqlen_q: int,
+               seqlen_k: int, causal: bool, min_blocks: int) -> Optional[TailSplit]:
+    """The cut of the last wave of a persistent grid of `programs` taking `items` work items in turn, or None where
+    there is no partial wave, where cutting it would leave a program fewer than min_blocks key blocks or no more
+    programs working than tail items, or where the items differ in length (causal pairs of another total when
+    seqlen_k - seqlen_q crosses the tiles unevenly, or an odd number of tiles; the kernel's positions assume one
+    length). The last wave then takes 1 / (programs / tail items) of a tile's time instead of a whole one: about 3%
+    of the time of 15.5 waves (the baseline shapes' 16k tokens at head dim 128)."""
+    full_waves, tail_items = divmod(items, programs)
+    if tail_items == 0 or (paired and num_tiles % 2):
+        return None
+    blocks = [tile_key_blocks(tile, num_tiles, tile_rows, block_n, seqlen_q, seqlen_k, causal)
+              for tile in range(num_tiles)]
+    item_lengths = {blocks[slot] + blocks[num_tiles - 1 - slot] for slot in range(num_tiles // 2)} if paired \
+        else {blocks[0]}
+    if len(item_lengths) != 1:
+        return None
+    item_blocks = item_lengths.pop()
+    tail_blocks = tail_items * item_blocks
+    tail_programs = min(programs, tail_blocks // min_blocks)
+    if tail_programs <= tail_items:
+        return None
+    return TailSplit(full_waves * programs, tail_programs, tail_blocks, item_blocks, tail_items * (2 if paired else 1))
+
+
+def forward_constexprs(config, causal: bool) -> dict:
+    """attn_fwd_hopper_kernel's compile-time arguments for `config` (configs.HOPPER_FWD; tools/offline_compile builds
+    the same kernel)."""
+    return dict(CAUSAL=causal, STAGES=config.stages, CONSUMERS=config.consumers, CONSUMER_REGS=config.consumer_regs,
+                PINGPONG=config.pingpong, HOLD_SCHEDULE=config.hold_schedule,
+                RESCALE_SKIP=config.rescale_threshold > 0.0, MASK_BY_RESIDUES=config.mask_by_residues,
+                SPLIT_TAIL=config.persistent and config.split_tail, num_warps=4)
+
+
+def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
+               heads_per_group: int) -> None:
+    """Run the Gluon forward into out (B, Sq, H, D) and lse (fp32, rows contiguous, strides lse_strides)."""
+    global fwd_launch_count, tail_merge_count
+    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    config = configs.HOPPER_FWD[head_dim, params.causal_like]
+    tile_rows = config.consumers * CONSUMER_ROWS.value
+    num_tiles = triton_cdiv(seqlen_q, tile_rows)
+    programs, paired = forward_grid(num_tiles, batch * num_heads, config, params.causal_like, q.device)
+    items = ((num_tiles + 1) // 2 if paired else num_tiles) * batch * num_heads
+    split = None
+    if config.persistent and config.split_tail:
+        split = tail_split(items, programs, paired, num_tiles, tile_rows, config.block_n, seqlen_q, seqlen_k,
+                           params.causal_like, config.tail_min_blocks)
+    work = (heads_per_group, int(paired), items, 0, 0, 1)
+    partial = partial_lse = lse  # not read without a tail cut (any fp32 tensor)
+    if split is not None:
+        rows = 2 * split.programs * tile_rows  # two slots per tail program (kernels/hopper/fwd._next_piece)
+        partial = torch.empty(rows * head_dim, dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty(rows, dtype=torch.float32, device=q.device)
+        work = (heads_per_group, int(paired), split.full_items, split.programs, split.blocks, split.item_blocks)
+    attn_fwd_hopper_kernel[(programs,)](
+        tile_descriptor(q, CONSUMER_ROWS.value), tile_descriptor(k, config.block_n),
+        tile_descriptor(v, config.block_n), tile_descriptor(out, CONSUMER_ROWS.value), lse, partial, partial_lse,
+        *lse_strides, batch, num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, *work,
+        params.kernel_args()[0], config.rescale_threshold, **forward_constexprs(config, params.causal_like))
+    if split is not None:
+        attn_tail_merge_kernel[(split.tiles * tile_rows * head_dim // TAIL_MERGE_ELEMENTS.value,)](
+            partial, partial_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), *lse_strides, batch,
+            num_heads, seqlen_q, seqlen_k, *work, CAUSAL=params.causal_like, TILE_ROWS=tile_rows,
+            BLOCK_N=config.block_n, HEAD_DIM=head_dim, num_warps=4)
+        tail_merge_count += 1
+    fwd_launch_count += 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------------------------
+
+# dQ columns per consumer warpgroup and TMA reduction: half of head dim 128, all of head dim 64 (kernels/hopper/bwd)
+DQ_FEATURES = 64
+# Head dim 256 (kernels/hopper/bwd_d256): Q / dO move in feature halves
+D256_QDO_FEATURES = 128
+
+
+def backward_division(head_dim: int):
+    """(kernel, keys per program, features per Q / dO box, (rows, features) per dQ reduction or None) of a head
+    dim with a configs.HOPPER_BWD entry."""
+    if head_dim == 256:
+        return attn_bwd_hopper_d256_kernel, KEY_BLOCK_D256, D256_QDO_FEATURES, None
+    return attn_bwd_hopper_kernel, KEY_BLOCK, head_dim, (configs.HOPPER_BWD[head_dim].query_rows, DQ_FEATURES)
+
+
+def computes_dq(head_dim: int) -> bool:
+    """Whether the Gluon backward adds dQ itself (into the fp32 accumulator: head dims 64 and 128), or computes dK
+    and dV only and leaves dQ to the Triton dQ kernel (head dim 256). head_dim must have a configs.HOPPER_BWD
+    entry."""
+    return backward_division(head_dim)[3] is not None
+
+
+def can_order_dq(head_dim: int) -> bool:
+    """Whether the kernel can add dQ in a fixed order at this head dim: where it splits dQ by features (128), each
+    consumer adds its own features, one reduction per (query block, feature half) and key block; at 64 both
+    consumers add into the same features and are not ordered."""
+    return computes_dq(head_dim) and backward_division(head_dim)[3][1] < head_dim
+
+
+def orders_dq(head_dim: int, deterministic: bool) -> bool:
+    """Whether this backward adds dQ in the fixed order (kernels/hopper/bwd.py, ORDERED): deterministic=True, where
+    the head dim allows it."""
+    return deterministic and can_order_dq(head_dim)
+
+
+def order_fits(seqlen_k: int, device: torch.device) -> bool:
+    """Whether ordered dQ can run: its waits resolve only if every key block of a (batch, kv head) is resident at
+    once (launch-order groups of one head, one program per SM), so at most one key block per multiprocessor."""
+    return triton_cdiv(seqlen_k, KEY_BLOCK) <= _multiprocessors(device)
+
+
+def _row_statistic_descriptor(stat: torch.Tensor, strides: Tuple[int, int], batch: int, num_heads: int,
+                              seqlen_q: int, rows: int):
+    """Descriptor of a per-row fp32 statistic (lse or delta: (batch, head) strides, rows contiguous) as a
+    (B * H, Sq) matrix loading [1, rows] blocks (rows past seqlen_q read 0); copied into a matrix with 16-byte
+    aligned rows where its own layout is not one."""
+    matrix = stat.as_strided((batch * num_heads, seqlen_q), (strides[1], 1))
+    if strides[0] != num_heads * strides[1] or not tma_compatible(matrix):
+        padded = torch.empty(batch * num_heads, triton_cdiv(seqlen_q, 4) * 4, dtype=torch.float32, device=stat.device)
+        matrix = padded[:, :seqlen_q]
+        matrix.view(batch, num_heads, seqlen_q).copy_(stat.as_strided((batch, num_heads, seqlen_q), (*strides, 1)))
+    return checked_descriptor(matrix, list(matrix.shape), list(matrix.stride()), [1, rows],
+                              shared_layout((1, rows), torch.float32))
+
+
+def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tuple[int, int],
+               delta_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
+               heads_per_group: int, deterministic: bool) -> None:
+    """dK, dV into dk, dv and dQ into dq (B, S, H, D each) from lse and delta (fp32, rows contiguous, (batch,
+    head) strides lse_strides / delta_strides), which the kernel loads by TMA with each Q / dO block. The kernel
+    adds its scaled dQ products into dq_accum (fp32, q's shape, contiguous, zeroed) by TMA reductions (which clip
+    rows past seqlen_q), copied into dq at the end; where it does not compute dQ (`computes_dq`) dq_accum is None
+    and dq is left to the caller. With ordered dQ (`orders_dq`) the reductions take turns on zeroed counters, and
+    each (batch, kv head)'s key blocks launch together."""
+    global bwd_launch_count
+    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    num_heads_k = k.shape[-2]
+    config = configs.HOPPER_BWD[head_dim]
+    kernel, keys, qdo_features, dq_box = backward_division(head_dim)
+    grid = (triton_cdiv(seqlen_k, keys) * batch * num_heads_k,)
+    ordered = orders_dq(head_dim, deterministic)
+    # per (batch, query head, query block of the kernel, feature half): reductions completed so far
+    dq_counters = (torch.zeros(batch * num_heads * triton_cdiv(seqlen_q, config.query_rows) * 2, dtype=torch.int32,
+                               device=q.device) if ordered else None)
+    kernel_args = {} if dq_box is None else dict(ORDERED=ordered)
+    kernel[grid](
+        tile_descriptor(k, keys), tile_descriptor(v, keys), tile_descriptor(q, config.query_rows, qdo_features),
+        tile_descriptor(dout, config.query_rows, qdo_features),
+        *(() if dq_box is None else (tile_descriptor(dq_accum, *dq_box), )),
+        *(_row_statistic_descriptor(stat, strides, batch, num_heads, seqlen_q, config.query_rows)
+          for stat, strides in ((lse, lse_strides), (delta, delta_strides))),
+        dk, dv, *(() if dq_box is None else (dq_counters, )), dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2), num_heads_k, num_heads // num_heads_k, seqlen_q, seqlen_k,
+        1 if ordered else heads_per_group, params.softmax_scale, params.kernel_args()[0],
+        CAUSAL=params.causal_like, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4,
+        **kernel_args)
+    if dq_accum is not None:
+        dq.copy_(dq_accum)
+    bwd_launch_count += 1
