@@ -1,6 +1,6 @@
 """Run flashtriton's forward and its peers' (SDPA-cuDNN's by default; FA4's with --peers sdpa-cudnn,fa4 where
-flash_attn.cute imports: tools/fa4_wheels.sh) on BASELINES.md shapes, each a few times, for Nsight Compute to
-profile side by side (the commands of tools/ncu_sass_summary.py and docs/perf-notes.md, sessions 14-15).
+flash_attn.cute imports: tools/fa4_wheels.sh) on the baseline shapes (flashtriton.bench's shape list), each a few
+times, for Nsight Compute to profile side by side (tools/ncu_sass_summary.py reads the result).
 
     python tools/ncu_forward_pair.py [--shapes all|0,1,...] [--causal] [--calls 2] [--peers sdpa-cudnn,fa4]
 

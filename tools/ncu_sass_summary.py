@@ -1,7 +1,7 @@
 """Summarize Nsight Compute's per-instruction SASS table for each profiled kernel: the instruction mix (share of
 executed instructions per opcode) and the warp-stall mix (share of stall samples per reason), and optionally the
-hot instructions of one kernel with their stall samples. Made to compare the Gluon forward with cuDNN's kernel
-(docs/perf-notes.md, session 14), whose source we do not have but whose SASS ncu shows.
+hot instructions of one kernel with their stall samples. Made to compare the Gluon forward with cuDNN's kernel,
+whose source we do not have but whose SASS ncu shows.
 
 On the GPU machine (one call, ~1 min; the forward calls of the script are compiled before ncu starts):
 
@@ -96,9 +96,9 @@ def hot_instructions(kernel: dict, min_share: float) -> list:
 
 def by_execution_count(kernel: dict, top: int = 8) -> list:
     """The kernel's instructions grouped by how often each executed (a loop body's instructions share one count, a
-    tile's prologue and epilogue another: the forward's seam against its key-block loop, docs/perf-notes.md session
-    20), the groups holding the most stall samples first: count per instruction, instructions, executed in all,
-    stall samples and their share, the leading stall reasons."""
+    tile's prologue and epilogue another: the forward's seam against its key-block loop), the groups holding the
+    most stall samples first: count per instruction, instructions, executed in all, stall samples and their share,
+    the leading stall reasons."""
     header = kernel["header"]
     executed, samples, stall_columns = _columns(header)
     groups = collections.defaultdict(lambda: {"instructions": 0, "samples": 0, "stalls": collections.Counter()})

@@ -1,4 +1,4 @@
-"""The smallest warp-specialized Gluon kernel shaped like kernels/fwd_hopper.py (a 4-warp default partition, a 4-warp
+"""The smallest warp-specialized Gluon kernel shaped like kernels/hopper/fwd.py (a 4-warp default partition, a 4-warp
 and a 1-warp worker, setmaxnreg 232 / 24) that touches no shared memory of its own: what compute-sanitizer's
 racecheck reports on it comes from Triton's warp-specialization lowering (the partition state and captured
 arguments it passes through shared memory), not from a kernel's own buffers.
@@ -6,7 +6,7 @@ arguments it passes through shared memory), not from a kernel's own buffers.
     compute-sanitizer --tool racecheck python tools/ws_racecheck_probe.py [--mbarrier]
 
 --mbarrier also initializes one mbarrier before warp_specialize and has the default partition arrive on it, as
-kernels/fwd_hopper.py does (the default partition's prologue then synchronizes its own 128 threads on named
+kernels/hopper/fwd.py does (the default partition's prologue then synchronizes its own 128 threads on named
 barrier 0 after the init). Prints `ok` when every partition of every program ran (needs an sm_90 GPU, TRITON_INTERPRET unset).
 """
 
