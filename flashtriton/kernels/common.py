@@ -32,7 +32,7 @@ def grouped_tile_of(linear, num_tiles, num_batch_heads, heads_per_group):
     the tile is slowest and the head fastest, so tile 0 of every head in the group starts before tile 1 of any.
     Kernels number their tiles longest first, so the last items are short ones (no long tail); launchers size
     groups so that the K/V the group's programs share stays in L2 (configs.heads_per_l2_group). heads_per_group = 1
-    is tile_and_batch_head's order. Persistent kernels (kernels/fwd_hopper.py) pass their own item numbers."""
+    is tile_and_batch_head's order. Persistent kernels (kernels/hopper/fwd.py) pass their own item numbers."""
     group_items = num_tiles * heads_per_group
     group = linear // group_items
     first_head = group * heads_per_group

@@ -23,7 +23,7 @@ from ..kernels import fwd as fwd_kernel_module
 from ..kernels.fwd import attn_fwd_kernel
 from ..reference import (attention_reference, attention_reference_backward, attention_reference_varlen,
                          attention_reference_varlen_backward, is_pure_causal, normalize_window)
-from . import checks, dropout, hopper_bwd, hopper_fwd
+from . import checks, dropout, hopper
 from .launching import compiled_without_line_info, compiler_key_ahead, device_guard, tma_compatible, triton_cdiv
 
 compiled_without_line_info(attn_fwd_kernel, attn_combine_kernel, fill_uncovered_rows_kernel, attn_bwd_preprocess_kernel,
@@ -187,9 +187,9 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
         _operand_bytes(k, seqlen_k, 2 if pack_gqa else 2 * num_heads_k / num_heads), batch_heads, params.causal_like)
     plain = not (is_varlen or is_paged or num_splits > 1 or dropout_p > 0.0 or alibi_slopes is not None
                  or seqused_k is not None or leftpad_k is not None or cache_batch_idx is not None)
-    if hopper_fwd.runs_on(q, k, v, out, params, seqlen_q, seqlen_k, plain):
+    if hopper.gluon_runs("fwd", q, params, seqlen_q, seqlen_k, plain, (q, k, v, out)):
         with device_guard(q):
-            hopper_fwd.launch(q, k, v, out, lse, lse_strides, params, seqlen_q, seqlen_k, batch, heads_per_group)
+            hopper.launch_fwd(q, k, v, out, lse, lse_strides, params, seqlen_q, seqlen_k, batch, heads_per_group)
         return
     q_strides = _varlen_strides if is_varlen else _bsh_strides
     kv_strides = _paged_strides if is_paged else q_strides
@@ -308,10 +308,9 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
     delta (fp32, (batch, head) strides delta_strides, rows contiguous) receives rowsum(dout * out), and 0 in rows
     [seqlen_q, delta_rows) (a dense softmax_d's padding). dQ is added into an fp32 accumulator, which the
     preprocess zeroes, by the Gluon Hopper backward (TMA reductions; with deterministic=True in a fixed order,
-    hopper_bwd.orders_dq) or, with configs that have dq_atomic and not deterministic=True, by atomics in the dK/dV
+    hopper.orders_dq) or, with configs that have dq_atomic and not deterministic=True, by atomics in the dK/dV
     kernel, then converted into dq. Otherwise the Triton dQ kernel computes dq (also after a Gluon backward that
-    computes dK and dV only, hopper_bwd.computes_dq, unless the Gluon dQ kernel takes it:
-    hopper_bwd.dq_kernel_runs).
+    computes dK and dV only, hopper.computes_dq).
     """
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k = k.shape[-2]
@@ -328,8 +327,8 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
     flags = dict(IS_LOCAL=params.is_local, HAS_SOFTCAP=params.softcap > 0.0, HAS_ALIBI=alibi_slopes is not None,
                  IS_VARLEN=is_varlen, HAS_DROPOUT=dropout_p > 0.0, USE_TMA=use_tma)
     plain = not (is_varlen or dropout_p > 0.0 or alibi_slopes is not None)
-    gluon = hopper_bwd.runs_on(q, params, seqlen_q, seqlen_k, plain, deterministic, descriptors_ok)
-    gluon_dq = gluon and hopper_bwd.computes_dq(head_dim)
+    gluon = hopper.gluon_runs("bwd", q, params, seqlen_q, seqlen_k, plain, descriptors_ok, deterministic)
+    gluon_dq = gluon and hopper.computes_dq(head_dim)
     dq_atomic = not gluon and config.dq_atomic and not deterministic and seqlen_q > 0
     # fp32 dQ accumulator in q's (B, S, H, D) / (T, H, D) shape, contiguous, zeroed by the preprocess
     dq_accum = new_empty(q.shape, torch.float32, q.device) if gluon_dq or dq_atomic else None
@@ -349,13 +348,9 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
         dkdv_heads_per_group = configs.heads_per_l2_group(_operand_bytes(q, seqlen_q, 2 * group_size),
                                                           batch * num_heads_k, params.causal_like)
         if gluon:
-            hopper_bwd.launch(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides, delta_strides, params,
+            hopper.launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides, delta_strides, params,
                               seqlen_q, seqlen_k, batch, dkdv_heads_per_group, deterministic)
             if gluon_dq:
-                return
-            if seqlen_q > 0 and hopper_bwd.dq_kernel_runs(dq):
-                hopper_bwd.launch_dq(q, k, v, dout, lse, delta, dq, lse_strides, delta_strides, params, seqlen_q,
-                                     seqlen_k, batch)
                 return
         elif seqlen_k > 0:
             dkdv_grid = (triton_cdiv(seqlen_k, config.dkdv.block_n) * batch * num_heads_k,)
