@@ -162,8 +162,8 @@ case("dense-decode-rows", "Sq3 Sk300 (decode tiles) d128 MQA")(lambda: _dense(3,
 case("dense-mqa-bf16-d128", "H8/Hk1 S129 bf16 causal")(lambda: _dense(2, 129, 129, 8, 1, 128, dtype=_bf16(), causal=True))
 case("dense-d256-gqa-bhsd", "d256 H4/Hk2 Sq200 Sk300 (B, H, S, D) memory, several K/V stages")(
     lambda: _dense(1, 200, 300, 4, 2, 256, layout="bhsd"))
-case("dense-gluon-bwd", "Gluon backward forced on, GQA causal Sq150 Sk170 d128 bf16")(
-    lambda: _with_gluon_backward(lambda: _dense(2, 150, 170, 4, 2, 128, dtype=_bf16(), causal=True)))
+case("dense-gluon-bwd", "Gluon kernels forced on, GQA causal Sq150 Sk170 d128 bf16")(
+    lambda: _with_gluon(lambda: _dense(2, 150, 170, 4, 2, 128, dtype=_bf16(), causal=True)))
 case("dense-ordered-dq-causal", "deterministic=True d128: dQ reductions in a fixed order, GQA causal Sq300 Sk350 bf16")(
     lambda: _dense(2, 300, 350, 4, 2, 128, dtype=_bf16(), causal=True, deterministic=True))
 case("dense-ordered-dq-full", "deterministic=True d128: dQ reductions in a fixed order, Sq333 Sk200 bf16")(
@@ -203,7 +203,7 @@ case("rotary-varlen-inplace", "apply_rotary varlen, in place, conjugate")(lambda
 case("rotary-qkv-inplace", "apply_rotary_emb_qkv_ (GQA layout), fwd+bwd")(lambda: _rotary_qkv())
 
 
-def _with_gluon_backward(body):
+def _with_gluon(body):
     from flashtriton.testing import forced_gluon
 
     with forced_gluon():
