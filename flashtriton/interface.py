@@ -1,7 +1,7 @@
 """The public flash_attn 2.x functions: argument normalization and documentation only.
 
 Signatures, positional order, defaults and return structures follow flash_attn 2.8 exactly
-(shared/docs/api.md §3). Tensors are (batch, seqlen, nheads, headdim); any batch/sequence/head strides
+(docs/api.md §3). Tensors are (batch, seqlen, nheads, headdim); any batch/sequence/head strides
 are accepted as long as the last dimension is contiguous (otherwise a copy is made).
 """
 

@@ -1,7 +1,7 @@
 """Exact PyTorch attention with every flash_attn 2.x semantic: the oracle of the tests and the CPU path.
 
 Layout is flash_attn's padded one: q (B, Sq, H, D), k/v (B, Sk, Hk, D). Everything follows
-shared/docs/api.md §4 literally; nothing here is tuned for speed. Run it in float64 for an oracle, in
+docs/api.md §4 literally; nothing here is tuned for speed. Run it in float64 for an oracle, in
 float32 for the CPU fallback, or in the input dtype to measure what PyTorch itself achieves there.
 """
 
@@ -12,40 +12,10 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["normalize_window", "is_pure_causal", "visible_mask", "attention_probabilities", "attention_reference",
-           "attention_reference_backward",
+from .scores import normalize_window, score_params
+
+__all__ = ["visible_mask", "attention_probabilities", "attention_reference", "attention_reference_backward",
            "attention_reference_varlen", "attention_reference_varlen_backward", "kvcache_reference", "rotate"]
-
-
-def normalize_window(window_size: Sequence[int], causal: bool, seqlen_k_star: int) -> Tuple[int, int]:
-    """FA2's host-side window rewrite (docs/api.md §4.2.3): returns the (left, right) window the mask uses.
-
-    After the rewrite either both sides are negative (no window) or both are >= 0.
-    """
-    left, right = int(window_size[0]), int(window_size[1])
-    if left >= seqlen_k_star:
-        left = -1
-    if right >= seqlen_k_star:
-        right = -1
-    if causal:
-        right = 0
-    if left < 0 and right >= 0:
-        left = seqlen_k_star
-    if left >= 0 and right < 0:
-        right = seqlen_k_star
-    return left, right
-
-
-def is_pure_causal(window_size: Sequence[int], causal: bool, seqlen_k_star: int) -> bool:
-    """The configuration in which FA2's ALiBi uses `+slope * j` (docs/api.md §4.2.3, §4.4 quirk)."""
-    left, right = int(window_size[0]), int(window_size[1])
-    if left >= seqlen_k_star:
-        left = -1
-    if right >= seqlen_k_star:
-        right = -1
-    if causal:
-        right = 0
-    return left < 0 and right == 0
 
 
 def visible_mask(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int, device=None) -> torch.Tensor:
@@ -61,7 +31,8 @@ def visible_mask(seqlen_q: int, seqlen_k: int, window_left: int, window_right: i
     return visible
 
 
-def _alibi_bias(slopes: torch.Tensor, batch: int, seqlen_q: int, seqlen_k: int, pure_causal: bool, dtype) -> torch.Tensor:
+def _alibi_bias(slopes: torch.Tensor, batch: int, seqlen_q: int, seqlen_k: int, pure_causal: bool,
+                dtype) -> torch.Tensor:
     """(B, H, Sq, Sk) ALiBi bias in natural-log units, with FA2's pure-causal LSE quirk."""
     slopes = slopes.to(dtype)
     slopes = slopes.expand(batch, -1) if slopes.dim() == 1 else slopes
@@ -94,7 +65,7 @@ def _probabilities(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
     compute_dtype = compute_dtype or q.dtype
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
     star = seqlen_k if seqlen_k_star is None else seqlen_k_star
-    window_left, window_right = normalize_window(window_size, causal, star)
+    params = score_params(scale, causal, int(window_size[0]), int(window_size[1]), softcap, star)
 
     group = num_heads // num_heads_k
     qc = q.to(compute_dtype)
@@ -106,9 +77,9 @@ def _probabilities(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
         capped = torch.tanh(scores / softcap)
         scores = softcap * capped
     if alibi_slopes is not None:
-        pure_causal = is_pure_causal(window_size, causal, star)
-        scores = scores + _alibi_bias(alibi_slopes, batch, seqlen_q, seqlen_k, pure_causal, compute_dtype)
-    visible = visible_mask(seqlen_q, seqlen_k, window_left, window_right, device=q.device)
+        scores = scores + _alibi_bias(alibi_slopes, batch, seqlen_q, seqlen_k, params.alibi_pure_causal,
+                                      compute_dtype)
+    visible = visible_mask(seqlen_q, seqlen_k, params.window_left, params.window_right, device=q.device)
     scores = scores.masked_fill(~visible, float("-inf"))
 
     has_key = visible.any(dim=-1)  # (Sq,)
@@ -340,7 +311,7 @@ def kvcache_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
         lengths = [int(x) for x in cache_seqlens.tolist()]
     rows = list(range(batch)) if cache_batch_idx is None else [int(x) for x in cache_batch_idx.tolist()]
     starts = [0] * batch if cache_leftpad is None else [int(x) for x in cache_leftpad.tolist()]
-    local = normalize_window(window_size, causal, capacity) != (-1, -1)
+    local = normalize_window(window_size, causal, capacity)[0] >= 0
 
     def positions_of(b, positions):
         """(cache tensor index tuple) of logical positions of batch row b."""
@@ -363,7 +334,8 @@ def kvcache_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
             v_cache[index] = v[b]
         q_b = q[b]
         if rotary_cos is not None:
-            positions = torch.arange(length, length + seqlen_q) if (causal or local) else torch.full((seqlen_q,), length)
+            positions = (torch.arange(length, length + seqlen_q) if (causal or local)
+                         else torch.full((seqlen_q,), length))
             q_b = rotate(q_b, *_table_rows(rotary_cos, rotary_sin, positions), rotary_interleaved)
         index = positions_of(b, range(starts[b], length + seqlen_new))
         out_b, lse_b = attention_reference(q_b[None], k_cache[index][None], v_cache[index][None], softmax_scale,

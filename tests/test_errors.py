@@ -12,7 +12,7 @@ import torch
 
 import flashtriton as flash_attn
 import flashtriton.flash_attn_interface as fai
-from flashtriton.ops import backend
+from flashtriton.ops import backend, reference_path
 from flashtriton.testing import cu_seqlens
 
 B, S, H, HK, D = 2, 8, 4, 2, 16
@@ -25,9 +25,10 @@ def _launched(*args, **kwargs):
 
 @pytest.fixture(autouse=True)
 def no_launch(monkeypatch):
-    for name in ("launch_fwd", "launch_bwd", "attention_reference", "attention_reference_backward",
-                 "attention_reference_varlen", "attention_reference_varlen_backward"):
+    for name in ("launch_fwd", "launch_bwd"):
         monkeypatch.setattr(backend, name, _launched)
+    for name in ("dense_forward", "dense_backward", "varlen_forward", "varlen_backward", "kvcache_forward"):
+        monkeypatch.setattr(reference_path, name, _launched)
 
 
 def _tensor(*shape, dtype=FP16, device="cpu"):

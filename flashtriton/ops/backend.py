@@ -1,16 +1,16 @@
-"""The backend seam: validate, allocate, pick a config, launch. Same entry points as flash_attn's C extension.
+"""The backend seam: allocate, pick a config, launch. Same entry points as flash_attn's C extension.
 
 Where kernels run:
-  * CUDA tensors run the compiled Triton kernels on the tensors' device.
+  * CUDA tensors run the compiled Triton kernels on the tensors' device (or the Gluon kernels of ops/hopper.py
+    on sm_90, where they cover the call).
   * CPU tensors run the same kernels through Triton's interpreter when the kernels were decorated
     with TRITON_INTERPRET=1 set (it must be set before flashtriton is imported), and otherwise the
-    exact PyTorch reference in float32 (flashtriton.reference).
+    exact PyTorch reference in float32 (ops/reference_path.py).
+Argument checks live in ops/checks.py; the scalar semantics of a call (ScoreParams) in flashtriton/scores.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import lru_cache
 from typing import Optional, Tuple
 
 import torch
@@ -21,15 +21,12 @@ from ..kernels.combine import attn_combine_kernel
 from ..kernels.fill import fill_uncovered_rows_kernel
 from ..kernels import fwd as fwd_kernel_module
 from ..kernels.fwd import attn_fwd_kernel
-from ..reference import (attention_reference, attention_reference_backward, attention_reference_varlen,
-                         attention_reference_varlen_backward, is_pure_causal, normalize_window)
-from . import checks, dropout, hopper
+from ..scores import ScoreParams, score_params
+from . import checks, dropout, hopper, reference_path
 from .launching import compiled_without_line_info, compiler_key_ahead, device_guard, tma_compatible, triton_cdiv
 
 compiled_without_line_info(attn_fwd_kernel, attn_combine_kernel, fill_uncovered_rows_kernel, attn_bwd_preprocess_kernel,
                            attn_bwd_dkdv_kernel, attn_bwd_dq_kernel)
-
-LOG2E = 1.4426950408889634
 
 TMA_OFF, TMA_HOST, TMA_DEVICE, TMA_PACKED = (mode.value for mode in (
     fwd_kernel_module.TMA_OFF, fwd_kernel_module.TMA_HOST, fwd_kernel_module.TMA_DEVICE, fwd_kernel_module.TMA_PACKED))
@@ -64,46 +61,6 @@ def runs_triton(tensor: torch.Tensor) -> bool:
 
 def round_multiple(x: int, m: int) -> int:
     return (x + m - 1) // m * m
-
-
-@dataclass(frozen=True)
-class ScoreParams:
-    """Scalar semantics of one call, shared by forward and backward launches (all runtime kernel args)."""
-
-    softmax_scale: float
-    window_left: int
-    window_right: int
-    softcap: float
-    alibi_pure_causal: bool
-
-    @property
-    def is_local(self) -> bool:
-        return self.window_left >= 0
-
-    @property
-    def causal_like(self) -> bool:
-        """No row sees keys after its own position (window_right == 0): tile configs and launch order key on it."""
-        return self.window_right == 0
-
-    def kernel_args(self):
-        """(qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right, alibi_pure_causal)."""
-        has_softcap = self.softcap > 0.0
-        return (
-            self.softmax_scale * LOG2E,
-            self.softmax_scale / self.softcap if has_softcap else 0.0,
-            self.softcap * LOG2E if has_softcap else 0.0,
-            self.window_left,
-            self.window_right,
-            int(self.alibi_pure_causal),
-        )
-
-
-@lru_cache(maxsize=1024)  # a pure function of its scalars, called on every launch
-def score_params(softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-                 seqlen_k_star: int) -> ScoreParams:
-    window = (window_left, window_right)
-    left, right = normalize_window(window, causal, seqlen_k_star)
-    return ScoreParams(float(softmax_scale), left, right, float(softcap), is_pure_causal(window, causal, seqlen_k_star))
 
 
 def _bsh_strides(tensor: torch.Tensor) -> Tuple[int, int, int]:
@@ -254,17 +211,10 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
             )
 
 
-def check_fwd(q, k, v, dropout_p: float, softcap: float, alibi_slopes, return_softmax: bool) -> None:
-    """Every check of the dense forward (docs/api.md §6); also run by the fake implementation."""
-    checks.check_dense_qkv(q, k, v)
-    checks.check_options(dropout_p, softcap, alibi_slopes, q.shape[0], q.shape[2], q)
-    checks.check(not return_softmax or dropout_p > 0.0, "return_softmax is only supported when p_dropout > 0.0")
-
-
 def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
             window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor], return_softmax: bool):
     """Dense forward. Returns (out, softmax_lse (B, H, Sq), S_dmask, rng_state); see docs/api.md §7."""
-    check_fwd(q, k, v, dropout_p, softcap, alibi_slopes, return_softmax)
+    checks.check_fwd(q, k, v, dropout_p, softcap, alibi_slopes, return_softmax)
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     q, k, v = (t if checks.has_contiguous_last_dim(t) else t.contiguous() for t in (q, k, v))
@@ -278,13 +228,12 @@ def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, windo
                                  round_multiple(seqlen_k, 128), dropout_p, use_kernels)
     s_dmask = torch.empty(0, dtype=q.dtype, device=q.device)
     if return_softmax:
-        s_dmask = dropout.dense_s_dmask(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, keep,
-                                        (batch, num_heads, round_multiple(seqlen_q, 128), round_multiple(seqlen_k, 128)))
+        mask_shape = (batch, num_heads, round_multiple(seqlen_q, 128), round_multiple(seqlen_k, 128))
+        s_dmask = dropout.dense_s_dmask(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, keep, mask_shape)
 
     if not use_kernels:
-        dropout_mask = None if keep is None else keep[:, :, :seqlen_q, :seqlen_k]
-        out, lse = attention_reference(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p,
-                                       dropout_mask, compute_dtype=torch.float32)
+        out, lse = reference_path.dense_forward(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes,
+                                                dropout_p, keep)
         return out, lse, s_dmask, rng_state
 
     params = score_params(softmax_scale, causal, window_size_left, window_size_right, softcap, seqlen_k)
@@ -381,28 +330,6 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
             )
 
 
-def _check_bwd_outputs(dout, q, out, dq, dk, dv, k, v) -> None:
-    checks.check(out.dtype == q.dtype, "query and out must have the same dtype")
-    checks.check(dout.dtype == q.dtype, "query and dout must have the same dtype")
-    checks.check(checks.has_contiguous_last_dim(dout), "dout tensor must have contiguous last dimension")
-    for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        # messages are built only on failure (host time per backward call)
-        if grad.shape != like.shape:
-            raise RuntimeError(f"{name} must have the shape of its input {tuple(like.shape)}, got {tuple(grad.shape)}")
-        if grad.dtype != q.dtype:
-            raise RuntimeError(f"{name} must have the dtype of q ({q.dtype}), got {grad.dtype}")
-        if not checks.has_contiguous_last_dim(grad):
-            raise RuntimeError(f"{name} must have contiguous last dimension")
-    checks.check_same_device(q, dout=dout, out=out, dq=dq, dk=dk, dv=dv)
-
-
-def check_bwd(dout, q, k, v, out, dq, dk, dv, dropout_p: float, softcap: float, alibi_slopes) -> None:
-    """Every check of the dense backward; also run by the fake implementation."""
-    checks.check_dense_qkv(q, k, v, direction="backward")
-    _check_bwd_outputs(dout, q, out, dq, dk, dv, k, v)
-    checks.check_options(dropout_p, softcap, alibi_slopes, q.shape[0], q.shape[2], q)
-
-
 def mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softmax_scale: float, causal: bool,
             window_size_left: int, window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
             deterministic: bool, rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -411,25 +338,17 @@ def mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softm
     With deterministic=True nothing is added in an arbitrary order (no atomics in the Triton kernels, the Gluon
     backward's dQ reductions in a fixed order): the result is bitwise reproducible.
     """
-    check_bwd(dout, q, k, v, out, dq, dk, dv, dropout_p, softcap, alibi_slopes)
+    checks.check_bwd(dout, q, k, v, out, dq, dk, dv, dropout_p, softcap, alibi_slopes)
     dropout.require_rng_state(rng_state, dropout_p)
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     softmax_d_shape = (batch, num_heads, round_multiple(seqlen_q, 128))
 
     if not runs_triton(q):
-        softmax_d = torch.zeros(softmax_d_shape, dtype=torch.float32, device=q.device)
-        keep = None
-        if dropout_p > 0.0:
-            keep = dropout.keep_mask(rng_state, batch, num_heads, round_multiple(seqlen_q, 128),
-                                     round_multiple(seqlen_k, 128), dropout_p, False)[:, :, :seqlen_q, :seqlen_k]
-        grads = attention_reference_backward(dout, q, k, v, softmax_scale, causal,
-                                             (window_size_left, window_size_right), softcap, alibi_slopes,
-                                             dropout_p, keep)
-        for target, grad in zip((dq, dk, dv), grads):
-            target.copy_(grad)
-        softmax_d[:, :, :seqlen_q] = (dout.float() * out.float()).sum(-1).transpose(1, 2)
-        return softmax_d
+        mask_shape = (batch, num_heads, round_multiple(seqlen_q, 128), round_multiple(seqlen_k, 128))
+        return reference_path.dense_backward(dout, q, k, v, out, dq, dk, dv, dropout_p, softmax_scale, causal,
+                                             (window_size_left, window_size_right), softcap, alibi_slopes, rng_state,
+                                             mask_shape, softmax_d_shape)
 
     params = score_params(softmax_scale, causal, window_size_left, window_size_right, softcap, seqlen_k)
     lse = softmax_lse.contiguous()
@@ -466,75 +385,6 @@ def _zero_uncovered_rows(tensor: torch.Tensor, cu_seqlens: torch.Tensor, fill: f
         )
 
 
-def _gather_paged(cache: torch.Tensor, block_table: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
-    """(Tk, Hk, D) keys of a paged cache laid out as cu_seqlens_k describes (reference path only)."""
-    page_size = cache.shape[1]
-    rows = []
-    starts = cu_seqlens_k.tolist()
-    for b in range(len(starts) - 1):
-        positions = torch.arange(starts[b + 1] - starts[b], device=cache.device)
-        pages = block_table[b, positions // page_size].long()
-        rows.append(cache[pages, positions % page_size])
-    return torch.cat(rows) if rows else cache.new_empty(0, *cache.shape[2:])
-
-
-def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, direction: str = "forward") -> int:
-    """Checks of docs/api.md §6 for the varlen layout; returns the batch size."""
-    checks.check_dtypes(q, k, v)
-    checks.check_same_device(q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table)
-    checks.check_device_capability(q)
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        checks.check(cu.dtype == torch.int32, f"{name} must have dtype int32")
-        checks.check(cu.is_contiguous(), f"{name} must be contiguous")
-        checks.check_dim(cu, name, ("batch_size + 1",))
-    batch = cu_seqlens_q.numel() - 1
-    checks.check(batch > 0, "batch size must be positive")
-    checks.check(cu_seqlens_k.numel() == batch + 1, "cu_seqlens_k must have shape (batch_size + 1)")
-    checks.check_dim(q, "q", ("total_q", "num_heads", "head_size"))
-    _, num_heads, head_dim = q.shape
-    checks.check_head_dim(head_dim, direction)
-    if block_table is None:
-        checks.check_dim(k, "k", ("total_k", "num_heads_k", "head_size"))
-        num_heads_k = k.shape[1]
-        names = ("total_k", "num_heads_k", "head_size")
-    else:
-        checks.check(block_table.dtype == torch.int32, "block_table must have dtype torch.int32")
-        checks.check(block_table.stride(-1) == 1, "block_table must have contiguous last dimension")
-        checks.check(block_table.dim() == 2 and block_table.shape[0] == batch,
-                     f"block_table must have shape (batch_size, max_num_blocks_per_seq), got {tuple(block_table.shape)}")
-        checks.check(k.dim() == 4, "k must have shape (num_blocks, page_block_size, num_heads_k, head_size) "
-                                   f"with block_table, got {tuple(k.shape)}")
-        num_heads_k = k.shape[2]
-        names = ("num_blocks", "page_block_size", "num_heads_k", "head_size")
-    checks.check(num_heads_k > 0 and num_heads % num_heads_k == 0,
-                 "Number of heads in key/value must divide number of heads in query")
-    checks.check_shape(k, "k", names, (*k.shape[:-2], num_heads_k, head_dim))
-    checks.check_shape(v, "v", names, k.shape)
-    return batch
-
-
-def _optional_int32(name: str, tensor: Optional[torch.Tensor], batch: int, q: torch.Tensor) -> None:
-    if tensor is not None:
-        checks.check_same_device(q, **{name: tensor})
-        checks.check(tensor.dtype == torch.int32, f"{name} must have dtype int32")
-        checks.check(tensor.is_contiguous(), f"{name} must be contiguous")
-        checks.check(tuple(tensor.shape) == (batch,), f"{name} must have shape (batch_size), got {tuple(tensor.shape)}")
-
-
-def check_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p: float, softcap: float, alibi_slopes,
-                     return_softmax: bool, block_table, leftpad_k, seqused_k, num_splits: int) -> int:
-    """Every check of the varlen forward; returns the batch size. Also run by the fake implementation."""
-    batch = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table)
-    checks.check_options(dropout_p, softcap, alibi_slopes, batch, q.shape[1], q)
-    checks.check(not return_softmax or dropout_p > 0.0, "return_softmax is only supported when p_dropout > 0.0")
-    checks.check(block_table is None or leftpad_k is None,
-                 "We don't support Paged KV and leftpad_k running at the same time yet")
-    checks.check(block_table is None or num_splits <= 1, "num_splits > 1 is not supported for varlen paged KV")
-    _optional_int32("leftpad_k", leftpad_k, batch, q)
-    _optional_int32("seqused_k", seqused_k, batch, q)
-    return batch
-
-
 def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
                    softmax_scale: float, causal: bool, window_size_left: int = -1, window_size_right: int = -1,
                    softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, return_softmax: bool = False,
@@ -544,8 +394,8 @@ def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
 
     Rows not covered by any sequence get out 0 and lse +inf; no host synchronization on cu_seqlens.
     """
-    batch = check_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap, alibi_slopes, return_softmax,
-                             block_table, leftpad_k, seqused_k, num_splits)
+    batch = checks.check_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap, alibi_slopes,
+                                    return_softmax, block_table, leftpad_k, seqused_k, num_splits)
     total_q, num_heads, head_dim = q.shape
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     q, k, v = (t if checks.has_contiguous_last_dim(t) else t.contiguous() for t in (q, k, v))
@@ -563,9 +413,9 @@ def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                                          window, softcap, alibi_slopes, keep, mask_shape)
 
     if not use_kernels:
-        out, lse = _reference_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, causal,
-                                         window, softcap, alibi_slopes, block_table, leftpad_k, seqused_k,
-                                         dropout_p, keep)
+        out, lse = reference_path.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
+                                                 causal, window, softcap, alibi_slopes, block_table, leftpad_k,
+                                                 seqused_k, dropout_p, keep)
         return out, lse, s_dmask, rng_state
 
     params = score_params(softmax_scale, causal, window_size_left, window_size_right, softcap, max_seqlen_k)
@@ -579,32 +429,6 @@ def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     return out, lse, s_dmask, rng_state
 
 
-def _reference_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, causal, window, softcap,
-                          alibi_slopes, block_table, leftpad_k, seqused_k, dropout_p, keep):
-    """The CPU path of the varlen forward: per-sequence reference (host loop; CPU tensors only)."""
-    cu_k = cu_seqlens_k
-    if block_table is not None:
-        k, v = _gather_paged(k, block_table, cu_k), _gather_paged(v, block_table, cu_k)
-    if seqused_k is not None or leftpad_k is not None:
-        starts = cu_k[:-1] + (leftpad_k if leftpad_k is not None else 0)
-        ends = cu_k[:-1] + seqused_k if seqused_k is not None else cu_k[1:]
-        index = torch.cat([torch.arange(int(s), int(e)) for s, e in zip(starts.tolist(), ends.tolist())]).long()
-        k, v = k[index], v[index]
-        cu_k = torch.nn.functional.pad((ends - starts).cumsum(0), (1, 0)).to(torch.int32)
-    return attention_reference_varlen(q, k, v, cu_seqlens_q, cu_k, max_seqlen_k, softmax_scale, causal, window,
-                                      softcap, alibi_slopes, dropout_p=dropout_p, dropout_mask=keep,
-                                      compute_dtype=torch.float32)
-
-
-def check_varlen_bwd(dout, q, k, v, out, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, dropout_p: float, softcap: float,
-                     alibi_slopes) -> int:
-    """Every check of the varlen backward; returns the batch size. Also run by the fake implementation."""
-    batch = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, None, direction="backward")
-    _check_bwd_outputs(dout, q, out, dq, dk, dv, k, v)
-    checks.check_options(dropout_p, softcap, alibi_slopes, batch, q.shape[1], q)
-    return batch
-
-
 def mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                    max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
                    window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor], deterministic: bool,
@@ -613,25 +437,19 @@ def mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu
 
     Gradient rows not covered by any sequence are written as 0.
     """
-    batch = check_varlen_bwd(dout, q, k, v, out, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap,
-                             alibi_slopes)
+    batch = checks.check_varlen_bwd(dout, q, k, v, out, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap,
+                                    alibi_slopes)
     dropout.require_rng_state(rng_state, dropout_p)
     total_q, num_heads, _ = q.shape
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     softmax_d = torch.zeros(num_heads, total_q + 128 * batch, dtype=torch.float32, device=q.device)
 
     if not runs_triton(q):
-        keep = None
-        if dropout_p > 0.0:
-            keep = dropout.keep_mask(rng_state, batch, num_heads, round_multiple(max_seqlen_q, 128),
-                                     round_multiple(max_seqlen_k, 128), dropout_p, False)
-        grads = attention_reference_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
-                                                    softmax_scale, causal, (window_size_left, window_size_right),
-                                                    softcap, alibi_slopes, dropout_p=dropout_p, dropout_mask=keep)
-        for target, grad in zip((dq, dk, dv), grads):
-            target.copy_(grad)
-        softmax_d[:, :total_q] = (dout.float() * out.float()).sum(-1).t()
-        return softmax_d
+        mask_shape = (batch, num_heads, round_multiple(max_seqlen_q, 128), round_multiple(max_seqlen_k, 128))
+        return reference_path.varlen_backward(dout, q, k, v, out, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                              max_seqlen_k, dropout_p, softmax_scale, causal,
+                                              (window_size_left, window_size_right), softcap, alibi_slopes,
+                                              rng_state, mask_shape, softmax_d)
 
     params = score_params(softmax_scale, causal, window_size_left, window_size_right, softcap, max_seqlen_k)
     lse = softmax_lse.contiguous()

@@ -13,104 +13,15 @@ import torch
 
 from .. import configs
 from ..kernels.append import kv_append_kernel
-from ..reference import kvcache_reference
-from . import checks
-from .backend import fwd_tile_grid, launch_fwd, new_empty, runs_triton, score_params
+from ..scores import score_params
+from . import checks, reference_path
+from .backend import fwd_tile_grid, launch_fwd, new_empty, runs_triton
 from .launching import compiled_without_line_info, device_guard, triton_cdiv
-
-compiled_without_line_info(kv_append_kernel)
 from .triton.rotary import apply_rotary
 
+compiled_without_line_info(kv_append_kernel)
+
 APPEND_BLOCK = 32
-
-
-def _capacity(k_cache: torch.Tensor, block_table: Optional[torch.Tensor]) -> int:
-    return block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
-
-
-def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                  block_table, softcap, alibi_slopes, num_splits) -> None:
-    """Every check of docs/api.md §6 for flash_attn_with_kvcache that needs no host synchronization."""
-    if k_cache.stride(-1) != 1:
-        raise AssertionError("k_cache must have contiguous last dimension")
-    if v_cache.stride(-1) != 1:
-        raise AssertionError("v_cache must have contiguous last dimension")
-    checks.check_dtypes(q, k_cache, v_cache)
-    checks.check_same_device(q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, rotary_cos=rotary_cos,
-                             rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                             block_table=block_table, cache_seqlens=cache_seqlens)
-    checks.check_device_capability(q)
-    checks.check_dim(q, "q", ("batch_size", "seqlen_q", "num_heads", "head_size"))
-    batch, _, num_heads, head_dim = q.shape
-    checks.check(batch > 0, "batch size must be positive")
-    checks.check_head_dim(head_dim)
-    if k_cache.dim() != 4:
-        raise RuntimeError(f"k_cache must have 4 dimensions, got {tuple(k_cache.shape)}")
-    num_heads_k = k_cache.shape[2]
-    checks.check(num_heads_k > 0 and num_heads % num_heads_k == 0,
-                 "Number of heads in key/value must divide number of heads in query")
-    cache_names = (("num_blocks", "page_block_size") if block_table is not None else ("batch_size_cache", "seqlen_k"))
-    checks.check_shape(k_cache, "k_cache", (*cache_names, "num_heads_k", "head_size"),
-                       (*k_cache.shape[:2], num_heads_k, head_dim))
-    checks.check_shape(v_cache, "v_cache", (*cache_names, "num_heads_k", "head_size"), k_cache.shape)
-    checks.check(num_splits <= 128, "num_splits > 128 not supported")
-    checks.check_options(0.0, softcap, alibi_slopes, batch, num_heads, q)
-    capacity = _capacity(k_cache, block_table)
-    if block_table is not None:
-        checks.check(cache_batch_idx is None, "Paged KVcache does not support cache_batch_idx")
-        checks.check(cache_leftpad is None, "We don't support Paged KV and leftpad_k running at the same time yet")
-        checks.check(block_table.dtype == torch.int32, "block_table must have dtype torch.int32")
-        checks.check(block_table.stride(-1) == 1, "block_table must have contiguous last dimension")
-        checks.check(block_table.dim() == 2 and block_table.shape[0] == batch,
-                     f"block_table must have shape (batch_size, max_num_blocks_per_seq), got {tuple(block_table.shape)}")
-    checks.check((k is None) == (v is None), "If key is supplied, value must also be passed in")
-    if k is not None:
-        checks.check(cache_seqlens is not None, "If key is supplied, seqlens_k must also be passed in")
-        checks.check(k.dtype == q.dtype, "Key must have the same dtype as query")
-        checks.check(v.dtype == q.dtype, "Value must have the same dtype as query")
-        checks.check(k.dim() == 4 and k.shape[1] <= capacity,
-                     "If key is supplied, it must have seqlen <= the seqlen of the KV cache")
-        names = ("batch_size", "seqlen_new", "num_heads_k", "head_size")
-        checks.check_shape(k, "k", names, (batch, k.shape[1], num_heads_k, head_dim))
-        checks.check_shape(v, "v", names, k.shape)
-    if isinstance(cache_seqlens, torch.Tensor):
-        checks.check(cache_seqlens.dtype in (torch.int32, torch.int64),
-                     "seqlens_k must have dtype int32 (int64 is converted)")
-        checks.check(tuple(cache_seqlens.shape) == (batch,), "seqlens_k must have shape (batch_size)")
-        checks.check(cache_seqlens.is_contiguous(), "seqlens_k must be contiguous")
-    for name, tensor, message in (("cache_leftpad", cache_leftpad, "leftpad_k must have dtype int32"),
-                                  ("cache_batch_idx", cache_batch_idx, "cache_batch_idx must have dtype int32")):
-        if tensor is not None:
-            checks.check(tensor.dtype == torch.int32, message)
-            checks.check(tuple(tensor.shape) == (batch,), f"{name} must have shape (batch_size), got {tuple(tensor.shape)}")
-    if rotary_cos is not None or rotary_sin is not None:
-        checks.check(k is not None, "If rotary cos/sin are provided, new key / value to be appended to KV cache must "
-                                    "also be provided")
-        checks.check(rotary_cos is not None and rotary_sin is not None,
-                     "If rotary cos is provided, rotary sin must also be provided")
-        rotary_dim = 2 * rotary_cos.shape[1]
-        checks.check(rotary_dim <= head_dim, "rotary_dim must be <= headdim")
-        checks.check(rotary_dim % 16 == 0, "Only rotary dimensions divisible by 16 are currently supported")
-        checks.check(rotary_cos.shape[0] >= capacity and rotary_sin.shape[0] >= capacity,
-                     "cos/sin seqlen must be at least the seqlen of KV cache")
-        checks.check(rotary_cos.dtype == q.dtype and rotary_sin.dtype == q.dtype,
-                     "rotary_cos must have the same dtype as query")
-        checks.check(rotary_sin.shape == rotary_cos.shape, "rotary_sin must have the shape of rotary_cos")
-
-
-def _check_paged_capacity(cache_seqlens: torch.Tensor, seqlen_new: int, capacity: int) -> None:
-    """flash_attn's paged-capacity check (docs/api.md §5.2); one host synchronization, as upstream.
-
-    Skipped while a CUDA graph is being captured (a capture cannot read device values). The kernels stay
-    in bounds without it: appends past the capacity are not written and reads stop at the capacity.
-    """
-    if cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
-        return
-    needed = int(cache_seqlens.max()) + seqlen_new
-    checks.check(needed <= capacity,
-                 f"Paged KV cache: max(seqlens_k) + seqlen_knew (= {needed}) exceeds the capacity addressable by "
-                 f"block_table (max_num_blocks_per_seq * page_block_size = {capacity}). Grow block_table or "
-                 f"reduce the sequence lengths.")
 
 
 def _rotate_queries(q, rotary_cos, rotary_sin, cache_seqlens, interleaved: bool, per_row_positions: bool):
@@ -149,27 +60,23 @@ def mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
 
     cache_seqlens is None (every row holds `capacity` keys) or an int32 (B,) tensor.
     """
-    check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                  block_table, softcap, alibi_slopes, num_splits)
+    checks.check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                         cache_leftpad, block_table, softcap, alibi_slopes, num_splits)
     batch, seqlen_q, num_heads, head_dim = q.shape
-    capacity = _capacity(k_cache, block_table)
+    capacity = checks.kv_capacity(k_cache, block_table)
     seqlen_new = 0 if k is None else k.shape[1]
     q, k, v = (t if t is None or checks.has_contiguous_last_dim(t) else t.contiguous() for t in (q, k, v))
     if cache_seqlens is not None:
         if cache_seqlens.dtype != torch.int32:
             cache_seqlens = cache_seqlens.to(torch.int32)
         if block_table is not None:
-            _check_paged_capacity(cache_seqlens, seqlen_new, capacity)
+            checks.check_paged_capacity(cache_seqlens, seqlen_new, capacity)
     window = (window_size_left, window_size_right)
 
     if not runs_triton(q):
-        out, lse, new_k_cache, new_v_cache = kvcache_reference(
-            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-            block_table, softmax_scale, causal, window, softcap, rotary_interleaved, alibi_slopes,
-            compute_dtype=torch.float32)
-        k_cache.copy_(new_k_cache)
-        v_cache.copy_(new_v_cache)
-        return out, lse
+        return reference_path.kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                              cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                                              window, softcap, rotary_interleaved, alibi_slopes)
 
     params = score_params(softmax_scale, causal, window_size_left, window_size_right, softcap, capacity)
     if cache_seqlens is None:

@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import backend, kvcache
+from . import backend, checks, kvcache
 
 
 def _round128(x: int) -> int:
@@ -40,7 +40,7 @@ def _flash_attn_forward(
 @_flash_attn_forward.register_fake
 def _flash_attn_forward_fake(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
                              softcap, alibi_slopes, return_softmax):
-    backend.check_fwd(q, k, v, dropout_p, softcap, alibi_slopes, return_softmax)
+    checks.check_fwd(q, k, v, dropout_p, softcap, alibi_slopes, return_softmax)
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     out = q.new_empty(batch, seqlen_q, num_heads, head_dim)
@@ -83,7 +83,7 @@ def _flash_attn_backward(
 def _flash_attn_backward_fake(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
                               window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
                               rng_state=None):
-    backend.check_bwd(dout, q, k, v, out, dq, dk, dv, dropout_p, softcap, alibi_slopes)
+    checks.check_bwd(dout, q, k, v, out, dq, dk, dv, dropout_p, softcap, alibi_slopes)
     batch, seqlen_q, num_heads, _ = q.shape
     return q.new_empty(batch, num_heads, _round128(seqlen_q), dtype=torch.float32)
 
@@ -122,8 +122,8 @@ def _flash_attn_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seq
                                     softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
                                     alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
                                     seqused_k=None, zero_tensors=False, num_splits=0):
-    batch = backend.check_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap, alibi_slopes,
-                                     return_softmax, block_table, leftpad_k, seqused_k, num_splits)
+    batch = checks.check_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap, alibi_slopes,
+                                    return_softmax, block_table, leftpad_k, seqused_k, num_splits)
     total_q, num_heads, head_dim = q.shape
     out = q.new_empty(total_q, num_heads, head_dim)
     softmax_lse = q.new_empty(num_heads, total_q, dtype=torch.float32)
@@ -172,8 +172,8 @@ def _flash_attn_varlen_backward_fake(dout, q, k, v, out, softmax_lse, dq, dk, dv
                                      max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left,
                                      window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
                                      zero_tensors=False):
-    batch = backend.check_varlen_bwd(dout, q, k, v, out, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap,
-                                     alibi_slopes)
+    batch = checks.check_varlen_bwd(dout, q, k, v, out, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap,
+                                    alibi_slopes)
     return q.new_empty(q.shape[1], q.shape[0] + 128 * batch, dtype=torch.float32)
 
 
@@ -209,8 +209,8 @@ def fwd_kvcache(
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                       cache_leftpad, block_table, softmax_scale, causal, window_size_left, window_size_right, softcap,
                       rotary_interleaved, alibi_slopes, num_splits):
-    kvcache.check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                          cache_leftpad, block_table, softcap, alibi_slopes, num_splits)
+    checks.check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                         cache_leftpad, block_table, softcap, alibi_slopes, num_splits)
     batch, seqlen_q, num_heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty(batch, num_heads, seqlen_q, dtype=torch.float32)
 
@@ -218,8 +218,8 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
 def eager_or_op(op, implementation):
     """What the public functions call: the custom op while torch.compile traces (it needs the op boundary and
     the fake implementation) or for tensor subclasses (fake tensors, wrappers); in plain eager mode the
-    implementation itself, which skips torch.library's Python dispatch layers (~0.1 ms per call measured on
-    our CI machine, as much as a whole decode step's GPU time)."""
+    implementation itself, which skips torch.library's Python dispatch layers (about 0.1 ms of host time per call,
+    as much as a whole decode step's GPU time)."""
     def call(*args):
         if torch.compiler.is_compiling() or type(args[0]) is not torch.Tensor:
             return op(*args)
