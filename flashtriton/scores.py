@@ -78,15 +78,13 @@ class ScoreParams:
         """The softmax scale in log2 units: kernels keep their logits in the log2 domain."""
         return self.softmax_scale * LOG2E
 
-    def kernel_args(self):
-        """(qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right, alibi_pure_causal)."""
+    def kernel_scores(self) -> Tuple[float, float, float]:
+        """The Triton kernels' `scores` argument: (qk_scale_log2, softcap_in_scale, softcap_out_log2); with softcap,
+        the log2-domain logits are softcap_out_log2 * tanh(q.k * softcap_in_scale)."""
         return (
             self.qk_scale_log2,
             self.softmax_scale / self.softcap if self.has_softcap else 0.0,
             self.softcap * LOG2E if self.has_softcap else 0.0,
-            self.window_left,
-            self.window_right,
-            int(self.alibi_pure_causal),
         )
 
 

@@ -379,6 +379,41 @@ def test_window_size_accepts_int_likes(window):
     _assert_close_to_reference(case, out, lse, q, k, v)
 
 
+# The reference and every launcher take the window from flashtriton.scores, so its rewrite is checked here against
+# the steps of docs/api.md §4.2.3 directly. S* = 10: (window_size, causal) -> (window the mask uses, pure causal).
+WINDOW_REWRITES = [
+    ((-1, -1), False, (-1, -1), False),
+    ((-1, -1), True, (10, 0), True),
+    ((-1, 0), False, (10, 0), True),
+    ((12, 12), True, (10, 0), True),
+    ((12, 12), False, (-1, -1), False),
+    ((10, 2), False, (10, 2), False),
+    ((3, -1), False, (3, 10), False),
+    ((3, 12), False, (3, 10), False),
+    ((3, 2), True, (3, 0), False),
+    ((0, 0), False, (0, 0), False),
+]
+
+
+@pytest.mark.parametrize("window, causal, normalized, pure_causal", WINDOW_REWRITES,
+                         ids=[f"{w[0]}_{w[1]}{'_causal' if c else ''}" for w, c, _, _ in WINDOW_REWRITES])
+def test_window_rewrite_follows_fa2(window, causal, normalized, pure_causal):
+    from flashtriton.scores import normalize_window, score_params
+
+    assert normalize_window(window, causal, 10) == normalized
+    params = score_params(0.5, causal, *window, 0.0, 10)
+    assert (params.window_left, params.window_right, params.alibi_pure_causal) == (*normalized, pure_causal)
+    assert params.is_local == (normalized[0] >= 0)
+    assert params.causal_like == (normalized[1] == 0)
+
+
+def test_kernel_scores_fold_the_softcap_into_log2_units():
+    from flashtriton.scores import LOG2E, score_params
+
+    assert score_params(0.5, False, -1, -1, 0.0, 10).kernel_scores() == (0.5 * LOG2E, 0.0, 0.0)
+    assert score_params(0.5, False, -1, -1, 20.0, 10).kernel_scores() == (0.5 * LOG2E, 0.5 / 20.0, 20.0 * LOG2E)
+
+
 def _strided_last_dim(tensor):
     """A leaf twice as wide in the last dim, and the view of it holding `tensor` at stride 2."""
     wide = torch.zeros(*tensor.shape[:-1], 2 * tensor.shape[-1], dtype=tensor.dtype)

@@ -23,6 +23,7 @@ import inspect
 import re
 import subprocess
 import tempfile
+from dataclasses import dataclass
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -33,56 +34,85 @@ from flashtriton.kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
 from flashtriton.kernels.fwd import attn_fwd_kernel
 
 KERNELS = {"fwd": attn_fwd_kernel, "dkdv": attn_bwd_dkdv_kernel, "dq": attn_bwd_dq_kernel}
-NONE_ARGS = {"AlibiSlopes", "CuSeqlensQ", "CuSeqlensK", "SeqUsedK", "LeftPadK", "BlockTable", "CacheBatchIdx",
-             "q_desc", "k_desc", "v_desc", "o_desc"}
-FLOAT_ARGS = {"qk_scale_log2", "softcap_in_scale", "softcap_out_log2", "softmax_scale", "dropout_p", "dropout_scale"}
+
+
+@dataclass(frozen=True)
+class Arg:
+    """A runtime argument of the compile: its signature type and whether it is specialized as 16-divisible."""
+
+    type: str
+    aligned: bool = False
+
+
+STRIDE, INT, REAL = Arg("i32", True), Arg("i32"), Arg("fp32")
+
+
+def _pointer(dtype: str) -> Arg:
+    return Arg(f"*{dtype}", True)
+
+
+def _ast_source(kernel, values: dict) -> ASTSource:
+    """ASTSource of `kernel` with `values`: parameter name -> Arg, constexpr value (None, bool, int, float) or a
+    tuple of those for a grouped parameter, as Triton's launcher would specialize them."""
+    signature, constexprs, attrs = {}, {}, {}
+
+    def walk(value, path):
+        if isinstance(value, tuple):
+            return tuple(walk(item, path + (index,)) for index, item in enumerate(value))
+        if not isinstance(value, Arg):
+            constexprs[path] = value
+            return "constexpr"
+        if value.aligned:
+            attrs[path] = [["tt.divisibility", 16]]
+        return value.type
+
+    for index, name in enumerate(inspect.signature(kernel.fn).parameters):
+        signature[name] = walk(values[name], (index,))
+    return ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
+def _kernel_values(name, head_dim, local, block_m, block_n, dtype, dropout, pack_gqa, paged, tma_device, packed,
+                   dq_atomic) -> dict:
+    """The arguments of one launch of the forward ("fwd"), dK/dV ("dkdv") or dQ ("dq") kernel: a contiguous
+    (B, S, H, D) layout, or varlen (packed), paged K/V with seqused_k (paged); no ALiBi, softcap or split."""
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    row_strides = (STRIDE,) * 3
+    int_pointer = _pointer("i32")
+    rng_state = _pointer("i64") if dropout else None
+    flags = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, IS_LOCAL=local,
+                 HAS_SOFTCAP=False, HAS_DROPOUT=dropout)
+    scores = dict(seqlen_q=INT, seqlen_k=INT, heads_per_group=INT, scores=(REAL,) * 3, window_left=INT,
+                  window_right=INT, alibi_pure_causal=INT, dropout=(REAL, REAL))
+    if name == "fwd":
+        cu_seqlens = int_pointer if packed else None
+        paging = int_pointer if paged else None
+        # host descriptors of a packed varlen launch (TMA_PACKED): Q, K, V; O is stored by pointer
+        descriptors = (None,) * 4
+        if packed:
+            descriptors = (*(Arg(f"tensordesc<{dtype}[1,{rows},1,{block_d}]>") for rows in (block_m, block_n, block_n)),
+                           None)
+        return dict(Q=_pointer(dtype), K=_pointer(dtype), V=_pointer(dtype), Out=_pointer(dtype), Lse=_pointer("fp32"),
+                    optional=(None, cu_seqlens, cu_seqlens, paging, None, paging, None, rng_state),
+                    descriptors=descriptors, strides=(row_strides,) * 4, stride_lse_b=INT, stride_lse_h=INT,
+                    batch_strides=(STRIDE, STRIDE), page_size=INT, page_strides=(STRIDE, STRIDE),
+                    split_strides=(STRIDE, STRIDE), head_counts=(INT, INT), **scores, **flags, IS_SPLIT=False,
+                    TMA_MODE=3 if packed else 2 if tma_device else 0, FOLD_SCALE=not dropout, PACK_GQA=pack_gqa,
+                    TILE_IN_PAGE=paged, RESCALE_THRESHOLD=0.0)
+    gradients = dict(DK=_pointer(dtype), DV=_pointer(dtype), DQAccum=_pointer("fp32") if dq_atomic else None,
+                     grad_strides=(row_strides,) * 3, DQ_ATOMIC=dq_atomic) if name == "dkdv" else dict(
+                         DQ=_pointer(dtype), dq_strides=row_strides)
+    return dict(Q=_pointer(dtype), K=_pointer(dtype), V=_pointer(dtype), DOut=_pointer(dtype), Lse=_pointer("fp32"),
+                Delta=_pointer("fp32"), optional=(None, None, None, rng_state), strides=(row_strides,) * 4,
+                stride_lse_b=INT, stride_lse_h=INT, stride_delta_b=INT, stride_delta_h=INT, stride_alibi_b=STRIDE,
+                head_counts=(INT, INT), softmax_scale=REAL, **scores, **gradients, **flags, USE_TMA=tma_device)
 
 
 def compile_kernel(kernel, head_dim, local, block_m, block_n, warps, stages, dtype="bf16", dropout=False,
                    pack_gqa=False, paged=False, tma_device=False, packed=False, dq_atomic=False):
-    names = list(inspect.signature(kernel.fn).parameters)
-    block_d = max(16, 1 << (head_dim - 1).bit_length())
-    tma_mode = 3 if packed else 2 if tma_device else 0
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
-                      BLOCK_N=block_n, IS_LOCAL=local, HAS_SOFTCAP=False, HAS_ALIBI=False, IS_VARLEN=packed,
-                      IS_PAGED=paged, HAS_SEQUSED_K=paged, HAS_LEFTPAD_K=False, HAS_BATCH_IDX=False, IS_SPLIT=False,
-                      HAS_DROPOUT=dropout, TMA_MODE=tma_mode, FOLD_SCALE=not dropout, PACK_GQA=pack_gqa,
-                      TILE_IN_PAGE=paged, RESCALE_THRESHOLD=0.0, USE_TMA=tma_device, DQ_ATOMIC=dq_atomic)
-    pointer_args = {"BlockTable", "SeqUsedK"} if paged else set()
-    if packed:
-        pointer_args |= {"CuSeqlensQ", "CuSeqlensK"}
-    # host descriptors of a packed varlen launch (TMA_PACKED): Q, K, V; O is stored by pointer
-    descriptor_args = {name: f"tensordesc<{dtype}[1,{rows},1,{block_d}]>"
-                       for name, rows in (("q_desc", block_m), ("k_desc", block_n), ("v_desc", block_n))} if packed else {}
-    signature, attrs_16 = {}, []
-    for index, name in enumerate(names):
-        if name in pointer_args:
-            signature[name] = "*i32"
-        elif name in descriptor_args:
-            signature[name] = descriptor_args[name]
-        elif name in constexprs or name in NONE_ARGS:
-            signature[name] = "constexpr"
-            constexprs.setdefault(name, None)
-        elif name == "RngState":
-            signature[name] = "*i64" if dropout else "constexpr"
-            if not dropout:
-                constexprs[name] = None
-        elif name == "DQAccum" and not dq_atomic:
-            signature[name] = "constexpr"
-            constexprs[name] = None
-        elif name[0].isupper():
-            signature[name] = "*fp32" if name in ("Lse", "Delta", "DQAccum") else f"*{dtype}"
-            attrs_16.append((index,))
-        elif name in FLOAT_ARGS:
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-            if name.startswith("stride") and not name.endswith("_lse_b") and not name.endswith("_lse_h"):
-                attrs_16.append((index,))
-    constexprs = {k: v for k, v in constexprs.items() if k in names}
-    attrs = {a: [["tt.divisibility", 16]] for a in attrs_16}
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+    name = next(key for key, value in KERNELS.items() if value is kernel)
+    values = _kernel_values(name, head_dim, local, block_m, block_n, dtype, dropout, pack_gqa, paged, tma_device,
+                            packed, dq_atomic)
+    return triton.compile(_ast_source(kernel, values), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=warps, num_stages=stages))
 
 

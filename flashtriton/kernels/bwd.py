@@ -9,6 +9,15 @@ P = 0). With softcap, dS is multiplied by 1 - tanh^2 before the scale (docs/api.
 USE_TMA (the sm90 configs): the Q and dO tiles of the dK/dV kernel and the K and V tiles of the dQ kernel
 come through in-kernel tensor descriptors over one sequence's rows of every head
 (common.head_rows_descriptor); rows past the sequence read as zeros.
+
+Grouped arguments of the dK/dV and dQ kernels (their order is the compiled kernels' parameter order):
+  optional     (AlibiSlopes, CuSeqlensQ, CuSeqlensK, RngState), each None where the call has none
+  strides      (batch, row, head) strides of Q, K, V and DOut; grad_strides / dq_strides: those of the gradients
+  head_counts  (query heads or KV heads, group_size): the heads the kernel's grid runs over, and query heads per KV head
+  scores       ScoreParams.kernel_scores: (qk_scale_log2, softcap_in_scale, softcap_out_log2)
+  dropout      (dropout_p, dropout_scale)
+The Lse / Delta strides, sequence lengths, heads_per_group and window are plain unspecialized arguments: new values
+reuse the compiled kernel.
 """
 
 import triton
@@ -21,23 +30,21 @@ from .common import (alibi_bias_log2, dropout_keep, grouped_tile_and_batch_head,
 
 @triton.jit(do_not_specialize=["stride_delta_b", "stride_delta_h", "seqlen_q", "delta_rows"])
 def attn_bwd_preprocess_kernel(
-    Out, DOut, Delta, DQAccum, CuSeqlensQ,
-    stride_ob, stride_om, stride_oh,
-    stride_dob, stride_dom, stride_doh,
-    stride_delta_b, stride_delta_h,
-    stride_dqa_b, stride_dqa_m, stride_dqa_h,
-    num_heads, seqlen_q, delta_rows,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
-    ZERO_DQ_ACCUM: tl.constexpr,
+    Out, DOut, Delta, DQAccum, CuSeqlensQ, strides, stride_delta_b, stride_delta_h, dqa_strides, num_heads, seqlen_q,
+    delta_rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """delta = rowsum(dO * O) of each query row into Delta, and 0 into its rows [seqlen_q, delta_rows) (the
-    padding of a dense softmax_d; varlen passes 0); with ZERO_DQ_ACCUM, zeros into the rows' fp32 dQ
-    accumulator (the dQ atomics / reductions add into it), which saves a separate fill of it."""
+    padding of a dense softmax_d; varlen passes 0); where DQAccum is given, zeros into the rows' fp32 dQ
+    accumulator (the dQ atomics / reductions add into it), which saves a separate fill of it.
+    strides: (batch, row, head) strides of Out and DOut; dqa_strides: DQAccum's. CuSeqlensQ None: dense layout."""
+    o_strides, do_strides = strides
+    stride_ob, stride_om, stride_oh = o_strides
+    stride_dob, stride_dom, stride_doh = do_strides
+    stride_dqa_b, stride_dqa_m, stride_dqa_h = dqa_strides
     m_block, batch_head = tile_and_batch_head(tl.cdiv(tl.maximum(seqlen_q, delta_rows), BLOCK_M))
     batch = batch_head // num_heads
     head = batch_head % num_heads
-    q_start, seqlen_q, _, _ = sequence_bounds(batch, CuSeqlensQ, CuSeqlensQ, None, None, seqlen_q, seqlen_q, IS_VARLEN,
-                                              False, False)
+    q_start, seqlen_q, _, _ = sequence_bounds(batch, CuSeqlensQ, CuSeqlensQ, None, None, seqlen_q, seqlen_q)
     rows_end = tl.maximum(seqlen_q, delta_rows)
     m_start = m_block * BLOCK_M
     if m_start >= rows_end:
@@ -55,7 +62,7 @@ def attn_bwd_preprocess_kernel(
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     delta_base = Delta + batch.to(tl.int64) * stride_delta_b + head.to(tl.int64) * stride_delta_h + q_start + m_start
     tl.store(delta_base + offs_row, delta, mask=(m_start + offs_row) < rows_end)
-    if ZERO_DQ_ACCUM:
+    if DQAccum is not None:
         # [BLOCK_M, BLOCK_D]
         tl.store(DQAccum + batch.to(tl.int64) * stride_dqa_b + rows * stride_dqa_m + head.to(tl.int64) * stride_dqa_h
                  + offs_row[:, None] * stride_dqa_m + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
@@ -63,16 +70,26 @@ def attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _dkdv_q_loop(dk, dv, k, v, q_base, do_base, q_desc, do_desc, head, lse_base, delta_base, stride_qm, stride_dom,
-                 dqa_base, stride_dqa_m, n_start, offs_n, offs_d, m_block_lo, m_block_hi, seqlen_q, seqlen_k,
-                 qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
-                 slope_log2, alibi_pure_causal, rng_state, stream, dropout_p, dropout_scale,
-                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                 IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                 HAS_DROPOUT: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr):
-    """Accumulate query blocks [m_block_lo, m_block_hi) of one head into the key tile's (dk, dv)
-    (keys n_start + offs_n). USE_TMA loads Q and dO tiles of `head` through q_desc / do_desc; DQ_ATOMIC adds
-    each query block's dS K into the fp32 rows at dqa_base."""
+def _dkdv_q_loop(dk, dv, k, v, n_start, m_block_lo, m_block_hi, head_rows, row_strides, q_desc, do_desc, dqa_base,
+                 visibility, scores, alibi, rng_state, stream, dropout, MASKED: tl.constexpr, IS_LOCAL: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
+                 DQ_ATOMIC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """Accumulate query blocks [m_block_lo, m_block_hi) of one head into the (dk, dv) of keys n_start + [0, BLOCK_N).
+
+    head_rows: (q_base, do_base, lse_base, delta_base, head), where the head's rows start in Q and dO (pointer
+    loads), Lse and Delta, and the head's index in q_desc / do_desc (USE_TMA's loads); row_strides: (stride_qm,
+    stride_dom, stride_dqa_m); dqa_base: the head's rows of the fp32 dQ accumulator that DQ_ATOMIC adds each query
+    block's dS K into (unscaled); alibi: (slope in log2 units, alibi_pure_causal); dropout: the kernel's
+    (dropout_p, dropout_scale), drawn from rng_state in the head's Philox stream."""
+    q_base, do_base, lse_base, delta_base, head = head_rows
+    stride_qm, stride_dom, stride_dqa_m = row_strides
+    seqlen_q, seqlen_k, _, _ = visibility
+    _, softcap_in_scale, _ = scores
+    slope_log2, alibi_pure_causal = alibi
+    dropout_p, dropout_scale = dropout
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
     offs_row = tl.arange(0, BLOCK_M)
     d_in = offs_d < HEAD_DIM
     for m_block in range(m_block_lo, m_block_hi):
@@ -96,13 +113,12 @@ def _dkdv_q_loop(dk, dv, k, v, q_base, do_base, q_desc, do_desc, head, lse_base,
         delta = tl.load(delta_base + offs_m, mask=row_in, other=0.0)
         # [BLOCK_N, BLOCK_M] transposed scores
         qk_t = tl.dot(k, q_t)
-        s_t = scores_log2(qk_t, qk_scale_log2, softcap_in_scale, softcap_out_log2, HAS_SOFTCAP)
+        s_t = scores_log2(qk_t, scores, HAS_SOFTCAP)
         if HAS_ALIBI:
-            s_t += tl.trans(alibi_bias_log2(slope_log2, offs_m, offs_n, seqlen_q, seqlen_k, alibi_pure_causal))
+            s_t += tl.trans(alibi_bias_log2(slope_log2, offs_m, offs_n, visibility, alibi_pure_causal))
         p_t = tl.exp2(s_t - lse_log2[None, :])
         if MASKED:
-            visible = tl.trans(visibility_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, IS_LOCAL))
-            p_t = tl.where(visible, p_t, 0.0)
+            p_t = tl.where(tl.trans(visibility_mask(offs_m, offs_n, visibility, IS_LOCAL)), p_t, 0.0)
         # [BLOCK_N, BLOCK_M]
         dp_t = tl.dot(v, tl.trans(do))
         if HAS_DROPOUT:
@@ -128,38 +144,42 @@ def _dkdv_q_loop(dk, dv, k, v, q_base, do_base, q_desc, do_desc, head, lse_base,
 
 
 @triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "stride_delta_b", "stride_delta_h", "seqlen_q",
-                               "seqlen_k", "window_left", "window_right", "heads_per_group"])
+                               "seqlen_k", "heads_per_group", "window_left", "window_right"])
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV, DQAccum, AlibiSlopes, CuSeqlensQ, CuSeqlensK, RngState,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh,
-    stride_lse_b, stride_lse_h,
-    stride_delta_b, stride_delta_h,
-    stride_dkb, stride_dkn, stride_dkh,
-    stride_dvb, stride_dvn, stride_dvh,
-    stride_dqa_b, stride_dqa_m, stride_dqa_h,
-    stride_alibi_b,
-    num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group,
-    softmax_scale, qk_scale_log2, softcap_in_scale, softcap_out_log2,
-    window_left, window_right, alibi_pure_causal, dropout_p, dropout_scale,
+    Q, K, V, DOut, Lse, Delta, DK, DV, DQAccum, optional, strides, stride_lse_b, stride_lse_h, stride_delta_b,
+    stride_delta_h, grad_strides, stride_alibi_b, head_counts, seqlen_q, seqlen_k, heads_per_group, softmax_scale,
+    scores, window_left, window_right, alibi_pure_causal, dropout,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
 ):
     """One program per (key tile, batch * kv head); loops over the group's query heads and query tiles.
 
-    Lse and Delta: (batch, head) strides of their own, rows contiguous. USE_TMA loads
-    the Q and dO tiles through in-kernel descriptors bound to the sequence (rows past it read as zeros).
-    Key tiles run in order, so under a causal mask the tiles seen by the most query rows start first; programs
-    run in groups of heads_per_group (batch, kv head) pairs (grouped_tile_and_batch_head).
+    grad_strides: those of DK, DV and DQAccum; head_counts: (num_heads_k, group_size). Lse and Delta: (batch,
+    head) strides of their own, rows contiguous. USE_TMA loads the Q and dO tiles through in-kernel descriptors
+    bound to the sequence (rows past it read as zeros). Key tiles run in order, so under a causal mask the tiles
+    seen by the most query rows start first; programs run in groups of heads_per_group (batch, kv head) pairs
+    (grouped_tile_and_batch_head).
     """
+    AlibiSlopes, CuSeqlensQ, CuSeqlensK, RngState = optional
+    q_strides, k_strides, v_strides, do_strides = strides
+    stride_qb, stride_qm, stride_qh = q_strides
+    stride_kb, stride_kn, stride_kh = k_strides
+    stride_vb, stride_vn, stride_vh = v_strides
+    stride_dob, stride_dom, stride_doh = do_strides
+    dk_strides, dv_strides, dqa_strides = grad_strides
+    stride_dkb, stride_dkn, stride_dkh = dk_strides
+    stride_dvb, stride_dvn, stride_dvh = dv_strides
+    stride_dqa_b, stride_dqa_m, stride_dqa_h = dqa_strides
+    num_heads_k, group_size = head_counts
+    HAS_ALIBI: tl.constexpr = AlibiSlopes is not None
+
     n_block, batch_head = grouped_tile_and_batch_head(tl.cdiv(seqlen_k, BLOCK_N), heads_per_group)
     batch = batch_head // num_heads_k
     head_k = batch_head % num_heads_k
     q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, None, None, seqlen_q,
-                                                           seqlen_k, IS_VARLEN, False, False)
+                                                           seqlen_k)
+    visibility = (seqlen_q, seqlen_k, window_left, window_right)
     n_start = n_block * BLOCK_N
     if n_start >= seqlen_k:
         return
@@ -180,8 +200,7 @@ def attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
 
-    m_block_min, m_full_min, m_full_max, m_block_max = q_block_range(
-        n_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, IS_LOCAL)
+    m_blocks = q_block_range(n_start, visibility, BLOCK_M, BLOCK_N, IS_LOCAL)
     q_desc = None
     do_desc = None
     if USE_TMA:
@@ -203,27 +222,16 @@ def attn_bwd_dkdv_kernel(
         slope_log2 = 0.0
         if HAS_ALIBI:
             slope_log2 = tl.load(AlibiSlopes + batch * stride_alibi_b + head) * 1.4426950408889634
-        dk, dv = _dkdv_q_loop(
-            dk, dv, k, v, q_base, do_base, q_desc, do_desc, head, lse_base, delta_base, stride_qm, stride_dom,
-            dqa_base, stride_dqa_m, n_start, offs_n, offs_d,
-            m_block_min, m_full_min, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
-            window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch * num_heads_k * group_size + head,
-            dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-            BLOCK_D, USE_TMA, DQ_ATOMIC)
-        dk, dv = _dkdv_q_loop(
-            dk, dv, k, v, q_base, do_base, q_desc, do_desc, head, lse_base, delta_base, stride_qm, stride_dom,
-            dqa_base, stride_dqa_m, n_start, offs_n, offs_d,
-            m_full_min, m_full_max, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
-            window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch * num_heads_k * group_size + head,
-            dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, BLOCK_N, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-            BLOCK_D, USE_TMA, DQ_ATOMIC)
-        dk, dv = _dkdv_q_loop(
-            dk, dv, k, v, q_base, do_base, q_desc, do_desc, head, lse_base, delta_base, stride_qm, stride_dom,
-            dqa_base, stride_dqa_m, n_start, offs_n, offs_d,
-            m_full_max, m_block_max, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
-            window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch * num_heads_k * group_size + head,
-            dropout_p, dropout_scale, HEAD_DIM, BLOCK_M, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-            BLOCK_D, USE_TMA, DQ_ATOMIC)
+        for part in tl.static_range(3):
+            # part 0 and 2: the masked edges [m_block_min, m_full_min) and [m_full_max, m_block_max);
+            # part 1: the query blocks that see the whole key tile, [m_full_min, m_full_max), without a mask
+            dk, dv = _dkdv_q_loop(
+                dk, dv, k, v, n_start, m_blocks[part], m_blocks[part + 1],
+                (q_base, do_base, lse_base, delta_base, head), (stride_qm, stride_dom, stride_dqa_m), q_desc, do_desc,
+                dqa_base, visibility, scores, (slope_log2, alibi_pure_causal), RngState,
+                batch * num_heads_k * group_size + head, dropout, MASKED=part != 1, IS_LOCAL=IS_LOCAL, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
+                HAS_DROPOUT=HAS_DROPOUT, USE_TMA=USE_TMA, DQ_ATOMIC=DQ_ATOMIC, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M,
+                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
 
     dk = dk * softmax_scale
     tl.store(DK + batch64 * stride_dkb + rows_k * stride_dkn + head_k.to(tl.int64) * stride_dkh
@@ -233,16 +241,24 @@ def attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, k_desc, v_desc, head_k, stride_kn, stride_vn,
-                offs_m, offs_d, n_block_lo, n_block_hi, seqlen_q, seqlen_k,
-                qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
-                slope_log2, alibi_pure_causal, rng_state, stream, dropout_p, dropout_scale,
-                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_LOCAL: tl.constexpr,
-                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
-    """Accumulate key blocks [n_block_lo, n_block_hi) into the query tile's dq (unscaled). USE_TMA loads
-    K and V tiles of head_k through k_desc / v_desc."""
+def _dq_kv_loop(dq, q, do, lse_log2, delta, offs_m, n_block_lo, n_block_hi, kv, k_desc, v_desc, visibility, scores,
+                alibi, rng_state, stream, dropout, MASKED: tl.constexpr, IS_LOCAL: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Accumulate key blocks [n_block_lo, n_block_hi) into the query tile's dq (unscaled).
+
+    kv: (k_base, v_base, stride_kn, stride_vn, head_k), where the KV head's rows start in K and V (pointer loads),
+    their row strides and the head's index in k_desc / v_desc (USE_TMA's loads); alibi: (slope in log2 units,
+    alibi_pure_causal); dropout: the kernel's (dropout_p, dropout_scale), drawn from rng_state in the query head's
+    Philox stream.
+    """
+    k_base, v_base, stride_kn, stride_vn, head_k = kv
+    _, seqlen_k, _, _ = visibility
+    _, softcap_in_scale, _ = scores
+    slope_log2, alibi_pure_causal = alibi
+    dropout_p, dropout_scale = dropout
     offs_col = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
     d_in = offs_d < HEAD_DIM
     for n_block in range(n_block_lo, n_block_hi):
         n_start = n_block * BLOCK_N
@@ -260,12 +276,12 @@ def _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, k_desc, v_desc, head
             v_t = tl.load(v_base + v_offs[None, :] + offs_d[:, None], mask=key_in[None, :] & d_in[:, None], other=0.0)
         # [BLOCK_M, BLOCK_N]
         qk = tl.dot(q, k_t)
-        s = scores_log2(qk, qk_scale_log2, softcap_in_scale, softcap_out_log2, HAS_SOFTCAP)
+        s = scores_log2(qk, scores, HAS_SOFTCAP)
         if HAS_ALIBI:
-            s += alibi_bias_log2(slope_log2, offs_m, offs_n, seqlen_q, seqlen_k, alibi_pure_causal)
+            s += alibi_bias_log2(slope_log2, offs_m, offs_n, visibility, alibi_pure_causal)
         p = tl.exp2(s - lse_log2[:, None])
         if MASKED:
-            p = tl.where(visibility_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, IS_LOCAL), p, 0.0)
+            p = tl.where(visibility_mask(offs_m, offs_n, visibility, IS_LOCAL), p, 0.0)
         dp = tl.dot(do, v_t)
         if HAS_DROPOUT:
             keep = dropout_keep(rng_state, stream, offs_m, n_start, dropout_p, BLOCK_N)
@@ -279,28 +295,28 @@ def _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, k_desc, v_desc, head
 
 
 @triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "stride_delta_b", "stride_delta_h", "seqlen_q",
-                               "seqlen_k", "window_left", "window_right", "heads_per_group"])
+                               "seqlen_k", "heads_per_group", "window_left", "window_right"])
 def attn_bwd_dq_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ, AlibiSlopes, CuSeqlensQ, CuSeqlensK, RngState,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh,
-    stride_lse_b, stride_lse_h,
-    stride_delta_b, stride_delta_h,
-    stride_dqb, stride_dqm, stride_dqh,
-    stride_alibi_b,
-    num_heads, group_size, seqlen_q, seqlen_k, heads_per_group,
-    softmax_scale, qk_scale_log2, softcap_in_scale, softcap_out_log2,
-    window_left, window_right, alibi_pure_causal, dropout_p, dropout_scale,
+    Q, K, V, DOut, Lse, Delta, DQ, optional, strides, stride_lse_b, stride_lse_h, stride_delta_b, stride_delta_h,
+    dq_strides, stride_alibi_b, head_counts, seqlen_q, seqlen_k, heads_per_group, softmax_scale, scores, window_left,
+    window_right, alibi_pure_causal, dropout,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
+    IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """One program per (query tile, batch * head); loops over the visible key tiles (USE_TMA: loaded
-    through in-kernel descriptors bound to the sequence). Query tiles run in reverse order, so under a causal
-    mask the longest rows start first; programs run in groups of heads_per_group (batch, head) pairs
-    (grouped_tile_and_batch_head)."""
+    through in-kernel descriptors bound to the sequence). head_counts: (num_heads, group_size). Query tiles run in
+    reverse order, so under a causal mask the longest rows start first; programs run in groups of heads_per_group
+    (batch, head) pairs (grouped_tile_and_batch_head)."""
+    AlibiSlopes, CuSeqlensQ, CuSeqlensK, RngState = optional
+    q_strides, k_strides, v_strides, do_strides = strides
+    stride_qb, stride_qm, stride_qh = q_strides
+    stride_kb, stride_kn, stride_kh = k_strides
+    stride_vb, stride_vn, stride_vh = v_strides
+    stride_dob, stride_dom, stride_doh = do_strides
+    stride_dqb, stride_dqm, stride_dqh = dq_strides
+    num_heads, group_size = head_counts
+    HAS_ALIBI: tl.constexpr = AlibiSlopes is not None
+
     num_tiles = tl.cdiv(seqlen_q, BLOCK_M)
     tile, batch_head = grouped_tile_and_batch_head(num_tiles, heads_per_group)
     m_block = num_tiles - 1 - tile
@@ -308,7 +324,8 @@ def attn_bwd_dq_kernel(
     head = batch_head % num_heads
     head_k = head // group_size
     q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, None, None, seqlen_q,
-                                                           seqlen_k, IS_VARLEN, False, False)
+                                                           seqlen_k)
+    visibility = (seqlen_q, seqlen_k, window_left, window_right)
     m_start = m_block * BLOCK_M
     if m_start >= seqlen_q:
         return
@@ -346,26 +363,15 @@ def attn_bwd_dq_kernel(
     # [BLOCK_M, BLOCK_D]
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    n_block_min, n_full_min, n_full_max, n_block_max = kv_block_range(
-        m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, IS_LOCAL)
-    dq = _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, k_desc, v_desc, head_k, stride_kn, stride_vn,
-                     offs_m, offs_d,
-                     n_block_min, n_full_min, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
-                     window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch_head, dropout_p,
-                     dropout_scale, HEAD_DIM, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, BLOCK_D,
-                     USE_TMA)
-    dq = _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, k_desc, v_desc, head_k, stride_kn, stride_vn,
-                     offs_m, offs_d,
-                     n_full_min, n_full_max, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
-                     window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch_head, dropout_p,
-                     dropout_scale, HEAD_DIM, BLOCK_N, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, BLOCK_D,
-                     USE_TMA)
-    dq = _dq_kv_loop(dq, q, do, lse_log2, delta, k_base, v_base, k_desc, v_desc, head_k, stride_kn, stride_vn,
-                     offs_m, offs_d,
-                     n_full_max, n_block_max, seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2,
-                     window_left, window_right, slope_log2, alibi_pure_causal, RngState, batch_head, dropout_p,
-                     dropout_scale, HEAD_DIM, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, BLOCK_D,
-                     USE_TMA)
+    n_blocks = kv_block_range(m_start, visibility, BLOCK_M, BLOCK_N, IS_LOCAL)
+    for part in tl.static_range(3):
+        # part 0 and 2: the masked edges [n_block_min, n_full_min) and [n_full_max, n_block_max);
+        # part 1: the blocks every row sees whole, [n_full_min, n_full_max), without a mask
+        dq = _dq_kv_loop(dq, q, do, lse_log2, delta, offs_m, n_blocks[part], n_blocks[part + 1],
+                         (k_base, v_base, stride_kn, stride_vn, head_k), k_desc, v_desc, visibility, scores,
+                         (slope_log2, alibi_pure_causal), RngState, batch_head, dropout, MASKED=part != 1,
+                         IS_LOCAL=IS_LOCAL, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_DROPOUT=HAS_DROPOUT,
+                         USE_TMA=USE_TMA, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
     dq = dq * softmax_scale
     tl.store(DQ + batch64 * stride_dqb + rows_q * stride_dqm + head64 * stride_dqh
              + offs_row[:, None] * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=q_mask)

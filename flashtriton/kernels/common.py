@@ -6,14 +6,17 @@ Naming legend (all kernels):
   window_left/right   the normalized window of docs/api.md §4.2.3: both < 0 (no window) or both >= 0;
                       causal is window_right == 0 with window_left >= seqlen_k (never binds)
   *_log2              a quantity in log2 units (scores are kept as log2-domain logits inside kernels)
-Masks and key-block ranges live here and nowhere else.
+  visibility          (seqlen_q, seqlen_k, window_left, window_right) of one sequence: what decides which keys a
+                      row sees (kv_block_range, q_block_range, visibility_mask)
+  scores              (qk_scale_log2, softcap_in_scale, softcap_out_log2), ScoreParams.kernel_scores (scores_log2)
+  None pointer        an optional tensor the call does not have; `X is not None` is decided at compile time, so the
+                      kernel holds no code for an absent feature
+Masks and key-block ranges live here and nowhere else: kernels loop over the masked edge blocks and the unmasked
+full blocks that these helpers return.
 """
 
 import triton
 import triton.language as tl
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 @triton.jit
@@ -48,14 +51,15 @@ def grouped_tile_and_batch_head(num_tiles, heads_per_group):
 
 
 @triton.jit
-def kv_block_range(m_start, seqlen_q, seqlen_k, window_left, window_right,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_LOCAL: tl.constexpr):
-    """Key blocks visible to query rows [m_start, m_start + BLOCK_M).
+def kv_block_range(m_start, visibility, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_LOCAL: tl.constexpr):
+    """Key blocks visible to query rows [m_start, m_start + BLOCK_M) under visibility = (seqlen_q, seqlen_k,
+    window_left, window_right).
 
     Returns (n_block_min, n_full_min, n_full_max, n_block_max): blocks in [n_full_min, n_full_max)
     are visible to every row and need no mask; blocks in [n_block_min, n_full_min) and
     [n_full_max, n_block_max) need one; blocks outside [n_block_min, n_block_max) are never loaded.
     """
+    seqlen_q, seqlen_k, window_left, window_right = visibility
     n_blocks = tl.cdiv(seqlen_k, BLOCK_N)
     if IS_LOCAL:
         offset = seqlen_k - seqlen_q
@@ -79,22 +83,26 @@ def kv_block_range(m_start, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
-def split_block_range(n_block_min, n_block_max, split_idx, num_splits):
-    """Key blocks [lo, hi) of split `split_idx` when [n_block_min, n_block_max) is cut into num_splits parts."""
+def split_kv_block_range(n_blocks, split_idx, num_splits):
+    """kv_block_range's (n_block_min, n_full_min, n_full_max, n_block_max) of split `split_idx` when the visible
+    blocks are cut into num_splits parts of equal block counts (the last ones may be shorter or empty)."""
+    n_block_min, n_full_min, n_full_max, n_block_max = n_blocks
     per_split = tl.cdiv(tl.maximum(n_block_max - n_block_min, 0), num_splits)
     lo = tl.minimum(n_block_min + split_idx * per_split, n_block_max)
     hi = tl.minimum(lo + per_split, n_block_max)
-    return lo, hi
+    n_full_min = tl.minimum(tl.maximum(n_full_min, lo), hi)
+    n_full_max = tl.minimum(tl.maximum(n_full_max, n_full_min), hi)
+    return lo, n_full_min, n_full_max, hi
 
 
 @triton.jit
-def q_block_range(n_start, seqlen_q, seqlen_k, window_left, window_right,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_LOCAL: tl.constexpr):
+def q_block_range(n_start, visibility, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_LOCAL: tl.constexpr):
     """Query blocks that see any of the keys [n_start, n_start + BLOCK_N): the mirror of kv_block_range.
 
     Returns (m_block_min, m_full_min, m_full_max, m_block_max) with the same meaning. Key rows past
     seqlen_k in the last key block are never stored, so only the window decides what is full.
     """
+    seqlen_q, seqlen_k, window_left, window_right = visibility
     m_blocks = tl.cdiv(seqlen_q, BLOCK_M)
     if IS_LOCAL:
         offset = seqlen_k - seqlen_q
@@ -118,8 +126,9 @@ def q_block_range(n_start, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
-def visibility_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, IS_LOCAL: tl.constexpr):
+def visibility_mask(offs_m, offs_n, visibility, IS_LOCAL: tl.constexpr):
     """[BLOCK_M, BLOCK_N] bool: key offs_n is inside the sequence and the window of row offs_m."""
+    seqlen_q, seqlen_k, window_left, window_right = visibility
     # [BLOCK_M, BLOCK_N]
     visible = offs_n[None, :] < seqlen_k
     if IS_LOCAL:
@@ -135,8 +144,10 @@ def tanh(x):
 
 
 @triton.jit
-def alibi_bias_log2(slope_log2, offs_m, offs_n, seqlen_q, seqlen_k, alibi_pure_causal):
-    """[BLOCK_M, BLOCK_N] ALiBi bias in log2 units (docs/api.md §4.4), with FA2's pure-causal LSE quirk."""
+def alibi_bias_log2(slope_log2, offs_m, offs_n, visibility, alibi_pure_causal):
+    """[BLOCK_M, BLOCK_N] ALiBi bias in log2 units (docs/api.md §4.4), with FA2's pure-causal LSE quirk
+    (alibi_pure_causal != 0: the distance is -j instead of |c_i - j|)."""
+    seqlen_q, seqlen_k, _, _ = visibility
     # [BLOCK_M, BLOCK_N] key distance |c_i - j|, or -j in the pure causal configuration
     aligned = offs_m[:, None] + (seqlen_k - seqlen_q)
     distance = tl.where(alibi_pure_causal != 0, -offs_n[None, :] + 0 * aligned, tl.abs(aligned - offs_n[None, :]))
@@ -145,8 +156,10 @@ def alibi_bias_log2(slope_log2, offs_m, offs_n, seqlen_q, seqlen_k, alibi_pure_c
 
 
 @triton.jit
-def scores_log2(qk, qk_scale_log2, softcap_in_scale, softcap_out_log2, HAS_SOFTCAP: tl.constexpr):
-    """Raw q.k (fp32) to log2-domain logits: scale, then softcap * tanh(scaled / softcap) (docs/api.md §4.1)."""
+def scores_log2(qk, scores, HAS_SOFTCAP: tl.constexpr):
+    """Raw q.k (fp32) to log2-domain logits: scale, then softcap * tanh(scaled / softcap) (docs/api.md §4.1).
+    scores: ScoreParams.kernel_scores, (qk_scale_log2, softcap_in_scale, softcap_out_log2)."""
+    qk_scale_log2, softcap_in_scale, softcap_out_log2 = scores
     if HAS_SOFTCAP:
         return tanh(qk * softcap_in_scale) * softcap_out_log2
     else:
@@ -154,14 +167,13 @@ def scores_log2(qk, qk_scale_log2, softcap_in_scale, softcap_out_log2, HAS_SOFTC
 
 
 @triton.jit
-def sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, seqlen_q, seqlen_k,
-                    IS_VARLEN: tl.constexpr, HAS_SEQUSED_K: tl.constexpr, HAS_LEFTPAD_K: tl.constexpr):
-    """(first row of q, q length, first row of k, k length) of one batch entry.
+def sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, seqlen_q, seqlen_k):
+    """(first row of q, q length, first row of k, k length) of one batch entry; a None pointer: the call has none.
 
     Varlen reads cu_seqlens; seqused_k replaces the key length; leftpad_k moves the first key forward
     inside the sequence's slot (docs/api.md §7).
     """
-    if IS_VARLEN:
+    if CuSeqlensQ is not None:
         q_start = tl.load(CuSeqlensQ + batch)
         q_len = tl.load(CuSeqlensQ + batch + 1) - q_start
         k_start = tl.load(CuSeqlensK + batch)
@@ -171,9 +183,9 @@ def sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, seqlen_q,
         q_len = seqlen_q
         k_start = tl.zeros([], tl.int32)
         k_len = seqlen_k
-    if HAS_SEQUSED_K:
+    if SeqUsedK is not None:
         k_len = tl.load(SeqUsedK + batch)
-    if HAS_LEFTPAD_K:
+    if LeftPadK is not None:
         left_pad = tl.load(LeftPadK + batch)
         k_start += left_pad
         k_len -= left_pad
@@ -243,6 +255,7 @@ def dropout_keep(rng_state, stream, offs_m, n_start, dropout_p, BLOCK_N: tl.cons
     keep1 = (tl.random.uint_to_uniform_float(word1) >= dropout_p).to(tl.int8)
     keep2 = (tl.random.uint_to_uniform_float(word2) >= dropout_p).to(tl.int8)
     keep3 = (tl.random.uint_to_uniform_float(word3) >= dropout_p).to(tl.int8)
-    # [BLOCK_M, BLOCK_N // 4, 2, 2] -> [BLOCK_M, BLOCK_N]: element [c, y, x] is word 2y + x of quad c, column 4c + 2y + x
+    # [BLOCK_M, BLOCK_N // 4, 2, 2] -> [BLOCK_M, BLOCK_N]: element [c, y, x] is word 2y + x of quad c,
+    # column 4c + 2y + x
     keep = tl.join(tl.join(keep0, keep2), tl.join(keep1, keep3))
     return tl.reshape(keep, [offs_m.shape[0], BLOCK_N]) != 0

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .common import (alibi_bias_log2, dropout_keep, grouped_tile_and_batch_head, kv_block_range, row_offsets,
-                     scores_log2, sequence_bounds, split_block_range, to_int64, visibility_mask)
+                     scores_log2, sequence_bounds, split_kv_block_range, to_int64, visibility_mask)
 
 # TMA_MODE values
 TMA_OFF = tl.constexpr(0)
@@ -32,18 +32,28 @@ TMA_PACKED = tl.constexpr(3)
 
 
 @triton.jit
-def _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_kv_batch, desc_k_row0, desc_head_k,
-                 stride_kn, stride_vn,
-                 block_table_row, page_size, stride_kpage, stride_vpage,
-                 offs_m, offs_d, n_block_lo, n_block_hi, seqlen_q, seqlen_k,
-                 qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
-                 slope_log2, alibi_pure_causal, rng_state, stream, dropout_p,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-                 IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_PAGED: tl.constexpr,
-                 HAS_DROPOUT: tl.constexpr, TMA_MODE: tl.constexpr, FOLD_SCALE: tl.constexpr,
-                 TILE_IN_PAGE: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr):
-    """Accumulate key blocks [n_block_lo, n_block_hi) into (acc, l_i, m_i); MASKED applies the mask."""
+def _fwd_kv_loop(acc, l_i, m_i, q, offs_m, n_block_lo, n_block_hi, kv, k_desc, v_desc, block_table_row, pages,
+                 visibility, scores, alibi, rng_state, stream, dropout, MASKED: tl.constexpr, IS_LOCAL: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                 FOLD_SCALE: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr, TMA_MODE: tl.constexpr,
+                 TILE_IN_PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Accumulate key blocks [n_block_lo, n_block_hi) into (acc, l_i, m_i); MASKED applies visibility_mask.
+
+    kv: where this program's KV head is, (k_base, v_base, stride_kn, stride_vn) for pointer loads and the
+    (batch, first row, head) coordinates of its tiles in k_desc / v_desc (TMA_MODE); block_table_row: the batch
+    row's pages, None where K/V are not paged; pages: (page_size, stride_kpage, stride_vpage);
+    alibi: ([BLOCK_M, 1] slopes in log2 units, alibi_pure_causal); dropout: the kernel's (dropout_p, dropout_scale),
+    drawn from rng_state in the rows' Philox streams.
+    """
+    k_base, v_base, stride_kn, stride_vn, desc_kv_batch, desc_k_row0, desc_head_k = kv
+    page_size, stride_kpage, stride_vpage = pages
+    _, seqlen_k, _, _ = visibility
+    qk_scale_log2, _, _ = scores
+    slope_log2, alibi_pure_causal = alibi
+    dropout_p, _ = dropout
+    IS_PAGED: tl.constexpr = block_table_row is not None
     offs_col = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
     d_in = offs_d < HEAD_DIM
     for n_block in range(n_block_lo, n_block_hi):
         n_start = n_block * BLOCK_N
@@ -68,11 +78,11 @@ def _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_kv_batch
         # [BLOCK_M, BLOCK_N]: raw q.k when FOLD_SCALE (the scale joins the exp2 FMA), else log2-domain logits
         s = tl.dot(q, k_t)
         if not FOLD_SCALE:
-            s = scores_log2(s, qk_scale_log2, softcap_in_scale, softcap_out_log2, HAS_SOFTCAP)
+            s = scores_log2(s, scores, HAS_SOFTCAP)
             if HAS_ALIBI:
-                s += alibi_bias_log2(slope_log2, offs_m, offs_n, seqlen_q, seqlen_k, alibi_pure_causal)
+                s += alibi_bias_log2(slope_log2, offs_m, offs_n, visibility, alibi_pure_causal)
         if MASKED:
-            s = tl.where(visibility_mask(offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, IS_LOCAL), s, float("-inf"))
+            s = tl.where(visibility_mask(offs_m, offs_n, visibility, IS_LOCAL), s, float("-inf"))
         scale = qk_scale_log2 if FOLD_SCALE else 1.0
         # [BLOCK_M] new running max; it lags while it grows by at most RESCALE_THRESHOLD
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
@@ -97,37 +107,55 @@ def _fwd_kv_loop(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_kv_batch
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "page_size", "seqlen_q", "seqlen_k", "window_left",
-                               "window_right", "heads_per_group"])
+@triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "page_size", "seqlen_q", "seqlen_k", "heads_per_group",
+                               "window_left", "window_right"])
 def attn_fwd_kernel(
-    Q, K, V, Out, Lse, AlibiSlopes, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, BlockTable, CacheBatchIdx, RngState,
-    q_desc, k_desc, v_desc, o_desc,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_ob, stride_om, stride_oh,
-    stride_lse_b, stride_lse_h,
-    stride_alibi_b, stride_block_table_b, page_size, stride_kpage, stride_vpage, stride_o_split, stride_lse_split,
-    num_heads, group_size, seqlen_q, seqlen_k, heads_per_group,
-    qk_scale_log2, softcap_in_scale, softcap_out_log2,
-    window_left, window_right, alibi_pure_causal, dropout_p, dropout_scale,
+    Q, K, V, Out, Lse, optional, descriptors, strides, stride_lse_b, stride_lse_h, batch_strides, page_size,
+    page_strides, split_strides, head_counts, seqlen_q, seqlen_k, heads_per_group, scores, window_left, window_right,
+    alibi_pure_causal, dropout,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, IS_VARLEN: tl.constexpr,
-    IS_PAGED: tl.constexpr, HAS_SEQUSED_K: tl.constexpr, HAS_LEFTPAD_K: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
-    IS_SPLIT: tl.constexpr, HAS_DROPOUT: tl.constexpr, TMA_MODE: tl.constexpr, FOLD_SCALE: tl.constexpr,
-    PACK_GQA: tl.constexpr, TILE_IN_PAGE: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr,
+    IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_SPLIT: tl.constexpr,
+    TMA_MODE: tl.constexpr, FOLD_SCALE: tl.constexpr, PACK_GQA: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
+    RESCALE_THRESHOLD: tl.constexpr,
 ):
     """One program per (query tile, batch * head), or per (packed tile, batch * kv head) with PACK_GQA.
-    Paged K/V (IS_PAGED) address keys through BlockTable, one lookup per key tile with TILE_IN_PAGE;
-    HAS_BATCH_IDX reads K/V from row CacheBatchIdx[batch] (the kv-cache's cache_batch_idx).
 
-    Query tiles run in reverse order, so under a causal mask the longest rows start first; programs run in
-    groups of heads_per_group (batch, head) pairs (grouped_tile_and_batch_head).
-    HAS_DROPOUT drops P elements by dropout_keep (seeded from RngState) after the row sum, so the LSE
-    ignores dropout, and scales the output by dropout_scale = 1 / (1 - dropout_p).
+    Grouped arguments:
+      optional       (AlibiSlopes, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, BlockTable, CacheBatchIdx, RngState),
+                     each None where the call has none (and no code for it is generated)
+      descriptors    (q_desc, k_desc, v_desc, o_desc): host-built descriptors (TMA_HOST, TMA_PACKED) or None
+      strides        (batch, row, head) strides of Q, K, V and Out
+      batch_strides  (AlibiSlopes, BlockTable) batch-row strides
+      page_strides   (K, V) strides between pages; split_strides: (Out, Lse) strides between splits
+      head_counts    (num_heads, group_size): query heads, query heads per KV head
+      scores         ScoreParams.kernel_scores: (qk_scale_log2, softcap_in_scale, softcap_out_log2)
+      dropout        (dropout_p, dropout_scale)
+    The Lse strides, page size, sequence lengths, heads_per_group and window are plain unspecialized arguments:
+    new values reuse the compiled kernel. The arguments' order is the compiled kernel's parameter order.
+
+    Paged K/V (BlockTable) are addressed one page lookup per key tile with TILE_IN_PAGE; CacheBatchIdx maps batch
+    row b to K/V row CacheBatchIdx[b] (the kv-cache's cache_batch_idx). Query tiles run in reverse order, so under a
+    causal mask the longest rows start first; programs run in groups of heads_per_group (batch, head) pairs
+    (grouped_tile_and_batch_head). HAS_DROPOUT drops P elements by dropout_keep (seeded from RngState) after the row
+    sum, so the LSE ignores dropout, and scales the output by dropout_scale = 1 / (1 - dropout_p).
     IS_SPLIT (split-KV, grid axis 1 = split): each split attends to its share of the visible key blocks and
     writes fp32 partial outputs and LSEs (-inf where it saw no key) for attn_combine_kernel to merge.
     """
+    AlibiSlopes, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, BlockTable, CacheBatchIdx, RngState = optional
+    q_desc, k_desc, v_desc, o_desc = descriptors
+    q_strides, k_strides, v_strides, o_strides = strides
+    stride_qb, stride_qm, stride_qh = q_strides
+    stride_kb, stride_kn, stride_kh = k_strides
+    stride_vb, stride_vn, stride_vh = v_strides
+    stride_ob, stride_om, stride_oh = o_strides
+    stride_alibi_b, stride_block_table_b = batch_strides
+    stride_kpage, stride_vpage = page_strides
+    stride_o_split, stride_lse_split = split_strides
+    num_heads, group_size = head_counts
+    _, dropout_scale = dropout
+    HAS_ALIBI: tl.constexpr = AlibiSlopes is not None
+    IS_PAGED: tl.constexpr = BlockTable is not None
+
     num_heads_k = num_heads // group_size
     if PACK_GQA:
         num_tiles = tl.cdiv(seqlen_q * group_size, BLOCK_M)
@@ -142,7 +170,8 @@ def attn_fwd_kernel(
         batch = batch_head // num_heads
         head_k = (batch_head % num_heads) // group_size
     q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, seqlen_q,
-                                                           seqlen_k, IS_VARLEN, HAS_SEQUSED_K, HAS_LEFTPAD_K)
+                                                           seqlen_k)
+    visibility = (seqlen_q, seqlen_k, window_left, window_right)
     offs_row = tl.arange(0, BLOCK_M)
     if PACK_GQA:
         # tile row r holds query row p // group_size of head head_k * group_size + p % group_size, p = packed index
@@ -165,7 +194,7 @@ def attn_fwd_kernel(
 
     batch64 = batch.to(tl.int64)
     kv_batch = batch
-    if HAS_BATCH_IDX:
+    if CacheBatchIdx is not None:
         kv_batch = tl.load(CacheBatchIdx + batch)
     kv_batch64 = kv_batch.to(tl.int64)
     q_base = Q + batch64 * stride_qb + to_int64(q_start) * stride_qm
@@ -227,35 +256,19 @@ def attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    n_block_min, n_full_min, n_full_max, n_block_max = kv_block_range(
-        m_start, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, IS_LOCAL)
+    n_blocks = kv_block_range(m_start, visibility, BLOCK_M, BLOCK_N, IS_LOCAL)
     if IS_SPLIT:
-        split_lo, split_hi = split_block_range(n_block_min, n_block_max, split_idx, tl.num_programs(1))
-        n_block_min = split_lo
-        n_full_min = tl.minimum(tl.maximum(n_full_min, split_lo), split_hi)
-        n_full_max = tl.minimum(tl.maximum(n_full_max, n_full_min), split_hi)
-        n_block_max = split_hi
-    acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_kv_batch, desc_k_row0, desc_head_k, stride_kn, stride_vn,
-        block_table_row,
-        page_size, stride_kpage, stride_vpage, offs_m, offs_d, n_block_min, n_full_min,
-        seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
-        slope_log2, alibi_pure_causal, RngState, stream, dropout_p, HEAD_DIM, BLOCK_N, BLOCK_D, True, IS_LOCAL,
-        HAS_SOFTCAP, HAS_ALIBI, IS_PAGED, HAS_DROPOUT, TMA_MODE, FOLD_SCALE, TILE_IN_PAGE, RESCALE_THRESHOLD)
-    acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_kv_batch, desc_k_row0, desc_head_k, stride_kn, stride_vn,
-        block_table_row,
-        page_size, stride_kpage, stride_vpage, offs_m, offs_d, n_full_min, n_full_max,
-        seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
-        slope_log2, alibi_pure_causal, RngState, stream, dropout_p, HEAD_DIM, BLOCK_N, BLOCK_D, False, IS_LOCAL,
-        HAS_SOFTCAP, HAS_ALIBI, IS_PAGED, HAS_DROPOUT, TMA_MODE, FOLD_SCALE, TILE_IN_PAGE, RESCALE_THRESHOLD)
-    acc, l_i, m_i = _fwd_kv_loop(
-        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, desc_kv_batch, desc_k_row0, desc_head_k, stride_kn, stride_vn,
-        block_table_row,
-        page_size, stride_kpage, stride_vpage, offs_m, offs_d, n_full_max, n_block_max,
-        seqlen_q, seqlen_k, qk_scale_log2, softcap_in_scale, softcap_out_log2, window_left, window_right,
-        slope_log2, alibi_pure_causal, RngState, stream, dropout_p, HEAD_DIM, BLOCK_N, BLOCK_D, True, IS_LOCAL,
-        HAS_SOFTCAP, HAS_ALIBI, IS_PAGED, HAS_DROPOUT, TMA_MODE, FOLD_SCALE, TILE_IN_PAGE, RESCALE_THRESHOLD)
+        n_blocks = split_kv_block_range(n_blocks, split_idx, tl.num_programs(1))
+    kv = (k_base, v_base, stride_kn, stride_vn, desc_kv_batch, desc_k_row0, desc_head_k)
+    for part in tl.static_range(3):
+        # part 0 and 2: the masked edges [n_block_min, n_full_min) and [n_full_max, n_block_max);
+        # part 1: the blocks every row sees whole, [n_full_min, n_full_max), without a mask
+        acc, l_i, m_i = _fwd_kv_loop(
+            acc, l_i, m_i, q, offs_m, n_blocks[part], n_blocks[part + 1], kv, k_desc, v_desc, block_table_row,
+            (page_size, stride_kpage, stride_vpage), visibility, scores, (slope_log2, alibi_pure_causal), RngState,
+            stream, dropout, MASKED=part != 1, IS_LOCAL=IS_LOCAL, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
+            HAS_DROPOUT=HAS_DROPOUT, FOLD_SCALE=FOLD_SCALE, RESCALE_THRESHOLD=RESCALE_THRESHOLD, TMA_MODE=TMA_MODE,
+            TILE_IN_PAGE=TILE_IN_PAGE, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
 
     # rows that saw no key: out 0, lse +inf (docs/api.md §4.5)
     seen = l_i > 0.0

@@ -150,7 +150,7 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
         return
     q_strides = _varlen_strides if is_varlen else _bsh_strides
     kv_strides = _paged_strides if is_paged else q_strides
-    page_args = (block_table.stride(0), k.shape[1], k.stride(0), v.stride(0)) if is_paged else (0, 1, 0, 0)
+    page_size, page_strides = (k.shape[1], (k.stride(0), v.stride(0))) if is_paged else (1, (0, 0))
     block_dim = configs.block_d(head_dim)
     is_split = num_splits > 1
     if is_split:
@@ -182,19 +182,18 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     grid = (query_tiles * batch_heads, num_splits)
     with device_guard(q):
         attn_fwd_kernel[grid](
-            q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table,
-            cache_batch_idx, rng_state, *descriptors,
-            *q_strides(q), *kv_strides(k), *kv_strides(v), *q_strides(out[0] if is_split else out),
-            *lse_strides, _alibi_batch_stride(alibi_slopes), *page_args, *split_strides,
-            num_heads, num_heads // num_heads_k, seqlen_q, seqlen_k, heads_per_group,
-            *params.kernel_args(), dropout_p, 1.0 / (1.0 - dropout_p),
+            q, k, v, out, lse,
+            (alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table, cache_batch_idx, rng_state),
+            descriptors, (q_strides(q), kv_strides(k), kv_strides(v), q_strides(out[0] if is_split else out)),
+            *lse_strides, (_alibi_batch_stride(alibi_slopes), block_table.stride(0) if is_paged else 0), page_size,
+            page_strides, split_strides, (num_heads, num_heads // num_heads_k), seqlen_q, seqlen_k, heads_per_group,
+            params.kernel_scores(), params.window_left, params.window_right, int(params.alibi_pure_causal),
+            (dropout_p, 1.0 / (1.0 - dropout_p)),
             HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-            IS_LOCAL=params.is_local, HAS_SOFTCAP=params.softcap > 0.0, HAS_ALIBI=alibi_slopes is not None,
-            IS_VARLEN=is_varlen, IS_PAGED=is_paged, HAS_SEQUSED_K=seqused_k is not None,
-            HAS_LEFTPAD_K=leftpad_k is not None, HAS_BATCH_IDX=cache_batch_idx is not None, IS_SPLIT=is_split,
-            HAS_DROPOUT=dropout_p > 0.0, TMA_MODE=tma_mode, PACK_GQA=pack_gqa,
-            TILE_IN_PAGE=is_paged and k.shape[1] % config.block_n == 0,
-            FOLD_SCALE=params.softcap <= 0.0 and alibi_slopes is None and params.softmax_scale > 0.0,
+            IS_LOCAL=params.is_local, HAS_SOFTCAP=params.has_softcap, HAS_DROPOUT=dropout_p > 0.0,
+            IS_SPLIT=is_split, TMA_MODE=tma_mode,
+            FOLD_SCALE=not params.has_softcap and alibi_slopes is None and params.softmax_scale > 0.0,
+            PACK_GQA=pack_gqa, TILE_IN_PAGE=is_paged and k.shape[1] % config.block_n == 0,
             RESCALE_THRESHOLD=config.rescale_threshold,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
@@ -273,26 +272,28 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
     use_tma = config.use_tma and descriptors_ok
     if use_tma:
         _ensure_scratch_allocator()
-    flags = dict(IS_LOCAL=params.is_local, HAS_SOFTCAP=params.softcap > 0.0, HAS_ALIBI=alibi_slopes is not None,
-                 IS_VARLEN=is_varlen, HAS_DROPOUT=dropout_p > 0.0, USE_TMA=use_tma)
+    flags = dict(IS_LOCAL=params.is_local, HAS_SOFTCAP=params.has_softcap, HAS_DROPOUT=dropout_p > 0.0,
+                 USE_TMA=use_tma)
     plain = not (is_varlen or dropout_p > 0.0 or alibi_slopes is not None)
     gluon = hopper.gluon_runs("bwd", q, params, seqlen_q, seqlen_k, plain, descriptors_ok, deterministic)
     gluon_dq = gluon and hopper.computes_dq(head_dim)
     dq_atomic = not gluon and config.dq_atomic and not deterministic and seqlen_q > 0
     # fp32 dQ accumulator in q's (B, S, H, D) / (T, H, D) shape, contiguous, zeroed by the preprocess
     dq_accum = new_empty(q.shape, torch.float32, q.device) if gluon_dq or dq_atomic else None
-    dropout_args = (dropout_p, 1.0 / (1.0 - dropout_p))
-    score_args = params.kernel_args()
+    # arguments the dK/dV and dQ kernels share (kernels/bwd.py)
+    optional = (alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state)
+    input_strides = (seq_strides(q), seq_strides(k), seq_strides(v), seq_strides(dout))
+    score_args = (params.softmax_scale, params.kernel_scores(), params.window_left, params.window_right,
+                  int(params.alibi_pure_causal), (dropout_p, 1.0 / (1.0 - dropout_p)))
     alibi_stride = _alibi_batch_stride(alibi_slopes)
     with device_guard(q):
         preprocess_rows = max(seqlen_q, delta_rows)
         if preprocess_rows > 0:
             preprocess_grid = (triton_cdiv(preprocess_rows, config.preprocess_block) * batch * num_heads,)
             attn_bwd_preprocess_kernel[preprocess_grid](
-                out, dout, delta, dq_accum, cu_seqlens_q, *seq_strides(out), *seq_strides(dout), *delta_strides,
-                *(seq_strides(dq_accum) if dq_accum is not None else (0, 0, 0)), num_heads, seqlen_q, delta_rows,
-                HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.preprocess_block, IS_VARLEN=is_varlen,
-                ZERO_DQ_ACCUM=dq_accum is not None,
+                out, dout, delta, dq_accum, cu_seqlens_q, (seq_strides(out), seq_strides(dout)), *delta_strides,
+                seq_strides(dq_accum) if dq_accum is not None else (0, 0, 0), num_heads, seqlen_q, delta_rows,
+                HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.preprocess_block,
             )
         dkdv_heads_per_group = configs.heads_per_l2_group(_operand_bytes(q, seqlen_q, 2 * group_size),
                                                           batch * num_heads_k, params.causal_like)
@@ -304,12 +305,9 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
         elif seqlen_k > 0:
             dkdv_grid = (triton_cdiv(seqlen_k, config.dkdv.block_n) * batch * num_heads_k,)
             attn_bwd_dkdv_kernel[dkdv_grid](
-                q, k, v, dout, lse, delta, dk, dv, dq_accum, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
-                *seq_strides(q), *seq_strides(k), *seq_strides(v), *seq_strides(dout), *lse_strides,
-                *delta_strides, *seq_strides(dk), *seq_strides(dv),
-                *(seq_strides(dq_accum) if dq_atomic else (0, 0, 0)), alibi_stride,
-                num_heads_k, group_size, seqlen_q, seqlen_k, dkdv_heads_per_group, params.softmax_scale, *score_args,
-                *dropout_args,
+                q, k, v, dout, lse, delta, dk, dv, dq_accum, optional, input_strides, *lse_strides, *delta_strides,
+                (seq_strides(dk), seq_strides(dv), seq_strides(dq_accum) if dq_atomic else (0, 0, 0)), alibi_stride,
+                (num_heads_k, group_size), seqlen_q, seqlen_k, dkdv_heads_per_group, *score_args,
                 HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.dkdv.block_m, BLOCK_N=config.dkdv.block_n,
                 **flags, DQ_ATOMIC=dq_atomic, num_warps=config.dkdv.num_warps, num_stages=config.dkdv.num_stages,
             )
@@ -320,11 +318,8 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
             dq_heads_per_group = configs.heads_per_l2_group(_operand_bytes(k, seqlen_k, 2 / group_size),
                                                             batch * num_heads, params.causal_like)
             attn_bwd_dq_kernel[dq_grid](
-                q, k, v, dout, lse, delta, dq, alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state,
-                *seq_strides(q), *seq_strides(k), *seq_strides(v), *seq_strides(dout), *lse_strides,
-                *delta_strides, *seq_strides(dq), alibi_stride,
-                num_heads, group_size, seqlen_q, seqlen_k, dq_heads_per_group, params.softmax_scale, *score_args,
-                *dropout_args,
+                q, k, v, dout, lse, delta, dq, optional, input_strides, *lse_strides, *delta_strides, seq_strides(dq),
+                alibi_stride, (num_heads, group_size), seqlen_q, seqlen_k, dq_heads_per_group, *score_args,
                 HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.dq.block_m, BLOCK_N=config.dq.block_n, **flags,
                 num_warps=config.dq.num_warps, num_stages=config.dq.num_stages,
             )

@@ -218,7 +218,7 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
         tile_descriptor(q, CONSUMER_ROWS.value), tile_descriptor(k, config.block_n),
         tile_descriptor(v, config.block_n), tile_descriptor(out, CONSUMER_ROWS.value), lse, partial, partial_lse,
         *lse_strides, batch, num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, *work,
-        params.kernel_args()[0], config.rescale_threshold, **forward_constexprs(config, params.causal_like))
+        params.qk_scale_log2, config.rescale_threshold, **forward_constexprs(config, params.causal_like))
     if split is not None:
         attn_tail_merge_kernel[(split.tiles * tile_rows * head_dim // TAIL_MERGE_ELEMENTS.value,)](
             partial, partial_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), *lse_strides, batch,
@@ -314,7 +314,7 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
           for stat, strides in ((lse, lse_strides), (delta, delta_strides))),
         dk, dv, *(() if dq_box is None else (dq_counters, )), dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), num_heads_k, num_heads // num_heads_k, seqlen_q, seqlen_k,
-        1 if ordered else heads_per_group, params.softmax_scale, params.kernel_args()[0],
+        1 if ordered else heads_per_group, params.softmax_scale, params.qk_scale_log2,
         CAUSAL=params.causal_like, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4,
         **kernel_args)
     if dq_accum is not None:
