@@ -5,6 +5,7 @@ import torch
 
 import flashtriton
 from flashtriton.flash_attn_interface import _flash_attn_varlen_backward, _flash_attn_varlen_forward
+from flashtriton.ops import backend
 from flashtriton.testing import (assert_checks_ok, compare_varlen_with_reference, cu_seqlens, forced_gluon,
                                  poisoned_outputs)
 
@@ -240,6 +241,50 @@ def test_low_level_backward_softmax_d():
 
 def test_seqused_and_leftpad_through_tensor_descriptors(force_tma):
     test_seqused_and_leftpad_low_level()
+
+
+@pytest.mark.skipif(ON_GPU or not backend.KERNELS_INTERPRETED, reason="records the interpreter's launches")
+def test_new_lengths_keep_the_compiled_kernels_cache_key(monkeypatch):
+    """The CPU counterpart of test_new_lengths_do_not_recompile: each launch's arguments go through Triton's own
+    binder for an sm_90 target (the specialization a compiled launch gets), and the cache key it yields is the same
+    for new lengths, batch sizes and split counts, dense, varlen and kv-cache, forward and backward."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
+
+    cuda = make_backend(GPUTarget("cuda", 90, 32))
+    keys = {}
+
+    def record(name):
+        interpreted = getattr(backend, name)
+        jit = JITFunction(interpreted.fn, **{option: interpreted.kwargs[option] for option in (
+            "do_not_specialize", "do_not_specialize_on_alignment") if option in interpreted.kwargs})
+        binder = create_function_from_signature(jit.signature, jit.params, cuda)
+
+        class Recorder:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    _, specialization, options = binder(*args, **kwargs)
+                    keys.setdefault(name, set()).add(compute_cache_key({}, specialization, options))
+                    return interpreted[grid](*args, **kwargs)
+                return launch
+        monkeypatch.setattr(backend, name, Recorder())
+
+    for name in ("attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"):
+        record(name)
+    for lens_q, lens_k, dense_len, batch, cache_len in (([20, 7], [24, 9], 17, 2, 40), ([1, 32], [48, 3], 32, 3, 64)):
+        q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, head_dim=16)
+        out = flashtriton.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+        out.sum().backward()
+        qd = torch.randn(batch, dense_len, 2, 16, dtype=torch.float16, requires_grad=True)
+        flashtriton.flash_attn_func(qd, qd, qd, window_size=(5, 3)).sum().backward()
+        cache = torch.randn(batch, cache_len, 2, 16, dtype=torch.float16)
+        flashtriton.flash_attn_with_kvcache(qd[:, :1].detach(), cache, cache.clone(),
+                                            cache_seqlens=torch.full((batch,), cache_len // 2, dtype=torch.int32),
+                                            causal=True, num_splits=batch)
+    # one key per path and kernel: dense, varlen and the kv-cache's split launch share none of them
+    assert {name: len(found) for name, found in keys.items()} == {
+        "attn_fwd_kernel": 3, "attn_bwd_dkdv_kernel": 2, "attn_bwd_dq_kernel": 2}
 
 
 @pytest.mark.gpu
