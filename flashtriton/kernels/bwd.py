@@ -10,7 +10,8 @@ USE_TMA (the sm90 configs): the Q and dO tiles of the dK/dV kernel and the K and
 come through in-kernel tensor descriptors over one sequence's rows of every head
 (common.head_rows_descriptor); rows past the sequence read as zeros.
 
-Grouped arguments of the dK/dV and dQ kernels (their order is the compiled kernels' parameter order):
+Grouped arguments of the dK/dV and dQ kernels (tuples flatten, in order, into the compiled kernel's parameter list,
+and the generated code depends on that order):
   optional     (AlibiSlopes, CuSeqlensQ, CuSeqlensK, RngState), each None where the call has none
   strides      (batch, row, head) strides of Q, K, V and DOut; grad_strides / dq_strides: those of the gradients
   head_counts  (query heads or KV heads, group_size): the heads the kernel's grid runs over, and query heads per KV head

@@ -131,7 +131,8 @@ def attn_fwd_kernel(
       scores         ScoreParams.kernel_scores: (qk_scale_log2, softcap_in_scale, softcap_out_log2)
       dropout        (dropout_p, dropout_scale)
     The Lse strides, page size, sequence lengths, heads_per_group and window are plain unspecialized arguments:
-    new values reuse the compiled kernel. The arguments' order is the compiled kernel's parameter order.
+    new values reuse the compiled kernel. Tuples flatten, in order, into the compiled kernel's parameter list, and
+    the generated code depends on that order: reordering arguments changes the SASS.
 
     Paged K/V (BlockTable) are addressed one page lookup per key tile with TILE_IN_PAGE; CacheBatchIdx maps batch
     row b to K/V row CacheBatchIdx[b] (the kv-cache's cache_batch_idx). Query tiles run in reverse order, so under a
