@@ -91,18 +91,18 @@ def _kernel_values(name, head_dim, local, block_m, block_n, dtype, dropout, pack
         if packed:
             descriptors = (*(Arg(f"tensordesc<{dtype}[1,{rows},1,{block_d}]>") for rows in (block_m, block_n, block_n)),
                            None)
-        return dict(Q=_pointer(dtype), K=_pointer(dtype), V=_pointer(dtype), Out=_pointer(dtype), Lse=_pointer("fp32"),
+        return dict(inputs=(_pointer(dtype),) * 3, outputs=(_pointer(dtype), _pointer("fp32")),
                     optional=(None, cu_seqlens, cu_seqlens, paging, None, paging, None, rng_state),
-                    descriptors=descriptors, strides=(row_strides,) * 4, stride_lse_b=INT, stride_lse_h=INT,
+                    **dict(zip(("q_desc", "k_desc", "v_desc", "o_desc"), descriptors)), strides=(row_strides,) * 4, stride_lse_b=INT, stride_lse_h=INT,
                     batch_strides=(STRIDE, STRIDE), page_size=INT, page_strides=(STRIDE, STRIDE),
                     split_strides=(STRIDE, STRIDE), head_counts=(INT, INT), **scores, **flags, IS_SPLIT=False,
                     TMA_MODE=3 if packed else 2 if tma_device else 0, FOLD_SCALE=not dropout, PACK_GQA=pack_gqa,
                     TILE_IN_PAGE=paged, RESCALE_THRESHOLD=0.0)
-    gradients = dict(DK=_pointer(dtype), DV=_pointer(dtype), DQAccum=_pointer("fp32") if dq_atomic else None,
+    gradients = dict(outputs=(_pointer(dtype), _pointer(dtype), _pointer("fp32") if dq_atomic else None),
                      grad_strides=(row_strides,) * 3, DQ_ATOMIC=dq_atomic) if name == "dkdv" else dict(
                          DQ=_pointer(dtype), dq_strides=row_strides)
-    return dict(Q=_pointer(dtype), K=_pointer(dtype), V=_pointer(dtype), DOut=_pointer(dtype), Lse=_pointer("fp32"),
-                Delta=_pointer("fp32"), optional=(None, None, None, rng_state), strides=(row_strides,) * 4,
+    return dict(inputs=(*(_pointer(dtype),) * 4, _pointer("fp32"), _pointer("fp32")),
+                optional=(None, None, None, rng_state), strides=(row_strides,) * 4,
                 stride_lse_b=INT, stride_lse_h=INT, stride_delta_b=INT, stride_delta_h=INT, stride_alibi_b=STRIDE,
                 head_counts=(INT, INT), softmax_scale=REAL, **scores, **gradients, **flags, USE_TMA=tma_device)
 

@@ -12,6 +12,7 @@ come through in-kernel tensor descriptors over one sequence's rows of every head
 
 Grouped arguments of the dK/dV and dQ kernels (tuples flatten, in order, into the compiled kernel's parameter list,
 and the generated code depends on that order):
+  inputs       (Q, K, V, DOut, Lse, Delta); outputs (dK/dV kernel): (DK, DV, DQAccum)
   optional     (AlibiSlopes, CuSeqlensQ, CuSeqlensK, RngState), each None where the call has none
   strides      (batch, row, head) strides of Q, K, V and DOut; grad_strides / dq_strides: those of the gradients
   head_counts  (query heads or KV heads, group_size): the heads the kernel's grid runs over, and query heads per KV head
@@ -147,8 +148,7 @@ def _dkdv_q_loop(dk, dv, k, v, n_start, m_block_lo, m_block_hi, head_rows, row_s
 @triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "stride_delta_b", "stride_delta_h", "seqlen_q",
                                "seqlen_k", "heads_per_group", "window_left", "window_right"])
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV, DQAccum, optional, strides, stride_lse_b, stride_lse_h, stride_delta_b,
-    stride_delta_h, grad_strides, stride_alibi_b, head_counts, seqlen_q, seqlen_k, heads_per_group, softmax_scale,
+    inputs, outputs, optional, strides, stride_lse_b, stride_lse_h, stride_delta_b, stride_delta_h, grad_strides, stride_alibi_b, head_counts, seqlen_q, seqlen_k, heads_per_group, softmax_scale,
     scores, window_left, window_right, alibi_pure_causal, dropout,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
@@ -162,6 +162,8 @@ def attn_bwd_dkdv_kernel(
     seen by the most query rows start first; programs run in groups of heads_per_group (batch, kv head) pairs
     (grouped_tile_and_batch_head).
     """
+    Q, K, V, DOut, Lse, Delta = inputs
+    DK, DV, DQAccum = outputs
     AlibiSlopes, CuSeqlensQ, CuSeqlensK, RngState = optional
     q_strides, k_strides, v_strides, do_strides = strides
     stride_qb, stride_qm, stride_qh = q_strides
@@ -298,8 +300,8 @@ def _dq_kv_loop(dq, q, do, lse_log2, delta, offs_m, n_block_lo, n_block_hi, kv, 
 @triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "stride_delta_b", "stride_delta_h", "seqlen_q",
                                "seqlen_k", "heads_per_group", "window_left", "window_right"])
 def attn_bwd_dq_kernel(
-    Q, K, V, DOut, Lse, Delta, DQ, optional, strides, stride_lse_b, stride_lse_h, stride_delta_b, stride_delta_h,
-    dq_strides, stride_alibi_b, head_counts, seqlen_q, seqlen_k, heads_per_group, softmax_scale, scores, window_left,
+    inputs, DQ, optional, strides, stride_lse_b, stride_lse_h, stride_delta_b, stride_delta_h, dq_strides,
+    stride_alibi_b, head_counts, seqlen_q, seqlen_k, heads_per_group, softmax_scale, scores, window_left,
     window_right, alibi_pure_causal, dropout,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
@@ -308,6 +310,7 @@ def attn_bwd_dq_kernel(
     through in-kernel descriptors bound to the sequence). head_counts: (num_heads, group_size). Query tiles run in
     reverse order, so under a causal mask the longest rows start first; programs run in groups of heads_per_group
     (batch, head) pairs (grouped_tile_and_batch_head)."""
+    Q, K, V, DOut, Lse, Delta = inputs
     AlibiSlopes, CuSeqlensQ, CuSeqlensK, RngState = optional
     q_strides, k_strides, v_strides, do_strides = strides
     stride_qb, stride_qm, stride_qh = q_strides

@@ -110,9 +110,9 @@ def _fwd_kv_loop(acc, l_i, m_i, q, offs_m, n_block_lo, n_block_hi, kv, k_desc, v
 @triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "page_size", "seqlen_q", "seqlen_k", "heads_per_group",
                                "window_left", "window_right"])
 def attn_fwd_kernel(
-    Q, K, V, Out, Lse, optional, descriptors, strides, stride_lse_b, stride_lse_h, batch_strides, page_size,
-    page_strides, split_strides, head_counts, seqlen_q, seqlen_k, heads_per_group, scores, window_left, window_right,
-    alibi_pure_causal, dropout,
+    inputs, outputs, optional, q_desc, k_desc, v_desc, o_desc, strides, stride_lse_b, stride_lse_h, batch_strides,
+    page_size, page_strides, split_strides, head_counts, seqlen_q, seqlen_k, heads_per_group, scores, window_left,
+    window_right, alibi_pure_causal, dropout,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_SPLIT: tl.constexpr,
     TMA_MODE: tl.constexpr, FOLD_SCALE: tl.constexpr, PACK_GQA: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
@@ -121,9 +121,9 @@ def attn_fwd_kernel(
     """One program per (query tile, batch * head), or per (packed tile, batch * kv head) with PACK_GQA.
 
     Grouped arguments:
+      inputs         (Q, K, V); outputs: (Out, Lse)
       optional       (AlibiSlopes, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, BlockTable, CacheBatchIdx, RngState),
                      each None where the call has none (and no code for it is generated)
-      descriptors    (q_desc, k_desc, v_desc, o_desc): host-built descriptors (TMA_HOST, TMA_PACKED) or None
       strides        (batch, row, head) strides of Q, K, V and Out
       batch_strides  (AlibiSlopes, BlockTable) batch-row strides
       page_strides   (K, V) strides between pages; split_strides: (Out, Lse) strides between splits
@@ -132,7 +132,9 @@ def attn_fwd_kernel(
       dropout        (dropout_p, dropout_scale)
     The Lse strides, page size, sequence lengths, heads_per_group and window are plain unspecialized arguments:
     new values reuse the compiled kernel. Tuples flatten, in order, into the compiled kernel's parameter list, and
-    the generated code depends on that order: reordering arguments changes the SASS.
+    the generated code depends on that order: reordering arguments changes the SASS. q_desc .. o_desc (host-built
+    descriptors of TMA_HOST / TMA_PACKED, else None) stay separate arguments: Triton's launcher expands a host
+    descriptor into its kernel parameters only where it is an argument of its own, not inside a tuple.
 
     Paged K/V (BlockTable) are addressed one page lookup per key tile with TILE_IN_PAGE; CacheBatchIdx maps batch
     row b to K/V row CacheBatchIdx[b] (the kv-cache's cache_batch_idx). Query tiles run in reverse order, so under a
@@ -142,8 +144,9 @@ def attn_fwd_kernel(
     IS_SPLIT (split-KV, grid axis 1 = split): each split attends to its share of the visible key blocks and
     writes fp32 partial outputs and LSEs (-inf where it saw no key) for attn_combine_kernel to merge.
     """
+    Q, K, V = inputs
+    Out, Lse = outputs
     AlibiSlopes, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, BlockTable, CacheBatchIdx, RngState = optional
-    q_desc, k_desc, v_desc, o_desc = descriptors
     q_strides, k_strides, v_strides, o_strides = strides
     stride_qb, stride_qm, stride_qh = q_strides
     stride_kb, stride_kn, stride_kh = k_strides

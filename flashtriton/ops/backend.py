@@ -182,9 +182,9 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     grid = (query_tiles * batch_heads, num_splits)
     with device_guard(q):
         attn_fwd_kernel[grid](
-            q, k, v, out, lse,
+            (q, k, v), (out, lse),
             (alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table, cache_batch_idx, rng_state),
-            descriptors, (q_strides(q), kv_strides(k), kv_strides(v), q_strides(out[0] if is_split else out)),
+            *descriptors, (q_strides(q), kv_strides(k), kv_strides(v), q_strides(out[0] if is_split else out)),
             *lse_strides, (_alibi_batch_stride(alibi_slopes), block_table.stride(0) if is_paged else 0), page_size,
             page_strides, split_strides, (num_heads, num_heads // num_heads_k), seqlen_q, seqlen_k, heads_per_group,
             params.kernel_scores(), params.window_left, params.window_right, int(params.alibi_pure_causal),
@@ -281,6 +281,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
     # fp32 dQ accumulator in q's (B, S, H, D) / (T, H, D) shape, contiguous, zeroed by the preprocess
     dq_accum = new_empty(q.shape, torch.float32, q.device) if gluon_dq or dq_atomic else None
     # arguments the dK/dV and dQ kernels share (kernels/bwd.py)
+    inputs = (q, k, v, dout, lse, delta)
     optional = (alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state)
     input_strides = (seq_strides(q), seq_strides(k), seq_strides(v), seq_strides(dout))
     score_args = (params.softmax_scale, params.kernel_scores(), params.window_left, params.window_right,
@@ -305,7 +306,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
         elif seqlen_k > 0:
             dkdv_grid = (triton_cdiv(seqlen_k, config.dkdv.block_n) * batch * num_heads_k,)
             attn_bwd_dkdv_kernel[dkdv_grid](
-                q, k, v, dout, lse, delta, dk, dv, dq_accum, optional, input_strides, *lse_strides, *delta_strides,
+                inputs, (dk, dv, dq_accum), optional, input_strides, *lse_strides, *delta_strides,
                 (seq_strides(dk), seq_strides(dv), seq_strides(dq_accum) if dq_atomic else (0, 0, 0)), alibi_stride,
                 (num_heads_k, group_size), seqlen_q, seqlen_k, dkdv_heads_per_group, *score_args,
                 HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.dkdv.block_m, BLOCK_N=config.dkdv.block_n,
@@ -318,7 +319,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
             dq_heads_per_group = configs.heads_per_l2_group(_operand_bytes(k, seqlen_k, 2 / group_size),
                                                             batch * num_heads, params.causal_like)
             attn_bwd_dq_kernel[dq_grid](
-                q, k, v, dout, lse, delta, dq, optional, input_strides, *lse_strides, *delta_strides, seq_strides(dq),
+                inputs, dq, optional, input_strides, *lse_strides, *delta_strides, seq_strides(dq),
                 alibi_stride, (num_heads, group_size), seqlen_q, seqlen_k, dq_heads_per_group, *score_args,
                 HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.dq.block_m, BLOCK_N=config.dq.block_n, **flags,
                 num_warps=config.dq.num_warps, num_stages=config.dq.num_stages,
