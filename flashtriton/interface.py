@@ -20,7 +20,8 @@ _COMMON_DOC = """
     window_size: (left, right), sliding-window local attention; -1 means unbounded on that side.
     softcap: float, > 0 enables softcap * tanh(scores / softcap).
     alibi_slopes: (nheads,) or (batch_size, nheads) fp32; adds -slope * |i + seqlen_k - seqlen_q - j|.
-    deterministic: bool, deterministic backward (flashtriton's backward always is).
+    deterministic: bool, bitwise-reproducible backward: dQ is never added in an arbitrary order (without it, the
+        Hopper backward at head dims 64 and 128 adds dQ by unordered reductions).
     return_attn_probs: bool, also return (softmax_lse, S_dmask); S_dmask is empty unless dropout_p > 0.
 Return:
     out, or (out, softmax_lse (batch_size, nheads, seqlen_q) fp32, S_dmask) with return_attn_probs.

@@ -16,7 +16,8 @@ import flashtriton
 from flashtriton import configs
 from flashtriton.kernels.hopper import bwd as hopper_bwd, common as hopper_common
 from flashtriton.ops import hopper
-from flashtriton.ops.backend import KERNELS_INTERPRETED, score_params
+from flashtriton.ops.backend import KERNELS_INTERPRETED
+from flashtriton.scores import score_params
 from flashtriton.testing import Case, assert_checks_ok, compare_with_reference, forced_gluon, make_case_inputs, \
     poisoned_outputs
 

@@ -16,7 +16,8 @@ import torch
 import flashtriton
 from flashtriton import configs
 from flashtriton.ops import hopper
-from flashtriton.ops.backend import KERNELS_INTERPRETED, score_params
+from flashtriton.ops.backend import KERNELS_INTERPRETED
+from flashtriton.scores import score_params
 from flashtriton.testing import Case, assert_checks_ok, compare_with_reference, forced_heads_per_group, \
     forced_hopper_grid, make_case_inputs, poisoned_outputs
 
