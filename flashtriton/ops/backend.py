@@ -342,9 +342,9 @@ def mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softm
 
     if not runs_triton(q):
         mask_shape = (batch, num_heads, round_multiple(seqlen_q, 128), round_multiple(seqlen_k, 128))
-        return reference_path.dense_backward(dout, q, k, v, out, dq, dk, dv, dropout_p, softmax_scale, causal,
-                                             (window_size_left, window_size_right), softcap, alibi_slopes, rng_state,
-                                             mask_shape, softmax_d_shape)
+        return reference_path.dense_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
+                                             causal, (window_size_left, window_size_right), softcap, alibi_slopes,
+                                             rng_state, mask_shape, softmax_d_shape)
 
     params = score_params(softmax_scale, causal, window_size_left, window_size_right, softcap, seqlen_k)
     lse = softmax_lse.contiguous()
@@ -442,7 +442,7 @@ def mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu
 
     if not runs_triton(q):
         mask_shape = (batch, num_heads, round_multiple(max_seqlen_q, 128), round_multiple(max_seqlen_k, 128))
-        return reference_path.varlen_backward(dout, q, k, v, out, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+        return reference_path.varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                                               max_seqlen_k, dropout_p, softmax_scale, causal,
                                               (window_size_left, window_size_right), softcap, alibi_slopes,
                                               rng_state, mask_shape, softmax_d)

@@ -3,6 +3,10 @@
 Each entry point computes what its backend counterpart returns with the exact PyTorch reference
 (flashtriton.reference) in float32, writing into the same preallocated gradients. Dropout masks come from
 ops/dropout.keep_mask's CPU generator (the kernels' distribution, not their bits).
+
+The backward uses the out and softmax_lse it is given, as FA2's does (P = exp(S - lse), delta = rowsum(dout * out)),
+never ones recomputed from q, k, v: a blockwise caller (ring attention) runs each key block's backward with the
+out and lse of the whole sequence, and the block's gradients are then its share of the whole's.
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..reference import (attention_reference, attention_reference_backward, attention_reference_varlen,
-                         attention_reference_varlen_backward, kvcache_reference)
+from ..reference import (_alibi_bias, attention_reference, attention_reference_varlen, kvcache_reference, row_slopes,
+                         sequence_slices, visible_mask)
+from ..scores import score_params
 from . import dropout
 
 
@@ -24,21 +29,64 @@ def dense_forward(q, k, v, softmax_scale: float, causal: bool, window: Tuple[int
                                compute_dtype=torch.float32)
 
 
-def dense_backward(dout, q, k, v, out, dq, dk, dv, dropout_p: float, softmax_scale: float, causal: bool,
+def _backward_from_stats(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, window: Tuple[int, int],
+                         softcap: float, alibi_slopes, dropout_p: float, keep: Optional[torch.Tensor],
+                         seqlen_k_star: int):
+    """(dq, dk, dv, delta) in float32 of (B, Sq, H, D) / (B, Sk, Hk, D) inputs from the given out and lse (B, H, Sq).
+
+    P = exp(S - lse) on visible keys, dP = dout V^T (dropped and rescaled with the keep mask), delta = rowsum(dout *
+    out) (B, H, Sq, 1), dS = P * (dP - delta), times tanh's derivative under softcap; GQA sums over each group.
+    """
+    batch, seqlen_q, num_heads, _ = q.shape
+    seqlen_k, num_heads_k = k.shape[1], k.shape[2]
+    group = num_heads // num_heads_k
+    params = score_params(softmax_scale, causal, int(window[0]), int(window[1]), softcap, seqlen_k_star)
+    qf = q.float()
+    kf = k.float().repeat_interleave(group, dim=2)
+    vf = v.float().repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * softmax_scale
+    capped = None
+    if softcap > 0.0:
+        capped = torch.tanh(scores / softcap)
+        scores = softcap * capped
+    if alibi_slopes is not None:
+        scores = scores + _alibi_bias(alibi_slopes, batch, seqlen_q, seqlen_k, params.alibi_pure_causal,
+                                      torch.float32)
+    visible = visible_mask(seqlen_q, seqlen_k, params.window_left, params.window_right, device=q.device)
+    probs = torch.exp(scores - lse.float()[..., None]).masked_fill(~visible, 0.0)
+    do = dout.float()
+    d_probs = torch.einsum("bqhd,bkhd->bhqk", do, vf)
+    kept = probs
+    if dropout_p > 0.0:
+        kept = probs.masked_fill(~keep, 0.0) / (1.0 - dropout_p)
+        d_probs = d_probs.masked_fill(~keep, 0.0) / (1.0 - dropout_p)
+    delta = (do * out.float()).sum(-1).transpose(1, 2)[..., None]
+    d_scores = probs * (d_probs - delta)
+    if capped is not None:
+        d_scores = d_scores * (1.0 - capped * capped)
+    dq = torch.einsum("bhqk,bkhd->bqhd", d_scores, kf) * softmax_scale
+    dk = torch.einsum("bhqk,bqhd->bkhd", d_scores, qf) * softmax_scale
+    dv = torch.einsum("bhqk,bqhd->bkhd", kept, do)
+    dk = dk.unflatten(2, (num_heads_k, group)).sum(3)
+    dv = dv.unflatten(2, (num_heads_k, group)).sum(3)
+    return dq, dk, dv, delta
+
+
+def dense_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softmax_scale: float, causal: bool,
                    window: Tuple[int, int], softcap: float, alibi_slopes, rng_state, mask_shape,
                    softmax_d_shape) -> torch.Tensor:
-    """mha_bwd: gradients into dq, dk, dv; returns softmax_d (B, H, R(Sq)). mask_shape: (B, H, R(Sq), R(Sk)) of
-    the forward's keep mask."""
+    """mha_bwd: gradients into dq, dk, dv from the given out and softmax_lse (B, H, Sq); returns softmax_d
+    (B, H, R(Sq)). mask_shape: (B, H, R(Sq), R(Sk)) of the forward's keep mask."""
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     softmax_d = torch.zeros(softmax_d_shape, dtype=torch.float32, device=q.device)
     keep = None
     if dropout_p > 0.0:
         keep = dropout.keep_mask(rng_state, *mask_shape, dropout_p, False)[:, :, :seqlen_q, :seqlen_k]
-    grads = attention_reference_backward(dout, q, k, v, softmax_scale, causal, window, softcap, alibi_slopes,
-                                         dropout_p, keep)
+    *grads, delta = _backward_from_stats(dout, q, k, v, out, softmax_lse, softmax_scale, causal, window, softcap,
+                                         alibi_slopes, dropout_p, keep, seqlen_k)
     for target, grad in zip((dq, dk, dv), grads):
         target.copy_(grad)
-    softmax_d[:, :, :seqlen_q] = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+    softmax_d[:, :, :seqlen_q] = delta[..., 0]
     return softmax_d
 
 
@@ -73,17 +121,26 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softm
                                       compute_dtype=torch.float32)
 
 
-def varlen_backward(dout, q, k, v, out, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, dropout_p: float,
-                    softmax_scale: float, causal: bool, window: Tuple[int, int], softcap: float, alibi_slopes,
-                    rng_state, mask_shape, softmax_d: torch.Tensor) -> torch.Tensor:
-    """mha_varlen_bwd: gradients into dq, dk, dv; rowsum(dout * out) into the zeroed softmax_d (H, Tq + 128 * B),
-    which it returns. mask_shape: (B, H, R(max Sq), R(max Sk)) of the forward's keep mask."""
+def varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int,
+                    dropout_p: float, softmax_scale: float, causal: bool, window: Tuple[int, int], softcap: float,
+                    alibi_slopes, rng_state, mask_shape, softmax_d: torch.Tensor) -> torch.Tensor:
+    """mha_varlen_bwd: gradients into dq, dk, dv from the given out and softmax_lse (H, Tq), one sequence at a time
+    (rows no sequence covers get 0); rowsum(dout * out) into the zeroed softmax_d (H, Tq + 128 * B), which it
+    returns. mask_shape: (B, H, R(max Sq), R(max Sk)) of the forward's keep mask."""
     keep = None
     if dropout_p > 0.0:
         keep = dropout.keep_mask(rng_state, *mask_shape, dropout_p, False)
-    grads = attention_reference_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
-                                                softmax_scale, causal, window, softcap, alibi_slopes,
-                                                dropout_p=dropout_p, dropout_mask=keep)
+    grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v)]
+    for b, rows_q, rows_k in sequence_slices(cu_seqlens_q, cu_seqlens_k):
+        keep_b = None
+        if keep is not None:
+            keep_b = keep[b : b + 1, :, : rows_q.stop - rows_q.start, : rows_k.stop - rows_k.start]
+        *grads_b, _ = _backward_from_stats(dout[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k],
+                                           out[None, rows_q], softmax_lse[None, :, rows_q], softmax_scale, causal,
+                                           window, softcap, row_slopes(alibi_slopes, b), dropout_p, keep_b,
+                                           max_seqlen_k)
+        for grad, grad_b, rows in zip(grads, grads_b, (rows_q, rows_k, rows_k)):
+            grad[rows] = grad_b[0]
     for target, grad in zip((dq, dk, dv), grads):
         target.copy_(grad)
     softmax_d[:, :q.shape[0]] = (dout.float() * out.float()).sum(-1).t()
