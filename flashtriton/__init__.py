@@ -1,4 +1,5 @@
-"""flashtriton: the flash_attn 2.x API with Triton kernels. Use as `import flashtriton as flash_attn`."""
+"""flashtriton: the flash_attn 2.x API with Triton kernels. Use as `import flashtriton as flash_attn`, or call
+`flashtriton.install_as_flash_attn()` once so that code importing `flash_attn` runs unchanged."""
 
 from pkgutil import extend_path
 
@@ -12,7 +13,7 @@ def _read_version() -> str:
     try:
         return version("flashtriton")
     except PackageNotFoundError:
-        return "2.8.3+triton.0.1.0"
+        return "2.8.3.1"
 
 
 __version__ = _read_version()
@@ -20,3 +21,4 @@ __version__ = _read_version()
 from .interface import (  # noqa: E402,F401
     flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
+from .integrations.flash_attn_module import install_as_flash_attn  # noqa: E402,F401

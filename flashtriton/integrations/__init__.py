@@ -1,0 +1,1 @@
+"""Ways to use flashtriton where code expects another package (flash_attn_module: `import flash_attn`)."""
