@@ -11,6 +11,7 @@ import torch
 
 from .ops.autograd import (FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc, FlashAttnVarlenFunc,
                            FlashAttnVarlenKVPackedFunc, FlashAttnVarlenQKVPackedFunc, apply, maybe_contiguous)
+from .ops.checks import cache_seqlens_int, default_softmax_scale, window_size_ints
 from .ops.library import flash_kvcache
 
 _COMMON_DOC = """
@@ -128,14 +129,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     assert v_cache.stride(-1) == 1, "v_cache must have contiguous last dimension"
     q, k, v = (maybe_contiguous(t) for t in (q, k, v))
     if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** (-0.5)
+        softmax_scale = default_softmax_scale(q.shape[-1])
+    window_left, window_right = window_size_ints(window_size)
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
-        cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=k_cache.device)
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens_int(cache_seqlens), dtype=torch.int32,
+                                   device=k_cache.device)
     cache_seqlens, cache_batch_idx, block_table = (maybe_contiguous(t) for t in (cache_seqlens, cache_batch_idx,
                                                                                  block_table))
     with torch.no_grad():
         out, softmax_lse = flash_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                          cache_batch_idx, cache_leftpad, block_table, float(softmax_scale),
-                                         bool(causal), int(window_size[0]), int(window_size[1]), float(softcap),
+                                         bool(causal), window_left, window_right, float(softcap),
                                          bool(rotary_interleaved), alibi_slopes, int(num_splits))
     return (out, softmax_lse) if return_softmax_lse else out

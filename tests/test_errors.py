@@ -75,6 +75,8 @@ class Bad:
 
 
 KV_SHAPE = "(batch_size, seqlen_k, num_heads_k, head_size)"
+GQA_MESSAGE = ("Number of heads in key/value must divide number of heads in query, got num_heads_k = 3 (k's heads) "
+               "and num_heads = 4 (q's heads)")
 
 FORWARD_CASES = {
     # §2.2 / §6: dtypes
@@ -88,9 +90,11 @@ FORWARD_CASES = {
     # §2.4: head dimension
     "head-dim-257": Bad(q=_q(dim=257), k=_kv(dim=257), v=_kv(dim=257),
                         message="FlashAttention forward only supports head dimension at most 256"),
-    # §2.5: GQA divisibility
-    "heads-4-over-3": Bad(k=_kv(heads=3), v=_kv(heads=3),
-                          message="Number of heads in key/value must divide number of heads in query"),
+    "head-dim-0": Bad(q=_q(dim=0), k=_kv(dim=0), v=_kv(dim=0), message="head dimension must be at least 1, got 0"),
+    # §2.5: GQA divisibility, with both head counts
+    "heads-4-over-3": Bad(k=_kv(heads=3), v=_kv(heads=3), message=GQA_MESSAGE),
+    "heads-4-over-0": Bad(k=_kv(heads=0), v=_kv(heads=0),
+                          message="got num_heads_k = 0 (k's heads) and num_heads = 4 (q's heads)"),
     # §6: shapes
     "k-batch": Bad(k=_kv(batch=B + 1), message=f"k must have shape {KV_SHAPE}"),
     "k-head-dim": Bad(k=_kv(dim=D // 2), message=f"k must have shape {KV_SHAPE}"),
@@ -160,8 +164,7 @@ PACKED_CASES = {
     "kvpacked-kv-bf16": (lambda: (_tensor(B, S, H, D), _tensor(B, S, 2, HK, D, dtype=torch.bfloat16)),
                          flash_attn.flash_attn_kvpacked_func, "query and key must have the same dtype"),
     "kvpacked-heads-4-over-3": (lambda: (_tensor(B, S, H, D), _tensor(B, S, 2, 3, D)),
-                                flash_attn.flash_attn_kvpacked_func,
-                                "Number of heads in key/value must divide number of heads in query"),
+                                flash_attn.flash_attn_kvpacked_func, GQA_MESSAGE),
     "kvpacked-kv-batch": (lambda: (_tensor(B, S, H, D), _tensor(B + 1, S, 2, HK, D)),
                           flash_attn.flash_attn_kvpacked_func,
                           f"k must have shape {KV_SHAPE}"),
@@ -266,8 +269,9 @@ VARLEN_CASES = {
                         k=lambda: _tensor(T, HK, D, dtype=torch.float32),
                         v=lambda: _tensor(T, HK, D, dtype=torch.float32),
                         message="FlashAttention only support fp16 and bf16 data type"),
-    "heads-4-over-3": BadVarlen(k=lambda: _tensor(T, 3, D), v=lambda: _tensor(T, 3, D),
-                                message="Number of heads in key/value must divide number of heads in query"),
+    "heads-4-over-3": BadVarlen(k=lambda: _tensor(T, 3, D), v=lambda: _tensor(T, 3, D), message=GQA_MESSAGE),
+    "head-dim-0": BadVarlen(q=lambda: _tensor(T, H, 0), k=lambda: _tensor(T, HK, 0), v=lambda: _tensor(T, HK, 0),
+                            message="head dimension must be at least 1, got 0"),
     "head-dim-257": BadVarlen(q=lambda: _tensor(T, H, 257), k=lambda: _tensor(T, HK, 257),
                               v=lambda: _tensor(T, HK, 257),
                               message="FlashAttention forward only supports head dimension at most 256"),
@@ -334,3 +338,49 @@ def test_low_level_backward_rejects_gradient_buffers(index, make, message):
     args[6 + index] = make((q, k, v)[index])
     with pytest.raises(RuntimeError, match=re.escape(message)):
         fai._flash_attn_backward(*args)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Python-level arguments of the public functions: the message names the argument, what it must be and what it is
+# ------------------------------------------------------------------------------------------------------------
+
+PUBLIC_CALLS = {
+    "flash_attn_func": lambda **options: flash_attn.flash_attn_func(_tensor(B, S, H, D), _tensor(B, S, HK, D),
+                                                                    _tensor(B, S, HK, D), **options),
+    "flash_attn_varlen_func": lambda **options: flash_attn.flash_attn_varlen_func(
+        _tensor(T, H, D), _tensor(T, HK, D), _tensor(T, HK, D), _cu()(), _cu()(), max(LENS), max(LENS), **options),
+    "flash_attn_with_kvcache": lambda **options: flash_attn.flash_attn_with_kvcache(
+        _tensor(B, 1, H, D), _tensor(B, S, HK, D), _tensor(B, S, HK, D), **options),
+}
+
+
+@pytest.mark.parametrize("window_size", [(16,), (1, 2, 3), None, 5, ("left", "right")], ids=repr)
+@pytest.mark.parametrize("call", PUBLIC_CALLS.values(), ids=PUBLIC_CALLS.keys())
+def test_window_size_must_be_a_pair_of_ints(call, window_size):
+    with pytest.raises(ValueError, match=re.escape(f"window_size must be a pair of ints (left, right), -1 meaning "
+                                                   f"unbounded, got {window_size!r}")):
+        call(window_size=window_size)
+
+
+def test_window_size_accepts_int_likes():
+    """Elements may be one-element tensors (docs/api.md §3, note 18): the call gets to the launch."""
+    with pytest.raises(AssertionError, match="launched"):
+        PUBLIC_CALLS["flash_attn_func"](window_size=(torch.tensor(3), torch.tensor(-1)))
+
+
+def test_head_dim_0_with_the_default_softmax_scale():
+    """1 / sqrt(head_dim) is not computed for head_dim 0: the head-dimension error comes instead."""
+    q, kv = _tensor(B, 1, H, 0), _tensor(B, S, HK, 0)
+    with _raises("head dimension must be at least 1, got 0"):
+        flash_attn.flash_attn_with_kvcache(q, kv, kv.clone())
+    with _raises("head dimension must be at least 1, got 0"):
+        flash_attn.flash_attn_qkvpacked_func(_tensor(B, S, 3, H, 0))
+
+
+@pytest.mark.parametrize("cache_seqlens", [[3, 4], 3.0, (3, 4), "3"], ids=repr)
+def test_cache_seqlens_must_be_an_int_or_a_tensor(cache_seqlens):
+    """docs/api.md §5.1: an int or an int32 / int64 (batch_size,) tensor, as flash_attn; anything else is a TypeError
+    naming the accepted types and the given one."""
+    with pytest.raises(TypeError, match=re.escape("cache_seqlens must be an int or an int32 / int64 tensor of shape "
+                                                  f"(batch_size), got {type(cache_seqlens).__name__}")):
+        PUBLIC_CALLS["flash_attn_with_kvcache"](cache_seqlens=cache_seqlens)

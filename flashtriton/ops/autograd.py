@@ -7,21 +7,17 @@ packed gradient tensor, so nothing is concatenated.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
 from .backend import empty_like, new_empty
-from .checks import has_contiguous_last_dim
+from .checks import default_softmax_scale, has_contiguous_last_dim, window_size_ints
 from .library import flash_backward, flash_forward, flash_varlen_backward, flash_varlen_forward
 
 
 def maybe_contiguous(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return x.contiguous() if x is not None and not has_contiguous_last_dim(x) else x
-
-
-def _window_ints(window_size: Sequence) -> tuple:
-    return int(window_size[0]), int(window_size[1])
 
 
 @dataclass(frozen=True)
@@ -39,8 +35,8 @@ def _forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softca
              return_softmax, needs_grad, varlen: Optional[VarlenLayout] = None):
     """Shared forward of every Function; stores what _backward needs on ctx."""
     if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** (-0.5)
-    window_left, window_right = _window_ints(window_size)
+        softmax_scale = default_softmax_scale(q.shape[-1])
+    window_left, window_right = window_size_ints(window_size)
     q, k, v = maybe_contiguous(q), maybe_contiguous(k), maybe_contiguous(v)
     options = (float(dropout_p), float(softmax_scale), bool(causal), window_left, window_right, float(softcap),
                alibi_slopes)

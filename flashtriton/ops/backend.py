@@ -388,12 +388,15 @@ def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    seqused_k: Optional[torch.Tensor] = None, zero_tensors: bool = False, num_splits: int = 0):
     """Varlen forward. Returns (out (Tq, H, D), softmax_lse (H, Tq), S_dmask, rng_state); see docs/api.md §7.
 
-    Rows not covered by any sequence get out 0 and lse +inf; no host synchronization on cu_seqlens.
+    Rows not covered by any sequence get out 0 and lse +inf. The index values (cu_seqlens, max_seqlen, block_table,
+    leftpad_k, seqused_k) are checked for CPU tensors only: no host synchronization on a GPU.
     """
     batch = checks.check_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap, alibi_slopes,
                                     return_softmax, block_table, leftpad_k, seqused_k, num_splits)
     total_q, num_heads, head_dim = q.shape
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    checks.check_varlen_index_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                                     leftpad_k, seqused_k)
     q, k, v = (t if checks.has_contiguous_last_dim(t) else t.contiguous() for t in (q, k, v))
     window = (window_size_left, window_size_right)
     use_kernels = runs_triton(q)
@@ -438,6 +441,7 @@ def mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu
     dropout.require_rng_state(rng_state, dropout_p)
     total_q, num_heads, _ = q.shape
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    checks.check_varlen_index_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     softmax_d = torch.zeros(num_heads, total_q + 128 * batch, dtype=torch.float32, device=q.device)
 
     if not runs_triton(q):

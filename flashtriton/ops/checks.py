@@ -5,8 +5,9 @@ Messages follow flash_attn's.
 
 from __future__ import annotations
 
+import operator
 from functools import lru_cache
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -57,6 +58,29 @@ def check_head_dim(head_dim: int, direction: str = "forward") -> None:
         raise RuntimeError(f"head dimension must be at least 1, got {head_dim}")
 
 
+def default_softmax_scale(head_dim: int) -> float:
+    """1 / sqrt(head_dim), the softmax_scale of a call that passes None; head_dim 0 raises check_head_dim's error."""
+    if head_dim < 1:
+        raise RuntimeError(f"head dimension must be at least 1, got {head_dim}")
+    return head_dim ** (-0.5)
+
+
+def check_head_counts(num_heads: int, num_heads_k: int) -> None:
+    if num_heads_k < 1 or num_heads % num_heads_k != 0:
+        raise RuntimeError(f"Number of heads in key/value must divide number of heads in query, got "
+                           f"num_heads_k = {num_heads_k} (k's heads) and num_heads = {num_heads} (q's heads)")
+
+
+def window_size_ints(window_size) -> Tuple[int, int]:
+    """(left, right) of window_size: a pair of int-likes (ints, one-element tensors, ...)."""
+    try:
+        left, right = window_size
+        return int(left), int(right)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"window_size must be a pair of ints (left, right), -1 meaning unbounded, got "
+                         f"{window_size!r}") from error
+
+
 def check_shape(tensor: torch.Tensor, name: str, names, expected) -> None:
     if tuple(tensor.shape) != tuple(expected):  # the message is built only on failure (per-call host time)
         raise RuntimeError(f"{name} must have shape {_shape_str(names, tensor.shape)}")
@@ -79,8 +103,7 @@ def check_dense_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, direction
     check_head_dim(head_dim, direction)
     check_dim(k, "k", ("batch_size", "seqlen_k", "num_heads_k", "head_size"))
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
-    check(num_heads_k > 0 and num_heads % num_heads_k == 0,
-          "Number of heads in key/value must divide number of heads in query")
+    check_head_counts(num_heads, num_heads_k)
     names = ("batch_size", "seqlen_k", "num_heads_k", "head_size")
     check_shape(k, "k", names, (batch, seqlen_k, num_heads_k, head_dim))
     check_shape(v, "v", names, (batch, seqlen_k, num_heads_k, head_dim))
@@ -158,10 +181,10 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, direction: s
               f"block_table must have shape (batch_size, max_num_blocks_per_seq), got {tuple(block_table.shape)}")
         check(k.dim() == 4, "k must have shape (num_blocks, page_block_size, num_heads_k, head_size) "
                             f"with block_table, got {tuple(k.shape)}")
+        check(k.shape[1] >= 1, f"page_block_size (k.shape[1]) must be at least 1, got k of shape {tuple(k.shape)}")
         num_heads_k = k.shape[2]
         names = ("num_blocks", "page_block_size", "num_heads_k", "head_size")
-    check(num_heads_k > 0 and num_heads % num_heads_k == 0,
-          "Number of heads in key/value must divide number of heads in query")
+    check_head_counts(num_heads, num_heads_k)
     check_shape(k, "k", names, (*k.shape[:-2], num_heads_k, head_dim))
     check_shape(v, "v", names, k.shape)
     return batch
@@ -222,15 +245,13 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     if k_cache.dim() != 4:
         raise RuntimeError(f"k_cache must have 4 dimensions, got {tuple(k_cache.shape)}")
     num_heads_k = k_cache.shape[2]
-    check(num_heads_k > 0 and num_heads % num_heads_k == 0,
-          "Number of heads in key/value must divide number of heads in query")
+    check_head_counts(num_heads, num_heads_k)
     cache_names = (("num_blocks", "page_block_size") if block_table is not None else ("batch_size_cache", "seqlen_k"))
     check_shape(k_cache, "k_cache", (*cache_names, "num_heads_k", "head_size"),
                 (*k_cache.shape[:2], num_heads_k, head_dim))
     check_shape(v_cache, "v_cache", (*cache_names, "num_heads_k", "head_size"), k_cache.shape)
     check(num_splits <= 128, "num_splits > 128 not supported")
     check_options(0.0, softcap, alibi_slopes, batch, num_heads, q)
-    capacity = kv_capacity(k_cache, block_table)
     if block_table is not None:
         check(cache_batch_idx is None, "Paged KVcache does not support cache_batch_idx")
         check(cache_leftpad is None, "We don't support Paged KV and leftpad_k running at the same time yet")
@@ -238,6 +259,9 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
         check(block_table.stride(-1) == 1, "block_table must have contiguous last dimension")
         check(block_table.dim() == 2 and block_table.shape[0] == batch,
               f"block_table must have shape (batch_size, max_num_blocks_per_seq), got {tuple(block_table.shape)}")
+        check(k_cache.shape[1] >= 1,
+              f"page_block_size (k_cache.shape[1]) must be at least 1, got k_cache of shape {tuple(k_cache.shape)}")
+    capacity = kv_capacity(k_cache, block_table)
     check((k is None) == (v is None), "If key is supplied, value must also be passed in")
     if k is not None:
         check(cache_seqlens is not None, "If key is supplied, seqlens_k must also be passed in")
@@ -285,3 +309,182 @@ def check_paged_capacity(cache_seqlens: torch.Tensor, seqlen_new: int, capacity:
           f"Paged KV cache: max(seqlens_k) + seqlen_knew (= {needed}) exceeds the capacity addressable by "
           f"block_table (max_num_blocks_per_seq * page_block_size = {capacity}). Grow block_table or "
           f"reduce the sequence lengths.")
+
+
+def cache_seqlens_int(cache_seqlens) -> int:
+    """The value of an int cache_seqlens (docs/api.md §5.1: an int or an int32 / int64 (batch_size,) tensor)."""
+    try:
+        value = operator.index(cache_seqlens)
+    except TypeError:
+        raise TypeError(f"cache_seqlens must be an int or an int32 / int64 tensor of shape (batch_size), got "
+                        f"{type(cache_seqlens).__name__}") from None
+    check(value >= 0, f"cache_seqlens must be >= 0, got {value}")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Index values, CPU tensors only (docs/api.md §6). The kernels and the reference path address memory with these
+# values, so a bad one would read or write out of bounds (the interpreter) or cut a sequence silently (the reference
+# path). A CPU tensor's values are in host memory already: reading them synchronizes nothing. CUDA tensors are never
+# read here (that would be a host synchronization per call).
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _first_true(mask: torch.Tensor) -> Optional[tuple]:
+    """Index of the first True element of mask, or None."""
+    hits = mask.nonzero()
+    return tuple(hits[0].tolist()) if hits.shape[0] else None
+
+
+def _cu_length_name(name: str) -> Callable[[int], str]:
+    return lambda b: f"{name}[{b + 1}] - {name}[{b}]"
+
+
+def check_cu_seqlens_values(name: str, cu_seqlens: torch.Tensor, rows: Optional[int],
+                            rows_name: str = "") -> torch.Tensor:
+    """cu_seqlens starts at 0, never decreases and (rows given) ends at most at `rows`, the rows of the packed
+    tensor (named rows_name in the message). Returns the sequence lengths, (batch_size,) int64."""
+    cu = cu_seqlens.long()
+    if int(cu[0]) != 0:
+        raise RuntimeError(f"{name} must start at 0, got {name}[0] = {int(cu[0])}")
+    lengths = cu[1:] - cu[:-1]
+    bad = _first_true(lengths < 0)
+    if bad is not None:
+        i = bad[0] + 1
+        raise RuntimeError(f"{name} must be non-decreasing, got {name}[{i}] = {int(cu[i])} < "
+                           f"{name}[{i - 1}] = {int(cu[i - 1])}")
+    last = int(cu[-1])
+    if rows is not None and last > rows:
+        raise RuntimeError(f"{name} must end at most at {rows_name} = {rows}, got {name}[{cu.numel() - 1}] = {last}")
+    return lengths
+
+
+def check_max_seqlen(name: str, max_seqlen: int, lengths: torch.Tensor, length_name: Callable[[int], str]) -> None:
+    """max_seqlen is at least every sequence length (lengths[b], named length_name(b) in the message)."""
+    longest, b = (int(x) for x in lengths.max(0))
+    if max_seqlen < longest:
+        raise RuntimeError(f"{name} must be >= the length of every sequence, got {name} = {max_seqlen} < "
+                           f"{length_name(b)} = {longest} (sequence {b})")
+
+
+def check_seqused_k_values(seqused_k: torch.Tensor, lengths_k: torch.Tensor) -> None:
+    """seqused_k[b] in [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]]: a sequence uses at most the keys it has."""
+    bad = _first_true((seqused_k < 0) | (seqused_k > lengths_k))
+    if bad is not None:
+        b = bad[0]
+        raise RuntimeError(f"seqused_k[{b}] must be in [0, {_cu_length_name('cu_seqlens_k')(b)}] = "
+                           f"[0, {int(lengths_k[b])}], got seqused_k[{b}] = {int(seqused_k[b])}")
+
+
+def check_leftpad_values(name: str, leftpad: torch.Tensor, limits: torch.Tensor,
+                         limit_name: Callable[[int], str]) -> None:
+    """leftpad[b] in [0, limits[b]]: a row's first key lies inside its keys (limit_name(b) names limits[b])."""
+    bad = _first_true((leftpad < 0) | (leftpad > limits))
+    if bad is not None:
+        b = bad[0]
+        raise RuntimeError(f"{name}[{b}] must be in [0, {limit_name(b)}] = [0, {int(limits[b])}], got "
+                           f"{name}[{b}] = {int(leftpad[b])}")
+
+
+def check_cache_batch_idx_values(cache_batch_idx: torch.Tensor, cache_batch: int) -> None:
+    """cache_batch_idx[b] in [0, batch_size_cache): it names a row of k_cache / v_cache."""
+    bad = _first_true((cache_batch_idx < 0) | (cache_batch_idx >= cache_batch))
+    if bad is not None:
+        b = bad[0]
+        raise RuntimeError(f"cache_batch_idx must be in [0, batch_size_cache) = [0, {cache_batch}) (the rows of "
+                           f"k_cache), got cache_batch_idx[{b}] = {int(cache_batch_idx[b])}")
+
+
+def check_cache_seqlens_values(cache_seqlens: torch.Tensor, seqlen_new: int, capacity: int) -> None:
+    """cache_seqlens[b] >= 0 and cache_seqlens[b] + seqlen_new <= capacity: the appended keys fit in the row."""
+    bad = _first_true(cache_seqlens < 0)
+    if bad is not None:
+        raise RuntimeError(f"cache_seqlens must be >= 0, got cache_seqlens[{bad[0]}] = {int(cache_seqlens[bad[0]])}")
+    bad = _first_true(cache_seqlens > capacity - seqlen_new)
+    if bad is not None:
+        b = bad[0]
+        raise RuntimeError(f"cache_seqlens[b] + seqlen_new (k.shape[1]) must be <= the capacity of a cache row "
+                           f"({capacity}), got cache_seqlens[{b}] + {seqlen_new} = "
+                           f"{int(cache_seqlens[b]) + seqlen_new}")
+
+
+def check_block_table_capacity(block_table: torch.Tensor, lengths: torch.Tensor, page_size: int,
+                               length_name: Callable[[int], str]) -> None:
+    """Sequence b's lengths[b] keys fit in its row of block_table (max_num_blocks_per_seq pages)."""
+    capacity = block_table.shape[1] * page_size
+    bad = _first_true(lengths > capacity)
+    if bad is not None:
+        b = bad[0]
+        raise RuntimeError(f"sequence {b} has {length_name(b)} = {int(lengths[b])} keys, more than block_table "
+                           f"addresses (max_num_blocks_per_seq * page_block_size = {block_table.shape[1]} * "
+                           f"{page_size} = {capacity})")
+
+
+def check_block_table_values(block_table: torch.Tensor, lengths: torch.Tensor, page_size: int,
+                             num_blocks: int) -> None:
+    """The entries of block_table that address sequence b's lengths[b] keys (its first ceil(lengths[b] / page_size)
+    entries) are in [0, num_blocks). Entries past them are never read and may hold anything, as in flash_attn."""
+    pages_used = (lengths + page_size - 1) // page_size
+    used = torch.arange(block_table.shape[1]) < pages_used[:, None]
+    bad = _first_true(used & ((block_table < 0) | (block_table >= num_blocks)))
+    if bad is not None:
+        b, j = bad
+        raise RuntimeError(f"block_table entries must be in [0, num_blocks) = [0, {num_blocks}) for the pages a "
+                           f"sequence uses, got block_table[{b}, {j}] = {int(block_table[b, j])} (sequence {b} uses "
+                           f"its first {int(pages_used[b])} entries)")
+
+
+def _minus_leftpad(name: Callable[[int], str], leftpad_name: str) -> Callable[[int], str]:
+    return lambda b: f"{name(b)} - {leftpad_name}[{b}]"
+
+
+def check_varlen_index_values(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                              cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                              block_table: Optional[torch.Tensor] = None, leftpad_k: Optional[torch.Tensor] = None,
+                              seqused_k: Optional[torch.Tensor] = None) -> None:
+    """The index values of a varlen call (forward or backward), for CPU tensors; after check_varlen_fwd/bwd.
+
+    k's rows bound cu_seqlens_k; with block_table, each sequence's cu_seqlens_k length fits in its block_table row
+    and the entries for the keys it uses (seqused_k[b], else its length) name pages of k. max_seqlen_k bounds the
+    keys a sequence attends: the keys it uses minus leftpad_k.
+    """
+    if q.device.type != "cpu":
+        return
+    lengths_q = check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q.shape[0] (total_q)")
+    paged = block_table is not None
+    lengths_k = check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, None if paged else k.shape[0],
+                                        "k.shape[0] (total_k)")
+    check_max_seqlen("max_seqlen_q", max_seqlen_q, lengths_q, _cu_length_name("cu_seqlens_q"))
+    keys, keys_name = lengths_k, _cu_length_name("cu_seqlens_k")
+    if paged:
+        check_block_table_capacity(block_table, lengths_k, k.shape[1], keys_name)
+    if seqused_k is not None:
+        check_seqused_k_values(seqused_k, lengths_k)
+        keys, keys_name = seqused_k.long(), (lambda b: f"seqused_k[{b}]")
+    if paged:
+        check_block_table_values(block_table, keys, k.shape[1], k.shape[0])
+    if leftpad_k is not None:
+        check_leftpad_values("leftpad_k", leftpad_k, keys, keys_name)
+        keys, keys_name = keys - leftpad_k.long(), _minus_leftpad(keys_name, "leftpad_k")
+    check_max_seqlen("max_seqlen_k", max_seqlen_k, keys, keys_name)
+
+
+def check_kvcache_index_values(q: torch.Tensor, k_cache: torch.Tensor, seqlen_new: int,
+                               cache_seqlens: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],
+                               cache_leftpad: Optional[torch.Tensor], block_table: Optional[torch.Tensor]) -> None:
+    """The index values of a flash_attn_with_kvcache call, for CPU tensors; after check_kvcache and the paged
+    capacity check (whose message is flash_attn's)."""
+    if q.device.type != "cpu":
+        return
+    capacity = kv_capacity(k_cache, block_table)
+    if cache_batch_idx is not None:
+        check_cache_batch_idx_values(cache_batch_idx, k_cache.shape[0])
+    if cache_seqlens is None:  # every row holds `capacity` keys
+        ends, ends_name = torch.full((q.shape[0],), capacity), (lambda b: "the capacity")
+    else:
+        check_cache_seqlens_values(cache_seqlens, seqlen_new, capacity)
+        ends, ends_name = cache_seqlens.long(), (lambda b: f"cache_seqlens[{b}]")
+    if cache_leftpad is not None:
+        check_leftpad_values("cache_leftpad", cache_leftpad, ends, ends_name)
+    if block_table is not None:
+        check_block_table_values(block_table, ends + seqlen_new, k_cache.shape[1], k_cache.shape[0])

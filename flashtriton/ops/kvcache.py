@@ -66,11 +66,12 @@ def mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     capacity = checks.kv_capacity(k_cache, block_table)
     seqlen_new = 0 if k is None else k.shape[1]
     q, k, v = (t if t is None or checks.has_contiguous_last_dim(t) else t.contiguous() for t in (q, k, v))
-    if cache_seqlens is not None:
-        if cache_seqlens.dtype != torch.int32:
-            cache_seqlens = cache_seqlens.to(torch.int32)
-        if block_table is not None:
-            checks.check_paged_capacity(cache_seqlens, seqlen_new, capacity)
+    if cache_seqlens is not None and block_table is not None:
+        checks.check_paged_capacity(cache_seqlens, seqlen_new, capacity)
+    checks.check_kvcache_index_values(q, k_cache, seqlen_new, cache_seqlens, cache_batch_idx, cache_leftpad,
+                                      block_table)
+    if cache_seqlens is not None and cache_seqlens.dtype != torch.int32:
+        cache_seqlens = cache_seqlens.to(torch.int32)
     window = (window_size_left, window_size_right)
 
     if not runs_triton(q):
