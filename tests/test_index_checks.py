@@ -299,6 +299,21 @@ def test_paged_varlen_ignores_unused_block_table_entries(cpu_path):
     assert_checks_ok(compare_varlen_with_reference(out, lse, q, k, v, cu_q, cu_k, max(lens_k)))
 
 
+def test_paged_varlen_with_seqused_reads_only_the_used_pages(cpu_path):
+    """With seqused_k, the block_table entries past each sequence's used keys (within its cu_seqlens_k slot) hold
+    garbage: never read, on either path."""
+    lens_q, slots, used = (2, 3), (4, 12), (4, 4)
+    block_table = _int32([[0, 0, 0], [1, 99, -3]])
+    k_cache, v_cache = _tensor(PAGED_BLOCKS, PAGE, HK, D), _tensor(PAGED_BLOCKS, PAGE, HK, D)
+    q, cu_q, cu_k = _tensor(sum(lens_q), H, D), cu_seqlens(lens_q), cu_seqlens(slots)
+    with poisoned_outputs():
+        out, lse, _, _ = _flash_attn_varlen_forward(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(used), 0.0,
+                                                    0.25, False, block_table=block_table, seqused_k=_int32(used))
+    k, v = _gathered(k_cache, block_table, used), _gathered(v_cache, block_table, used)
+    assert_checks_ok(compare_varlen_with_reference(out, lse, q, k, v, cu_q, cu_seqlens(used), max(used),
+                                                   softmax_scale=0.25))
+
+
 def test_seqused_and_leftpad_at_their_bounds(cpu_path):
     """seqused_k = 0 and = the slot's length; leftpad_k = 0 and = seqused_k (a sequence with no keys)."""
     lens_q, slots = (2, 3, 1), (4, 6, 3)

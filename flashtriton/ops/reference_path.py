@@ -90,15 +90,22 @@ def dense_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float
     return softmax_d
 
 
-def _gather_paged(cache: torch.Tensor, block_table: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
-    """(Tk, Hk, D) keys of a paged cache laid out as cu_seqlens_k describes."""
+def _gather_paged(cache: torch.Tensor, block_table: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                  seqused_k: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(Tk, Hk, D) keys of a paged cache laid out as cu_seqlens_k describes. With seqused_k only each sequence's
+    first seqused_k[b] keys are read (the block-table entries past them may hold anything); the rest are zeros,
+    which no query sees."""
     page_size = cache.shape[1]
     rows = []
     starts = cu_seqlens_k.tolist()
+    used = seqused_k.tolist() if seqused_k is not None else None
     for b in range(len(starts) - 1):
-        positions = torch.arange(starts[b + 1] - starts[b], device=cache.device)
+        length = starts[b + 1] - starts[b]
+        read = length if used is None else min(length, used[b])
+        positions = torch.arange(read, device=cache.device)
         pages = block_table[b, positions // page_size].long()
         rows.append(cache[pages, positions % page_size])
+        rows.append(cache.new_zeros(length - read, *cache.shape[2:]))
     return torch.cat(rows) if rows else cache.new_empty(0, *cache.shape[2:])
 
 
@@ -109,7 +116,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softm
     applied by cutting each sequence's keys."""
     cu_k = cu_seqlens_k
     if block_table is not None:
-        k, v = _gather_paged(k, block_table, cu_k), _gather_paged(v, block_table, cu_k)
+        k, v = _gather_paged(k, block_table, cu_k, seqused_k), _gather_paged(v, block_table, cu_k, seqused_k)
     if seqused_k is not None or leftpad_k is not None:
         starts = cu_k[:-1] + (leftpad_k if leftpad_k is not None else 0)
         ends = cu_k[:-1] + seqused_k if seqused_k is not None else cu_k[1:]
