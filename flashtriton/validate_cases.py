@@ -12,7 +12,6 @@ import torch
 from . import bench
 from .interface import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
                         flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
-from .ops import backend
 from .testing import Case, cu_seqlens
 
 FUNCTIONS = {fn.__name__: fn for fn in (flash_attn_func, flash_attn_qkvpacked_func, flash_attn_kvpacked_func,
@@ -87,8 +86,8 @@ class Plan:
 
 
 def validated_dtypes() -> tuple:
-    """fp16 and bf16, or fp16 alone under Triton's interpreter (see the module docstring)."""
-    return (torch.float16,) if backend.KERNELS_INTERPRETED else (torch.float16, torch.bfloat16)
+    """The dtypes of the accuracy and backward sections: fp16 and bf16, on a GPU and in the interpreter alike."""
+    return (torch.float16, torch.bfloat16)
 
 
 def make_plan(device_type: str, full: bool) -> Plan:

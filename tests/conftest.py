@@ -1,14 +1,12 @@
-"""Test setup. Two test-only patches of Triton's interpreter live here, never in the library:
-
-1. bf16 tl.dot: Triton 3.6-3.9's interpreter multiplies bf16 operands as their uint16 storage
-   (an integer matmul). We convert bf16 operands to fp32 first, which is what the GPU computes.
-2. Speed: the interpreter re-patches triton.language on every call of a @triton.jit helper
-   (~2.5 ms each). Inside a running kernel the language is already patched, so nested calls skip it.
+"""Test setup. One test-only patch of Triton's interpreter lives here, for speed only: the interpreter re-patches
+triton.language on every call of a @triton.jit helper (~2.5 ms each); inside a running kernel the language is
+already patched, so nested calls skip it. Results never depend on a test-only patch: the library computes bf16
+products right in the interpreter itself (flashtriton.kernels.common.mma), and tests/test_interpreter_bf16.py
+fails if a patch of the interpreter's dot comes back here.
 """
 
 import os
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -20,21 +18,7 @@ INTERPRETED = backend.KERNELS_INTERPRETED
 
 
 def _patch_interpreter() -> None:
-    import triton.language as tl
     from triton.runtime import interpreter
-
-    builder_cls = interpreter.InterpreterBuilder
-    original_dot = builder_cls.create_dot
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.dtype == tl.bfloat16 or b.dtype == tl.bfloat16:
-            a = interpreter.TensorHandle(interpreter._convert_float(a.data, a.dtype, tl.float32, None).view(np.float32),
-                                         tl.float32) if a.dtype == tl.bfloat16 else a
-            b = interpreter.TensorHandle(interpreter._convert_float(b.data, b.dtype, tl.float32, None).view(np.float32),
-                                         tl.float32) if b.dtype == tl.bfloat16 else b
-        return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    builder_cls.create_dot = create_dot
 
     grid_call = interpreter.GridExecutor.__call__
     device_call = interpreter.InterpretedFunction.__call__

@@ -69,7 +69,7 @@ def test_validate_quick_passes_and_writes_reports(validate_runs):
     run = validate_runs["clean"]
     assert run.returncode == 0, run.stdout + run.stderr
     assert "kernels: Triton interpreter" in run.stdout
-    assert "interpreter: bf16 not validated" in run.stdout
+    assert "-bfloat16" in run.stdout, "the interpreter validates bf16"
     assert "PASSED" in run.stdout
     assert re.search(r"\[\s*1/\d+\] api: ", run.stderr), "progress indicator on stderr"
     report_dir = validate_runs["report_dir"]
@@ -78,7 +78,7 @@ def test_validate_quick_passes_and_writes_reports(validate_runs):
     assert "| section" in markdown and "Verdict: PASSED" in markdown
     assert payload["passed"] is True
     assert {r["section"] for r in payload["results"]} == {"api", "accuracy", "backward", "edge"}
-    assert payload["metadata"]["dtypes"] == ["fp16"]
+    assert payload["metadata"]["dtypes"] == ["fp16", "bf16"]
     api_cases = [r["case"] for r in payload["results"] if r["section"] == "api"]
     for path in DENSE_PATHS + VARLEN_PATHS:
         for variant in ("base", "causal", "window", "alibi", "softcap"):

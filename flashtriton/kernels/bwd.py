@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from .common import (alibi_bias_log2, dropout_keep, grouped_tile_and_batch_head, head_rows_descriptor,
-                     kv_block_range, load_head_rows, q_block_range, row_offsets, scores_log2, sequence_bounds, tanh,
-                     tile_and_batch_head, to_int64, visibility_mask)
+                     kv_block_range, load_head_rows, mma, q_block_range, row_offsets, scores_log2, sequence_bounds,
+                     tanh, tile_and_batch_head, to_int64, visibility_mask)
 
 
 @triton.jit(do_not_specialize=["stride_delta_b", "stride_delta_h", "seqlen_q", "delta_rows"])
@@ -114,7 +114,7 @@ def _dkdv_q_loop(dk, dv, k, v, n_start, m_block_lo, m_block_hi, head_rows, row_s
         lse_log2 = tl.load(lse_base + offs_m, mask=row_in, other=float("inf")) * 1.4426950408889634
         delta = tl.load(delta_base + offs_m, mask=row_in, other=0.0)
         # [BLOCK_N, BLOCK_M] transposed scores
-        qk_t = tl.dot(k, q_t)
+        qk_t = mma(k, q_t)
         s_t = scores_log2(qk_t, scores, HAS_SOFTCAP)
         if HAS_ALIBI:
             s_t += tl.trans(alibi_bias_log2(slope_log2, offs_m, offs_n, visibility, alibi_pure_causal))
@@ -122,24 +122,24 @@ def _dkdv_q_loop(dk, dv, k, v, n_start, m_block_lo, m_block_hi, head_rows, row_s
         if MASKED:
             p_t = tl.where(tl.trans(visibility_mask(offs_m, offs_n, visibility, IS_LOCAL)), p_t, 0.0)
         # [BLOCK_N, BLOCK_M]
-        dp_t = tl.dot(v, tl.trans(do))
+        dp_t = mma(v, tl.trans(do))
         if HAS_DROPOUT:
             keep_t = tl.trans(dropout_keep(rng_state, stream, offs_m, n_start, dropout_p, BLOCK_N))
-            dv = tl.dot((tl.where(keep_t, p_t, 0.0) * dropout_scale).to(do.dtype), do, dv)
+            dv = mma((tl.where(keep_t, p_t, 0.0) * dropout_scale).to(do.dtype), do, dv)
             dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
         else:
-            dv = tl.dot(p_t.to(do.dtype), do, dv)
+            dv = mma(p_t.to(do.dtype), do, dv)
         ds_t = p_t * (dp_t - delta[None, :])
         if HAS_SOFTCAP:
             cap_t = tanh(qk_t * softcap_in_scale)
             ds_t = ds_t * (1.0 - cap_t * cap_t)
-        dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk)
+        dk = mma(ds_t.to(q_t.dtype), tl.trans(q_t), dk)
         if DQ_ATOMIC:
             # Unmasked blocks leave keys past seqlen_k unmasked (their dK/dV rows are never stored); their dS
             # must not reach dQ, where exp2(0 - lse) may be inf and k's row is 0.
             ds_t = tl.where((offs_n < seqlen_k)[:, None], ds_t, 0.0)
             # [BLOCK_M, BLOCK_D] this key tile's part of the query block's dQ (unscaled)
-            dq_part = tl.dot(tl.trans(ds_t.to(k.dtype)), k)
+            dq_part = mma(tl.trans(ds_t.to(k.dtype)), k)
             tl.atomic_add(dqa_base + offs_m.to(tl.int64)[:, None] * stride_dqa_m + offs_d[None, :], dq_part,
                           mask=row_in[:, None] & d_in[None, :], sem="relaxed")
     return dk, dv
@@ -278,14 +278,14 @@ def _dq_kv_loop(dq, q, do, lse_log2, delta, offs_m, n_block_lo, n_block_hi, kv, 
             k_t = tl.load(k_base + k_offs[None, :] + offs_d[:, None], mask=key_in[None, :] & d_in[:, None], other=0.0)
             v_t = tl.load(v_base + v_offs[None, :] + offs_d[:, None], mask=key_in[None, :] & d_in[:, None], other=0.0)
         # [BLOCK_M, BLOCK_N]
-        qk = tl.dot(q, k_t)
+        qk = mma(q, k_t)
         s = scores_log2(qk, scores, HAS_SOFTCAP)
         if HAS_ALIBI:
             s += alibi_bias_log2(slope_log2, offs_m, offs_n, visibility, alibi_pure_causal)
         p = tl.exp2(s - lse_log2[:, None])
         if MASKED:
             p = tl.where(visibility_mask(offs_m, offs_n, visibility, IS_LOCAL), p, 0.0)
-        dp = tl.dot(do, v_t)
+        dp = mma(do, v_t)
         if HAS_DROPOUT:
             keep = dropout_keep(rng_state, stream, offs_m, n_start, dropout_p, BLOCK_N)
             dp = tl.where(keep, dp * dropout_scale, 0.0)
@@ -293,7 +293,7 @@ def _dq_kv_loop(dq, q, do, lse_log2, delta, offs_m, n_block_lo, n_block_hi, kv, 
         if HAS_SOFTCAP:
             cap = tanh(qk * softcap_in_scale)
             ds = ds * (1.0 - cap * cap)
-        dq = tl.dot(ds.to(k_t.dtype), tl.trans(k_t), dq)
+        dq = mma(ds.to(k_t.dtype), tl.trans(k_t), dq)
     return dq
 
 

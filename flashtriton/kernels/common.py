@@ -1,4 +1,4 @@
-"""Jit helpers shared by every attention kernel: block ranges, masks and score modifiers.
+"""Jit helpers shared by every attention kernel: block ranges, masks, score modifiers and the matrix product.
 
 Naming legend (all kernels):
   m_block / n_block   index of a query / key tile; offs_m, offs_n, offs_d index rows, keys, features
@@ -17,6 +17,26 @@ full blocks that these helpers return.
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def mma(a, b, acc=None):
+    """tl.dot(a, b, acc) of fp16 / bf16 tiles: exact products summed in fp32 onto acc (zeros when None). Every
+    matrix product of the Triton kernels goes through here. Triton's interpreter (3.6-3.9) multiplies bf16 operands
+    as their uint16 storage, an integer product; where the kernels are interpreted, bf16 operands are first widened
+    to fp32 (exactly), which gives what the GPU's bf16 MMA computes: exact products, fp32 sums. Compiled,
+    INTERPRETED is False, the branch leaves no code and the generated code is that of a direct tl.dot."""
+    if INTERPRETED:
+        if a.dtype == tl.bfloat16:
+            a = a.to(tl.float32)
+        if b.dtype == tl.bfloat16:
+            b = b.to(tl.float32)
+    return tl.dot(a, b, acc)
+
+
+# TRITON_INTERPRET is read when @triton.jit decorates, so a decorated function says whether kernels are
+# interpreted (flashtriton.ops.backend.KERNELS_INTERPRETED asks attn_fwd_kernel the same question).
+INTERPRETED = tl.constexpr(type(mma).__name__ == "InterpretedFunction")
 
 
 @triton.jit

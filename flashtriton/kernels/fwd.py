@@ -21,7 +21,7 @@ K/V tile is read once per KV head instead of once per query head.
 import triton
 import triton.language as tl
 
-from .common import (alibi_bias_log2, dropout_keep, grouped_tile_and_batch_head, kv_block_range, row_offsets,
+from .common import (alibi_bias_log2, dropout_keep, grouped_tile_and_batch_head, kv_block_range, mma, row_offsets,
                      scores_log2, sequence_bounds, split_kv_block_range, to_int64, visibility_mask)
 
 # TMA_MODE values
@@ -76,7 +76,7 @@ def _fwd_kv_loop(acc, l_i, m_i, q, offs_m, n_block_lo, n_block_hi, kv, k_desc, v
             # [BLOCK_N, BLOCK_D]
             v = tl.load(v_base + v_offs[:, None] + offs_d[None, :], mask=key_in[:, None] & d_in[None, :], other=0.0)
         # [BLOCK_M, BLOCK_N]: raw q.k when FOLD_SCALE (the scale joins the exp2 FMA), else log2-domain logits
-        s = tl.dot(q, k_t)
+        s = mma(q, k_t)
         if not FOLD_SCALE:
             s = scores_log2(s, scores, HAS_SOFTCAP)
             if HAS_ALIBI:
@@ -102,7 +102,7 @@ def _fwd_kv_loop(acc, l_i, m_i, q, offs_m, n_block_lo, n_block_hi, kv, k_desc, v
         l_i += tl.sum(p, 1)  # the softmax normalizer (and so the LSE) ignores dropout
         if HAS_DROPOUT:
             p = tl.where(dropout_keep(rng_state, stream, offs_m, n_start, dropout_p, BLOCK_N), p, 0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        acc = mma(p.to(v.dtype), v, acc)
         m_i = m_new
     return acc, l_i, m_i
 
