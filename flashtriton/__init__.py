@@ -22,3 +22,4 @@ from .interface import (  # noqa: E402,F401
     flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
 from .integrations.flash_attn_module import install_as_flash_attn  # noqa: E402,F401
+from .ops.checks import set_strict_checks, strict_checks, strict_checks_enabled  # noqa: E402,F401

@@ -44,6 +44,7 @@ class Environment:
     environment_variables: dict
     devices: list
     library_gaps: dict           # feature -> reason, on every device
+    strict_checks: bool = False  # index values of GPU calls checked on the host (FLASHTRITON_STRICT)
 
 
 def cuda_driver_version() -> Optional[str]:
@@ -133,7 +134,7 @@ def collect_environment() -> Environment:
     import triton
 
     from . import __version__
-    from .ops import backend
+    from .ops import backend, checks
 
     versions = {
         "flashtriton": __version__,
@@ -145,9 +146,10 @@ def collect_environment() -> Environment:
     }
     devices = [device_info(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     variables = {name: os.environ.get(name) for name in ("TRITON_INTERPRET", "TRITON_CACHE_DIR", "FLASHTRITON_TMA",
-                                                         "FLASHTRITON_GLUON", "CUDA_VISIBLE_DEVICES")}
+                                                         "FLASHTRITON_GLUON", "FLASHTRITON_STRICT",
+                                                         "CUDA_VISIBLE_DEVICES")}
     return Environment(versions, backend.KERNELS_INTERPRETED, cpu_path_description(backend.KERNELS_INTERPRETED),
-                       triton_cache_dir(), variables, devices, library_gaps())
+                       triton_cache_dir(), variables, devices, library_gaps(), checks.strict_checks_enabled())
 
 
 def environment_dict(env: Environment) -> dict:
@@ -160,6 +162,8 @@ def format_environment(env: Environment) -> str:
     lines.append(f"Python executable: {sys.executable}")
     lines.append(f"Kernels interpreted (TRITON_INTERPRET=1 at import): {'yes' if env.kernels_interpreted else 'no'}")
     lines.append(f"Triton cache dir: {env.triton_cache_dir}")
+    lines.append(f"Strict index checks on GPU calls (FLASHTRITON_STRICT=1, flashtriton.set_strict_checks): "
+                 f"{'on' if env.strict_checks else 'off'}")
     variables = [f"{name}={value}" for name, value in env.environment_variables.items() if value is not None]
     lines.append(f"Environment variables: {', '.join(variables) or 'none of ' + ', '.join(env.environment_variables)}")
     if not env.devices:

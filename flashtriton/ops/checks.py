@@ -1,13 +1,16 @@
 """Every argument check of docs/api.md §6, run before anything is launched (and by the fake implementations).
 
-Messages follow flash_attn's.
+Messages follow flash_attn's. Strict mode (FLASHTRITON_STRICT=1 at import, or set_strict_checks / strict_checks)
+extends the index-value checks of CPU calls to calls on other devices, at one host synchronization per call.
 """
 
 from __future__ import annotations
 
 import operator
+import os
+from contextlib import contextmanager
 from functools import lru_cache
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -323,11 +326,98 @@ def cache_seqlens_int(cache_seqlens) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Index values, CPU tensors only (docs/api.md §6). The kernels and the reference path address memory with these
-# values, so a bad one would read or write out of bounds (the interpreter) or cut a sequence silently (the reference
-# path). A CPU tensor's values are in host memory already: reading them synchronizes nothing. CUDA tensors are never
-# read here (that would be a host synchronization per call).
+# Index values (docs/api.md §6). The kernels and the reference path address memory with these values, so a bad one
+# would read or write out of bounds (the interpreter) or cut a sequence silently (the reference path). A CPU
+# tensor's values are in host memory already: reading them synchronizes nothing, so CPU calls are always checked.
+# Other devices' index tensors are read only in strict mode, copied to the host in one transfer per call (one host
+# synchronization), and never while a CUDA graph is being captured: a capture cannot synchronize, and the values
+# present at capture time are not the ones a replay uses.
 # ----------------------------------------------------------------------------------------------------------------
+
+STRICT_VARIABLE = "FLASHTRITON_STRICT"
+_STRICT_ON, _STRICT_OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def parse_strict(value: Optional[str]) -> bool:
+    """The strict flag a FLASHTRITON_STRICT value sets: 1/true/yes/on (any case) on; unset, empty, 0/false/no/off
+    off; anything else raises ValueError (a typo must not silently leave the checks off)."""
+    text = (value or "").strip().lower()
+    if text in _STRICT_ON:
+        return True
+    if text in _STRICT_OFF:
+        return False
+    raise ValueError(f"{STRICT_VARIABLE} must be 1 (strict index checks on) or 0 (off), got {value!r}")
+
+
+_strict = parse_strict(os.environ.get(STRICT_VARIABLE))
+
+
+def strict_checks_enabled() -> bool:
+    """Whether strict mode is on: index values of calls on every device are checked on the host."""
+    return _strict
+
+
+def set_strict_checks(enabled: bool) -> bool:
+    """Turn strict mode on or off for the whole process; returns the previous setting.
+
+    On, every varlen and kv-cache call on a GPU copies its index tensors (cu_seqlens, seqused_k, leftpad_k,
+    block_table, cache_seqlens, cache_batch_idx, cache_leftpad) to the host in one transfer, one synchronization,
+    and runs the checks CPU calls run, raising the same RuntimeErrors. Off (the default unless FLASHTRITON_STRICT=1
+    was set at import), GPU calls never read index values on the host. Calls made while a CUDA graph is being
+    captured are not checked in either mode.
+    """
+    global _strict
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_strict_checks(enabled) takes a bool, got {type(enabled).__name__}")
+    previous, _strict = _strict, enabled
+    return previous
+
+
+@contextmanager
+def strict_checks(enabled: bool = True) -> Iterator[None]:
+    """`with flashtriton.strict_checks():` strict mode on inside the block (off with enabled=False); the previous
+    setting comes back on exit. The setting is process-wide, not per thread."""
+    previous = set_strict_checks(enabled)
+    try:
+        yield
+    finally:
+        set_strict_checks(previous)
+
+
+def reads_index_values(device_type: str, strict: bool, capturing: bool) -> bool:
+    """Whether a call on `device_type` has its index values checked: always on the CPU; elsewhere in strict mode
+    only, and not while a CUDA graph is being captured."""
+    return device_type == "cpu" or (strict and not capturing)
+
+
+def copy_index_tensors_to_host(tensors: Dict[str, Optional[torch.Tensor]]) -> Dict[str, Optional[torch.Tensor]]:
+    """The tensors (name -> index tensor or None), on the host, with their shapes and dtypes: flattened, widened to
+    int64 and concatenated on their device, then copied in one transfer (one synchronization) and split."""
+    present = [tensor for tensor in tensors.values() if tensor is not None]
+    if not present:
+        return dict(tensors)
+    flat = torch.cat([tensor.reshape(-1).long() for tensor in present]).cpu()
+    host, offset = {}, 0
+    for name, tensor in tensors.items():
+        if tensor is not None:
+            host[name] = flat[offset:offset + tensor.numel()].view(tensor.shape).to(tensor.dtype)
+            offset += tensor.numel()
+        else:
+            host[name] = None
+    return host
+
+
+def index_tensors_to_check(device: torch.device,
+                           tensors: Dict[str, Optional[torch.Tensor]]) -> Optional[Dict[str, Optional[torch.Tensor]]]:
+    """The index tensors of a call on `device` as host tensors to check, or None where the call is not checked
+    (reads_index_values). CPU tensors come back as they are; other devices' are copied to the host at once."""
+    if device.type == "cpu":
+        return tensors
+    strict = _strict
+    capturing = strict and device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not reads_index_values(device.type, strict, capturing):
+        return None
+    return copy_index_tensors_to_host(tensors)
 
 
 def _first_true(mask: torch.Tensor) -> Optional[tuple]:
@@ -442,14 +532,19 @@ def check_varlen_index_values(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: to
                               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                               block_table: Optional[torch.Tensor] = None, leftpad_k: Optional[torch.Tensor] = None,
                               seqused_k: Optional[torch.Tensor] = None) -> None:
-    """The index values of a varlen call (forward or backward), for CPU tensors; after check_varlen_fwd/bwd.
+    """The index values of a varlen call (forward or backward), read on the host where index_tensors_to_check says
+    so (CPU tensors; other devices in strict mode); after check_varlen_fwd/bwd.
 
     k's rows bound cu_seqlens_k; with block_table, each sequence's cu_seqlens_k length fits in its block_table row
     and the entries for the keys it uses (seqused_k[b], else its length) name pages of k. max_seqlen_k bounds the
     keys a sequence attends: the keys it uses minus leftpad_k.
     """
-    if q.device.type != "cpu":
+    host = index_tensors_to_check(q.device, dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                                 block_table=block_table, leftpad_k=leftpad_k, seqused_k=seqused_k))
+    if host is None:
         return
+    cu_seqlens_q, cu_seqlens_k, block_table, leftpad_k, seqused_k = (
+        host[name] for name in ("cu_seqlens_q", "cu_seqlens_k", "block_table", "leftpad_k", "seqused_k"))
     lengths_q = check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q.shape[0] (total_q)")
     paged = block_table is not None
     lengths_k = check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, None if paged else k.shape[0],
@@ -472,11 +567,18 @@ def check_varlen_index_values(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: to
 def check_kvcache_index_values(q: torch.Tensor, k_cache: torch.Tensor, seqlen_new: int,
                                cache_seqlens: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],
                                cache_leftpad: Optional[torch.Tensor], block_table: Optional[torch.Tensor]) -> None:
-    """The index values of a flash_attn_with_kvcache call, for CPU tensors; after check_kvcache and the paged
-    capacity check (whose message is flash_attn's)."""
-    if q.device.type != "cpu":
-        return
+    """The index values of a flash_attn_with_kvcache call; after check_kvcache. First flash_attn's paged-capacity
+    check (its message), on every device; then, where index_tensors_to_check says so (CPU tensors; other devices in
+    strict mode), the checks of docs/api.md §6 on host values, read with the paged-capacity check's in one transfer."""
+    host = index_tensors_to_check(q.device, dict(cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+                                                 cache_leftpad=cache_leftpad, block_table=block_table))
     capacity = kv_capacity(k_cache, block_table)
+    if cache_seqlens is not None and block_table is not None:
+        check_paged_capacity(cache_seqlens if host is None else host["cache_seqlens"], seqlen_new, capacity)
+    if host is None:
+        return
+    cache_seqlens, cache_batch_idx, cache_leftpad, block_table = (
+        host[name] for name in ("cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table"))
     if cache_batch_idx is not None:
         check_cache_batch_idx_values(cache_batch_idx, k_cache.shape[0])
     if cache_seqlens is None:  # every row holds `capacity` keys

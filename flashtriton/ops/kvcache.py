@@ -47,6 +47,7 @@ def _append(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
             v_cache.stride(2), *page_args, num_heads_k, seqlen_new, capacity,
+            k_cache.shape[0] if block_table is not None or cache_batch_idx is not None else None,
             HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim), BLOCK_S=APPEND_BLOCK,
             HAS_BATCH_IDX=cache_batch_idx is not None, IS_PAGED=block_table is not None,
         )
@@ -66,8 +67,6 @@ def mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     capacity = checks.kv_capacity(k_cache, block_table)
     seqlen_new = 0 if k is None else k.shape[1]
     q, k, v = (t if t is None or checks.has_contiguous_last_dim(t) else t.contiguous() for t in (q, k, v))
-    if cache_seqlens is not None and block_table is not None:
-        checks.check_paged_capacity(cache_seqlens, seqlen_new, capacity)
     checks.check_kvcache_index_values(q, k_cache, seqlen_new, cache_seqlens, cache_batch_idx, cache_leftpad,
                                       block_table)
     if cache_seqlens is not None and cache_seqlens.dtype != torch.int32:
