@@ -1,1 +1,2 @@
-"""Ways to use flashtriton where code expects another package (flash_attn_module: `import flash_attn`)."""
+"""Ways to use flashtriton where code expects another package (flash_attn_module: `import flash_attn`;
+transformers: an `attn_implementation` for Hugging Face transformers models)."""

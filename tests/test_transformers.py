@@ -1,0 +1,208 @@
+"""flashtriton.integrations.transformers: tiny random-init transformers models (built from configs, nothing
+downloaded) run with attn_implementation=<registered name> against the same weights under "eager".
+
+Models run in bfloat16. Logits and parameter gradients are held to a float64 copy of the model under "eager": the
+error of the flashtriton model may be at most twice the error of the bfloat16 "eager" model plus a small floor
+(1% of the reference's largest magnitude, the size of a couple of bf16 roundings of it). The float64 oracle runs
+each row's valid tokens alone, unpadded (float64 "eager" turns the fully masked query rows of a left-padded row into
+NaN, which its values then carry into every row position of the next layer); padded positions, where eager computes
+values no valid token reads, are left out. Greedy generate() is token-for-token eager's.
+"""
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    Gemma2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+)
+
+from flashtriton.integrations import transformers as ft_transformers  # noqa: E402
+from flashtriton.testing import assert_checks_ok, check_error  # noqa: E402
+
+NAME = ft_transformers.register()
+DTYPE = torch.bfloat16
+SEQ = 16
+WINDOW = 5  # binds at SEQ: Mistral's layers and Gemma2's sliding layers see 5 keys
+
+_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=64, initializer_range=0.3,
+               pad_token_id=0, bos_token_id=1, eos_token_id=127)
+
+CONFIGS = {
+    "llama": lambda **kw: LlamaConfig(**_COMMON, **kw),
+    "qwen2": lambda **kw: Qwen2Config(**_COMMON, **kw),
+    "mistral": lambda **kw: MistralConfig(**_COMMON, sliding_window=WINDOW, **kw),
+    # layers alternate sliding / full; a logit softcap of 2 binds for these weights
+    "gemma2": lambda **kw: Gemma2Config(**_COMMON, sliding_window=WINDOW, attn_logit_softcapping=2.0,
+                                        query_pre_attn_scalar=8, **kw),
+}
+
+
+def _models(kind: str, **config_kwargs):
+    """(flashtriton model, eager model) in DTYPE and the float64 eager oracle, all with the same weights."""
+    torch.manual_seed(0)
+    # from_config keeps the config object it is given (and sets its attention implementation): one config each
+    eager = AutoModelForCausalLM.from_config(CONFIGS[kind](**config_kwargs), attn_implementation="eager",
+                                             dtype=torch.float32)
+    ref = copy.deepcopy(eager).double()
+    ours = AutoModelForCausalLM.from_config(CONFIGS[kind](**config_kwargs), attn_implementation=NAME,
+                                            dtype=torch.float32)
+    ours.load_state_dict(eager.state_dict())
+    assert ours.config._attn_implementation == NAME
+    assert eager.config._attn_implementation == ref.config._attn_implementation == "eager"
+    return ours.to(DTYPE).eval(), eager.to(DTYPE).eval(), ref.eval()
+
+
+def _padded_batch():
+    """Rows: full, left-padded by 5, right-padded by 3; positions count valid tokens, as in generate()."""
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(2, 127, (3, SEQ), generator=generator)
+    mask = torch.ones(3, SEQ, dtype=torch.long)
+    mask[1, :5] = 0
+    mask[2, -3:] = 0
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    return input_ids, mask, position_ids
+
+
+def _floor(ref: torch.Tensor) -> float:
+    return 1e-2 * float(ref.abs().max())
+
+
+def _rows_alone(model, inputs: dict, valid: torch.Tensor) -> torch.Tensor:
+    """Logits of each row's valid tokens, each row run alone without padding: (valid.sum(), vocab)."""
+    rows = []
+    for b in range(valid.shape[0]):
+        keep = valid[b]
+        rows.append(model(input_ids=inputs["input_ids"][b:b + 1, keep],
+                          position_ids=inputs["position_ids"][b:b + 1, keep]).logits[0])
+    return torch.cat(rows)
+
+
+def _logits_and_grads(model, inputs: dict, valid: torch.Tensor, weights: torch.Tensor, alone: bool = False):
+    model.zero_grad(set_to_none=True)
+    logits = _rows_alone(model, inputs, valid) if alone else model(**inputs).logits[valid]
+    loss = (logits.double() * weights).sum()
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), grads
+
+
+def _compare(ours, eager, ref, inputs: dict, valid: torch.Tensor, context: str):
+    weights = torch.randn(int(valid.sum()), 128, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    out, grads = _logits_and_grads(ours, inputs, valid, weights)
+    out_eager, grads_eager = _logits_and_grads(eager, inputs, valid, weights)
+    out_ref, grads_ref = _logits_and_grads(ref, inputs, valid, weights, alone="attention_mask" in inputs)
+    checks = [check_error("logits", out, out_ref, out_eager, atol=_floor(out_ref))]
+    assert set(grads) == set(grads_ref)
+    for name, g_ref in grads_ref.items():
+        checks.append(check_error(f"grad {name}", grads[name], g_ref, grads_eager[name], atol=_floor(g_ref)))
+    assert_checks_ok(checks, context)
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_padded_logits_and_gradients_match_eager(kind):
+    ours, eager, ref = _models(kind)
+    input_ids, mask, position_ids = _padded_batch()
+    inputs = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids)
+    _compare(ours, eager, ref, inputs, mask.bool(), kind)
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_greedy_generate_matches_eager(kind):
+    ours, eager, _ = _models(kind)
+    input_ids, mask, _ = _padded_batch()
+    input_ids, mask = input_ids[:2, :10], mask[:2, 6:]  # row 1 left-padded by 5 of 10
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, min_new_tokens=5)
+    with torch.no_grad():
+        tokens = ours.generate(input_ids, **kwargs)
+        tokens_eager = eager.generate(input_ids, **kwargs)
+    assert tokens.shape == (2, 15)
+    assert torch.equal(tokens, tokens_eager), f"{kind}: {tokens[:, 10:].tolist()} vs {tokens_eager[:, 10:].tolist()}"
+
+
+@pytest.mark.parametrize("boundaries", ["position_ids", "cu_seq_lens"])
+def test_packed_sequences_match_eager(boundaries):
+    """Three sequences (6, 7, 3 tokens) packed in one row, no mask: eager separates them from the restarting
+    position_ids; flashtriton from the same position_ids, or from cu_seq_lens_q/k given as kwargs."""
+    ours, eager, ref = _models("mistral")
+    lengths = [6, 7, 3]
+    input_ids = torch.randint(2, 127, (1, SEQ), generator=torch.Generator().manual_seed(3))
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    # eager looks for packed sequences only without a cache; flashtriton, as transformers' flash path, always
+    inputs = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    valid = torch.ones(1, SEQ, dtype=torch.bool)
+    if boundaries == "position_ids":
+        _compare(ours, eager, ref, inputs, valid, "packed")
+        return
+    cu = torch.tensor([0, 6, 13, 16], dtype=torch.int32)
+    with torch.no_grad():
+        # eager never reads these kwargs; ours uses them in place of the position_ids rule
+        out = ours(**inputs, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7).logits
+        out_eager = eager(**inputs).logits
+        out_ref = ref(**inputs).logits
+        out_unpacked = ours(input_ids=input_ids).logits
+    assert_checks_ok([check_error("logits", out, out_ref, out_eager, atol=_floor(out_ref))], "cu_seq_lens")
+    assert not torch.allclose(out_unpacked[:, 6:], out[:, 6:], atol=_floor(out_ref)), "packing had no effect"
+
+
+def test_float32_model_attends_in_bfloat16():
+    """A float32 model: q/k/v go to bfloat16 and the attention output comes back as float32."""
+    ours, eager, ref = _models("llama")
+    ours, eager = ours.float(), eager.to(torch.bfloat16)
+    input_ids, mask, position_ids = _padded_batch()
+    inputs = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids)
+    valid = mask.bool()
+    with torch.no_grad():
+        out = ours(**inputs).logits
+        out_eager = eager(**inputs).logits[valid]
+        out_ref = _rows_alone(ref, inputs, valid)
+    assert out.dtype == torch.float32
+    assert_checks_ok([check_error("logits", out[valid], out_ref, out_eager, atol=_floor(out_ref))], "float32")
+
+
+def test_dropout_in_training_only():
+    ours, _, _ = _models("llama", attention_dropout=0.5)
+    input_ids, mask, _ = _padded_batch()
+    valid = mask.bool()
+    with torch.no_grad():
+        out_eval = ours(input_ids=input_ids, attention_mask=mask).logits[valid]
+        out_eval_again = ours(input_ids=input_ids, attention_mask=mask).logits[valid]
+    ours.train()
+    logits = ours(input_ids=input_ids, attention_mask=mask).logits
+    logits[valid].float().sum().backward()
+    assert torch.equal(out_eval, out_eval_again)
+    assert torch.isfinite(logits[valid]).all()
+    assert not torch.allclose(logits.detach()[valid], out_eval, atol=_floor(out_eval.double()))
+    assert all(torch.isfinite(p.grad).all() for p in ours.parameters() if p.grad is not None)
+
+
+def test_register_refuses_names_transformers_reroutes():
+    with pytest.raises(ValueError, match="contains 'flash'.*flash_attn"):
+        ft_transformers.register("flashtriton")
+    with pytest.raises(ValueError, match="contains 'sdpa'"):
+        ft_transformers.register("my_sdpa")
+    assert ft_transformers.register("triton_fa_alias") == "triton_fa_alias"
+
+
+def test_unsupported_features_raise_naming_the_alternative():
+    ours, _, _ = _models("llama")
+    input_ids, mask, _ = _padded_batch()
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="output_attentions=True.*attn_implementation='eager'"):
+            ours(input_ids=input_ids, attention_mask=mask, output_attentions=True)
+        mask_4d = torch.zeros(3, 1, SEQ, SEQ, dtype=DTYPE)
+        with pytest.raises(ValueError, match=r"2-D \(batch, kv_len\) padding mask.*got \(3, 1, 16, 16\).*'sdpa'"):
+            ours(input_ids=input_ids, attention_mask=mask_4d)
+        with pytest.raises(NotImplementedError, match="static.*dynamic cache"):
+            ours.generate(input_ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                          cache_implementation="static")
+        with pytest.raises(TypeError, match="float16/bfloat16.*torch.float64.*'eager'"):
+            ours.double()(input_ids=input_ids, attention_mask=mask)
