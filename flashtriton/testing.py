@@ -105,6 +105,16 @@ def forced_hopper_grid(programs: Optional[int]):
     return _overridden(hopper, "PROGRAMS_CAP", programs)
 
 
+def unchecked_indices():
+    """Within this block no call reads its index values on the host (ops/checks.index_tensors_to_check answers None,
+    as for a GPU call outside strict mode), so CPU calls through the interpreter hand malformed cu_seqlens,
+    block tables, cache_batch_idx and cache_seqlens to the kernels as a GPU call would (tests/test_kernel_bounds.py,
+    tools/sanitize_cases.py)."""
+    from .ops import checks
+
+    return _overridden(checks, "index_tensors_to_check", lambda device, tensors: None)
+
+
 def cu_seqlens(lengths: Sequence[int], device="cpu", dtype: torch.dtype = torch.int32) -> torch.Tensor:
     """flash_attn's cu_seqlens for these sequence lengths: cumulative starts (0, l0, l0 + l1, ...), int32."""
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=dtype, device=device)

@@ -8,17 +8,19 @@ NaN-poisoned outputs and applies the tolerance rule of docs/api.md §4.10.
 import contextlib
 import dataclasses
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 import flashtriton
 from flashtriton import configs
-from flashtriton.ops import hopper
+from flashtriton.ops import backend, hopper
 from flashtriton.reference import kvcache_reference
 from flashtriton.testing import (Case, assert_checks_ok, check_error, check_lse, compare_varlen_with_reference,
                                  compare_with_reference, cu_seqlens, forced_dq_atomic, forced_heads_per_group,
-                                 forced_hopper_grid, forced_tma, make_case_inputs, poisoned_outputs)
+                                 forced_hopper_grid, forced_tma, make_case_inputs, poisoned_outputs,
+                                 unchecked_indices)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = DEVICE == "cpu"  # the interpreter is slow: keep CPU shapes small
@@ -262,3 +264,47 @@ def test_fuzz_varlen_packed_variants_match_separate(lengths, causal, window, hea
         packed = _attention_with_grads(lambda t, **o: flashtriton.flash_attn_varlen_qkvpacked_func(t, cu_q, max_q, **o),
                                        (qkv,), dout, **options)
         _assert_same(packed, (*expected[:2], torch.stack(expected[2:], dim=1)))
+
+
+@pytest.mark.skipif(DEVICE == "cpu" and not backend.KERNELS_INTERPRETED,
+                    reason="malformed index values reach kernels only (the CPU reference path needs valid ones)")
+@given(batch=st.integers(1, 3), cache_rows=st.integers(1, 3), seqlen_q=st.integers(1, 3), seqlen_new=st.integers(0, 3),
+       capacity=st.integers(8, 40), causal=st.booleans(), data=st.data())
+def test_fuzz_kvcache_malformed_indices(batch, cache_rows, seqlen_q, seqlen_new, capacity, causal, data):
+    """Malformed cache_batch_idx and cache_seqlens reach the kernels unchecked (testing.unchecked_indices, as on a GPU
+    outside strict mode; docs/api.md §6): appends outside the cache are dropped, a row whose cache row is out of range
+    sees no key, and the others attend to their keys clamped into the cache."""
+    batch_idx = data.draw(st.lists(st.integers(-2, cache_rows + 1), min_size=batch, max_size=batch))
+    seqlens = data.draw(st.lists(st.integers(-4, capacity + 4), min_size=batch, max_size=batch))
+    rows_used = set()
+    for b, row in enumerate(batch_idx):  # one batch row per cache row: two appends into one row would race
+        if row in rows_used:
+            batch_idx[b] = cache_rows
+        rows_used.add(batch_idx[b])
+    q = torch.randn(batch, seqlen_q, 4, 32, device=DEVICE).half()
+    k_cache = torch.randn(cache_rows, capacity, 2, 32, device=DEVICE).half()
+    v_cache = torch.randn_like(k_cache)
+    k_new = torch.randn(batch, seqlen_new, 2, 32, device=DEVICE).half()
+    v_new = torch.randn_like(k_new)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for b, (row, start) in enumerate(zip(batch_idx, seqlens)):
+        for t in range(seqlen_new):
+            if 0 <= row < cache_rows and 0 <= start + t < capacity:
+                expected_k[row, start + t], expected_v[row, start + t] = k_new[b, t], v_new[b, t]
+    as_int32 = lambda values: torch.tensor(values, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    with poisoned_outputs(), unchecked_indices():
+        out, lse = flashtriton.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k_new if seqlen_new else None, v_new if seqlen_new else None,
+            cache_seqlens=as_int32(seqlens), cache_batch_idx=as_int32(batch_idx), causal=causal,
+            return_softmax_lse=True)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    for b, (row, start) in enumerate(zip(batch_idx, seqlens)):
+        if not 0 <= row < cache_rows:
+            assert torch.equal(out[b], torch.zeros_like(out[b])) and bool(torch.isposinf(lse[b]).all())
+            continue
+        keys = as_int32([min(max(start + seqlen_new, 0), capacity)])
+        rows = (q[b:b + 1], k_cache[row:row + 1], v_cache[row:row + 1])
+        ref, ref_lse, _, _ = kvcache_reference(*rows, cache_seqlens=keys, causal=causal)
+        pt = kvcache_reference(*rows, cache_seqlens=keys, causal=causal, compute_dtype=None)[0]
+        assert_checks_ok([check_error("out", out[b:b + 1], ref, pt, factor=3.0), check_lse(lse[b:b + 1], ref_lse)],
+                         f"row {b}")

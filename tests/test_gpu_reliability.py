@@ -688,6 +688,84 @@ def test_repeated_kvcache_splits_is_bitwise_identical(paged, num_splits):
 
 
 # ------------------------------------------------------------------------------------------------------------
+# (d2) Malformed index values (docs/api.md §6): appends outside the cache are dropped, nothing lands outside it
+# ------------------------------------------------------------------------------------------------------------
+
+GUARD_ELEMENTS = 1 << 16  # sentinel elements before and after each cache: more than a page of 256 rows' head
+
+
+def guarded_cache(shape, sentinel=777.0):
+    """(buffer, cache): a random fp16 cache of `shape` inside a buffer whose GUARD_ELEMENTS before and after it hold
+    the sentinel, in one allocation, so a write past either end lands in the sentinel."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    buffer = torch.full((numel + 2 * GUARD_ELEMENTS,), sentinel, device=GPU, dtype=torch.float16)
+    cache = buffer[GUARD_ELEMENTS:GUARD_ELEMENTS + numel].view(shape)
+    cache.copy_(torch.randn(shape, device=GPU, dtype=torch.float16))
+    return buffer, cache
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("variant", ["paged-negative", "paged-past-pool", "batch-idx", "seqlens"])
+def test_malformed_kvcache_appends_stay_inside_the_cache(variant):
+    """flash_attn_with_kvcache appends with block ids < 0 or >= num_blocks, cache_batch_idx outside the cache's
+    batch, cache_seqlens < 0 or past the capacity (host checks off, as outside strict mode): the sentinels around
+    both caches survive, the dropped appends leave the cache unchanged, the valid ones land where they belong."""
+    from flashtriton.testing import unchecked_indices
+
+    batch, new, page, heads_k, dim = 3, 5, 256, 2, 64
+    lengths = [10, 300, 500]
+    options = {}
+    if variant.startswith("paged"):
+        pages_per_row = 4
+        num_pages = batch * pages_per_row
+        table = torch.arange(num_pages, device=GPU, dtype=torch.int32).view(batch, pages_per_row)
+        bad = -1 if variant == "paged-negative" else num_pages + 3
+        table[0, 0], table[1, 1], table[2, 1] = bad, bad, 2 * num_pages
+        options["block_table"] = table
+        shape = (num_pages, page, heads_k, dim)
+        lengths = [10, 300, 600]  # rows 0 and 1 append onto a bad page, row 2 onto a good one after a bad one
+    else:
+        shape = (2 if variant == "batch-idx" else batch, 1024, heads_k, dim)
+        if variant == "batch-idx":
+            options["cache_batch_idx"] = torch.tensor([1, 2, -1], device=GPU, dtype=torch.int32)
+        else:
+            lengths = [-3, 1022, 5000]
+    (k_buffer, k_cache), (v_buffer, v_cache) = guarded_cache(shape), guarded_cache(shape)
+    before = (k_cache.clone(), v_cache.clone())
+    q = torch.randn(batch, 1, 8, dim, device=GPU, dtype=torch.float16)
+    k_new = torch.randn(batch, new, heads_k, dim, device=GPU, dtype=torch.float16)
+    v_new = torch.randn_like(k_new)
+    seqlens = torch.tensor(lengths, device=GPU, dtype=torch.int32)
+    with unchecked_indices():
+        out, lse = flashtriton.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
+                                                       return_softmax_lse=True, **options)
+    torch.cuda.synchronize()
+    for name, buffer in (("k_cache", k_buffer), ("v_cache", v_buffer)):
+        outside = torch.cat([buffer[:GUARD_ELEMENTS], buffer[-GUARD_ELEMENTS:]])
+        assert bool((outside == 777.0).all()), f"{variant}: an append wrote outside {name}"
+    expected_k, expected_v = before[0].clone(), before[1].clone()
+    for b, start in enumerate(lengths):
+        for t in range(new):
+            position = start + t
+            if variant.startswith("paged"):
+                page_id = int(options["block_table"][b, position // page]) if 0 <= position < 4 * page else -1
+                if 0 <= page_id < shape[0]:
+                    slot = (page_id, position % page)
+                    expected_k[slot], expected_v[slot] = k_new[b, t], v_new[b, t]
+            else:
+                row = int(options["cache_batch_idx"][b]) if variant == "batch-idx" else b
+                if 0 <= row < shape[0] and 0 <= position < shape[1]:
+                    expected_k[row, position], expected_v[row, position] = k_new[b, t], v_new[b, t]
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v), f"{variant}: cache contents"
+    assert bool(torch.isfinite(out).all()), f"{variant}: out"
+    if variant == "batch-idx":
+        assert torch.equal(out[2], torch.zeros_like(out[2])) and bool(torch.isposinf(lse[2]).all())
+
+
+# ------------------------------------------------------------------------------------------------------------
 # (e) Edge values; these also run on a CPU (interpreter-sized shapes)
 # ------------------------------------------------------------------------------------------------------------
 

@@ -247,7 +247,8 @@ def test_seqused_and_leftpad_through_tensor_descriptors(force_tma):
 def test_new_lengths_keep_the_compiled_kernels_cache_key(monkeypatch):
     """The CPU counterpart of test_new_lengths_do_not_recompile: each launch's arguments go through Triton's own
     binder for an sm_90 target (the specialization a compiled launch gets), and the cache key it yields is the same
-    for new lengths, batch sizes and split counts, dense, varlen and kv-cache, forward and backward."""
+    for new lengths, batch sizes and split counts, dense, varlen and kv-cache, forward and backward, and for new total
+    rows of the packed tensors and cache rows (the kernels' row bounds, kernels/common.sequence_bounds)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
@@ -272,7 +273,8 @@ def test_new_lengths_keep_the_compiled_kernels_cache_key(monkeypatch):
 
     for name in ("attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"):
         record(name)
-    for lens_q, lens_k, dense_len, batch, cache_len in (([20, 7], [24, 9], 17, 2, 40), ([1, 32], [48, 3], 32, 3, 64)):
+    for lens_q, lens_k, dense_len, batch, cache_len in (([20, 7], [24, 9], 17, 2, 40), ([1, 32], [48, 3], 32, 3, 64),
+                                                        ([20, 12], [31, 1], 40, 2, 24)):
         q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, head_dim=16)
         out = flashtriton.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
         out.sum().backward()
@@ -282,9 +284,15 @@ def test_new_lengths_keep_the_compiled_kernels_cache_key(monkeypatch):
         flashtriton.flash_attn_with_kvcache(qd[:, :1].detach(), cache, cache.clone(),
                                             cache_seqlens=torch.full((batch,), cache_len // 2, dtype=torch.int32),
                                             causal=True, num_splits=batch)
-    # one key per path and kernel: dense, varlen and the kv-cache's split launch share none of them
+        # a cache with more rows than the batch (cache_batch_idx): the kernel's cache-row bound changes
+        rows = torch.randn(batch + len(lens_q), cache_len, 2, 16, dtype=torch.float16)
+        flashtriton.flash_attn_with_kvcache(qd[:, :1].detach(), rows, rows.clone(),
+                                            cache_seqlens=torch.full((batch,), cache_len // 2, dtype=torch.int32),
+                                            cache_batch_idx=torch.arange(batch, dtype=torch.int32), num_splits=1)
+    # one key per path and kernel: dense, varlen, the kv-cache's split launch and the cache_batch_idx launch share
+    # none of them
     assert {name: len(found) for name, found in keys.items()} == {
-        "attn_fwd_kernel": 3, "attn_bwd_dkdv_kernel": 2, "attn_bwd_dq_kernel": 2}
+        "attn_fwd_kernel": 4, "attn_bwd_dkdv_kernel": 2, "attn_bwd_dq_kernel": 2}
 
 
 @pytest.mark.gpu

@@ -3,6 +3,11 @@
 # initcheck and synccheck, one log per tool, and print one summary line per tool.
 #
 #   bash tools/sanitize.sh [LOG_DIR] [sanitize_cases.py options, e.g. --only kv]
+#   TOOLS=memcheck bash tools/sanitize.sh logs --only bad-index   # malformed index values only (docs/api.md §6)
+#
+# The bad-index-* cases hand malformed cu_seqlens, block tables, cache_batch_idx and cache_seqlens to the kernels
+# with the host checks off (flashtriton.testing.unchecked_indices): memcheck, one allocation per tensor, must find
+# no access outside a tensor, and the kv-cache cases check a sentinel region around each cache after the append.
 #
 # LOG_DIR defaults to sanitize-logs. It gets <tool>.log (the sanitizer's report), <tool>.out (the cases' own
 # output) and warmup.log. The exit status is 1 if any tool reports an error or a case fails under it, 2 if the

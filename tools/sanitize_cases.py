@@ -197,10 +197,111 @@ case("kv-prefill-d256", "Sq20 append 20 (prefill tiles), d256, causal")(
 # Dropout: fwd + bwd (S_dmask too)
 case("dropout-dense", "p=0.17 causal, S_dmask")(lambda: _dense(2, 70, 90, 4, 2, 64, dropout_p=0.17, causal=True))
 case("dropout-varlen", "p=0.1, varlen")(lambda: _varlen([30, 0, 45], [20, 10, 60], 4, 2, 64, dropout_p=0.1))
+# Malformed index values (host checks off, as on a GPU outside strict mode; docs/api.md §6): rows and pages out of
+# range count as empty and appends outside the cache are dropped. Under memcheck no access may leave a tensor; the
+# kv-cache cases also check a sentinel region after each cache.
+case("bad-index-varlen-past-end", "cu_seqlens_q/k last entries past the rows, fwd + bwd")(
+    lambda: _malformed(lambda: _bad_varlen([0, 40, 97], [0, 50, 131], 90, 120)))
+case("bad-index-varlen-negative", "negative cu_seqlens entries, fwd + bwd")(
+    lambda: _malformed(lambda: _bad_varlen([0, -7, 90], [0, -3, 120], 90, 120)))
+case("bad-index-paged-varlen", "paged varlen, block ids >= num_blocks and < 0, pages 16 and 7")(
+    lambda: _malformed(lambda: _bad_paged_varlen(16) + _bad_paged_varlen(7)))
+case("bad-index-kv-batch-idx", "cache_batch_idx >= cache batch and < 0, with an append")(
+    lambda: _malformed(lambda: _bad_kvcache(batch_idx=[1, 5, -2])))
+case("bad-index-kv-paged", "kv-cache block ids >= num_blocks and < 0, with an append, pages 16 and 8")(
+    lambda: _malformed(lambda: _bad_kvcache(page=16) + _bad_kvcache(page=8)))
+case("bad-index-kv-seqlens", "cache_seqlens < 0 and past the capacity, with an append")(
+    lambda: _malformed(lambda: _bad_kvcache(seqlens=[-5, 70, 300])))
 # Rotary module
 case("rotary-emb-fwd-bwd", "apply_rotary_emb, tensor offsets, partial, fwd+bwd")(lambda: _rotary_emb())
 case("rotary-varlen-inplace", "apply_rotary varlen, in place, conjugate")(lambda: _rotary_varlen())
 case("rotary-qkv-inplace", "apply_rotary_emb_qkv_ (GQA layout), fwd+bwd")(lambda: _rotary_qkv())
+
+
+def _malformed(body):
+    from flashtriton.testing import unchecked_indices
+
+    with unchecked_indices():
+        return body()
+
+
+def _bad_varlen(cu_q, cu_k, total_q, total_k):
+    """flash_attn_varlen_func forward + backward on malformed cu_seqlens; every row lies in exactly one clamped
+    sequence, so every result row is written."""
+    import torch
+
+    import flashtriton
+
+    q = _randn(total_q, 4, 64, requires_grad=True)
+    k, v = _randn(total_k, 2, 64, requires_grad=True), _randn(total_k, 2, 64, requires_grad=True)
+    cu_seqlens_q, cu_seqlens_k = (torch.tensor(cu, dtype=torch.int32, device=DEVICE) for cu in (cu_q, cu_k))
+    max_q, max_k = (max(b - a for a, b in zip(cu, cu[1:])) + 8 for cu in (cu_q, cu_k))
+    out = flashtriton.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    return [out, *grads]
+
+
+def _bad_paged_varlen(page):
+    """Paged flash_attn_varlen_func whose block tables name pages past the pool and negative pages."""
+    import flashtriton
+
+    lens_q, lens_k = [3, 20, 9], [50, 20, 97]
+    table, num_pages = _paged_table(len(lens_k), -(-max(lens_k) // page), spare=0)
+    table[0, 1], table[1, 0], table[2, -1] = num_pages, -1, num_pages + 1000
+    k_cache, v_cache = _guarded(num_pages, page, 2, 64), _guarded(num_pages, page, 2, 64)
+    q = _randn(sum(lens_q), 4, 64)
+    out = flashtriton.flash_attn_varlen_func(q, k_cache.tensor, v_cache.tensor, _cumulative(lens_q),
+                                             _cumulative(lens_k), max(lens_q), max(lens_k), causal=True,
+                                             block_table=table)
+    return [out, k_cache.check(), v_cache.check()]
+
+
+def _bad_kvcache(page=0, batch_idx=None, seqlens=None, capacity=256, seqlen_new=3):
+    """flash_attn_with_kvcache with an append on malformed index values, caches inside sentinel regions."""
+    import torch
+
+    import flashtriton
+
+    batch = 3
+    lengths = torch.tensor(seqlens or [10, 100, 200], dtype=torch.int32, device=DEVICE)
+    inputs = dict(cache_seqlens=lengths)
+    if page:
+        table, num_pages = _paged_table(batch, -(-capacity // page), spare=0)
+        table[0, 0], table[1, 100 // page], table[2, 200 // page] = -1, num_pages, num_pages + 7
+        inputs["block_table"] = table
+        cache_shape = (num_pages, page, 2, 64)
+    else:
+        cache_shape = (batch if batch_idx is None else 2, capacity, 2, 64)
+    if batch_idx is not None:
+        inputs["cache_batch_idx"] = torch.tensor(batch_idx, dtype=torch.int32, device=DEVICE)
+    k_cache, v_cache = _guarded(*cache_shape), _guarded(*cache_shape)
+    k, v = _randn(batch, seqlen_new, 2, 64), _randn(batch, seqlen_new, 2, 64)
+    q = _randn(batch, 1, 8, 64)
+    out, lse = flashtriton.flash_attn_with_kvcache(q, k_cache.tensor, v_cache.tensor, k, v, **inputs,
+                                                   return_softmax_lse=True)
+    return [out, lse, k_cache.check(), v_cache.check()]
+
+
+class _guarded:
+    """A random fp16 tensor inside a larger buffer whose regions before and after it hold a sentinel; check()
+    raises if either region changed and returns the tensor."""
+    GUARD = 4096
+
+    def __init__(self, *shape):
+        import torch
+
+        numel = 1
+        for size in shape:
+            numel *= size
+        self.buffer = torch.full((numel + 2 * self.GUARD,), 777.0, dtype=torch.float16, device=DEVICE)
+        self.tensor = self.buffer[self.GUARD:self.GUARD + numel].view(shape)
+        self.tensor.copy_(_randn(*shape))
+
+    def check(self):
+        guards = (self.buffer[:self.GUARD], self.buffer[-self.GUARD:])
+        if not all(bool((region == 777.0).all()) for region in guards):
+            raise AssertionError("a kernel wrote into the sentinel region around a cache")
+        return self.tensor
 
 
 def _with_gluon(body):

@@ -18,8 +18,10 @@ and the generated code depends on that order):
   head_counts  (query heads or KV heads, group_size): the heads the kernel's grid runs over, and query heads per KV head
   scores       ScoreParams.kernel_scores: (qk_scale_log2, softcap_in_scale, softcap_out_log2)
   dropout      (dropout_p, dropout_scale)
-The Lse / Delta strides, sequence lengths, heads_per_group and window are plain unspecialized arguments: new values
-reuse the compiled kernel.
+  q_rows, k_rows  varlen: Q's and K's total rows, which every sequence is clamped into (common.sequence_bounds), so
+               malformed cu_seqlens make sequences shorter or empty and never reach outside the tensors; dense: None
+The Lse / Delta strides, sequence lengths, heads_per_group, window and row bounds are plain unspecialized arguments:
+new values reuse the compiled kernel.
 """
 
 import triton
@@ -30,15 +32,16 @@ from .common import (alibi_bias_log2, dropout_keep, grouped_tile_and_batch_head,
                      tanh, tile_and_batch_head, to_int64, visibility_mask)
 
 
-@triton.jit(do_not_specialize=["stride_delta_b", "stride_delta_h", "seqlen_q", "delta_rows"])
+@triton.jit(do_not_specialize=["stride_delta_b", "stride_delta_h", "seqlen_q", "delta_rows", "q_rows"])
 def attn_bwd_preprocess_kernel(
     Out, DOut, Delta, DQAccum, CuSeqlensQ, strides, stride_delta_b, stride_delta_h, dqa_strides, num_heads, seqlen_q,
-    delta_rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    delta_rows, q_rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """delta = rowsum(dO * O) of each query row into Delta, and 0 into its rows [seqlen_q, delta_rows) (the
     padding of a dense softmax_d; varlen passes 0); where DQAccum is given, zeros into the rows' fp32 dQ
     accumulator (the dQ atomics / reductions add into it), which saves a separate fill of it.
-    strides: (batch, row, head) strides of Out and DOut; dqa_strides: DQAccum's. CuSeqlensQ None: dense layout."""
+    strides: (batch, row, head) strides of Out and DOut; dqa_strides: DQAccum's. CuSeqlensQ None: dense layout;
+    q_rows: the packed rows sequences are clamped into (None: dense)."""
     o_strides, do_strides = strides
     stride_ob, stride_om, stride_oh = o_strides
     stride_dob, stride_dom, stride_doh = do_strides
@@ -46,7 +49,8 @@ def attn_bwd_preprocess_kernel(
     m_block, batch_head = tile_and_batch_head(tl.cdiv(tl.maximum(seqlen_q, delta_rows), BLOCK_M))
     batch = batch_head // num_heads
     head = batch_head % num_heads
-    q_start, seqlen_q, _, _ = sequence_bounds(batch, CuSeqlensQ, CuSeqlensQ, None, None, seqlen_q, seqlen_q)
+    q_start, seqlen_q, _, _ = sequence_bounds(batch, CuSeqlensQ, CuSeqlensQ, None, None, seqlen_q, seqlen_q, q_rows,
+                                              None)
     rows_end = tl.maximum(seqlen_q, delta_rows)
     m_start = m_block * BLOCK_M
     if m_start >= rows_end:
@@ -146,10 +150,10 @@ def _dkdv_q_loop(dk, dv, k, v, n_start, m_block_lo, m_block_hi, head_rows, row_s
 
 
 @triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "stride_delta_b", "stride_delta_h", "seqlen_q",
-                               "seqlen_k", "heads_per_group", "window_left", "window_right"])
+                               "seqlen_k", "heads_per_group", "window_left", "window_right", "q_rows", "k_rows"])
 def attn_bwd_dkdv_kernel(
     inputs, outputs, optional, strides, stride_lse_b, stride_lse_h, stride_delta_b, stride_delta_h, grad_strides, stride_alibi_b, head_counts, seqlen_q, seqlen_k, heads_per_group, softmax_scale,
-    scores, window_left, window_right, alibi_pure_causal, dropout,
+    scores, window_left, window_right, alibi_pure_causal, dropout, q_rows, k_rows,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
     DQ_ATOMIC: tl.constexpr,
@@ -181,7 +185,7 @@ def attn_bwd_dkdv_kernel(
     batch = batch_head // num_heads_k
     head_k = batch_head % num_heads_k
     q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, None, None, seqlen_q,
-                                                           seqlen_k)
+                                                           seqlen_k, q_rows, k_rows)
     visibility = (seqlen_q, seqlen_k, window_left, window_right)
     n_start = n_block * BLOCK_N
     if n_start >= seqlen_k:
@@ -298,11 +302,11 @@ def _dq_kv_loop(dq, q, do, lse_log2, delta, offs_m, n_block_lo, n_block_hi, kv, 
 
 
 @triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "stride_delta_b", "stride_delta_h", "seqlen_q",
-                               "seqlen_k", "heads_per_group", "window_left", "window_right"])
+                               "seqlen_k", "heads_per_group", "window_left", "window_right", "q_rows", "k_rows"])
 def attn_bwd_dq_kernel(
     inputs, DQ, optional, strides, stride_lse_b, stride_lse_h, stride_delta_b, stride_delta_h, dq_strides,
     stride_alibi_b, head_counts, seqlen_q, seqlen_k, heads_per_group, softmax_scale, scores, window_left,
-    window_right, alibi_pure_causal, dropout,
+    window_right, alibi_pure_causal, dropout, q_rows, k_rows,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
 ):
@@ -328,7 +332,7 @@ def attn_bwd_dq_kernel(
     head = batch_head % num_heads
     head_k = head // group_size
     q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, None, None, seqlen_q,
-                                                           seqlen_k)
+                                                           seqlen_k, q_rows, k_rows)
     visibility = (seqlen_q, seqlen_k, window_left, window_right)
     m_start = m_block * BLOCK_M
     if m_start >= seqlen_q:

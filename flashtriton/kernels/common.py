@@ -187,11 +187,13 @@ def scores_log2(qk, scores, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, seqlen_q, seqlen_k):
+def sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, seqlen_q, seqlen_k, q_rows, k_rows):
     """(first row of q, q length, first row of k, k length) of one batch entry; a None pointer: the call has none.
 
     Varlen reads cu_seqlens; seqused_k replaces the key length; leftpad_k moves the first key forward
-    inside the sequence's slot (docs/api.md §7).
+    inside the sequence's slot (docs/api.md §7). q_rows / k_rows (None: no index value decides the rows) are the
+    rows the q / k ranges must lie in: each range is clamped into [0, rows) (clamped_range), so malformed index
+    values make sequences shorter or empty, never reach outside the tensors.
     """
     if CuSeqlensQ is not None:
         q_start = tl.load(CuSeqlensQ + batch)
@@ -209,7 +211,21 @@ def sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, seqlen_q,
         left_pad = tl.load(LeftPadK + batch)
         k_start += left_pad
         k_len -= left_pad
+    if q_rows is not None:
+        q_start, q_len = clamped_range(q_start, q_len, q_rows)
+    if k_rows is not None:
+        k_start, k_len = clamped_range(k_start, k_len, k_rows)
     return q_start, q_len, k_start, k_len
+
+
+@triton.jit
+def clamped_range(start, length, rows):
+    """(start, length) of rows [start, start + length) clamped into [0, rows); a range that ends before it starts is
+    empty. Whatever the index values, a kernel then addresses only rows of its tensors (docs/api.md §6)."""
+    end = start + length
+    start = tl.minimum(tl.maximum(start, 0), rows)
+    end = tl.minimum(tl.maximum(end, start), rows)
+    return start, end - start
 
 
 @triton.jit
@@ -252,6 +268,24 @@ def row_offsets(n_start, offs_col, seqlen_k, stride_row, block_table_row, page_s
         return page * stride_page + (offs_n % page_size) * stride_row
     else:
         return to_int64(n_start) * stride_row + offs_col * stride_row
+
+
+@triton.jit
+def paged_row_offsets(n_start, offs_col, seqlen_k, stride_row, block_table_row, page_size, stride_page, num_pages,
+                      TILE_IN_PAGE: tl.constexpr):
+    """row_offsets of paged keys, and whether their page is one of the pool's num_pages: ([BLOCK] int64 offsets,
+    page_ok, a bool scalar with TILE_IN_PAGE, else [BLOCK]). A page id outside [0, num_pages) is replaced by page 0
+    so that no address leaves the pool; the caller masks the keys of such pages (they count as absent)."""
+    if TILE_IN_PAGE:
+        page = tl.load(block_table_row + n_start // page_size)
+        rows = (n_start % page_size) + offs_col
+    else:
+        offs_n = n_start + offs_col
+        page = tl.load(block_table_row + offs_n // page_size, mask=offs_n < seqlen_k, other=0)
+        rows = offs_n % page_size
+    page_ok = (page >= 0) & (page < num_pages)
+    page = tl.where(page_ok, page, 0).to(tl.int64)
+    return page * stride_page + rows * stride_row, page_ok
 
 
 @triton.jit

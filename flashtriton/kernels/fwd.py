@@ -21,8 +21,9 @@ K/V tile is read once per KV head instead of once per query head.
 import triton
 import triton.language as tl
 
-from .common import (alibi_bias_log2, dropout_keep, grouped_tile_and_batch_head, kv_block_range, mma, row_offsets,
-                     scores_log2, sequence_bounds, split_kv_block_range, to_int64, visibility_mask)
+from .common import (alibi_bias_log2, dropout_keep, grouped_tile_and_batch_head, kv_block_range, mma,
+                     paged_row_offsets, row_offsets, scores_log2, sequence_bounds, split_kv_block_range, to_int64,
+                     visibility_mask)
 
 # TMA_MODE values
 TMA_OFF = tl.constexpr(0)
@@ -41,12 +42,13 @@ def _fwd_kv_loop(acc, l_i, m_i, q, offs_m, n_block_lo, n_block_hi, kv, k_desc, v
 
     kv: where this program's KV head is, (k_base, v_base, stride_kn, stride_vn) for pointer loads and the
     (batch, first row, head) coordinates of its tiles in k_desc / v_desc (TMA_MODE); block_table_row: the batch
-    row's pages, None where K/V are not paged; pages: (page_size, stride_kpage, stride_vpage);
+    row's pages, None where K/V are not paged; pages: (page_size, stride_kpage, stride_vpage, num_pages), keys on
+    a page outside [0, num_pages) are masked (paged_row_offsets);
     alibi: ([BLOCK_M, 1] slopes in log2 units, alibi_pure_causal); dropout: the kernel's (dropout_p, dropout_scale),
     drawn from rng_state in the rows' Philox streams.
     """
     k_base, v_base, stride_kn, stride_vn, desc_kv_batch, desc_k_row0, desc_head_k = kv
-    page_size, stride_kpage, stride_vpage = pages
+    page_size, stride_kpage, stride_vpage, num_pages = pages
     _, seqlen_k, _, _ = visibility
     qk_scale_log2, _, _ = scores
     slope_log2, alibi_pure_causal = alibi
@@ -67,14 +69,25 @@ def _fwd_kv_loop(acc, l_i, m_i, q, offs_m, n_block_lo, n_block_hi, kv, k_desc, v
                 v = tl.where((offs_n < seqlen_k)[:, None], v, 0.0)
         else:
             key_in = offs_n < seqlen_k
-            k_offs = row_offsets(n_start, offs_col, seqlen_k, stride_kn, block_table_row, page_size, stride_kpage,
-                                 IS_PAGED, TILE_IN_PAGE)
-            v_offs = row_offsets(n_start, offs_col, seqlen_k, stride_vn, block_table_row, page_size, stride_vpage,
-                                 IS_PAGED, TILE_IN_PAGE)
+            value_in = key_in
+            if IS_PAGED:
+                k_offs, page_ok = paged_row_offsets(n_start, offs_col, seqlen_k, stride_kn, block_table_row,
+                                                    page_size, stride_kpage, num_pages, TILE_IN_PAGE)
+                v_offs, v_page_ok = paged_row_offsets(n_start, offs_col, seqlen_k, stride_vn, block_table_row,
+                                                      page_size, stride_vpage, num_pages, TILE_IN_PAGE)
+                # keys of a page outside the pool score -inf below; their values read as 0, so a replaced page's
+                # contents (NaN in unused cache slots) cannot reach the output through 0 * NaN
+                value_in = key_in & v_page_ok
+            else:
+                k_offs = row_offsets(n_start, offs_col, seqlen_k, stride_kn, block_table_row, page_size,
+                                     stride_kpage, IS_PAGED, TILE_IN_PAGE)
+                v_offs = row_offsets(n_start, offs_col, seqlen_k, stride_vn, block_table_row, page_size,
+                                     stride_vpage, IS_PAGED, TILE_IN_PAGE)
             # [BLOCK_D, BLOCK_N]
             k_t = tl.load(k_base + k_offs[None, :] + offs_d[:, None], mask=key_in[None, :] & d_in[:, None], other=0.0)
             # [BLOCK_N, BLOCK_D]
-            v = tl.load(v_base + v_offs[:, None] + offs_d[None, :], mask=key_in[:, None] & d_in[None, :], other=0.0)
+            v = tl.load(v_base + v_offs[:, None] + offs_d[None, :], mask=value_in[:, None] & d_in[None, :],
+                        other=0.0)
         # [BLOCK_M, BLOCK_N]: raw q.k when FOLD_SCALE (the scale joins the exp2 FMA), else log2-domain logits
         s = mma(q, k_t)
         if not FOLD_SCALE:
@@ -83,6 +96,10 @@ def _fwd_kv_loop(acc, l_i, m_i, q, offs_m, n_block_lo, n_block_hi, kv, k_desc, v
                 s += alibi_bias_log2(slope_log2, offs_m, offs_n, visibility, alibi_pure_causal)
         if MASKED:
             s = tl.where(visibility_mask(offs_m, offs_n, visibility, IS_LOCAL), s, float("-inf"))
+        if IS_PAGED and TILE_IN_PAGE:
+            s = tl.where(page_ok, s, float("-inf"))
+        elif IS_PAGED:
+            s = tl.where(page_ok[None, :], s, float("-inf"))
         scale = qk_scale_log2 if FOLD_SCALE else 1.0
         # [BLOCK_M] new running max; it lags while it grows by at most RESCALE_THRESHOLD
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
@@ -108,11 +125,11 @@ def _fwd_kv_loop(acc, l_i, m_i, q, offs_m, n_block_lo, n_block_hi, kv, k_desc, v
 
 
 @triton.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "page_size", "seqlen_q", "seqlen_k", "heads_per_group",
-                               "window_left", "window_right"])
+                               "window_left", "window_right", "q_rows", "k_rows", "kv_rows"])
 def attn_fwd_kernel(
     inputs, outputs, optional, q_desc, k_desc, v_desc, o_desc, strides, stride_lse_b, stride_lse_h, batch_strides,
     page_size, page_strides, split_strides, head_counts, seqlen_q, seqlen_k, heads_per_group, scores, window_left,
-    window_right, alibi_pure_causal, dropout,
+    window_right, alibi_pure_causal, dropout, q_rows, k_rows, kv_rows,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_SPLIT: tl.constexpr,
     TMA_MODE: tl.constexpr, FOLD_SCALE: tl.constexpr, PACK_GQA: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
@@ -130,11 +147,18 @@ def attn_fwd_kernel(
       head_counts    (num_heads, group_size): query heads, query heads per KV head
       scores         ScoreParams.kernel_scores: (qk_scale_log2, softcap_in_scale, softcap_out_log2)
       dropout        (dropout_p, dropout_scale)
-    The Lse strides, page size, sequence lengths, heads_per_group and window are plain unspecialized arguments:
-    new values reuse the compiled kernel. Tuples flatten, in order, into the compiled kernel's parameter list, and
-    the generated code depends on that order: reordering arguments changes the SASS. q_desc .. o_desc (host-built
-    descriptors of TMA_HOST / TMA_PACKED, else None) stay separate arguments: Triton's launcher expands a host
-    descriptor into its kernel parameters only where it is an argument of its own, not inside a tuple.
+      q_rows, k_rows the rows each sequence's queries / keys must lie in, None where no index value decides them
+                     (dense calls): varlen Q's and K's total rows, K's sequence length (seqused_k / leftpad_k), a
+                     block-table row's capacity (paged: the key length alone is clamped)
+      kv_rows        K's and V's first dimension where CacheBatchIdx or BlockTable indexes it (cache rows, pages),
+                     else None
+    The Lse strides, page size, sequence lengths, heads_per_group, window and row bounds are plain unspecialized
+    arguments: new values reuse the compiled kernel. Rows and pages that malformed index values put out of range
+    count as empty: the kernel never addresses memory outside its tensors (docs/api.md §6). Tuples flatten, in order,
+    into the compiled kernel's parameter list, and the generated code depends on that order: reordering arguments
+    changes the SASS. q_desc .. o_desc (host-built descriptors of TMA_HOST / TMA_PACKED, else None) stay separate
+    arguments: Triton's launcher expands a host descriptor into its kernel parameters only where it is an argument of
+    its own, not inside a tuple.
 
     Paged K/V (BlockTable) are addressed one page lookup per key tile with TILE_IN_PAGE; CacheBatchIdx maps batch
     row b to K/V row CacheBatchIdx[b] (the kv-cache's cache_batch_idx). Query tiles run in reverse order, so under a
@@ -174,7 +198,16 @@ def attn_fwd_kernel(
         batch = batch_head // num_heads
         head_k = (batch_head % num_heads) // group_size
     q_start, seqlen_q, k_start, seqlen_k = sequence_bounds(batch, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, seqlen_q,
-                                                           seqlen_k)
+                                                           seqlen_k, q_rows, None if IS_PAGED else k_rows)
+    if IS_PAGED:
+        seqlen_k = tl.minimum(tl.maximum(seqlen_k, 0), k_rows)
+    kv_batch = batch
+    if CacheBatchIdx is not None:
+        # a cache row outside K's rows: the batch row sees no key
+        kv_batch = tl.load(CacheBatchIdx + batch)
+        kv_batch_ok = (kv_batch >= 0) & (kv_batch < kv_rows)
+        kv_batch = tl.where(kv_batch_ok, kv_batch, 0)
+        seqlen_k = tl.where(kv_batch_ok, seqlen_k, 0)
     visibility = (seqlen_q, seqlen_k, window_left, window_right)
     offs_row = tl.arange(0, BLOCK_M)
     if PACK_GQA:
@@ -197,9 +230,6 @@ def attn_fwd_kernel(
     row_in = offs_m < seqlen_q
 
     batch64 = batch.to(tl.int64)
-    kv_batch = batch
-    if CacheBatchIdx is not None:
-        kv_batch = tl.load(CacheBatchIdx + batch)
     kv_batch64 = kv_batch.to(tl.int64)
     q_base = Q + batch64 * stride_qb + to_int64(q_start) * stride_qm
     if IS_PAGED:
@@ -269,8 +299,8 @@ def attn_fwd_kernel(
         # part 1: the blocks every row sees whole, [n_full_min, n_full_max), without a mask
         acc, l_i, m_i = _fwd_kv_loop(
             acc, l_i, m_i, q, offs_m, n_blocks[part], n_blocks[part + 1], kv, k_desc, v_desc, block_table_row,
-            (page_size, stride_kpage, stride_vpage), visibility, scores, (slope_log2, alibi_pure_causal), RngState,
-            stream, dropout, MASKED=part != 1, IS_LOCAL=IS_LOCAL, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
+            (page_size, stride_kpage, stride_vpage, kv_rows), visibility, scores, (slope_log2, alibi_pure_causal),
+            RngState, stream, dropout, MASKED=part != 1, IS_LOCAL=IS_LOCAL, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
             HAS_DROPOUT=HAS_DROPOUT, FOLD_SCALE=FOLD_SCALE, RESCALE_THRESHOLD=RESCALE_THRESHOLD, TMA_MODE=TMA_MODE,
             TILE_IN_PAGE=TILE_IN_PAGE, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
 

@@ -117,6 +117,22 @@ def _operand_bytes(operand: torch.Tensor, rows: int, operands_per_head: float) -
     return int(rows * operand.shape[-1] * operand.element_size() * operands_per_head)
 
 
+def fwd_row_bounds(q, k, is_varlen: bool, block_table, seqused_k, leftpad_k, cache_batch_idx) -> tuple:
+    """attn_fwd_kernel's (q_rows, k_rows, kv_rows): the rows that index values may name, None where no index tensor
+    decides them (dense calls compile as before). The kernel clamps sequences into them and masks cache rows and pages
+    outside them, so malformed index values never make it touch memory outside its tensors (docs/api.md §6)."""
+    is_paged = block_table is not None
+    k_rows = None
+    if is_paged:
+        k_rows = block_table.shape[1] * k.shape[1]
+    elif is_varlen:
+        k_rows = k.shape[0]
+    elif seqused_k is not None or leftpad_k is not None:
+        k_rows = k.shape[1]
+    kv_rows = k.shape[0] if is_paged or cache_batch_idx is not None else None
+    return q.shape[0] if is_varlen else None, k_rows, kv_rows
+
+
 def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides: Tuple[int, int],
                seqlen_q: int, seqlen_k: int, batch: int, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
                leftpad_k=None, block_table=None, cache_batch_idx=None, num_splits: int = 1, dropout_p: float = 0.0,
@@ -180,6 +196,7 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
         descriptors = (*(_row_descriptor(t.unsqueeze(0), rows, block_dim)
                          for t, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n))), None)
     grid = (query_tiles * batch_heads, num_splits)
+    row_bounds = fwd_row_bounds(q, k, is_varlen, block_table, seqused_k, leftpad_k, cache_batch_idx)
     with device_guard(q):
         attn_fwd_kernel[grid](
             (q, k, v), (out, lse),
@@ -188,7 +205,7 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
             *lse_strides, (_alibi_batch_stride(alibi_slopes), block_table.stride(0) if is_paged else 0), page_size,
             page_strides, split_strides, (num_heads, num_heads // num_heads_k), seqlen_q, seqlen_k, heads_per_group,
             params.kernel_scores(), params.window_left, params.window_right, int(params.alibi_pure_causal),
-            (dropout_p, 1.0 / (1.0 - dropout_p)),
+            (dropout_p, 1.0 / (1.0 - dropout_p)), *row_bounds,
             HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             IS_LOCAL=params.is_local, HAS_SOFTCAP=params.has_softcap, HAS_DROPOUT=dropout_p > 0.0,
             IS_SPLIT=is_split, TMA_MODE=tma_mode,
@@ -284,8 +301,10 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
     inputs = (q, k, v, dout, lse, delta)
     optional = (alibi_slopes, cu_seqlens_q, cu_seqlens_k, rng_state)
     input_strides = (seq_strides(q), seq_strides(k), seq_strides(v), seq_strides(dout))
+    # varlen: the packed rows every sequence is clamped into (kernels/bwd.py), so malformed cu_seqlens stay inside
+    row_bounds = (q.shape[0], k.shape[0]) if is_varlen else (None, None)
     score_args = (params.softmax_scale, params.kernel_scores(), params.window_left, params.window_right,
-                  int(params.alibi_pure_causal), (dropout_p, 1.0 / (1.0 - dropout_p)))
+                  int(params.alibi_pure_causal), (dropout_p, 1.0 / (1.0 - dropout_p)), *row_bounds)
     alibi_stride = _alibi_batch_stride(alibi_slopes)
     with device_guard(q):
         preprocess_rows = max(seqlen_q, delta_rows)
@@ -294,6 +313,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
             attn_bwd_preprocess_kernel[preprocess_grid](
                 out, dout, delta, dq_accum, cu_seqlens_q, (seq_strides(out), seq_strides(dout)), *delta_strides,
                 seq_strides(dq_accum) if dq_accum is not None else (0, 0, 0), num_heads, seqlen_q, delta_rows,
+                row_bounds[0],
                 HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.preprocess_block,
             )
         dkdv_heads_per_group = configs.heads_per_l2_group(_operand_bytes(q, seqlen_q, 2 * group_size),

@@ -47,6 +47,7 @@ def _append(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
             v_cache.stride(2), *page_args, num_heads_k, seqlen_new, capacity,
+            k_cache.shape[0] if block_table is not None or cache_batch_idx is not None else None,
             HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim), BLOCK_S=APPEND_BLOCK,
             HAS_BATCH_IDX=cache_batch_idx is not None, IS_PAGED=block_table is not None,
         )
