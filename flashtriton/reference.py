@@ -58,15 +58,12 @@ class _Probabilities(NamedTuple):
     scale: float
 
 
-def _probabilities(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_mask,
-                   seqlen_k_star, compute_dtype) -> _Probabilities:
-    batch, seqlen_q, num_heads, head_dim = q.shape
+def scaled_scores(q, k, v, scale: float, params, softcap: float, alibi_slopes, compute_dtype):
+    """The score pipeline shared by the oracle and the CPU backward: q, k, v in compute_dtype with K/V repeated over
+    each GQA group ((B, Sq, H, D), (B, Sk, H, D) x2), the scores (B, H, Sq, Sk) after scale, softcap and ALiBi, the
+    softcap's tanh (or None) and the visibility mask (Sq, Sk) of params' window."""
+    batch, seqlen_q, num_heads, _ = q.shape
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
-    compute_dtype = compute_dtype or q.dtype
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
-    star = seqlen_k if seqlen_k_star is None else seqlen_k_star
-    params = score_params(scale, causal, int(window_size[0]), int(window_size[1]), softcap, star)
-
     group = num_heads // num_heads_k
     qc = q.to(compute_dtype)
     kc = k.to(compute_dtype).repeat_interleave(group, dim=2)
@@ -80,6 +77,17 @@ def _probabilities(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
         scores = scores + _alibi_bias(alibi_slopes, batch, seqlen_q, seqlen_k, params.alibi_pure_causal,
                                       compute_dtype)
     visible = visible_mask(seqlen_q, seqlen_k, params.window_left, params.window_right, device=q.device)
+    return qc, kc, vc, scores, capped, visible
+
+
+def _probabilities(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_mask,
+                   seqlen_k_star, compute_dtype) -> _Probabilities:
+    head_dim, seqlen_k = q.shape[3], k.shape[1]
+    compute_dtype = compute_dtype or q.dtype
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    star = seqlen_k if seqlen_k_star is None else seqlen_k_star
+    params = score_params(scale, causal, int(window_size[0]), int(window_size[1]), softcap, star)
+    qc, kc, vc, scores, capped, visible = scaled_scores(q, k, v, scale, params, softcap, alibi_slopes, compute_dtype)
     scores = scores.masked_fill(~visible, float("-inf"))
 
     has_key = visible.any(dim=-1)  # (Sq,)

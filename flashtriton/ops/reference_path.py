@@ -15,8 +15,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..reference import (_alibi_bias, attention_reference, attention_reference_varlen, kvcache_reference, row_slopes,
-                         sequence_slices, visible_mask)
+from ..reference import (attention_reference, attention_reference_varlen, kvcache_reference, row_slopes,
+                         scaled_scores, sequence_slices)
 from ..scores import score_params
 from . import dropout
 
@@ -37,22 +37,11 @@ def _backward_from_stats(dout, q, k, v, out, lse, softmax_scale: float, causal: 
     P = exp(S - lse) on visible keys, dP = dout V^T (dropped and rescaled with the keep mask), delta = rowsum(dout *
     out) (B, H, Sq, 1), dS = P * (dP - delta), times tanh's derivative under softcap; GQA sums over each group.
     """
-    batch, seqlen_q, num_heads, _ = q.shape
-    seqlen_k, num_heads_k = k.shape[1], k.shape[2]
+    num_heads, num_heads_k = q.shape[2], k.shape[2]
     group = num_heads // num_heads_k
     params = score_params(softmax_scale, causal, int(window[0]), int(window[1]), softcap, seqlen_k_star)
-    qf = q.float()
-    kf = k.float().repeat_interleave(group, dim=2)
-    vf = v.float().repeat_interleave(group, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * softmax_scale
-    capped = None
-    if softcap > 0.0:
-        capped = torch.tanh(scores / softcap)
-        scores = softcap * capped
-    if alibi_slopes is not None:
-        scores = scores + _alibi_bias(alibi_slopes, batch, seqlen_q, seqlen_k, params.alibi_pure_causal,
-                                      torch.float32)
-    visible = visible_mask(seqlen_q, seqlen_k, params.window_left, params.window_right, device=q.device)
+    qf, kf, vf, scores, capped, visible = scaled_scores(q, k, v, softmax_scale, params, softcap, alibi_slopes,
+                                                        torch.float32)
     probs = torch.exp(scores - lse.float()[..., None]).masked_fill(~visible, 0.0)
     do = dout.float()
     d_probs = torch.einsum("bqhd,bkhd->bhqk", do, vf)
