@@ -289,6 +289,19 @@ def paged_row_offsets(n_start, offs_col, seqlen_k, stride_row, block_table_row, 
 
 
 @triton.jit
+def pages_in_pool(block_table_row, key_start, key_end, page_size, num_pages, BLOCK: tl.constexpr = 64):
+    """Whether every block-table entry that keys [key_start, key_end) use names a page in [0, num_pages)."""
+    first = key_start // page_size
+    end = tl.cdiv(tl.maximum(key_end, key_start), page_size)
+    outside = 0
+    for start in range(first, end, BLOCK):
+        entries = start + tl.arange(0, BLOCK)
+        page = tl.load(block_table_row + entries, mask=entries < end, other=0)
+        outside += tl.sum(((page < 0) | (page >= num_pages)).to(tl.int32), 0)
+    return outside == 0
+
+
+@triton.jit
 def dropout_keep(rng_state, stream, offs_m, n_start, dropout_p, BLOCK_N: tl.constexpr):
     """[BLOCK_M, BLOCK_N] bool keep mask of flash-attention dropout, Bernoulli(1 - dropout_p), for query rows
     offs_m [BLOCK_M] and keys n_start + [0, BLOCK_N) (n_start a multiple of 4).

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from .common import (alibi_bias_log2, dropout_keep, grouped_tile_and_batch_head, kv_block_range, mma,
-                     paged_row_offsets, row_offsets, scores_log2, sequence_bounds, split_kv_block_range, to_int64,
-                     visibility_mask)
+                     paged_row_offsets, pages_in_pool, row_offsets, scores_log2, sequence_bounds,
+                     split_kv_block_range, to_int64, visibility_mask)
 
 # TMA_MODE values
 TMA_OFF = tl.constexpr(0)
@@ -37,13 +37,14 @@ def _fwd_kv_loop(acc, l_i, m_i, q, offs_m, n_block_lo, n_block_hi, kv, k_desc, v
                  visibility, scores, alibi, rng_state, stream, dropout, MASKED: tl.constexpr, IS_LOCAL: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                  FOLD_SCALE: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr, TMA_MODE: tl.constexpr,
-                 TILE_IN_PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                 TILE_IN_PAGE: tl.constexpr, CHECK_PAGES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
     """Accumulate key blocks [n_block_lo, n_block_hi) into (acc, l_i, m_i); MASKED applies visibility_mask.
 
     kv: where this program's KV head is, (k_base, v_base, stride_kn, stride_vn) for pointer loads and the
     (batch, first row, head) coordinates of its tiles in k_desc / v_desc (TMA_MODE); block_table_row: the batch
-    row's pages, None where K/V are not paged; pages: (page_size, stride_kpage, stride_vpage, num_pages), keys on
-    a page outside [0, num_pages) are masked (paged_row_offsets);
+    row's pages, None where K/V are not paged; pages: (page_size, stride_kpage, stride_vpage, num_pages); with
+    CHECK_PAGES, keys on a page outside [0, num_pages) are masked (paged_row_offsets);
     alibi: ([BLOCK_M, 1] slopes in log2 units, alibi_pure_causal); dropout: the kernel's (dropout_p, dropout_scale),
     drawn from rng_state in the rows' Philox streams.
     """
@@ -70,7 +71,7 @@ def _fwd_kv_loop(acc, l_i, m_i, q, offs_m, n_block_lo, n_block_hi, kv, k_desc, v
         else:
             key_in = offs_n < seqlen_k
             value_in = key_in
-            if IS_PAGED:
+            if CHECK_PAGES:
                 k_offs, page_ok = paged_row_offsets(n_start, offs_col, seqlen_k, stride_kn, block_table_row,
                                                     page_size, stride_kpage, num_pages, TILE_IN_PAGE)
                 v_offs, v_page_ok = paged_row_offsets(n_start, offs_col, seqlen_k, stride_vn, block_table_row,
@@ -96,9 +97,9 @@ def _fwd_kv_loop(acc, l_i, m_i, q, offs_m, n_block_lo, n_block_hi, kv, k_desc, v
                 s += alibi_bias_log2(slope_log2, offs_m, offs_n, visibility, alibi_pure_causal)
         if MASKED:
             s = tl.where(visibility_mask(offs_m, offs_n, visibility, IS_LOCAL), s, float("-inf"))
-        if IS_PAGED and TILE_IN_PAGE:
+        if CHECK_PAGES and TILE_IN_PAGE:
             s = tl.where(page_ok, s, float("-inf"))
-        elif IS_PAGED:
+        elif CHECK_PAGES:
             s = tl.where(page_ok[None, :], s, float("-inf"))
         scale = qk_scale_log2 if FOLD_SCALE else 1.0
         # [BLOCK_M] new running max; it lags while it grows by at most RESCALE_THRESHOLD
@@ -121,6 +122,25 @@ def _fwd_kv_loop(acc, l_i, m_i, q, offs_m, n_block_lo, n_block_hi, kv, k_desc, v
             p = tl.where(dropout_keep(rng_state, stream, offs_m, n_start, dropout_p, BLOCK_N), p, 0.0)
         acc = mma(p.to(v.dtype), v, acc)
         m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kv_parts(acc, l_i, m_i, q, offs_m, n_blocks, kv, k_desc, v_desc, block_table_row, pages, visibility, scores,
+                  alibi, rng_state, stream, dropout, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                  HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, FOLD_SCALE: tl.constexpr,
+                  RESCALE_THRESHOLD: tl.constexpr, TMA_MODE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
+                  CHECK_PAGES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """_fwd_kv_loop over the key blocks n_blocks = (n_block_min, n_full_min, n_full_max, n_block_max)."""
+    for part in tl.static_range(3):
+        # part 0 and 2: the masked edges [n_block_min, n_full_min) and [n_full_max, n_block_max);
+        # part 1: the blocks every row sees whole, [n_full_min, n_full_max), without a mask
+        acc, l_i, m_i = _fwd_kv_loop(
+            acc, l_i, m_i, q, offs_m, n_blocks[part], n_blocks[part + 1], kv, k_desc, v_desc, block_table_row, pages,
+            visibility, scores, alibi, rng_state, stream, dropout, MASKED=part != 1, IS_LOCAL=IS_LOCAL,
+            HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_DROPOUT=HAS_DROPOUT, FOLD_SCALE=FOLD_SCALE,
+            RESCALE_THRESHOLD=RESCALE_THRESHOLD, TMA_MODE=TMA_MODE, TILE_IN_PAGE=TILE_IN_PAGE,
+            CHECK_PAGES=CHECK_PAGES, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
     return acc, l_i, m_i
 
 
@@ -160,7 +180,9 @@ def attn_fwd_kernel(
     arguments: Triton's launcher expands a host descriptor into its kernel parameters only where it is an argument of
     its own, not inside a tuple.
 
-    Paged K/V (BlockTable) are addressed one page lookup per key tile with TILE_IN_PAGE; CacheBatchIdx maps batch
+    Paged K/V (BlockTable) are addressed one page lookup per key tile with TILE_IN_PAGE; a program first scans the
+    block-table entries of the keys it reads (pages_in_pool) and runs the key loop that checks pages
+    (CHECK_PAGES) only where one is outside the pool, so valid tables keep the unchecked loop. CacheBatchIdx maps batch
     row b to K/V row CacheBatchIdx[b] (the kv-cache's cache_batch_idx). Query tiles run in reverse order, so under a
     causal mask the longest rows start first; programs run in groups of heads_per_group (batch, head) pairs
     (grouped_tile_and_batch_head). HAS_DROPOUT drops P elements by dropout_keep (seeded from RngState) after the row
@@ -294,15 +316,34 @@ def attn_fwd_kernel(
     if IS_SPLIT:
         n_blocks = split_kv_block_range(n_blocks, split_idx, tl.num_programs(1))
     kv = (k_base, v_base, stride_kn, stride_vn, desc_kv_batch, desc_k_row0, desc_head_k)
-    for part in tl.static_range(3):
-        # part 0 and 2: the masked edges [n_block_min, n_full_min) and [n_full_max, n_block_max);
-        # part 1: the blocks every row sees whole, [n_full_min, n_full_max), without a mask
-        acc, l_i, m_i = _fwd_kv_loop(
-            acc, l_i, m_i, q, offs_m, n_blocks[part], n_blocks[part + 1], kv, k_desc, v_desc, block_table_row,
-            (page_size, stride_kpage, stride_vpage, kv_rows), visibility, scores, (slope_log2, alibi_pure_causal),
-            RngState, stream, dropout, MASKED=part != 1, IS_LOCAL=IS_LOCAL, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
-            HAS_DROPOUT=HAS_DROPOUT, FOLD_SCALE=FOLD_SCALE, RESCALE_THRESHOLD=RESCALE_THRESHOLD, TMA_MODE=TMA_MODE,
-            TILE_IN_PAGE=TILE_IN_PAGE, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+    pages = (page_size, stride_kpage, stride_vpage, kv_rows)
+    alibi = (slope_log2, alibi_pure_causal)
+    if IS_PAGED:
+        # The pages this program reads are scanned once: all in the pool (always, for valid block tables), the key
+        # loop is the one without page checks; otherwise the loop that masks the keys of out-of-pool pages runs.
+        n_block_min, _, _, n_block_max = n_blocks
+        if pages_in_pool(block_table_row, n_block_min * BLOCK_N, tl.minimum(n_block_max * BLOCK_N, seqlen_k),
+                         page_size, kv_rows):
+            acc, l_i, m_i = _fwd_kv_parts(
+                acc, l_i, m_i, q, offs_m, n_blocks, kv, k_desc, v_desc, block_table_row, pages, visibility, scores,
+                alibi, RngState, stream, dropout, CHECK_PAGES=False, IS_LOCAL=IS_LOCAL,
+                HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_DROPOUT=HAS_DROPOUT, FOLD_SCALE=FOLD_SCALE,
+                RESCALE_THRESHOLD=RESCALE_THRESHOLD, TMA_MODE=TMA_MODE, TILE_IN_PAGE=TILE_IN_PAGE, HEAD_DIM=HEAD_DIM,
+                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+        else:
+            acc, l_i, m_i = _fwd_kv_parts(
+                acc, l_i, m_i, q, offs_m, n_blocks, kv, k_desc, v_desc, block_table_row, pages, visibility, scores,
+                alibi, RngState, stream, dropout, CHECK_PAGES=True, IS_LOCAL=IS_LOCAL,
+                HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_DROPOUT=HAS_DROPOUT, FOLD_SCALE=FOLD_SCALE,
+                RESCALE_THRESHOLD=RESCALE_THRESHOLD, TMA_MODE=TMA_MODE, TILE_IN_PAGE=TILE_IN_PAGE, HEAD_DIM=HEAD_DIM,
+                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+    else:
+        acc, l_i, m_i = _fwd_kv_parts(
+            acc, l_i, m_i, q, offs_m, n_blocks, kv, k_desc, v_desc, block_table_row, pages, visibility, scores, alibi,
+            RngState, stream, dropout, CHECK_PAGES=False, IS_LOCAL=IS_LOCAL,
+            HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_DROPOUT=HAS_DROPOUT, FOLD_SCALE=FOLD_SCALE,
+            RESCALE_THRESHOLD=RESCALE_THRESHOLD, TMA_MODE=TMA_MODE, TILE_IN_PAGE=TILE_IN_PAGE, HEAD_DIM=HEAD_DIM,
+            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
 
     # rows that saw no key: out 0, lse +inf (docs/api.md §4.5)
     seen = l_i > 0.0
