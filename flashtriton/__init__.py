@@ -23,3 +23,9 @@ from .interface import (  # noqa: E402,F401
     flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func, flash_attn_with_kvcache)
 from .integrations.flash_attn_module import install_as_flash_attn  # noqa: E402,F401
 from .ops.checks import set_strict_checks, strict_checks, strict_checks_enabled  # noqa: E402,F401
+
+from .integrations import sdpa as _sdpa  # noqa: E402
+
+# Registers "flashtriton" with torch.nn.attention's flash attention registry when torch has one (>= 2.11); torch's
+# providers register at import and leave activation (activate_flash_attention_impl) to the user.
+_sdpa.register()
