@@ -321,3 +321,26 @@ def test_new_lengths_do_not_recompile():
     run([1, 513, 77], [1000, 3, 129], 17, 5)
     run([2049], [4097], 333, 1)
     assert compiled_count() == before
+
+
+@pytest.mark.parametrize("path", ["kernels", "reference"])
+@pytest.mark.parametrize("zero_tensors", [False, True], ids=["default", "zero_tensors"])
+def test_uncovered_lse_rows_agree_between_cpu_paths(monkeypatch, path, zero_tensors):
+    """Rows past cu_seqlens_q[-1]: LSE -inf with zero_tensors=True (FA2's fill), else +inf, on every path."""
+    from flashtriton.flash_attn_interface import _flash_attn_varlen_forward
+    from flashtriton.ops import backend
+
+    if path == "kernels" and not backend.KERNELS_INTERPRETED and DEVICE == "cpu":
+        pytest.skip("the kernels run on CPU tensors only through the interpreter")
+    if path == "reference":
+        if DEVICE != "cpu":
+            pytest.skip("the reference path takes CPU tensors")
+        monkeypatch.setattr(backend, "KERNELS_INTERPRETED", False)
+    q, k, v, cu_q, cu_k = make_varlen([3, 5], [4, 2], tail=3)
+    q, k, v = (t.detach() for t in (q, k, v))
+    out, lse, _, _ = _flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 5, 4, 0.0, 0.25, False,
+                                                zero_tensors=zero_tensors)
+    fill = float("-inf") if zero_tensors else float("inf")
+    assert torch.all(lse[:, 8:] == fill)
+    assert torch.isfinite(lse[:, :8]).all()
+    assert torch.all(out[8:] == 0)

@@ -436,6 +436,8 @@ def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         out, lse = reference_path.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
                                                  causal, window, softcap, alibi_slopes, block_table, leftpad_k,
                                                  seqused_k, dropout_p, keep)
+        if zero_tensors:  # as the kernel path fills them below (CPU tensors: reading cu_seqlens_q costs nothing)
+            lse[:, int(cu_seqlens_q[-1]):] = float("-inf")
         return out, lse, s_dmask, rng_state
 
     params = score_params(softmax_scale, causal, window_size_left, window_size_right, softcap, max_seqlen_k)
