@@ -58,12 +58,17 @@ class _Probabilities(NamedTuple):
     scale: float
 
 
-def scaled_scores(q, k, v, scale: float, params, softcap: float, alibi_slopes, compute_dtype):
-    """The score pipeline shared by the oracle and the CPU backward: q, k, v in compute_dtype with K/V repeated over
-    each GQA group ((B, Sq, H, D), (B, Sk, H, D) x2), the scores (B, H, Sq, Sk) after scale, softcap and ALiBi, the
-    softcap's tanh (or None) and the visibility mask (Sq, Sk) of params' window."""
-    batch, seqlen_q, num_heads, _ = q.shape
+def _probabilities(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_mask,
+                   seqlen_k_star, compute_dtype, given_lse=None) -> _Probabilities:
+    """given_lse (B, H, Sq): P = exp(S - given_lse) on the visible keys instead of the softmax of these scores (a
+    backward from the forward's statistics)."""
+    batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
+    compute_dtype = compute_dtype or q.dtype
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    star = seqlen_k if seqlen_k_star is None else seqlen_k_star
+    params = score_params(scale, causal, int(window_size[0]), int(window_size[1]), softcap, star)
+
     group = num_heads // num_heads_k
     qc = q.to(compute_dtype)
     kc = k.to(compute_dtype).repeat_interleave(group, dim=2)
@@ -77,30 +82,24 @@ def scaled_scores(q, k, v, scale: float, params, softcap: float, alibi_slopes, c
         scores = scores + _alibi_bias(alibi_slopes, batch, seqlen_q, seqlen_k, params.alibi_pure_causal,
                                       compute_dtype)
     visible = visible_mask(seqlen_q, seqlen_k, params.window_left, params.window_right, device=q.device)
-    return qc, kc, vc, scores, capped, visible
-
-
-def _probabilities(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_mask,
-                   seqlen_k_star, compute_dtype) -> _Probabilities:
-    head_dim, seqlen_k = q.shape[3], k.shape[1]
-    compute_dtype = compute_dtype or q.dtype
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
-    star = seqlen_k if seqlen_k_star is None else seqlen_k_star
-    params = score_params(scale, causal, int(window_size[0]), int(window_size[1]), softcap, star)
-    qc, kc, vc, scores, capped, visible = scaled_scores(q, k, v, scale, params, softcap, alibi_slopes, compute_dtype)
     scores = scores.masked_fill(~visible, float("-inf"))
 
-    has_key = visible.any(dim=-1)  # (Sq,)
-    # A finite pivot for rows with no visible key keeps logsumexp and its gradient free of NaN.
-    safe_scores = torch.where(has_key[:, None], scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
-    lse = torch.logsumexp(safe_scores, dim=-1)
-    probs = torch.exp(safe_scores - lse[..., None]).masked_fill(~visible, 0.0)
+    if given_lse is not None:
+        lse = given_lse.to(scores.dtype)
+        probs = torch.exp(scores - lse[..., None]).masked_fill(~visible, 0.0)
+    else:
+        has_key = visible.any(dim=-1)  # (Sq,)
+        # A finite pivot for rows with no visible key keeps logsumexp and its gradient free of NaN.
+        safe_scores = torch.where(has_key[:, None], scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
+        lse = torch.logsumexp(safe_scores, dim=-1)
+        probs = torch.exp(safe_scores - lse[..., None]).masked_fill(~visible, 0.0)
     kept = probs
     if dropout_p > 0.0:
         if dropout_mask is None:
             raise ValueError("attention_reference: dropout_p > 0 needs dropout_mask (the keep mask)")
         kept = probs.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
-    lse = torch.where(has_key, lse, torch.full((), float("inf"), dtype=lse.dtype, device=lse.device))
+    if given_lse is None:
+        lse = torch.where(has_key, lse, torch.full((), float("inf"), dtype=lse.dtype, device=lse.device))
     return _Probabilities(qc, kc, vc, probs, kept, capped, lse, scale)
 
 
@@ -153,20 +152,30 @@ def attention_reference_backward(
     dropout_p: float = 0.0,
     dropout_mask: Optional[torch.Tensor] = None,
     *,
+    out: Optional[torch.Tensor] = None,
+    lse: Optional[torch.Tensor] = None,
     seqlen_k_star: Optional[int] = None,
     compute_dtype: Optional[torch.dtype] = torch.float32,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of attention_reference written out (docs/api.md §4.10), without autograd.
 
     Used where autograd is unavailable (inside custom ops); GQA gradients are summed over each group.
+    out (B, Sq, H, D) and lse (B, H, Sq), given together, are the forward's: the backward then uses them as FA2's
+    does (P = exp(S - lse), delta = rowsum(dout * out)) instead of recomputing them from q, k, v, so a blockwise
+    caller (ring attention) that passes the whole sequence's out and lse gets each key block's share of the gradients.
     """
+    if (out is None) != (lse is None):
+        raise ValueError("attention_reference_backward: out and lse are given together or not at all")
     r = _probabilities(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_mask,
-                       seqlen_k_star, compute_dtype)
+                       seqlen_k_star, compute_dtype, given_lse=lse)
     do = dout.to(r.vc.dtype)
     dv = torch.einsum("bhqk,bqhd->bkhd", r.kept, do)
     d_kept = torch.einsum("bqhd,bkhd->bhqk", do, r.vc)
     d_probs = d_kept if dropout_p <= 0.0 else d_kept.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
-    delta = (r.probs * d_probs).sum(-1, keepdim=True)
+    if out is None:
+        delta = (r.probs * d_probs).sum(-1, keepdim=True)
+    else:
+        delta = (do * out.to(do.dtype)).sum(-1).transpose(1, 2)[..., None]
     d_scores = r.probs * (d_probs - delta)
     if r.capped is not None:
         d_scores = d_scores * (1.0 - r.capped * r.capped)
@@ -253,15 +262,20 @@ def attention_reference_varlen_backward(
     *,
     dropout_p: float = 0.0,
     dropout_mask: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+    lse: Optional[torch.Tensor] = None,
     compute_dtype: Optional[torch.dtype] = torch.float32,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of attention_reference_varlen without autograd; uncovered rows get 0."""
+    """(dq, dk, dv) of attention_reference_varlen without autograd; uncovered rows get 0. out (Tq, H, D) and lse
+    (H, Tq): the forward's, used as attention_reference_backward uses them."""
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for b, rows_q, rows_k in sequence_slices(cu_seqlens_q, cu_seqlens_k):
         grads = attention_reference_backward(
             dout[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k], softmax_scale, causal,
             window_size, softcap, row_slopes(alibi_slopes, b), dropout_p,
-            _sequence_mask(dropout_mask, b, rows_q, rows_k), seqlen_k_star=max_seqlen_k, compute_dtype=compute_dtype)
+            _sequence_mask(dropout_mask, b, rows_q, rows_k), out=None if out is None else out[None, rows_q],
+            lse=None if lse is None else lse[None, :, rows_q], seqlen_k_star=max_seqlen_k,
+            compute_dtype=compute_dtype)
         for target, grad, rows in zip((dq, dk, dv), grads, (rows_q, rows_k, rows_k)):
             target[rows] = grad[0]
     return dq, dk, dv

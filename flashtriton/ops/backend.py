@@ -408,8 +408,8 @@ def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    seqused_k: Optional[torch.Tensor] = None, zero_tensors: bool = False, num_splits: int = 0):
     """Varlen forward. Returns (out (Tq, H, D), softmax_lse (H, Tq), S_dmask, rng_state); see docs/api.md §7.
 
-    Rows not covered by any sequence get out 0 and lse +inf. The index values (cu_seqlens, max_seqlen, block_table,
-    leftpad_k, seqused_k) are checked on the host for CPU tensors, and on a GPU only in strict mode
+    Rows not covered by any sequence get out 0 and lse +inf (-inf with zero_tensors=True, as FA2). The index values
+    (cu_seqlens, max_seqlen, block_table, leftpad_k, seqused_k) are checked on the host for CPU tensors, and on a GPU only in strict mode
     (checks.set_strict_checks; one host synchronization per call).
     """
     batch = checks.check_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap, alibi_slopes,

@@ -15,9 +15,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..reference import (attention_reference, attention_reference_varlen, kvcache_reference, row_slopes,
-                         scaled_scores, sequence_slices)
-from ..scores import score_params
+from ..reference import (attention_reference, attention_reference_backward, attention_reference_varlen,
+                         attention_reference_varlen_backward, kvcache_reference)
 from . import dropout
 
 
@@ -27,38 +26,6 @@ def dense_forward(q, k, v, softmax_scale: float, causal: bool, window: Tuple[int
     dropout_mask = None if keep is None else keep[:, :, :q.shape[1], :k.shape[1]]
     return attention_reference(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p, dropout_mask,
                                compute_dtype=torch.float32)
-
-
-def _backward_from_stats(dout, q, k, v, out, lse, softmax_scale: float, causal: bool, window: Tuple[int, int],
-                         softcap: float, alibi_slopes, dropout_p: float, keep: Optional[torch.Tensor],
-                         seqlen_k_star: int):
-    """(dq, dk, dv, delta) in float32 of (B, Sq, H, D) / (B, Sk, Hk, D) inputs from the given out and lse (B, H, Sq).
-
-    P = exp(S - lse) on visible keys, dP = dout V^T (dropped and rescaled with the keep mask), delta = rowsum(dout *
-    out) (B, H, Sq, 1), dS = P * (dP - delta), times tanh's derivative under softcap; GQA sums over each group.
-    """
-    num_heads, num_heads_k = q.shape[2], k.shape[2]
-    group = num_heads // num_heads_k
-    params = score_params(softmax_scale, causal, int(window[0]), int(window[1]), softcap, seqlen_k_star)
-    qf, kf, vf, scores, capped, visible = scaled_scores(q, k, v, softmax_scale, params, softcap, alibi_slopes,
-                                                        torch.float32)
-    probs = torch.exp(scores - lse.float()[..., None]).masked_fill(~visible, 0.0)
-    do = dout.float()
-    d_probs = torch.einsum("bqhd,bkhd->bhqk", do, vf)
-    kept = probs
-    if dropout_p > 0.0:
-        kept = probs.masked_fill(~keep, 0.0) / (1.0 - dropout_p)
-        d_probs = d_probs.masked_fill(~keep, 0.0) / (1.0 - dropout_p)
-    delta = (do * out.float()).sum(-1).transpose(1, 2)[..., None]
-    d_scores = probs * (d_probs - delta)
-    if capped is not None:
-        d_scores = d_scores * (1.0 - capped * capped)
-    dq = torch.einsum("bhqk,bkhd->bqhd", d_scores, kf) * softmax_scale
-    dk = torch.einsum("bhqk,bqhd->bkhd", d_scores, qf) * softmax_scale
-    dv = torch.einsum("bhqk,bqhd->bkhd", kept, do)
-    dk = dk.unflatten(2, (num_heads_k, group)).sum(3)
-    dv = dv.unflatten(2, (num_heads_k, group)).sum(3)
-    return dq, dk, dv, delta
 
 
 def dense_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softmax_scale: float, causal: bool,
@@ -71,11 +38,11 @@ def dense_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float
     keep = None
     if dropout_p > 0.0:
         keep = dropout.keep_mask(rng_state, *mask_shape, dropout_p, False)[:, :, :seqlen_q, :seqlen_k]
-    *grads, delta = _backward_from_stats(dout, q, k, v, out, softmax_lse, softmax_scale, causal, window, softcap,
-                                         alibi_slopes, dropout_p, keep, seqlen_k)
+    grads = attention_reference_backward(dout, q, k, v, softmax_scale, causal, window, softcap, alibi_slopes,
+                                         dropout_p, keep, out=out, lse=softmax_lse, seqlen_k_star=seqlen_k)
     for target, grad in zip((dq, dk, dv), grads):
         target.copy_(grad)
-    softmax_d[:, :, :seqlen_q] = delta[..., 0]
+    softmax_d[:, :, :seqlen_q] = (dout.float() * out.float()).sum(-1).transpose(1, 2)
     return softmax_d
 
 
@@ -126,17 +93,9 @@ def varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, c
     keep = None
     if dropout_p > 0.0:
         keep = dropout.keep_mask(rng_state, *mask_shape, dropout_p, False)
-    grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v)]
-    for b, rows_q, rows_k in sequence_slices(cu_seqlens_q, cu_seqlens_k):
-        keep_b = None
-        if keep is not None:
-            keep_b = keep[b : b + 1, :, : rows_q.stop - rows_q.start, : rows_k.stop - rows_k.start]
-        *grads_b, _ = _backward_from_stats(dout[None, rows_q], q[None, rows_q], k[None, rows_k], v[None, rows_k],
-                                           out[None, rows_q], softmax_lse[None, :, rows_q], softmax_scale, causal,
-                                           window, softcap, row_slopes(alibi_slopes, b), dropout_p, keep_b,
-                                           max_seqlen_k)
-        for grad, grad_b, rows in zip(grads, grads_b, (rows_q, rows_k, rows_k)):
-            grad[rows] = grad_b[0]
+    grads = attention_reference_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
+                                                softmax_scale, causal, window, softcap, alibi_slopes,
+                                                dropout_p=dropout_p, dropout_mask=keep, out=out, lse=softmax_lse)
     for target, grad in zip((dq, dk, dv), grads):
         target.copy_(grad)
     softmax_d[:, :q.shape[0]] = (dout.float() * out.float()).sum(-1).t()
