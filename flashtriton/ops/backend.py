@@ -409,8 +409,8 @@ def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     """Varlen forward. Returns (out (Tq, H, D), softmax_lse (H, Tq), S_dmask, rng_state); see docs/api.md §7.
 
     Rows not covered by any sequence get out 0 and lse +inf (-inf with zero_tensors=True, as FA2). The index values
-    (cu_seqlens, max_seqlen, block_table, leftpad_k, seqused_k) are checked on the host for CPU tensors, and on a GPU only in strict mode
-    (checks.set_strict_checks; one host synchronization per call).
+    (cu_seqlens, max_seqlen, block_table, leftpad_k, seqused_k) are checked on the host for CPU tensors, and on a
+    GPU only in strict mode (checks.set_strict_checks; one host synchronization per call).
     """
     batch = checks.check_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap, alibi_slopes,
                                     return_softmax, block_table, leftpad_k, seqused_k, num_splits)
