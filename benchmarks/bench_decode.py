@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtriton
 from flashtriton import bench, configs
-from flashtriton.ops.kvcache import splits_for
+from flashtriton.ops.backend import splits_for
 
 ROWS = [(64, 4096), (16, 16384), (4, 65536), (1, 131072)]
 HEADS, HEADS_K, DIM = 32, 8, 128

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flashtriton import configs
-from flashtriton.ops.kvcache import splits_for
+from flashtriton.ops.backend import splits_for
 
 
 def test_num_splits_heuristic_splits_only_small_grids():

@@ -102,6 +102,31 @@ def test_short_queries_pack_gqa_heads(name):
     assert_checks_ok(run_case(case))
 
 
+DECODE_SPLIT_CASES = {
+    "one-row-gqa": dict(seqlen_q=1, seqlen_k=700, num_heads=8, num_heads_k=2),
+    "causal-sq-lt-sk-window-alibi": dict(seqlen_q=5, seqlen_k=611, causal=True, window_size=(300, 0), alibi=True),
+    "softcap-bf16": dict(seqlen_q=3, seqlen_k=517, softcap=4.0, dtype=torch.bfloat16, num_heads=4, num_heads_k=4),
+}
+
+
+@pytest.mark.skipif(not RUNS_KERNELS, reason="the reference path has no split-KV")
+@pytest.mark.parametrize("name", list(DECODE_SPLIT_CASES), ids=list(DECODE_SPLIT_CASES))
+def test_decode_shaped_calls_split_the_keys(name, monkeypatch):
+    """flash_attn_func with a few query rows and a grid that leaves the GPU idle splits each row's keys (the
+    heuristic of flash_attn_with_kvcache) and merges the parts: same tolerance rule, gradients included."""
+    launched = []
+    launch = backend.launch_fwd
+
+    def spy(*args, **kwargs):
+        launched.append(kwargs.get("num_splits", 1))
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "launch_fwd", spy)
+    case = replace(Case(batch=1), **DECODE_SPLIT_CASES[name])
+    assert_checks_ok(run_case(case))
+    assert launched and launched[0] > 1
+
+
 @pytest.mark.parametrize("feature", ["causal-window", "gqa", "alibi-causal-quirk"])
 def test_dense_through_tensor_descriptors(force_tma, feature):
     """Host-built descriptors over whole (B, S, H, D) tensors, as sm90 runs dense layouts."""

@@ -117,6 +117,26 @@ def _operand_bytes(operand: torch.Tensor, rows: int, operands_per_head: float) -
     return int(rows * operand.shape[-1] * operand.element_size() * operands_per_head)
 
 
+def splits_for(q: torch.Tensor, num_heads_k: int, seqlen_q: int, capacity: int, num_splits: int,
+               causal_like: bool = False, page_size: int = 0) -> int:
+    """The caller's num_splits, or the heuristic's choice for <= 0 (from shapes only: no host sync).
+
+    causal_like must be what launch_fwd keys its tile config on (ScoreParams.causal_like), and page_size the
+    paged cache's page (0: contiguous), so the key-block count matches the launch
+    (configs.forward_launch_config serves both).
+    """
+    if num_splits > 0:
+        return min(num_splits, 128)
+    config = configs.forward_launch_config(configs.arch_class(q.device), q.shape[-1], causal_like, seqlen_q,
+                                           page_size=page_size)
+    slots = configs.multiprocessor_count(q.device)
+    if page_size:
+        slots *= configs.PAGED_PROGRAMS_PER_SM
+    query_tiles, batch_heads = fwd_tile_grid(seqlen_q, q.shape[0], q.shape[2], num_heads_k, config.block_m)
+    programs = query_tiles * batch_heads
+    return configs.num_splits_heuristic(programs, triton_cdiv(capacity, config.block_n), slots)
+
+
 def fwd_row_bounds(q, k, is_varlen: bool, block_table, seqused_k, leftpad_k, cache_batch_idx) -> tuple:
     """attn_fwd_kernel's (q_rows, k_rows, kv_rows): the rows that index values may name, None where no index tensor
     decides them (dense calls compile as before). The kernel clamps sequences into them and masks cache rows and pages
@@ -255,8 +275,12 @@ def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, windo
     params = score_params(softmax_scale, causal, window_size_left, window_size_right, softcap, seqlen_k)
     out = new_empty((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
     lse = new_empty((batch, num_heads, seqlen_q), torch.float32, q.device)
+    # decode-shaped calls (a few query rows) split the keys as flash_attn_with_kvcache does
+    num_splits = 1
+    if seqlen_q <= configs.DECODE_MAX_ROWS and dropout_p == 0.0:
+        num_splits = splits_for(q, k.shape[2], seqlen_q, seqlen_k, 0, params.causal_like)
     launch_fwd(q, k, v, out, lse, params, alibi_slopes, (lse.stride(0), lse.stride(1)), seqlen_q, seqlen_k, batch,
-               dropout_p=dropout_p, rng_state=rng_state)
+               num_splits=num_splits, dropout_p=dropout_p, rng_state=rng_state)
     return out, lse, s_dmask, rng_state
 
 

@@ -15,7 +15,7 @@ from .. import configs
 from ..kernels.append import kv_append_kernel
 from ..scores import score_params
 from . import checks, reference_path
-from .backend import fwd_tile_grid, launch_fwd, new_empty, runs_triton
+from .backend import launch_fwd, new_empty, runs_triton, splits_for
 from .launching import compiled_without_line_info, device_guard, triton_cdiv
 from .triton.rotary import apply_rotary
 
@@ -99,23 +99,3 @@ def mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
                num_splits=splits_for(q, k_cache.shape[-2], seqlen_q, capacity, num_splits,
                                      params.causal_like, 0 if block_table is None else k_cache.shape[1]))
     return out, lse
-
-
-def splits_for(q: torch.Tensor, num_heads_k: int, seqlen_q: int, capacity: int, num_splits: int,
-               causal_like: bool = False, page_size: int = 0) -> int:
-    """The caller's num_splits, or the heuristic's choice for <= 0 (from shapes only: no host sync).
-
-    causal_like must be what launch_fwd keys its tile config on (ScoreParams.causal_like), and page_size the
-    paged cache's page (0: contiguous), so the key-block count matches the launch
-    (configs.forward_launch_config serves both).
-    """
-    if num_splits > 0:
-        return min(num_splits, 128)
-    config = configs.forward_launch_config(configs.arch_class(q.device), q.shape[-1], causal_like, seqlen_q,
-                                           page_size=page_size)
-    slots = configs.multiprocessor_count(q.device)
-    if page_size:
-        slots *= configs.PAGED_PROGRAMS_PER_SM
-    query_tiles, batch_heads = fwd_tile_grid(seqlen_q, q.shape[0], q.shape[2], num_heads_k, config.block_m)
-    programs = query_tiles * batch_heads
-    return configs.num_splits_heuristic(programs, triton_cdiv(capacity, config.block_n), slots)
