@@ -247,7 +247,8 @@ def test_seqused_and_leftpad_through_tensor_descriptors(force_tma):
 def test_new_lengths_keep_the_compiled_kernels_cache_key(monkeypatch):
     """The CPU counterpart of test_new_lengths_do_not_recompile: each launch's arguments go through Triton's own
     binder for an sm_90 target (the specialization a compiled launch gets), and the cache key it yields is the same
-    for new lengths, batch sizes and split counts, dense, varlen and kv-cache, forward and backward, and for new total
+    for new lengths, batch sizes, split counts, window sizes and softcap values, dense, varlen and kv-cache, forward
+    and backward, and for new total
     rows of the packed tensors and cache rows (the kernels' row bounds, kernels/common.sequence_bounds)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -273,13 +274,14 @@ def test_new_lengths_keep_the_compiled_kernels_cache_key(monkeypatch):
 
     for name in ("attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"):
         record(name)
-    for lens_q, lens_k, dense_len, batch, cache_len in (([20, 7], [24, 9], 17, 2, 40), ([1, 32], [48, 3], 32, 3, 64),
-                                                        ([20, 12], [31, 1], 40, 2, 24)):
+    for lens_q, lens_k, dense_len, batch, cache_len, window, softcap in (
+            ([20, 7], [24, 9], 17, 2, 40, (5, 3), 2.0), ([1, 32], [48, 3], 32, 3, 64, (40, 1), 7.5),
+            ([20, 12], [31, 1], 40, 2, 24, (2, 17), 30.0)):
         q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, head_dim=16)
         out = flashtriton.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
         out.sum().backward()
         qd = torch.randn(batch, dense_len, 2, 16, dtype=torch.float16, requires_grad=True)
-        flashtriton.flash_attn_func(qd, qd, qd, window_size=(5, 3)).sum().backward()
+        flashtriton.flash_attn_func(qd, qd, qd, window_size=window, softcap=softcap).sum().backward()
         cache = torch.randn(batch, cache_len, 2, 16, dtype=torch.float16)
         flashtriton.flash_attn_with_kvcache(qd[:, :1].detach(), cache, cache.clone(),
                                             cache_seqlens=torch.full((batch,), cache_len // 2, dtype=torch.int32),
@@ -308,18 +310,22 @@ def test_new_lengths_do_not_recompile():
     def compiled_count():
         return sum(len(cache[0]) for fn in kernels for cache in fn.device_caches.values())
 
-    def run(lens_q, lens_k, dense_len, batch):
-        """Lengths above configs.DECODE_MAX_ROWS: a query of <= 16 rows uses decode tiles (a different kernel)."""
+    def run(lens_q, lens_k, dense_len, batch, window, softcap):
+        """Lengths above configs.DECODE_MAX_ROWS: a query of <= 16 rows uses decode tiles (a different kernel).
+        Windows keep window_right > 0 (0 would be causal-like: other tiles, a different kernel by design)."""
         q, k, v, cu_q, cu_k = make_varlen(lens_q, lens_k, head_dim=64)
         out = flashtriton.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
         out.sum().backward()
+        flashtriton.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), window_size=window,
+                                           softcap=softcap).sum().backward()
         qd = torch.randn(batch, dense_len, 4, 64, device=DEVICE, dtype=torch.float16, requires_grad=True)
         flashtriton.flash_attn_func(qd, qd, qd, causal=True).sum().backward()
+        flashtriton.flash_attn_func(qd, qd, qd, window_size=window, softcap=softcap).sum().backward()
 
-    run([100, 37], [120, 99], 128, 2)
+    run([100, 37], [120, 99], 128, 2, (32, 8), 5.0)
     before = compiled_count()
-    run([1, 513, 77], [1000, 3, 129], 17, 5)
-    run([2049], [4097], 333, 1)
+    run([1, 513, 77], [1000, 3, 129], 17, 5, (300, 1), 30.0)
+    run([2049], [4097], 333, 1, (7, 700), 0.5)
     assert compiled_count() == before
 
 
