@@ -79,17 +79,26 @@ def env_command(args) -> int:
 
 def add_bench_arguments(parser: argparse.ArgumentParser, default_out: str = "bench-results") -> None:
     """The options of `flashtriton bench`, shared with benchmarks/bench_attention.py."""
-    from . import bench
+    from . import bench, bench_features
 
-    parser.add_argument("--dtype", choices=sorted(bench.DTYPES), default="bf16")
-    parser.add_argument("--modes", type=comma_list(bench.MODES), default=list(bench.MODES),
+    parser.add_argument("--dtype", choices=sorted(bench.DTYPES) + ["both"], default="bf16",
+                        help="both: bf16, then fp16")
+    parser.add_argument("--modes", type=comma_list(bench.MODES),
                         help="comma-separated: fwd, bwd (backward only), fwd+bwd (also measures peak memory), "
-                             "fwd+bwd-graph (the fwd+bwd step replayed from a CUDA graph: no host cost)")
+                             "fwd+bwd-graph (the fwd+bwd step replayed from a CUDA graph: no host cost); default: "
+                             "all of them, or fwd,bwd with --features (which takes only those two)")
     parser.add_argument("--shapes", choices=sorted(bench.SHAPE_SETS), default="baseline",
                         help="baseline: the baseline shapes (16k tokens, hidden 2048); quick: two small ones")
-    parser.add_argument("--providers", type=comma_list(bench.PROVIDERS), default=list(bench.DEFAULT_PROVIDERS),
+    parser.add_argument("--providers", type=comma_list(bench.PROVIDERS + bench_features.PROVIDERS[1:2]),
                         help=f"comma-separated subset of {', '.join(bench.PROVIDERS)} (default: all but fa4, "
-                        "FlashAttention-4, which needs the flash-attn-4 package)")
+                        "FlashAttention-4, which needs the flash-attn-4 package); with --features a subset of "
+                        f"{', '.join(bench_features.PROVIDERS)} (default: all, fa4 where it imports)")
+    parser.add_argument("--features", action="store_true",
+                        help="the feature matrix instead of the shapes (bench_features.py): every feature row "
+                             "x causal x dtype x mode, written as features.json / .md / .png")
+    parser.add_argument("--rows", type=comma_list([f.name for f in bench_features.FEATURES]),
+                        help="with --features: a comma-separated subset of the rows "
+                             f"({', '.join(f.name for f in bench_features.FEATURES)})")
     parser.add_argument("--causal", choices=("both", "on", "off"), default="both")
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup in ms")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms")
@@ -99,21 +108,67 @@ def add_bench_arguments(parser: argparse.ArgumentParser, default_out: str = "ben
                         help="directory for bench.json, bench.md and (with matplotlib) bench.png")
 
 
+def chosen_providers(args) -> list:
+    """--providers, or its default: bench.DEFAULT_PROVIDERS, or with --features every feature-matrix provider."""
+    from . import bench, bench_features
+
+    if args.providers:
+        return list(args.providers)
+    return list(bench_features.PROVIDERS if args.features else bench.DEFAULT_PROVIDERS)
+
+
 def bench_command(args) -> int:
     if cuda_unavailable("bench times the kernels on a CUDA GPU"):
         return EXIT_CANNOT_RUN
     from . import bench
     from .validate import Progress
 
+    dtypes = [bench.DTYPES["bf16"], bench.DTYPES["fp16"]] if args.dtype == "both" else [bench.DTYPES[args.dtype]]
+    if args.features:
+        return features_command(args, dtypes)
+    providers = chosen_providers(args)
+    if "flashtriton-triton" in providers:
+        err("the flashtriton-triton provider is a column of --features only")
+        return EXIT_CANNOT_RUN
     causal_values = {"both": (False, True), "on": (True,), "off": (False,)}[args.causal]
     progress = Progress(0)
-    result = bench.run_benchmarks(bench.SHAPE_SETS[args.shapes], args.providers, args.modes,
-                                  bench.DTYPES[args.dtype], causal_values, args.warmup, args.rep,
-                                  progress=lambda done, total, label: progress.update(done, label, total),
-                                  timing=args.timing)
+    rows, metadata = [], {}
+    for dtype in dtypes:
+        result = bench.run_benchmarks(bench.SHAPE_SETS[args.shapes], providers, args.modes or list(bench.MODES),
+                                      dtype, causal_values, args.warmup, args.rep,
+                                      progress=lambda done, total, label: progress.update(done, label, total),
+                                      timing=args.timing)
+        rows += result.rows
+        metadata = result.metadata
     progress.finish()
+    result = bench.BenchResult(rows, metadata)
     out(bench.results_markdown(result.rows, result.metadata))
     for path in bench.write_results(result, args.out):
+        out(f"wrote {path}")
+    return EXIT_OK
+
+
+def features_command(args, dtypes) -> int:
+    """`flashtriton bench --features`: the feature matrix (bench_features.py)."""
+    from . import bench_features
+    from .validate import Progress
+
+    modes = args.modes or list(bench_features.MODES)
+    if not set(modes) <= set(bench_features.MODES):
+        err(f"--features takes the modes {', '.join(bench_features.MODES)}, got {', '.join(modes)}")
+        return EXIT_CANNOT_RUN
+    providers = chosen_providers(args)
+    unknown = [p for p in providers if p not in bench_features.PROVIDERS]
+    if unknown:
+        err(f"--features takes the providers {', '.join(bench_features.PROVIDERS)}, got {', '.join(unknown)}")
+        return EXIT_CANNOT_RUN
+    progress = Progress(0)
+    result = bench_features.run_features(bench_features.select_features(args.rows), providers, modes, dtypes,
+                                         args.timing, args.warmup, args.rep,
+                                         progress=lambda done, total, label: progress.update(done, label, total))
+    progress.finish()
+    out(bench_features.features_markdown(result.rows, result.metadata))
+    for path in bench_features.write_results(result, args.out):
         out(f"wrote {path}")
     return EXIT_OK
 

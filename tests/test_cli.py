@@ -226,7 +226,8 @@ def test_fa4_is_timed_on_request_only_and_gets_its_ratio_column():
     """fa4 (FlashAttention-4) is a provider --providers accepts but the default leaves out; where it was timed the
     table adds flashtriton / FA4, where it was not the column is absent."""
     assert "fa4" in bench.PROVIDERS and "fa4" not in bench.DEFAULT_PROVIDERS
-    assert cli.build_parser().parse_args(["bench"]).providers == list(bench.DEFAULT_PROVIDERS)
+    assert cli.chosen_providers(cli.build_parser().parse_args(["bench"])) == list(bench.DEFAULT_PROVIDERS)
+    assert "fa4" in cli.chosen_providers(cli.build_parser().parse_args(["bench", "--features"]))
     assert "ft/FA4" not in bench.results_markdown(_fake_rows())
     fa4 = bench.BenchRow("fa4", 4, 4096, 16, 128, True, "bf16", "fwd", ms=1.0, tflops=480.0)
     lines = bench.results_markdown(_fake_rows() + [fa4]).splitlines()

@@ -4,7 +4,7 @@
 #
 #   bash tools/gpu_check.sh [STEPS]     STEPS: comma list of tests,reliability,sanitize,bench,triton,deterministic,
 #                                       sweep,hopper-sweep,l2-groups,decode,decode-sweep,varlen,dropout,cold,fa4,
-#                                       host,fuzz (default tests,reliability,decode)
+#                                       features,host,fuzz (default tests,reliability,decode)
 # Environment: FLASHTRITON_COMMIT (the commit recorded in bench metadata), OUT, FUZZ_EXAMPLES (fuzz step, default
 # 120), TESTS_LIMIT (tests step seconds, default 300; a machine with an empty Triton cache needs ~400).
 set -uo pipefail
@@ -50,6 +50,11 @@ step cold 130 python benchmarks/bench_cold_start.py --quick --out "$out/cold"
 step fa4 300 bash -c "bash tools/fa4_wheels.sh install && export PYTHONPATH=\$(bash tools/fa4_wheels.sh path):\$PYTHONPATH \
   && for dtype in bf16 fp16; do python -m flashtriton bench --modes fwd --timing kernels --dtype \$dtype \
        --providers flashtriton,sdpa-flash,sdpa-cudnn,fa4 --out '$out/bench-fa4-'\$dtype || exit 1; done"
+# the feature matrix (bench_features.py) in bf16 against FlashAttention-4 and SDPA, plus the Triton-path column;
+# FEATURE_ROWS / FEATURE_DTYPE narrow it (FA4 compiles each configuration on first use: the whole matrix is long)
+step features 540 bash -c "bash tools/fa4_wheels.sh install && export PYTHONPATH=\$(bash tools/fa4_wheels.sh path):\$PYTHONPATH \
+  && python -m flashtriton bench --features --dtype ${FEATURE_DTYPE:-bf16} ${FEATURE_ROWS:+--rows $FEATURE_ROWS} \
+       --out '$out/features'"
 # host time per eager call (profile of 300 warm calls)
 step host 60 python tools/profile_first_call.py --top 25 --steady 300
 # the four fuzz tests side by side (one process each, logs fuzz-<test>.log), new random cases each run;
