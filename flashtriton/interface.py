@@ -24,27 +24,33 @@ _COMMON_DOC = """
     deterministic: bool, bitwise-reproducible backward: dQ is never added in an arbitrary order (without it, the
         Hopper backward at head dims 64 and 128 adds dQ by unordered reductions).
     return_attn_probs: bool, also return (softmax_lse, S_dmask); S_dmask is empty unless dropout_p > 0.
+    learnable_sink (keyword only, FA4's name): (nheads,) fp32 / bf16 / fp16 attention sinks: each row's softmax
+        also sums exp(learnable_sink[h]), a logit with no value (no scale, softcap or ALiBi applied to it), so
+        out = sum_j p_j v_j with sum_j p_j + p_sink = 1; rows that see no key give out 0. softmax_lse includes the
+        sink (rows without a key: learnable_sink[h]). Differentiable (dsink).
 Return:
     out, or (out, softmax_lse (batch_size, nheads, seqlen_q) fp32, S_dmask) with return_attn_probs.
 """
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    return apply(FlashAttnQKVPackedFunc, (qkv,), qkv, dropout_p, softmax_scale, causal, window_size, softcap,
-                 alibi_slopes, deterministic, return_attn_probs)
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                              learnable_sink=None):
+    return apply(FlashAttnQKVPackedFunc, (qkv, learnable_sink), qkv, dropout_p, softmax_scale, causal, window_size,
+                 softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    return apply(FlashAttnKVPackedFunc, (q, kv), q, kv, dropout_p, softmax_scale, causal, window_size, softcap,
-                 alibi_slopes, deterministic, return_attn_probs)
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                             learnable_sink=None):
+    return apply(FlashAttnKVPackedFunc, (q, kv, learnable_sink), q, kv, dropout_p, softmax_scale, causal, window_size,
+                 softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    return apply(FlashAttnFunc, (q, k, v), q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                 alibi_slopes, deterministic, return_attn_probs)
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, learnable_sink=None):
+    return apply(FlashAttnFunc, (q, k, v, learnable_sink), q, k, v, dropout_p, softmax_scale, causal, window_size,
+                 softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink)
 
 
 flash_attn_qkvpacked_func.__doc__ = """Attention on packed qkv (batch_size, seqlen, 3, nheads, headdim).
@@ -61,9 +67,10 @@ Arguments:""" + _COMMON_DOC
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False):
-    return apply(FlashAttnVarlenQKVPackedFunc, (qkv,), qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
-                 window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+                                     return_attn_probs=False, *, learnable_sink=None):
+    return apply(FlashAttnVarlenQKVPackedFunc, (qkv, learnable_sink), qkv, cu_seqlens, max_seqlen, dropout_p,
+                 softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                 learnable_sink)
 
 
 def _distinct_inputs(cu_seqlens_q, cu_seqlens_k):
@@ -74,20 +81,22 @@ def _distinct_inputs(cu_seqlens_q, cu_seqlens_k):
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                                    learnable_sink=None):
     cu_seqlens_k = _distinct_inputs(cu_seqlens_q, cu_seqlens_k)
-    return apply(FlashAttnVarlenKVPackedFunc, (q, kv), q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                 max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                 return_attn_probs)
+    return apply(FlashAttnVarlenKVPackedFunc, (q, kv, learnable_sink), q, kv, cu_seqlens_q, cu_seqlens_k,
+                 max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                 deterministic, return_attn_probs, learnable_sink)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, *,
+                           learnable_sink=None):
     cu_seqlens_k = _distinct_inputs(cu_seqlens_q, cu_seqlens_k)
-    return apply(FlashAttnVarlenFunc, (q, k, v), q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                 return_attn_probs, block_table)
+    return apply(FlashAttnVarlenFunc, (q, k, v, learnable_sink), q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                 max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                 return_attn_probs, block_table, learnable_sink)
 
 
 _VARLEN_DOC = """
@@ -112,7 +121,8 @@ Arguments:""" + _VARLEN_DOC
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
+                            learnable_sink=None):
     """Attention over a KV cache, appending new keys/values in place first (inference; no autograd).
 
     q (batch_size, seqlen_q, nheads, headdim); k_cache/v_cache (batch_size_cache, seqlen_cache, nheads_k,
@@ -123,6 +133,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_batch_idx picks the cache row of each batch row; cache_leftpad is where each row's keys start.
     Causal/window/ALiBi are bottom-right aligned to the valid keys. num_splits (split-KV: 0 = heuristic,
     1 = none, n <= 128 parts) only affects speed; each fixed value is deterministic.
+    learnable_sink (keyword only): (nheads,) attention sinks, as flash_attn_func's (included in softmax_lse).
     Return: out, or (out, softmax_lse (batch_size, nheads, seqlen_q)) with return_softmax_lse.
     """
     assert k_cache.stride(-1) == 1, "k_cache must have contiguous last dimension"
@@ -140,5 +151,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out, softmax_lse = flash_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                          cache_batch_idx, cache_leftpad, block_table, float(softmax_scale),
                                          bool(causal), window_left, window_right, float(softcap),
-                                         bool(rotary_interleaved), alibi_slopes, int(num_splits))
+                                         bool(rotary_interleaved), alibi_slopes, int(num_splits),
+                                         *(() if learnable_sink is None else (learnable_sink,)))
     return (out, softmax_lse) if return_softmax_lse else out

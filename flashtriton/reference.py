@@ -59,9 +59,10 @@ class _Probabilities(NamedTuple):
 
 
 def _probabilities(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_mask,
-                   seqlen_k_star, compute_dtype, given_lse=None) -> _Probabilities:
+                   seqlen_k_star, compute_dtype, given_lse=None, learnable_sink=None) -> _Probabilities:
     """given_lse (B, H, Sq): P = exp(S - given_lse) on the visible keys instead of the softmax of these scores (a
-    backward from the forward's statistics)."""
+    backward from the forward's statistics). learnable_sink (H,): one more logit per row and head in the softmax's
+    sum (natural-log units, no scale, softcap or ALiBi), carrying no value (docs/api.md §4.11)."""
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k, num_heads_k = k.shape[1], k.shape[2]
     compute_dtype = compute_dtype or q.dtype
@@ -92,6 +93,11 @@ def _probabilities(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
         # A finite pivot for rows with no visible key keeps logsumexp and its gradient free of NaN.
         safe_scores = torch.where(has_key[:, None], scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
         lse = torch.logsumexp(safe_scores, dim=-1)
+        if learnable_sink is not None:
+            # (1, H, 1) sink logits; rows without a key: the sink is their only term
+            sink = learnable_sink.to(scores.dtype)[None, :, None]
+            lse = torch.logaddexp(torch.where(has_key, lse, float("-inf")), sink)
+            has_key = torch.ones_like(has_key)
         probs = torch.exp(safe_scores - lse[..., None]).masked_fill(~visible, 0.0)
     kept = probs
     if dropout_p > 0.0:
@@ -104,10 +110,12 @@ def _probabilities(q, k, v, softmax_scale, causal, window_size, softcap, alibi_s
 
 
 def attention_probabilities(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            alibi_slopes=None, *, seqlen_k_star=None, compute_dtype=torch.float32) -> torch.Tensor:
-    """(B, H, Sq, Sk) softmax probabilities before dropout; 0 where a key is not visible."""
+                            alibi_slopes=None, *, seqlen_k_star=None, compute_dtype=torch.float32,
+                            learnable_sink=None) -> torch.Tensor:
+    """(B, H, Sq, Sk) softmax probabilities before dropout; 0 where a key is not visible (with learnable_sink, the
+    keys' share: rows sum to 1 - the sink's)."""
     return _probabilities(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, 0.0, None,
-                          seqlen_k_star, compute_dtype).probs
+                          seqlen_k_star, compute_dtype, learnable_sink=learnable_sink).probs
 
 
 def attention_reference(
@@ -124,6 +132,7 @@ def attention_reference(
     *,
     seqlen_k_star: Optional[int] = None,
     compute_dtype: Optional[torch.dtype] = torch.float64,
+    learnable_sink: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention exactly as docs/api.md §4.1 defines it. Returns (out in q's dtype, lse (B, H, Sq) float32).
 
@@ -131,10 +140,13 @@ def attention_reference(
     math in the input dtype, which measures PyTorch's own rounding error there.
     dropout_mask: bool (B, H, Sq, Sk), True where kept; required when dropout_p > 0.
     seqlen_k_star: S* of the window normalization (defaults to Sk; varlen uses max_seqlen_k).
-    Differentiable w.r.t. q, k, v; rows with no visible key give out 0, lse +inf and zero gradients.
+    learnable_sink: (H,) sink logits (docs/api.md §4.11): the lse includes them, and rows with no visible key give
+    out 0 and lse = learnable_sink[h].
+    Differentiable w.r.t. q, k, v (and learnable_sink); rows with no visible key give out 0, lse +inf (without a
+    sink) and zero gradients.
     """
     r = _probabilities(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_mask,
-                       seqlen_k_star, compute_dtype)
+                       seqlen_k_star, compute_dtype, learnable_sink=learnable_sink)
     out = torch.einsum("bhqk,bkhd->bqhd", r.kept.to(r.vc.dtype), r.vc)
     return out.to(q.dtype).contiguous(), r.lse.to(torch.float32)
 
@@ -225,10 +237,12 @@ def attention_reference_varlen(
     dropout_p: float = 0.0,
     dropout_mask: Optional[torch.Tensor] = None,
     compute_dtype: Optional[torch.dtype] = torch.float64,
+    learnable_sink: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Varlen attention (docs/api.md §4.9): each sequence on its own, window normalized with S* = max_seqlen_k.
 
-    q (Tq, H, D), k/v (Tk, Hk, D). Returns (out (Tq, H, D), lse (H, Tq)); uncovered rows are 0 / +inf.
+    q (Tq, H, D), k/v (Tk, Hk, D). Returns (out (Tq, H, D), lse (H, Tq)); uncovered rows are 0 / +inf (lse =
+    learnable_sink[h] with a sink).
     dropout_mask: bool (B, H, >= max Sq, >= max Sk) in each sequence's local indices.
     """
     total_q, num_heads, head_dim = q.shape
@@ -240,9 +254,13 @@ def attention_reference_varlen(
         out_b, lse_b = attention_reference(
             q[None, rows_q], k[None, rows_k], v[None, rows_k], softmax_scale, causal, window_size, softcap,
             row_slopes(alibi_slopes, b), dropout_p, _sequence_mask(dropout_mask, b, rows_q, rows_k),
-            seqlen_k_star=max_seqlen_k, compute_dtype=compute_dtype)
+            seqlen_k_star=max_seqlen_k, compute_dtype=compute_dtype, learnable_sink=learnable_sink)
         out[rows_q] = out_b[0]
         lse[:, rows_q] = lse_b[0]
+    if learnable_sink is not None:  # rows of no sequence see no key: their lse is the sink
+        covered = torch.zeros(total_q, dtype=torch.bool, device=q.device)
+        covered[int(cu_seqlens_q[0]):int(cu_seqlens_q[-1])] = True
+        lse = torch.where(covered, lse, learnable_sink.to(lse.dtype)[:, None])
     return out, lse
 
 
@@ -313,7 +331,7 @@ def _table_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor):
 def kvcache_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                       cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                       window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
-                      compute_dtype=torch.float64):
+                      compute_dtype=torch.float64, learnable_sink=None):
     """flash_attn_with_kvcache literally (docs/api.md §5), one batch row at a time; host loops, any device.
 
     Returns (out (B, Sq, H, D), lse (B, H, Sq) fp32, new k_cache, new v_cache); the caches passed in are
@@ -362,6 +380,7 @@ def kvcache_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
         index = positions_of(b, range(starts[b], length + seqlen_new))
         out_b, lse_b = attention_reference(q_b[None], k_cache[index][None], v_cache[index][None], softmax_scale,
                                            causal, window_size, softcap, row_slopes(alibi_slopes, b),
-                                           seqlen_k_star=capacity, compute_dtype=compute_dtype)
+                                           seqlen_k_star=capacity, compute_dtype=compute_dtype,
+                                           learnable_sink=learnable_sink)
         out[b], lse[b] = out_b[0], lse_b[0]
     return out, lse, k_cache, v_cache

@@ -302,8 +302,8 @@ def _compare(reference, fp32_floors, out, lse, inputs, grads, dout, out_factor: 
         pt_grads = torch.autograd.grad(pt_out, inputs_pt, dout)
         # the tolerance rule with atol 1e-4, plus the fp32 floor for dq and dk
         checks += [check_error(name, grad, ref_grad, pt_grad, factor=grad_factor, atol=1e-4 + floor)
-                   for name, grad, ref_grad, pt_grad, floor in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads,
-                                                                    (*fp32_floors(), 0.0))]
+                   for name, grad, ref_grad, pt_grad, floor in zip(("dq", "dk", "dv", "dsink"), grads, ref_grads,
+                                                                    pt_grads, (*fp32_floors(), 0.0, 0.0))]
     return checks
 
 
@@ -317,8 +317,10 @@ def assert_checks_ok(checks: Sequence, context: str = "") -> None:
 def compare_with_reference(case: Case, out: torch.Tensor, lse: torch.Tensor, q, k, v, alibi_slopes,
                            grads: Optional[Sequence[torch.Tensor]] = None, dout: Optional[torch.Tensor] = None,
                            grad_factor: float = 3.0, dropout_p: float = 0.0,
-                           dropout_mask: Optional[torch.Tensor] = None):
-    """ErrorChecks of out (and, with grads and dout, dq/dk/dv) against float64 and same-dtype references.
+                           dropout_mask: Optional[torch.Tensor] = None,
+                           learnable_sink: Optional[torch.Tensor] = None):
+    """ErrorChecks of out (and, with grads and dout, dq/dk/dv, and dsink with learnable_sink) against float64 and
+    same-dtype references.
 
     LSE (check_lse) must put +inf exactly where the float64 reference does and match it elsewhere
     within 1e-4 * (1 + max|lse|). Gradients are compared with flash_reference_grads. With dropout_p > 0
@@ -326,11 +328,13 @@ def compare_with_reference(case: Case, out: torch.Tensor, lse: torch.Tensor, q, 
     """
     scores = (case.softmax_scale, case.causal, case.window_size, case.softcap, alibi_slopes)
 
-    def reference(q_, k_, v_, compute_dtype):
-        return attention_reference(q_, k_, v_, *scores, dropout_p, dropout_mask, compute_dtype=compute_dtype)
+    def reference(q_, k_, v_, sink=None, *, compute_dtype):
+        return attention_reference(q_, k_, v_, *scores, dropout_p, dropout_mask, compute_dtype=compute_dtype,
+                                   learnable_sink=sink)
 
+    inputs = (q, k, v) if learnable_sink is None else (q, k, v, learnable_sink)
     return _compare(reference, lambda: fp32_backward_floor(q, k, v, out, dout, *scores, dropout_p=dropout_p),
-                    out, lse, (q, k, v), grads, dout, 2.0, grad_factor)
+                    out, lse, inputs, grads, dout, 2.0, grad_factor)
 
 
 def compare_varlen_with_reference(out: torch.Tensor, lse: torch.Tensor, q, k, v, cu_seqlens_q, cu_seqlens_k,
@@ -338,18 +342,21 @@ def compare_varlen_with_reference(out: torch.Tensor, lse: torch.Tensor, q, k, v,
                                   dout: Optional[torch.Tensor] = None, out_factor: float = 2.0,
                                   grad_factor: float = 3.0, **options):
     """compare_with_reference for the varlen layout: q (Tq, H, D), k/v (Tk, Hk, D), lse (H, Tq); options are
-    attention_reference_varlen's (softmax_scale, causal, window_size, softcap, alibi_slopes).
+    attention_reference_varlen's (softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink).
 
     Every row counts: the reference gives rows past the last sequence out 0, lse +inf and zero gradients.
     """
-    def reference(q_, k_, v_, compute_dtype):
+    learnable_sink = options.pop("learnable_sink", None)
+
+    def reference(q_, k_, v_, sink=None, *, compute_dtype):
         return attention_reference_varlen(q_, k_, v_, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, **options,
-                                          compute_dtype=compute_dtype)
+                                          compute_dtype=compute_dtype, learnable_sink=sink)
 
     def fp32_floors():
         return _varlen_fp32_backward_floor(q, k, v, out, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, **options)
 
-    return _compare(reference, fp32_floors, out, lse, (q, k, v), grads, dout, out_factor, grad_factor)
+    inputs = (q, k, v) if learnable_sink is None else (q, k, v, learnable_sink)
+    return _compare(reference, fp32_floors, out, lse, inputs, grads, dout, out_factor, grad_factor)
 
 
 def _varlen_fp32_backward_floor(q, k, v, out, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int,

@@ -109,8 +109,16 @@ def test_public_signature_matches_spec(module, name):
 @pytest.mark.parametrize("prefix", ["", "_wrapped"])
 @pytest.mark.parametrize("name", sorted(LOW_LEVEL_SIGNATURES))
 def test_low_level_signature_matches_spec(name, prefix):
+    """FA2's parameters in FA2's order; after them only the documented extensions, optional (docs/api.md §4.11)."""
     fn = getattr(fai, prefix + name)
-    assert _op_schema_parameters(fn) == _spec_parameters(LOW_LEVEL_SIGNATURES[name])
+    parameters, spec = _op_schema_parameters(fn), _spec_parameters(LOW_LEVEL_SIGNATURES[name])
+    assert parameters[:len(spec)] == spec
+    assert parameters[len(spec):] == LOW_LEVEL_EXTENSIONS.get(name, [])
+
+
+# optional trailing parameters beyond FA2's (the forwards take learnable sinks)
+LOW_LEVEL_EXTENSIONS = {"_flash_attn_forward": [("learnable_sink", None)],
+                        "_flash_attn_varlen_forward": [("learnable_sink", None)]}
 
 
 def test_window_size_is_a_named_parameter():

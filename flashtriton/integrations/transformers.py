@@ -25,12 +25,13 @@ What the attention function does with what the model passes:
     sliding_window w             window_size (w - 1, 0) when causal, (w - 1, w - 1) otherwise: the key k is seen
                                  from the query q when q - k < w, as transformers' eager masks
     softcap, scaling, dropout    softcap, softmax_scale, dropout_p (the model passes 0.0 outside training)
+    s_aux (attention sinks)      learnable_sink (gpt-oss), differentiable
     GQA                          key/value with fewer heads go through unrepeated
     dtype                        fp16/bf16 as they come; float32 q/k/v are cast to autocast's dtype when autocast
                                  is on, else to bfloat16, and the output is cast back to float32
 
 Refused with an exception naming the alternative: output_attentions, 4-D or other non-padding masks, custom mask
-patterns (or/and mask functions), attention sinks (s_aux), paged/continuous-batching kwargs, static caches, and
+patterns (or/and mask functions), paged/continuous-batching kwargs, static caches, and
 float64 inputs. Padded query positions come back as zeros (eager computes values there that no valid token reads).
 """
 
@@ -156,8 +157,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             "output_attentions=True: flashtriton never forms the attention matrix; load the model with "
             "attn_implementation='eager' to get attention weights"
         )
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("attention sinks (s_aux) are not supported by flashtriton: " + _ALTERNATIVE)
     paged = [k for k in _PAGED_KWARGS if kwargs.get(k) is not None]
     if paged:
         raise NotImplementedError(
@@ -191,7 +190,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if sliding_window is not None:
         window_size = (sliding_window - 1, 0 if causal else sliding_window - 1)
     options = dict(dropout_p=dropout, softmax_scale=scaling, causal=causal, window_size=window_size,
-                   softcap=0.0 if softcap is None else softcap)
+                   softcap=0.0 if softcap is None else softcap, learnable_sink=kwargs.get("s_aux"))
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     position_ids = kwargs.get("position_ids")

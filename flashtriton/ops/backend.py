@@ -22,7 +22,7 @@ from ..kernels.fill import fill_uncovered_rows_kernel
 from ..kernels import fwd as fwd_kernel_module
 from ..kernels.fwd import attn_fwd_kernel
 from ..scores import ScoreParams, score_params
-from . import checks, dropout, hopper, reference_path
+from . import checks, dropout, hopper, reference_path, sink
 from .launching import compiled_without_line_info, compiler_key_ahead, device_guard, tma_compatible, triton_cdiv
 
 compiled_without_line_info(attn_fwd_kernel, attn_combine_kernel, fill_uncovered_rows_kernel, attn_bwd_preprocess_kernel,
@@ -248,9 +248,12 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
 
 
 def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
-            window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor], return_softmax: bool):
-    """Dense forward. Returns (out, softmax_lse (B, H, Sq), S_dmask, rng_state); see docs/api.md §7."""
+            window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor], return_softmax: bool,
+            learnable_sink: Optional[torch.Tensor] = None):
+    """Dense forward. Returns (out, softmax_lse (B, H, Sq), S_dmask, rng_state); see docs/api.md §7. With
+    learnable_sink (H,) the LSE includes the sinks (§4.11)."""
     checks.check_fwd(q, k, v, dropout_p, softcap, alibi_slopes, return_softmax)
+    checks.check_learnable_sink(learnable_sink, q, q.shape[2])
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     q, k, v = (t if checks.has_contiguous_last_dim(t) else t.contiguous() for t in (q, k, v))
@@ -265,11 +268,14 @@ def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, windo
     s_dmask = torch.empty(0, dtype=q.dtype, device=q.device)
     if return_softmax:
         mask_shape = (batch, num_heads, round_multiple(seqlen_q, 128), round_multiple(seqlen_k, 128))
-        s_dmask = dropout.dense_s_dmask(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, keep, mask_shape)
+        s_dmask = dropout.dense_s_dmask(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, keep, mask_shape,
+                                        learnable_sink)
 
     if not use_kernels:
         out, lse = reference_path.dense_forward(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes,
                                                 dropout_p, keep)
+        if learnable_sink is not None:
+            sink.fold_sink(out, lse, learnable_sink, runs_kernels=False)
         return out, lse, s_dmask, rng_state
 
     params = score_params(softmax_scale, causal, window_size_left, window_size_right, softcap, seqlen_k)
@@ -281,6 +287,8 @@ def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, windo
         num_splits = splits_for(q, k.shape[2], seqlen_q, seqlen_k, 0, params.causal_like)
     launch_fwd(q, k, v, out, lse, params, alibi_slopes, (lse.stride(0), lse.stride(1)), seqlen_q, seqlen_k, batch,
                num_splits=num_splits, dropout_p=dropout_p, rng_state=rng_state)
+    if learnable_sink is not None:
+        sink.fold_sink(out, lse, learnable_sink, runs_kernels=True)
     return out, lse, s_dmask, rng_state
 
 
@@ -429,15 +437,18 @@ def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    softmax_scale: float, causal: bool, window_size_left: int = -1, window_size_right: int = -1,
                    softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, return_softmax: bool = False,
                    block_table: Optional[torch.Tensor] = None, leftpad_k: Optional[torch.Tensor] = None,
-                   seqused_k: Optional[torch.Tensor] = None, zero_tensors: bool = False, num_splits: int = 0):
+                   seqused_k: Optional[torch.Tensor] = None, zero_tensors: bool = False, num_splits: int = 0,
+                   learnable_sink: Optional[torch.Tensor] = None):
     """Varlen forward. Returns (out (Tq, H, D), softmax_lse (H, Tq), S_dmask, rng_state); see docs/api.md §7.
 
-    Rows not covered by any sequence get out 0 and lse +inf (-inf with zero_tensors=True, as FA2). The index values
+    Rows not covered by any sequence get out 0 and lse +inf (-inf with zero_tensors=True, as FA2; with
+    learnable_sink (H,), folded in last (§4.11), learnable_sink[h] like every row without a key). The index values
     (cu_seqlens, max_seqlen, block_table, leftpad_k, seqused_k) are checked on the host for CPU tensors, and on a
     GPU only in strict mode (checks.set_strict_checks; one host synchronization per call).
     """
     batch = checks.check_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap, alibi_slopes,
                                     return_softmax, block_table, leftpad_k, seqused_k, num_splits)
+    checks.check_learnable_sink(learnable_sink, q, q.shape[1])
     total_q, num_heads, head_dim = q.shape
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     checks.check_varlen_index_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
@@ -454,7 +465,7 @@ def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     s_dmask = torch.empty(0, dtype=q.dtype, device=q.device)
     if return_softmax:
         s_dmask = dropout.varlen_s_dmask(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, causal,
-                                         window, softcap, alibi_slopes, keep, mask_shape)
+                                         window, softcap, alibi_slopes, keep, mask_shape, learnable_sink)
 
     if not use_kernels:
         out, lse = reference_path.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
@@ -462,6 +473,8 @@ def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                                                  seqused_k, dropout_p, keep)
         if zero_tensors:  # as the kernel path fills them below (CPU tensors: reading cu_seqlens_q costs nothing)
             lse[:, int(cu_seqlens_q[-1]):] = float("-inf")
+        if learnable_sink is not None:
+            sink.fold_sink(out[None], lse[None], learnable_sink, runs_kernels=False)
         return out, lse, s_dmask, rng_state
 
     params = score_params(softmax_scale, causal, window_size_left, window_size_right, softcap, max_seqlen_k)
@@ -472,6 +485,8 @@ def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                rng_state=rng_state)
     _zero_uncovered_rows(out, cu_seqlens_q)
     _zero_uncovered_rows(lse, cu_seqlens_q, float("-inf") if zero_tensors else float("inf"), dim=1)
+    if learnable_sink is not None:
+        sink.fold_sink(out[None], lse[None], learnable_sink, runs_kernels=True)
     return out, lse, s_dmask, rng_state
 
 

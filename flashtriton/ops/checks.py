@@ -129,6 +129,22 @@ def check_options(dropout_p: float, softcap: float, alibi_slopes: Optional[torch
               f"({batch}, {num_heads}), got {tuple(alibi_slopes.shape)}")
 
 
+SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_learnable_sink(learnable_sink: Optional[torch.Tensor], q: torch.Tensor, num_heads: int) -> None:
+    """learnable_sink (docs/api.md §4.11): None, or a (nheads,) fp32 / bf16 / fp16 tensor on q's device."""
+    if learnable_sink is None:
+        return
+    check(isinstance(learnable_sink, torch.Tensor),
+          f"learnable_sink must be a tensor of shape (nheads,), got {type(learnable_sink).__name__}", TypeError)
+    check(tuple(learnable_sink.shape) == (num_heads,),
+          f"learnable_sink must have shape (nheads,) = ({num_heads},), got {tuple(learnable_sink.shape)}")
+    check(learnable_sink.dtype in SINK_DTYPES,
+          f"learnable_sink must be float32, bfloat16 or float16, got {learnable_sink.dtype}")
+    check_same_device(q, learnable_sink=learnable_sink)
+
+
 def check_fwd(q, k, v, dropout_p: float, softcap: float, alibi_slopes, return_softmax: bool) -> None:
     """Every check of the dense forward (docs/api.md §6); also run by the fake implementation."""
     check_dense_qkv(q, k, v)

@@ -56,16 +56,18 @@ def s_dmask(probs: torch.Tensor, keep: torch.Tensor, out: torch.Tensor) -> None:
     out[:, :, : probs.shape[2], : probs.shape[3]] = signed.to(out.dtype)
 
 
-def dense_s_dmask(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, keep, shape) -> torch.Tensor:
+def dense_s_dmask(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, keep, shape,
+                  learnable_sink=None) -> torch.Tensor:
     """S_dmask (B, H, R(Sq), R(Sk)) of a dense call: normalized P, negated where dropped, 0 elsewhere."""
     out = torch.zeros(shape, dtype=q.dtype, device=q.device)
-    probs = attention_probabilities(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes)
+    probs = attention_probabilities(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes,
+                                    learnable_sink=learnable_sink)
     s_dmask(probs, keep[:, :, : q.shape[1], : k.shape[1]], out)
     return out
 
 
 def varlen_s_dmask(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, causal, window, softcap,
-                   alibi_slopes, keep, shape) -> torch.Tensor:
+                   alibi_slopes, keep, shape, learnable_sink=None) -> torch.Tensor:
     """S_dmask (B, H, R(max_seqlen_q), R(max_seqlen_k)) of a varlen call, in each sequence's local indices.
 
     A testing aid: it reads cu_seqlens on the host (one synchronization per call that asks for it).
@@ -73,6 +75,7 @@ def varlen_s_dmask(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_sc
     out = torch.zeros(shape, dtype=q.dtype, device=q.device)
     for b, rows_q, rows_k in sequence_slices(cu_seqlens_q, cu_seqlens_k):
         probs = attention_probabilities(q[None, rows_q], k[None, rows_k], v[None, rows_k], softmax_scale, causal,
-                                        window, softcap, row_slopes(alibi_slopes, b), seqlen_k_star=max_seqlen_k)
+                                        window, softcap, row_slopes(alibi_slopes, b), seqlen_k_star=max_seqlen_k,
+                                        learnable_sink=learnable_sink)
         s_dmask(probs, keep[b: b + 1, :, : probs.shape[2], : probs.shape[3]], out[b: b + 1])
     return out

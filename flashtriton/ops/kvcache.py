@@ -14,7 +14,7 @@ import torch
 from .. import configs
 from ..kernels.append import kv_append_kernel
 from ..scores import score_params
-from . import checks, reference_path
+from . import checks, reference_path, sink
 from .backend import launch_fwd, new_empty, runs_triton, splits_for
 from .launching import compiled_without_line_info, device_guard, triton_cdiv
 from .triton.rotary import apply_rotary
@@ -56,13 +56,15 @@ def _append(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
 def mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens: Optional[torch.Tensor],
                     cache_batch_idx, cache_leftpad, block_table, softmax_scale: float, causal: bool,
                     window_size_left: int, window_size_right: int, softcap: float, rotary_interleaved: bool,
-                    alibi_slopes, num_splits: int):
+                    alibi_slopes, num_splits: int, learnable_sink=None):
     """Append k/v (rotated) into the caches in place, then attend. Returns (out (B, Sq, H, D), lse (B, H, Sq)).
 
-    cache_seqlens is None (every row holds `capacity` keys) or an int32 (B,) tensor.
+    cache_seqlens is None (every row holds `capacity` keys) or an int32 (B,) tensor. learnable_sink (H,): sinks
+    folded into out and lse (docs/api.md §4.11).
     """
     checks.check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                          cache_leftpad, block_table, softcap, alibi_slopes, num_splits)
+    checks.check_learnable_sink(learnable_sink, q, q.shape[2])
     batch, seqlen_q, num_heads, head_dim = q.shape
     capacity = checks.kv_capacity(k_cache, block_table)
     seqlen_new = 0 if k is None else k.shape[1]
@@ -74,9 +76,12 @@ def mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     window = (window_size_left, window_size_right)
 
     if not runs_triton(q):
-        return reference_path.kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                              cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
-                                              window, softcap, rotary_interleaved, alibi_slopes)
+        out, lse = reference_path.kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                                  cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                                                  window, softcap, rotary_interleaved, alibi_slopes)
+        if learnable_sink is not None:
+            sink.fold_sink(out, lse, learnable_sink, runs_kernels=False)
+        return out, lse
 
     params = score_params(softmax_scale, causal, window_size_left, window_size_right, softcap, capacity)
     if cache_seqlens is None:
@@ -98,4 +103,6 @@ def mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
                cache_batch_idx=cache_batch_idx,
                num_splits=splits_for(q, k_cache.shape[-2], seqlen_q, capacity, num_splits,
                                      params.causal_like, 0 if block_table is None else k_cache.shape[1]))
+    if learnable_sink is not None:
+        sink.fold_sink(out, lse, learnable_sink, runs_kernels=True)
     return out, lse
