@@ -77,16 +77,26 @@ def forced_paths(tma: bool, dq_atomic: bool = False, heads_per_group=None):
     return stack
 
 
+def drawn_sink(with_sink: bool, num_heads: int):
+    """Learnable sinks (docs/api.md §4.11) of a drawn case, or None."""
+    return (torch.randn(num_heads, device=DEVICE) * 2.0).requires_grad_() if with_sink else None
+
+
+def leaves(q, k, v, sink):
+    return (q, k, v) if sink is None else (q, k, v, sink)
+
+
 @given(case=dense_cases(), input_scale=st.sampled_from([1.0, 4.0]), tma=TMA_CHOICES, dq_atomic=ATOMIC_CHOICES,
-       heads_per_group=GROUP_CHOICES)
-def test_fuzz_flash_attn_func(case, input_scale, tma, dq_atomic, heads_per_group):
+       heads_per_group=GROUP_CHOICES, with_sink=st.booleans())
+def test_fuzz_flash_attn_func(case, input_scale, tma, dq_atomic, heads_per_group, with_sink):
     q, k, v, slopes = make_case_inputs(case, DEVICE, requires_grad=True, scale=input_scale)
+    sink = drawn_sink(with_sink, case.num_heads)
     with poisoned_outputs(), forced_paths(tma, dq_atomic, heads_per_group):
         out, lse, _ = flashtriton.flash_attn_func(q, k, v, 0.0, case.softmax_scale, case.causal, case.window_size,
-                                                  case.softcap, slopes, return_attn_probs=True)
+                                                  case.softcap, slopes, return_attn_probs=True, learnable_sink=sink)
         dout = torch.randn_like(out)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
-    assert_checks_ok(compare_with_reference(case, out, lse, q, k, v, slopes, grads, dout))
+        grads = torch.autograd.grad(out, leaves(q, k, v, sink), dout)
+    assert_checks_ok(compare_with_reference(case, out, lse, q, k, v, slopes, grads, dout, learnable_sink=sink))
 
 
 @st.composite
@@ -116,19 +126,20 @@ ON_HOPPER = (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
 
 
 @given(case=hopper_forward_cases(), input_scale=st.sampled_from([1.0, 4.0]),
-       programs=st.sampled_from([None, 1, 2, 5]))
-def test_fuzz_hopper_forward_domain(case, input_scale, programs):
+       programs=st.sampled_from([None, 1, 2, 5]), with_sink=st.booleans())
+def test_fuzz_hopper_forward_domain(case, input_scale, programs, with_sink):
     """On sm_90 these all run the Gluon forward (asserted), with the configured grid or a few programs that each
-    take many tiles; elsewhere the same cases check the Triton kernels."""
+    take many tiles, sinks folded into its output; elsewhere the same cases check the Triton kernels."""
     q, k, v, _ = make_case_inputs(case, DEVICE, requires_grad=True, scale=input_scale)
+    sink = drawn_sink(with_sink, case.num_heads)
     launches = hopper.fwd_launch_count
     with poisoned_outputs(), forced_hopper_grid(programs):
         out, lse, _ = flashtriton.flash_attn_func(q, k, v, 0.0, case.softmax_scale, case.causal, case.window_size,
-                                                  return_attn_probs=True)
+                                                  return_attn_probs=True, learnable_sink=sink)
         dout = torch.randn_like(out)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
+        grads = torch.autograd.grad(out, leaves(q, k, v, sink), dout)
     assert (hopper.fwd_launch_count > launches) == ON_HOPPER
-    assert_checks_ok(compare_with_reference(case, out, lse, q, k, v, None, grads, dout))
+    assert_checks_ok(compare_with_reference(case, out, lse, q, k, v, None, grads, dout, learnable_sink=sink))
 
 
 @st.composite
@@ -140,8 +151,9 @@ def varlen_batches(draw):
 
 @given(lengths=varlen_batches(), causal=st.booleans(), window=windows(), alibi=st.booleans(),
        heads=st.sampled_from([(2, 2), (4, 2), (3, 1)]), head_dim=st.sampled_from([16, 40, 64]), tma=TMA_CHOICES,
-       dq_atomic=ATOMIC_CHOICES, heads_per_group=GROUP_CHOICES)
-def test_fuzz_flash_attn_varlen_func(lengths, causal, window, alibi, heads, head_dim, tma, dq_atomic, heads_per_group):
+       dq_atomic=ATOMIC_CHOICES, heads_per_group=GROUP_CHOICES, with_sink=st.booleans())
+def test_fuzz_flash_attn_varlen_func(lengths, causal, window, alibi, heads, head_dim, tma, dq_atomic, heads_per_group,
+                                     with_sink):
     lens_q, lens_k, tail = lengths
     num_heads, num_heads_k = heads
     cu_q, cu_k = cu_seqlens(lens_q, DEVICE), cu_seqlens(lens_k, DEVICE)
@@ -150,17 +162,18 @@ def test_fuzz_flash_attn_varlen_func(lengths, causal, window, alibi, heads, head
     v = torch.randn_like(k).requires_grad_()
     slopes = torch.rand(len(lens_q), num_heads, device=DEVICE) * 0.3 if alibi else None
     max_q, max_k = max(lens_q) + 1, max(lens_k) + 1
+    sink = drawn_sink(with_sink, num_heads)
     with poisoned_outputs(), forced_paths(tma, dq_atomic, heads_per_group):
         out, lse, _ = flashtriton.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
                                                          window_size=window, alibi_slopes=slopes,
-                                                         return_attn_probs=True)
+                                                         return_attn_probs=True, learnable_sink=sink)
         dout = torch.randn_like(out)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
+        grads = torch.autograd.grad(out, leaves(q, k, v, sink), dout, allow_unused=True)
     covered_q, covered_k = sum(lens_q), sum(lens_k)
     with_grads = covered_q > 0 and covered_k > 0  # otherwise no output depends on the inputs
     checks = compare_varlen_with_reference(out, lse, q, k, v, cu_q.cpu(), cu_k.cpu(), max_k,
                                            grads if with_grads else None, dout, causal=causal, window_size=window,
-                                           alibi_slopes=slopes)
+                                           alibi_slopes=slopes, learnable_sink=sink)
     assert_checks_ok(checks)
     assert torch.all(out[covered_q:] == 0) and all(torch.all(g[n:] == 0) for g, n in
                                                    zip(grads, (covered_q, covered_k, covered_k)))
