@@ -53,25 +53,33 @@ _INTERPRETER_BWD = BwdConfig(TileConfig(64, 64, 4, 1), TileConfig(64, 64, 4, 1),
 # GPU tables, keyed by (arch class, causal): ((max head dim, config), ...), first match wins. On GPUs the Triton
 # forward rescales every block (_NO_SKIP): in Triton the skip needs a tile-wide reduction and branch per key block.
 # sm90: python benchmarks/sweep_configs.py, 2026-11-30, 2622019 (head dim 256: d8c9095), H200
+# sm90 head dims 512 (and kv-cache q/k up to 576, tiles 1024 wide): python tools/offline_compile.py --head-dim 512
+#   (--head-dim 576 --head-dim-v 512), 2026-12-05, afef2ac, sm_90 offline (the largest tiles that fit shared memory
+#   with the fewest spills; not timed); pointer loads: a TMA box is at most 256 wide
 # sm80: not measured (conservative tiles)
 _NO_SKIP = 0.0
 _TMA = True
 _FWD_TABLE = {
     ("sm90", False): ((64, FwdConfig(64, 64, 4, 3, _NO_SKIP, _TMA)), (128, FwdConfig(128, 128, 8, 3, _NO_SKIP, _TMA)),
-                      (256, FwdConfig(128, 32, 8, 3, _NO_SKIP, _TMA))),
+                      (256, FwdConfig(128, 32, 8, 3, _NO_SKIP, _TMA)), (512, FwdConfig(64, 32, 8, 2, _NO_SKIP)),
+                      (1024, FwdConfig(32, 32, 8, 1, _NO_SKIP))),
     ("sm90", True): ((64, FwdConfig(64, 64, 4, 3, _NO_SKIP, _TMA)), (128, FwdConfig(64, 64, 4, 3, _NO_SKIP, _TMA)),
-                     (256, FwdConfig(128, 32, 8, 3, _NO_SKIP, _TMA))),
+                     (256, FwdConfig(128, 32, 8, 3, _NO_SKIP, _TMA)), (512, FwdConfig(64, 32, 8, 2, _NO_SKIP)),
+                     (1024, FwdConfig(32, 32, 8, 1, _NO_SKIP))),
     ("sm80", False): ((64, FwdConfig(128, 64, 4, 3, _NO_SKIP)), (128, FwdConfig(128, 64, 4, 2, _NO_SKIP)),
-                      (256, FwdConfig(64, 64, 4, 2, _NO_SKIP))),
+                      (256, FwdConfig(64, 64, 4, 2, _NO_SKIP)), (512, FwdConfig(64, 32, 4, 1, _NO_SKIP)),
+                      (1024, FwdConfig(32, 16, 4, 1, _NO_SKIP))),
 }
 _FWD_TABLE[("sm80", True)] = _FWD_TABLE[("sm80", False)]
 _BWD_TABLE = {
     "sm90": ((64, BwdConfig(TileConfig(32, 64, 4, 3), TileConfig(128, 64, 8, 3), use_tma=_TMA)),
              (128, BwdConfig(TileConfig(32, 64, 4, 3), TileConfig(128, 64, 8, 3), use_tma=_TMA)),
-             (256, BwdConfig(TileConfig(32, 64, 8, 2), TileConfig(128, 32, 8, 2), use_tma=_TMA))),
+             (256, BwdConfig(TileConfig(32, 64, 8, 2), TileConfig(128, 32, 8, 2), use_tma=_TMA)),
+             (512, BwdConfig(TileConfig(32, 32, 8, 1), TileConfig(32, 32, 8, 2)))),
     "sm80": ((64, BwdConfig(TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 2))),
              (128, BwdConfig(TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 2))),
-             (256, BwdConfig(TileConfig(32, 64, 4, 1), TileConfig(32, 64, 4, 1)))),
+             (256, BwdConfig(TileConfig(32, 64, 4, 1), TileConfig(32, 64, 4, 1))),
+             (512, BwdConfig(TileConfig(32, 32, 4, 1), TileConfig(32, 32, 4, 1)))),
 }
 
 
@@ -97,6 +105,9 @@ def _lookup(table, key, head_dim: int):
 DECODE_MAX_ROWS = 16
 _DECODE = FwdConfig(16, 128, 4, 3, _NO_SKIP)
 _DECODE_LARGE = FwdConfig(16, 64, 4, 3, _NO_SKIP)
+# head dims above 256: python tools/offline_compile.py --head-dim 512 --config 16,32,4,2, 2026-12-05, afef2ac,
+# sm_90 offline (fits shared memory; not timed)
+_DECODE_XL = FwdConfig(16, 32, 4, 2, _NO_SKIP)
 
 
 # Decode tiles whose key tile shrank to a page pipeline deeper: the block-table load takes a stage of its own
@@ -137,7 +148,7 @@ def fwd_config(arch: str, head_dim: int, causal: bool = False, seqlen_q: int = 1
     if arch == "interpreter":
         config = _INTERPRETER_FWD
     elif seqlen_q <= DECODE_MAX_ROWS:
-        config = _DECODE if head_dim <= 128 else _DECODE_LARGE
+        config = _DECODE if head_dim <= 128 else _DECODE_LARGE if head_dim <= 256 else _DECODE_XL
     elif dropout and head_dim <= 128 and arch in _DROPOUT_FWD:
         config = _DROPOUT_FWD[arch]
     else:

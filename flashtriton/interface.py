@@ -61,7 +61,8 @@ flash_attn_kvpacked_func.__doc__ = """Attention with q (batch_size, seqlen_q, nh
 (batch_size, seqlen_k, 2, nheads_k, headdim); nheads_k must divide nheads (GQA/MQA).
 Arguments:""" + _COMMON_DOC
 flash_attn_func.__doc__ = """Attention with q (batch_size, seqlen_q, nheads, headdim), k and v
-(batch_size, seqlen_k, nheads_k, headdim); nheads_k must divide nheads (GQA/MQA).
+(batch_size, seqlen_k, nheads_k, headdim); nheads_k must divide nheads (GQA/MQA). v may have its own head dim
+headdim_v (then out has it too); head dims up to 512.
 Arguments:""" + _COMMON_DOC
 
 
@@ -111,7 +112,8 @@ Arguments:""" + _VARLEN_DOC
 flash_attn_varlen_kvpacked_func.__doc__ = """Varlen attention with q (total_q, nheads, headdim) and packed kv
 (total_k, 2, nheads_k, headdim).
 Arguments:""" + _VARLEN_DOC
-flash_attn_varlen_func.__doc__ = """Varlen attention with q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim).
+flash_attn_varlen_func.__doc__ = """Varlen attention with q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim)
+(v may have its own head dim headdim_v, then out has it too).
 With block_table (batch_size, max_blocks_per_seq) int32, k/v are paged caches (num_blocks, page_block_size,
 nheads_k, headdim), any page size; key t of sequence b is k[block_table[b, t // page_size], t % page_size].
 This paged form is forward-only (its backward raises).
@@ -134,6 +136,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Causal/window/ALiBi are bottom-right aligned to the valid keys. num_splits (split-KV: 0 = heuristic,
     1 = none, n <= 128 parts) only affects speed; each fixed value is deterministic.
     learnable_sink (keyword only): (nheads,) attention sinks, as flash_attn_func's (included in softmax_lse).
+    v_cache and v may have their own head dim (the output's), e.g. MLA's q / k 576 and v 512.
     Return: out, or (out, softmax_lse (batch_size, nheads, seqlen_q)) with return_softmax_lse.
     """
     assert k_cache.stride(-1) == 1, "k_cache must have contiguous last dimension"

@@ -246,7 +246,7 @@ def attention_reference_varlen(
     dropout_mask: bool (B, H, >= max Sq, >= max Sk) in each sequence's local indices.
     """
     total_q, num_heads, head_dim = q.shape
-    out = torch.zeros(total_q, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    out = torch.zeros(total_q, num_heads, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.full((num_heads, total_q), float("inf"), dtype=torch.float32, device=q.device)
     for b, rows_q, rows_k in sequence_slices(cu_seqlens_q, cu_seqlens_k):
         if rows_q.stop == rows_q.start:
@@ -360,7 +360,7 @@ def kvcache_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
             return block_table[b, positions // page_size].long(), positions % page_size
         return torch.full_like(positions, rows[b]), positions
 
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(*q.shape[:-1], v_cache.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, q.shape[2], seqlen_q, dtype=torch.float32, device=q.device)
     for b in range(batch):
         length = lengths[b]

@@ -75,6 +75,7 @@ class Bad:
 
 
 KV_SHAPE = "(batch_size, seqlen_k, num_heads_k, head_size)"
+V_SHAPE = "(batch_size, seqlen_k, num_heads_k, head_size_v)"
 GQA_MESSAGE = ("Number of heads in key/value must divide number of heads in query, got num_heads_k = 3 (k's heads) "
                "and num_heads = 4 (q's heads)")
 
@@ -88,9 +89,13 @@ FORWARD_CASES = {
     # §6: batch size
     "batch-0": Bad(q=_q(batch=0), k=_kv(batch=0), v=_kv(batch=0), message="batch size must be positive"),
     # §2.4: head dimension
-    "head-dim-257": Bad(q=_q(dim=257), k=_kv(dim=257), v=_kv(dim=257),
-                        message="FlashAttention forward only supports head dimension at most 256"),
+    "head-dim-513": Bad(q=_q(dim=513), k=_kv(dim=513), v=_kv(dim=513),
+                        message="FlashAttention forward only supports head dimension at most 512"),
     "head-dim-0": Bad(q=_q(dim=0), k=_kv(dim=0), v=_kv(dim=0), message="head dimension must be at least 1, got 0"),
+    # §2.4: V's head dim may differ from q's, within the same range
+    "v-head-dim-513": Bad(v=_kv(dim=513),
+                          message="FlashAttention forward only supports head dimension at most 512, got 513 for v"),
+    "v-head-dim-0": Bad(v=_kv(dim=0), message="head dimension of v must be at least 1, got 0"),
     # §2.5: GQA divisibility, with both head counts
     "heads-4-over-3": Bad(k=_kv(heads=3), v=_kv(heads=3), message=GQA_MESSAGE),
     "heads-4-over-0": Bad(k=_kv(heads=0), v=_kv(heads=0),
@@ -99,9 +104,8 @@ FORWARD_CASES = {
     "k-batch": Bad(k=_kv(batch=B + 1), message=f"k must have shape {KV_SHAPE}"),
     "k-head-dim": Bad(k=_kv(dim=D // 2), message=f"k must have shape {KV_SHAPE}"),
     "k-3d": Bad(k=lambda: _tensor(B, S, HK * D), message=f"k must have shape {KV_SHAPE}"),
-    "v-seqlen": Bad(v=_kv(seqlen=S + 1), message=f"v must have shape {KV_SHAPE}"),
-    "v-heads": Bad(v=_kv(heads=H), message=f"v must have shape {KV_SHAPE}"),
-    "v-head-dim": Bad(v=_kv(dim=2 * D), message=f"v must have shape {KV_SHAPE}"),
+    "v-seqlen": Bad(v=_kv(seqlen=S + 1), message=f"v must have shape {V_SHAPE}"),
+    "v-heads": Bad(v=_kv(heads=H), message=f"v must have shape {V_SHAPE}"),
     # §4.3 / §4.7: softcap and dropout
     "softcap-with-dropout": Bad(options=dict(softcap=5.0, dropout_p=0.1),
                                 message="Softcapping does not support dropout for now"),
@@ -159,8 +163,8 @@ PACKED_CASES = {
                        flash_attn.flash_attn_qkvpacked_func, "FlashAttention only support fp16 and bf16 data type"),
     "qkvpacked-batch-0": (lambda: (_tensor(0, S, 3, H, D),), flash_attn.flash_attn_qkvpacked_func,
                           "batch size must be positive"),
-    "qkvpacked-head-dim-257": (lambda: (_tensor(B, S, 3, H, 257),), flash_attn.flash_attn_qkvpacked_func,
-                               "FlashAttention forward only supports head dimension at most 256"),
+    "qkvpacked-head-dim-513": (lambda: (_tensor(B, S, 3, H, 513),), flash_attn.flash_attn_qkvpacked_func,
+                               "FlashAttention forward only supports head dimension at most 512"),
     "kvpacked-kv-bf16": (lambda: (_tensor(B, S, H, D), _tensor(B, S, 2, HK, D, dtype=torch.bfloat16)),
                          flash_attn.flash_attn_kvpacked_func, "query and key must have the same dtype"),
     "kvpacked-heads-4-over-3": (lambda: (_tensor(B, S, H, D), _tensor(B, S, 2, 3, D)),
@@ -211,7 +215,7 @@ def test_low_level_backward_rejects(overrides, message):
 
 @pytest.mark.parametrize("dtype,dim,message", [
     pytest.param(torch.float32, D, "FlashAttention only support fp16 and bf16 data type", id="fp32"),
-    pytest.param(FP16, 257, "FlashAttention backward only supports head dimension at most 256", id="head-dim-257"),
+    pytest.param(FP16, 513, "FlashAttention backward only supports head dimension at most 512", id="head-dim-513"),
 ])
 def test_low_level_backward_rejects_inputs(dtype, dim, message):
     q, k, v = _q(dim=dim, dtype=dtype)(), _kv(dim=dim, dtype=dtype)(), _kv(dim=dim, dtype=dtype)()
@@ -272,9 +276,9 @@ VARLEN_CASES = {
     "heads-4-over-3": BadVarlen(k=lambda: _tensor(T, 3, D), v=lambda: _tensor(T, 3, D), message=GQA_MESSAGE),
     "head-dim-0": BadVarlen(q=lambda: _tensor(T, H, 0), k=lambda: _tensor(T, HK, 0), v=lambda: _tensor(T, HK, 0),
                             message="head dimension must be at least 1, got 0"),
-    "head-dim-257": BadVarlen(q=lambda: _tensor(T, H, 257), k=lambda: _tensor(T, HK, 257),
-                              v=lambda: _tensor(T, HK, 257),
-                              message="FlashAttention forward only supports head dimension at most 256"),
+    "head-dim-513": BadVarlen(q=lambda: _tensor(T, H, 513), k=lambda: _tensor(T, HK, 513),
+                              v=lambda: _tensor(T, HK, 513),
+                              message="FlashAttention forward only supports head dimension at most 512"),
     "block-table-int64": BadVarlen(k=PAGED_KV, v=PAGED_KV, block_table=_table(torch.int64),
                                    message="block_table must have dtype torch.int32"),
     "block-table-strided": BadVarlen(k=PAGED_KV, v=PAGED_KV, block_table=_table(strided=True),

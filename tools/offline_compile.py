@@ -1,6 +1,7 @@
 """Compile flashtriton kernels for sm_90 on a machine without a GPU; print registers, spills, shared memory.
 
-    python tools/offline_compile.py [--head-dim 128] [--local] [--kernel fwd|dkdv|dq] [--config M,N,WARPS,STAGES]
+    python tools/offline_compile.py [--head-dim 128] [--head-dim-v DV] [--local] [--kernel fwd|dkdv|dq]
+                                    [--config M,N,WARPS,STAGES]
     python tools/offline_compile.py --kernel fwd-hopper [--head-dim 128] [--causal]
                                     [--hopper-config N,STAGES,REGS[,P,PP,H[,T[,C]]]]
                                                        # the Gluon forward; default: its configs.HOPPER_FWD entry
@@ -72,14 +73,16 @@ def _ast_source(kernel, values: dict) -> ASTSource:
 
 
 def _kernel_values(name, head_dim, local, block_m, block_n, dtype, dropout, pack_gqa, paged, tma_device, packed,
-                   dq_atomic) -> dict:
+                   dq_atomic, head_dim_v) -> dict:
     """The arguments of one launch of the forward ("fwd"), dK/dV ("dkdv") or dQ ("dq") kernel: a contiguous
     (B, S, H, D) layout, or varlen (packed), paged K/V with seqused_k (paged); no ALiBi, softcap or split."""
     block_d = max(16, 1 << (head_dim - 1).bit_length())
+    block_dv = max(16, 1 << (head_dim_v - 1).bit_length())
     row_strides = (STRIDE,) * 3
     int_pointer = _pointer("i32")
     rng_state = _pointer("i64") if dropout else None
-    flags = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, IS_LOCAL=local,
+    flags = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, BLOCK_M=block_m,
+                 BLOCK_N=block_n, IS_LOCAL=local,
                  HAS_SOFTCAP=False, HAS_DROPOUT=dropout)
     scores = dict(seqlen_q=INT, seqlen_k=INT, heads_per_group=INT, scores=(REAL,) * 3, window_left=INT,
                   window_right=INT, alibi_pure_causal=INT, dropout=(REAL, REAL))
@@ -89,29 +92,31 @@ def _kernel_values(name, head_dim, local, block_m, block_n, dtype, dropout, pack
         # host descriptors of a packed varlen launch (TMA_PACKED): Q, K, V; O is stored by pointer
         descriptors = (None,) * 4
         if packed:
-            descriptors = (*(Arg(f"tensordesc<{dtype}[1,{rows},1,{block_d}]>") for rows in (block_m, block_n, block_n)),
-                           None)
+            descriptors = (*(Arg(f"tensordesc<{dtype}[1,{rows},1,{width}]>")
+                             for rows, width in ((block_m, block_d), (block_n, block_d), (block_n, block_dv))), None)
         return dict(inputs=(_pointer(dtype),) * 3, outputs=(_pointer(dtype), _pointer("fp32")),
                     optional=(None, cu_seqlens, cu_seqlens, paging, None, paging, None, rng_state),
                     **dict(zip(("q_desc", "k_desc", "v_desc", "o_desc"), descriptors)), strides=(row_strides,) * 4, stride_lse_b=INT, stride_lse_h=INT,
                     batch_strides=(STRIDE, STRIDE), page_size=INT, page_strides=(STRIDE, STRIDE),
                     split_strides=(STRIDE, STRIDE), head_counts=(INT, INT), **scores, **flags, IS_SPLIT=False,
                     TMA_MODE=3 if packed else 2 if tma_device else 0, FOLD_SCALE=not dropout, PACK_GQA=pack_gqa,
-                    TILE_IN_PAGE=paged, RESCALE_THRESHOLD=0.0)
+                    TILE_IN_PAGE=paged, RESCALE_THRESHOLD=0.0, q_rows=INT if packed else None,
+                    k_rows=INT if packed or paged else None, kv_rows=INT if paged else None)
     gradients = dict(outputs=(_pointer(dtype), _pointer(dtype), _pointer("fp32") if dq_atomic else None),
                      grad_strides=(row_strides,) * 3, DQ_ATOMIC=dq_atomic) if name == "dkdv" else dict(
                          DQ=_pointer(dtype), dq_strides=row_strides)
     return dict(inputs=(*(_pointer(dtype),) * 4, _pointer("fp32"), _pointer("fp32")),
                 optional=(None, None, None, rng_state), strides=(row_strides,) * 4,
                 stride_lse_b=INT, stride_lse_h=INT, stride_delta_b=INT, stride_delta_h=INT, stride_alibi_b=STRIDE,
-                head_counts=(INT, INT), softmax_scale=REAL, **scores, **gradients, **flags, USE_TMA=tma_device)
+                head_counts=(INT, INT), softmax_scale=REAL, **scores, **gradients, **flags, USE_TMA=tma_device,
+                q_rows=None, k_rows=None)
 
 
 def compile_kernel(kernel, head_dim, local, block_m, block_n, warps, stages, dtype="bf16", dropout=False,
-                   pack_gqa=False, paged=False, tma_device=False, packed=False, dq_atomic=False):
+                   pack_gqa=False, paged=False, tma_device=False, packed=False, dq_atomic=False, head_dim_v=None):
     name = next(key for key, value in KERNELS.items() if value is kernel)
     values = _kernel_values(name, head_dim, local, block_m, block_n, dtype, dropout, pack_gqa, paged, tma_device,
-                            packed, dq_atomic)
+                            packed, dq_atomic, head_dim_v or head_dim)
     return triton.compile(_ast_source(kernel, values), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=warps, num_stages=stages))
 
@@ -194,6 +199,7 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--head-dim-v", type=int, help="V's head dim (default: --head-dim)")
     parser.add_argument("--local", action="store_true")
     parser.add_argument("--kernel", default="fwd", choices=[*KERNELS, "fwd-hopper", "bwd-hopper"])
     parser.add_argument("--causal", action="store_true", help="fwd-hopper only: the causal variant")
@@ -245,8 +251,9 @@ def main():
     block_m, block_n, warps, stages = (int(x) for x in args.config.split(","))
     compiled = compile_kernel(KERNELS[args.kernel], args.head_dim, args.local, block_m, block_n, warps, stages,
                               dropout=args.dropout, pack_gqa=args.pack_gqa, paged=args.paged,
-                              tma_device=args.tma_device, packed=args.packed, dq_atomic=args.dq_atomic)
-    print(f"{args.kernel} d{args.head_dim} local={args.local} dropout={args.dropout} pack_gqa={args.pack_gqa} "
+                              tma_device=args.tma_device, packed=args.packed, dq_atomic=args.dq_atomic,
+                              head_dim_v=args.head_dim_v)
+    print(f"{args.kernel} d{args.head_dim} dv{args.head_dim_v or args.head_dim} local={args.local} dropout={args.dropout} pack_gqa={args.pack_gqa} "
           f"paged={args.paged} tma_device={args.tma_device} packed={args.packed} dq_atomic={args.dq_atomic} "
           f"{args.config}: "
           f"{resource_usage(compiled)} "

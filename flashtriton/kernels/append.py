@@ -21,10 +21,10 @@ def kv_append_kernel(
     stride_vcb, stride_vcs, stride_vch,
     stride_block_table_b, page_size,
     num_heads_k, seqlen_new, capacity, cache_rows,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_BATCH_IDX: tl.constexpr, IS_PAGED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_S: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, IS_PAGED: tl.constexpr,
 ):
-    """One program per (block of new tokens, batch * kv head). cache_rows: KCache's first dimension (cache rows, or
+    """One program per (block of new tokens, batch * kv head); K rows HEAD_DIM wide, V rows HEAD_DIM_V. cache_rows: KCache's first dimension (cache rows, or
     pages when IS_PAGED) that cache_batch_idx / block table entries must name; None when neither is given."""
     s_block, batch_head = tile_and_batch_head(tl.cdiv(seqlen_new, BLOCK_S))
     batch = batch_head // num_heads_k
@@ -33,6 +33,7 @@ def kv_append_kernel(
     end = tl.load(CacheSeqlens + batch)
     offs_t = s_block * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     positions = end + offs_t
     valid = (offs_t < seqlen_new) & (positions < capacity) & (positions >= 0)
     if HAS_BATCH_IDX:
@@ -58,14 +59,15 @@ def kv_append_kernel(
         k_rows = rows * stride_kcs
         v_rows = rows * stride_vcs
     mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+    mask_v = valid[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
     batch64 = batch.to(tl.int64)
     src_k = KNew + batch64 * stride_knb + head * stride_knh + offs_t[:, None].to(tl.int64) * stride_kns
     src_v = VNew + batch64 * stride_vnb + head * stride_vnh + offs_t[:, None].to(tl.int64) * stride_vns
     dst_k = KCache + head * stride_kch + k_rows[:, None] + offs_d[None, :]
-    dst_v = VCache + head * stride_vch + v_rows[:, None] + offs_d[None, :]
+    dst_v = VCache + head * stride_vch + v_rows[:, None] + offs_dv[None, :]
     if not IS_PAGED:
         dst_k += cache_row.to(tl.int64) * stride_kcb
         dst_v += cache_row.to(tl.int64) * stride_vcb
-    # [BLOCK_S, BLOCK_D]
+    # [BLOCK_S, BLOCK_D], [BLOCK_S, BLOCK_DV]
     tl.store(dst_k, tl.load(src_k + offs_d[None, :], mask=mask), mask=mask)
-    tl.store(dst_v, tl.load(src_v + offs_d[None, :], mask=mask), mask=mask)
+    tl.store(dst_v, tl.load(src_v + offs_dv[None, :], mask=mask_v), mask=mask_v)

@@ -12,7 +12,8 @@ come through in-kernel tensor descriptors over one sequence's rows of every head
 
 Grouped arguments of the dK/dV and dQ kernels (tuples flatten, in order, into the compiled kernel's parameter list,
 and the generated code depends on that order):
-  inputs       (Q, K, V, DOut, Lse, Delta); outputs (dK/dV kernel): (DK, DV, DQAccum)
+  inputs       (Q, K, V, DOut, Lse, Delta): Q, K (and DQ, DK) HEAD_DIM wide, V, DOut (and DV) HEAD_DIM_V
+  outputs      (dK/dV kernel): (DK, DV, DQAccum)
   optional     (AlibiSlopes, CuSeqlensQ, CuSeqlensK, RngState), each None where the call has none
   strides      (batch, row, head) strides of Q, K, V and DOut; grad_strides / dq_strides: those of the gradients
   head_counts  (query heads or KV heads, group_size): the heads the kernel's grid runs over, and query heads per KV head
@@ -35,11 +36,12 @@ from .common import (alibi_bias_log2, dropout_keep, grouped_tile_and_batch_head,
 @triton.jit(do_not_specialize=["stride_delta_b", "stride_delta_h", "seqlen_q", "delta_rows", "q_rows"])
 def attn_bwd_preprocess_kernel(
     Out, DOut, Delta, DQAccum, CuSeqlensQ, strides, stride_delta_b, stride_delta_h, dqa_strides, num_heads, seqlen_q,
-    delta_rows, q_rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    delta_rows, q_rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """delta = rowsum(dO * O) of each query row into Delta, and 0 into its rows [seqlen_q, delta_rows) (the
+    """delta = rowsum(dO * O) of each query row (HEAD_DIM_V wide) into Delta, and 0 into its rows [seqlen_q, delta_rows) (the
     padding of a dense softmax_d; varlen passes 0); where DQAccum is given, zeros into the rows' fp32 dQ
-    accumulator (the dQ atomics / reductions add into it), which saves a separate fill of it.
+    accumulator (HEAD_DIM wide; the dQ atomics / reductions add into it), which saves a separate fill of it.
     strides: (batch, row, head) strides of Out and DOut; dqa_strides: DQAccum's. CuSeqlensQ None: dense layout;
     q_rows: the packed rows sequences are clamped into (None: dense)."""
     o_strides, do_strides = strides
@@ -57,13 +59,16 @@ def attn_bwd_preprocess_kernel(
         return
     offs_row = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     rows = (q_start + m_start).to(tl.int64)
-    mask = ((m_start + offs_row) < seqlen_q)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    # [BLOCK_M, BLOCK_D]; rows past seqlen_q read 0, so their delta is 0
+    row_in = (m_start + offs_row) < seqlen_q
+    mask = row_in[:, None] & (offs_d < HEAD_DIM)[None, :]
+    mask_v = row_in[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
+    # [BLOCK_M, BLOCK_DV]; rows past seqlen_q read 0, so their delta is 0
     o = tl.load(Out + batch.to(tl.int64) * stride_ob + rows * stride_om + head * stride_oh
-                + offs_row[:, None] * stride_om + offs_d[None, :], mask=mask, other=0.0)
+                + offs_row[:, None] * stride_om + offs_dv[None, :], mask=mask_v, other=0.0)
     do = tl.load(DOut + batch.to(tl.int64) * stride_dob + rows * stride_dom + head * stride_doh
-                 + offs_row[:, None] * stride_dom + offs_d[None, :], mask=mask, other=0.0)
+                 + offs_row[:, None] * stride_dom + offs_dv[None, :], mask=mask_v, other=0.0)
     # [BLOCK_M]
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     delta_base = Delta + batch.to(tl.int64) * stride_delta_b + head.to(tl.int64) * stride_delta_h + q_start + m_start
@@ -80,7 +85,7 @@ def _dkdv_q_loop(dk, dv, k, v, n_start, m_block_lo, m_block_hi, head_rows, row_s
                  visibility, scores, alibi, rng_state, stream, dropout, MASKED: tl.constexpr, IS_LOCAL: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
                  DQ_ATOMIC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
+                 BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Accumulate query blocks [m_block_lo, m_block_hi) of one head into the (dk, dv) of keys n_start + [0, BLOCK_N).
 
     head_rows: (q_base, do_base, lse_base, delta_base, head), where the head's rows start in Q and dO (pointer
@@ -96,23 +101,25 @@ def _dkdv_q_loop(dk, dv, k, v, n_start, m_block_lo, m_block_hi, head_rows, row_s
     dropout_p, dropout_scale = dropout
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     offs_row = tl.arange(0, BLOCK_M)
     d_in = offs_d < HEAD_DIM
+    dv_in = offs_dv < HEAD_DIM_V
     for m_block in range(m_block_lo, m_block_hi):
         m_start = m_block * BLOCK_M
         offs_m = m_start + offs_row
         row_in = offs_m < seqlen_q
         if USE_TMA:
-            # [BLOCK_D, BLOCK_M], [BLOCK_M, BLOCK_D]
+            # [BLOCK_D, BLOCK_M], [BLOCK_M, BLOCK_DV]
             q_t = tl.trans(load_head_rows(q_desc, head, m_start, BLOCK_M, BLOCK_D))
-            do = load_head_rows(do_desc, head, m_start, BLOCK_M, BLOCK_D)
+            do = load_head_rows(do_desc, head, m_start, BLOCK_M, BLOCK_DV)
         else:
             q_offs = row_offsets(m_start, offs_row, seqlen_q, stride_qm, None, 1, 0, False)
             do_offs = row_offsets(m_start, offs_row, seqlen_q, stride_dom, None, 1, 0, False)
             # [BLOCK_D, BLOCK_M]
             q_t = tl.load(q_base + q_offs[None, :] + offs_d[:, None], mask=row_in[None, :] & d_in[:, None], other=0.0)
-            # [BLOCK_M, BLOCK_D]
-            do = tl.load(do_base + do_offs[:, None] + offs_d[None, :], mask=row_in[:, None] & d_in[None, :],
+            # [BLOCK_M, BLOCK_DV]
+            do = tl.load(do_base + do_offs[:, None] + offs_dv[None, :], mask=row_in[:, None] & dv_in[None, :],
                          other=0.0)
         # [BLOCK_M]; padded rows get lse = +inf, hence P = 0
         lse_log2 = tl.load(lse_base + offs_m, mask=row_in, other=float("inf")) * 1.4426950408889634
@@ -154,9 +161,9 @@ def _dkdv_q_loop(dk, dv, k, v, n_start, m_block_lo, m_block_hi, head_rows, row_s
 def attn_bwd_dkdv_kernel(
     inputs, outputs, optional, strides, stride_lse_b, stride_lse_h, stride_delta_b, stride_delta_h, grad_strides, stride_alibi_b, head_counts, seqlen_q, seqlen_k, heads_per_group, softmax_scale,
     scores, window_left, window_right, alibi_pure_causal, dropout, q_rows, k_rows,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
     """One program per (key tile, batch * kv head); loops over the group's query heads and query tiles.
 
@@ -195,17 +202,19 @@ def attn_bwd_dkdv_kernel(
     offs_col = tl.arange(0, BLOCK_N)
     offs_n = n_start + offs_col
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     key_in = offs_n < seqlen_k
     d_in = offs_d < HEAD_DIM
     kv_mask = key_in[:, None] & d_in[None, :]
-    # [BLOCK_N, BLOCK_D]
+    v_mask = key_in[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
+    # [BLOCK_N, BLOCK_D], [BLOCK_N, BLOCK_DV]
     k = tl.load(K + batch64 * stride_kb + rows_k * stride_kn + head_k.to(tl.int64) * stride_kh
                 + offs_col[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + batch64 * stride_vb + rows_k * stride_vn + head_k.to(tl.int64) * stride_vh
-                + offs_col[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-    # [BLOCK_N, BLOCK_D] fp32 accumulators, summed over the group's query heads
+                + offs_col[:, None] * stride_vn + offs_dv[None, :], mask=v_mask, other=0.0)
+    # [BLOCK_N, BLOCK_D], [BLOCK_N, BLOCK_DV] fp32 accumulators, summed over the group's query heads
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
 
     m_blocks = q_block_range(n_start, visibility, BLOCK_M, BLOCK_N, IS_LOCAL)
     q_desc = None
@@ -215,7 +224,7 @@ def attn_bwd_dkdv_kernel(
         q_desc = head_rows_descriptor(Q + batch64 * stride_qb + to_int64(q_start) * stride_qm, num_heads, seqlen_q,
                                       stride_qh, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D)
         do_desc = head_rows_descriptor(DOut + batch64 * stride_dob + to_int64(q_start) * stride_dom, num_heads,
-                                       seqlen_q, stride_doh, stride_dom, HEAD_DIM, BLOCK_M, BLOCK_D)
+                                       seqlen_q, stride_doh, stride_dom, HEAD_DIM_V, BLOCK_M, BLOCK_DV)
     for group_member in range(group_size):
         head = head_k * group_size + group_member
         head64 = head.to(tl.int64)
@@ -238,20 +247,21 @@ def attn_bwd_dkdv_kernel(
                 dqa_base, visibility, scores, (slope_log2, alibi_pure_causal), RngState,
                 batch * num_heads_k * group_size + head, dropout, MASKED=part != 1, IS_LOCAL=IS_LOCAL, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI,
                 HAS_DROPOUT=HAS_DROPOUT, USE_TMA=USE_TMA, DQ_ATOMIC=DQ_ATOMIC, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M,
-                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM_V=HEAD_DIM_V, BLOCK_DV=BLOCK_DV)
 
     dk = dk * softmax_scale
     tl.store(DK + batch64 * stride_dkb + rows_k * stride_dkn + head_k.to(tl.int64) * stride_dkh
              + offs_col[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + batch64 * stride_dvb + rows_k * stride_dvn + head_k.to(tl.int64) * stride_dvh
-             + offs_col[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+             + offs_col[:, None] * stride_dvn + offs_dv[None, :], dv.to(DV.dtype.element_ty), mask=v_mask)
 
 
 @triton.jit
 def _dq_kv_loop(dq, q, do, lse_log2, delta, offs_m, n_block_lo, n_block_hi, kv, k_desc, v_desc, visibility, scores,
                 alibi, rng_state, stream, dropout, MASKED: tl.constexpr, IS_LOCAL: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
-                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                BLOCK_DV: tl.constexpr):
     """Accumulate key blocks [n_block_lo, n_block_hi) into the query tile's dq (unscaled).
 
     kv: (k_base, v_base, stride_kn, stride_vn, head_k), where the KV head's rows start in K and V (pointer loads),
@@ -266,21 +276,24 @@ def _dq_kv_loop(dq, q, do, lse_log2, delta, offs_m, n_block_lo, n_block_hi, kv, 
     dropout_p, dropout_scale = dropout
     offs_col = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     d_in = offs_d < HEAD_DIM
+    dv_in = offs_dv < HEAD_DIM_V
     for n_block in range(n_block_lo, n_block_hi):
         n_start = n_block * BLOCK_N
         offs_n = n_start + offs_col
         if USE_TMA:
-            # [BLOCK_D, BLOCK_N]
+            # [BLOCK_D, BLOCK_N], [BLOCK_DV, BLOCK_N]
             k_t = tl.trans(load_head_rows(k_desc, head_k, n_start, BLOCK_N, BLOCK_D))
-            v_t = tl.trans(load_head_rows(v_desc, head_k, n_start, BLOCK_N, BLOCK_D))
+            v_t = tl.trans(load_head_rows(v_desc, head_k, n_start, BLOCK_N, BLOCK_DV))
         else:
             key_in = offs_n < seqlen_k
             k_offs = row_offsets(n_start, offs_col, seqlen_k, stride_kn, None, 1, 0, False)
             v_offs = row_offsets(n_start, offs_col, seqlen_k, stride_vn, None, 1, 0, False)
-            # [BLOCK_D, BLOCK_N]
+            # [BLOCK_D, BLOCK_N], [BLOCK_DV, BLOCK_N]
             k_t = tl.load(k_base + k_offs[None, :] + offs_d[:, None], mask=key_in[None, :] & d_in[:, None], other=0.0)
-            v_t = tl.load(v_base + v_offs[None, :] + offs_d[:, None], mask=key_in[None, :] & d_in[:, None], other=0.0)
+            v_t = tl.load(v_base + v_offs[None, :] + offs_dv[:, None], mask=key_in[None, :] & dv_in[:, None],
+                          other=0.0)
         # [BLOCK_M, BLOCK_N]
         qk = mma(q, k_t)
         s = scores_log2(qk, scores, HAS_SOFTCAP)
@@ -307,8 +320,9 @@ def attn_bwd_dq_kernel(
     inputs, DQ, optional, strides, stride_lse_b, stride_lse_h, stride_delta_b, stride_delta_h, dq_strides,
     stride_alibi_b, head_counts, seqlen_q, seqlen_k, heads_per_group, softmax_scale, scores, window_left,
     window_right, alibi_pure_causal, dropout, q_rows, k_rows,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """One program per (query tile, batch * head); loops over the visible key tiles (USE_TMA: loaded
     through in-kernel descriptors bound to the sequence). head_counts: (num_heads, group_size). Query tiles run in
@@ -343,13 +357,15 @@ def attn_bwd_dq_kernel(
     offs_row = tl.arange(0, BLOCK_M)
     offs_m = m_start + offs_row
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     row_in = offs_m < seqlen_q
     q_mask = row_in[:, None] & (offs_d < HEAD_DIM)[None, :]
-    # [BLOCK_M, BLOCK_D]
+    # [BLOCK_M, BLOCK_D], [BLOCK_M, BLOCK_DV]
     q = tl.load(Q + batch64 * stride_qb + rows_q * stride_qm + head64 * stride_qh
                 + offs_row[:, None] * stride_qm + offs_d[None, :], mask=q_mask, other=0.0)
     do = tl.load(DOut + batch64 * stride_dob + rows_q * stride_dom + head64 * stride_doh
-                 + offs_row[:, None] * stride_dom + offs_d[None, :], mask=q_mask, other=0.0)
+                 + offs_row[:, None] * stride_dom + offs_dv[None, :],
+                 mask=row_in[:, None] & (offs_dv < HEAD_DIM_V)[None, :], other=0.0)
     # [BLOCK_M]
     lse_log2 = tl.load(Lse + batch64 * stride_lse_b + head64 * stride_lse_h + q_start + offs_m,
                        mask=row_in, other=float("inf")) * 1.4426950408889634
@@ -367,7 +383,7 @@ def attn_bwd_dq_kernel(
         k_desc = head_rows_descriptor(K + batch64 * stride_kb + to_int64(k_start) * stride_kn, num_heads_k, seqlen_k,
                                       stride_kh, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D)
         v_desc = head_rows_descriptor(V + batch64 * stride_vb + to_int64(k_start) * stride_vn, num_heads_k, seqlen_k,
-                                      stride_vh, stride_vn, HEAD_DIM, BLOCK_N, BLOCK_D)
+                                      stride_vh, stride_vn, HEAD_DIM_V, BLOCK_N, BLOCK_DV)
     # [BLOCK_M, BLOCK_D]
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
@@ -379,7 +395,8 @@ def attn_bwd_dq_kernel(
                          (k_base, v_base, stride_kn, stride_vn, head_k), k_desc, v_desc, visibility, scores,
                          (slope_log2, alibi_pure_causal), RngState, batch_head, dropout, MASKED=part != 1,
                          IS_LOCAL=IS_LOCAL, HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_DROPOUT=HAS_DROPOUT,
-                         USE_TMA=USE_TMA, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+                         USE_TMA=USE_TMA, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM_V=HEAD_DIM_V,
+                         BLOCK_DV=BLOCK_DV)
     dq = dq * softmax_scale
     tl.store(DQ + batch64 * stride_dqb + rows_q * stride_dqm + head64 * stride_dqh
              + offs_row[:, None] * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=q_mask)

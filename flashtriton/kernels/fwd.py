@@ -38,7 +38,7 @@ def _fwd_kv_loop(acc, l_i, m_i, q, offs_m, n_block_lo, n_block_hi, kv, k_desc, v
                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                  FOLD_SCALE: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr, TMA_MODE: tl.constexpr,
                  TILE_IN_PAGE: tl.constexpr, CHECK_PAGES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
+                 BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Accumulate key blocks [n_block_lo, n_block_hi) into (acc, l_i, m_i); MASKED applies visibility_mask.
 
     kv: where this program's KV head is, (k_base, v_base, stride_kn, stride_vn) for pointer loads and the
@@ -58,14 +58,16 @@ def _fwd_kv_loop(acc, l_i, m_i, q, offs_m, n_block_lo, n_block_hi, kv, k_desc, v
     offs_col = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_in = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_in = offs_dv < HEAD_DIM_V
     for n_block in range(n_block_lo, n_block_hi):
         n_start = n_block * BLOCK_N
         offs_n = n_start + offs_col
         if TMA_MODE != TMA_OFF:
-            # [BLOCK_D, BLOCK_N], [BLOCK_N, BLOCK_D]
+            # [BLOCK_D, BLOCK_N], [BLOCK_N, BLOCK_DV]
             k_t = tl.trans(k_desc.load([desc_kv_batch, desc_k_row0 + n_start, desc_head_k, 0]).reshape(BLOCK_N,
                                                                                                         BLOCK_D))
-            v = v_desc.load([desc_kv_batch, desc_k_row0 + n_start, desc_head_k, 0]).reshape(BLOCK_N, BLOCK_D)
+            v = v_desc.load([desc_kv_batch, desc_k_row0 + n_start, desc_head_k, 0]).reshape(BLOCK_N, BLOCK_DV)
             if TMA_MODE == TMA_PACKED and MASKED:
                 v = tl.where((offs_n < seqlen_k)[:, None], v, 0.0)
         else:
@@ -86,8 +88,8 @@ def _fwd_kv_loop(acc, l_i, m_i, q, offs_m, n_block_lo, n_block_hi, kv, k_desc, v
                                      stride_vpage, IS_PAGED, TILE_IN_PAGE)
             # [BLOCK_D, BLOCK_N]
             k_t = tl.load(k_base + k_offs[None, :] + offs_d[:, None], mask=key_in[None, :] & d_in[:, None], other=0.0)
-            # [BLOCK_N, BLOCK_D]
-            v = tl.load(v_base + v_offs[:, None] + offs_d[None, :], mask=value_in[:, None] & d_in[None, :],
+            # [BLOCK_N, BLOCK_DV]
+            v = tl.load(v_base + v_offs[:, None] + offs_dv[None, :], mask=value_in[:, None] & dv_in[None, :],
                         other=0.0)
         # [BLOCK_M, BLOCK_N]: raw q.k when FOLD_SCALE (the scale joins the exp2 FMA), else log2-domain logits
         s = mma(q, k_t)
@@ -130,7 +132,8 @@ def _fwd_kv_parts(acc, l_i, m_i, q, offs_m, n_blocks, kv, k_desc, v_desc, block_
                   alibi, rng_state, stream, dropout, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                   HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, FOLD_SCALE: tl.constexpr,
                   RESCALE_THRESHOLD: tl.constexpr, TMA_MODE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
-                  CHECK_PAGES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                  CHECK_PAGES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr):
     """_fwd_kv_loop over the key blocks n_blocks = (n_block_min, n_full_min, n_full_max, n_block_max)."""
     for part in tl.static_range(3):
         # part 0 and 2: the masked edges [n_block_min, n_full_min) and [n_full_max, n_block_max);
@@ -140,7 +143,8 @@ def _fwd_kv_parts(acc, l_i, m_i, q, offs_m, n_blocks, kv, k_desc, v_desc, block_
             visibility, scores, alibi, rng_state, stream, dropout, MASKED=part != 1, IS_LOCAL=IS_LOCAL,
             HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_DROPOUT=HAS_DROPOUT, FOLD_SCALE=FOLD_SCALE,
             RESCALE_THRESHOLD=RESCALE_THRESHOLD, TMA_MODE=TMA_MODE, TILE_IN_PAGE=TILE_IN_PAGE,
-            CHECK_PAGES=CHECK_PAGES, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+            CHECK_PAGES=CHECK_PAGES, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM_V=HEAD_DIM_V,
+            BLOCK_DV=BLOCK_DV)
     return acc, l_i, m_i
 
 
@@ -150,15 +154,15 @@ def attn_fwd_kernel(
     inputs, outputs, optional, q_desc, k_desc, v_desc, o_desc, strides, stride_lse_b, stride_lse_h, batch_strides,
     page_size, page_strides, split_strides, head_counts, seqlen_q, seqlen_k, heads_per_group, scores, window_left,
     window_right, alibi_pure_causal, dropout, q_rows, k_rows, kv_rows,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_SPLIT: tl.constexpr,
-    TMA_MODE: tl.constexpr, FOLD_SCALE: tl.constexpr, PACK_GQA: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
-    RESCALE_THRESHOLD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_SPLIT: tl.constexpr, TMA_MODE: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    PACK_GQA: tl.constexpr, TILE_IN_PAGE: tl.constexpr, RESCALE_THRESHOLD: tl.constexpr,
 ):
     """One program per (query tile, batch * head), or per (packed tile, batch * kv head) with PACK_GQA.
 
     Grouped arguments:
-      inputs         (Q, K, V); outputs: (Out, Lse)
+      inputs         (Q, K, V): Q and K HEAD_DIM wide, V HEAD_DIM_V (also Out's); outputs: (Out, Lse)
       optional       (AlibiSlopes, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, BlockTable, CacheBatchIdx, RngState),
                      each None where the call has none (and no code for it is generated)
       strides        (batch, row, head) strides of Q, K, V and Out
@@ -267,6 +271,8 @@ def attn_fwd_kernel(
 
     offs_d = tl.arange(0, BLOCK_D)
     d_in = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_in = offs_dv < HEAD_DIM_V
     # [BLOCK_M] offsets of each tile row inside Q, Out and Lse from their bases
     q_row_offs = offs_m.to(tl.int64) * stride_qm + head_in_tile * stride_qh
     o_row_offs = offs_m.to(tl.int64) * stride_om + head_in_tile * stride_oh
@@ -282,17 +288,17 @@ def attn_fwd_kernel(
         k_desc = tl.make_tensor_descriptor(k_base, shape=[1, seqlen_k, 1, HEAD_DIM],
                                            strides=[stride_kn, stride_kn, stride_kh, 1],
                                            block_shape=[1, BLOCK_N, 1, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(v_base, shape=[1, seqlen_k, 1, HEAD_DIM],
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[1, seqlen_k, 1, HEAD_DIM_V],
                                            strides=[stride_vn, stride_vn, stride_vh, 1],
-                                           block_shape=[1, BLOCK_N, 1, BLOCK_D])
+                                           block_shape=[1, BLOCK_N, 1, BLOCK_DV])
         if not PACK_GQA:
             head64 = (batch_head % num_heads).to(tl.int64)
             q_desc = tl.make_tensor_descriptor(q_base + head64 * stride_qh, shape=[1, seqlen_q, 1, HEAD_DIM],
                                                strides=[stride_qm, stride_qm, stride_qh, 1],
                                                block_shape=[1, BLOCK_M, 1, BLOCK_D])
-            o_desc = tl.make_tensor_descriptor(o_base + head64 * stride_oh, shape=[1, seqlen_q, 1, HEAD_DIM],
+            o_desc = tl.make_tensor_descriptor(o_base + head64 * stride_oh, shape=[1, seqlen_q, 1, HEAD_DIM_V],
                                                strides=[stride_om, stride_om, stride_oh, 1],
-                                               block_shape=[1, BLOCK_M, 1, BLOCK_D])
+                                               block_shape=[1, BLOCK_M, 1, BLOCK_DV])
     # [BLOCK_M, BLOCK_D]
     if TMA_MODE != TMA_OFF and not PACK_GQA:
         q = q_desc.load([desc_batch, desc_q_row0 + m_start, desc_head, 0]).reshape(BLOCK_M, BLOCK_D)
@@ -307,10 +313,10 @@ def attn_fwd_kernel(
         slope_log2 = tl.load(AlibiSlopes + batch * stride_alibi_b + heads)[:, None] * 1.4426950408889634
     stream = (batch * num_heads + heads)[:, None]
 
-    # [BLOCK_M] running max (log2), row sum; [BLOCK_M, BLOCK_D] output accumulator
+    # [BLOCK_M] running max (log2), row sum; [BLOCK_M, BLOCK_DV] output accumulator
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
     n_blocks = kv_block_range(m_start, visibility, BLOCK_M, BLOCK_N, IS_LOCAL)
     if IS_SPLIT:
@@ -329,21 +335,21 @@ def attn_fwd_kernel(
                 alibi, RngState, stream, dropout, CHECK_PAGES=False, IS_LOCAL=IS_LOCAL,
                 HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_DROPOUT=HAS_DROPOUT, FOLD_SCALE=FOLD_SCALE,
                 RESCALE_THRESHOLD=RESCALE_THRESHOLD, TMA_MODE=TMA_MODE, TILE_IN_PAGE=TILE_IN_PAGE, HEAD_DIM=HEAD_DIM,
-                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM_V=HEAD_DIM_V, BLOCK_DV=BLOCK_DV)
         else:
             acc, l_i, m_i = _fwd_kv_parts(
                 acc, l_i, m_i, q, offs_m, n_blocks, kv, k_desc, v_desc, block_table_row, pages, visibility, scores,
                 alibi, RngState, stream, dropout, CHECK_PAGES=True, IS_LOCAL=IS_LOCAL,
                 HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_DROPOUT=HAS_DROPOUT, FOLD_SCALE=FOLD_SCALE,
                 RESCALE_THRESHOLD=RESCALE_THRESHOLD, TMA_MODE=TMA_MODE, TILE_IN_PAGE=TILE_IN_PAGE, HEAD_DIM=HEAD_DIM,
-                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM_V=HEAD_DIM_V, BLOCK_DV=BLOCK_DV)
     else:
         acc, l_i, m_i = _fwd_kv_parts(
             acc, l_i, m_i, q, offs_m, n_blocks, kv, k_desc, v_desc, block_table_row, pages, visibility, scores, alibi,
             RngState, stream, dropout, CHECK_PAGES=False, IS_LOCAL=IS_LOCAL,
             HAS_SOFTCAP=HAS_SOFTCAP, HAS_ALIBI=HAS_ALIBI, HAS_DROPOUT=HAS_DROPOUT, FOLD_SCALE=FOLD_SCALE,
             RESCALE_THRESHOLD=RESCALE_THRESHOLD, TMA_MODE=TMA_MODE, TILE_IN_PAGE=TILE_IN_PAGE, HEAD_DIM=HEAD_DIM,
-            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM_V=HEAD_DIM_V, BLOCK_DV=BLOCK_DV)
 
     # rows that saw no key: out 0, lse +inf (docs/api.md §4.5)
     seen = l_i > 0.0
@@ -355,8 +361,8 @@ def attn_fwd_kernel(
                    float("-inf") if IS_SPLIT else float("inf"))
     if (TMA_MODE == TMA_HOST or TMA_MODE == TMA_DEVICE) and not PACK_GQA:
         o_desc.store([desc_batch, m_start, desc_head, 0],
-                     out.to(Out.dtype.element_ty).reshape(1, BLOCK_M, 1, BLOCK_D))
+                     out.to(Out.dtype.element_ty).reshape(1, BLOCK_M, 1, BLOCK_DV))
     else:
-        tl.store(o_base + o_row_offs[:, None] + offs_d[None, :], out.to(Out.dtype.element_ty),
-                 mask=row_in[:, None] & d_in[None, :])
+        tl.store(o_base + o_row_offs[:, None] + offs_dv[None, :], out.to(Out.dtype.element_ty),
+                 mask=row_in[:, None] & dv_in[None, :])
     tl.store(lse_base + lse_row_offs, lse, mask=row_in)

@@ -118,17 +118,17 @@ def _operand_bytes(operand: torch.Tensor, rows: int, operands_per_head: float) -
 
 
 def splits_for(q: torch.Tensor, num_heads_k: int, seqlen_q: int, capacity: int, num_splits: int,
-               causal_like: bool = False, page_size: int = 0) -> int:
+               causal_like: bool = False, page_size: int = 0, head_dim_v: int = 0) -> int:
     """The caller's num_splits, or the heuristic's choice for <= 0 (from shapes only: no host sync).
 
-    causal_like must be what launch_fwd keys its tile config on (ScoreParams.causal_like), and page_size the
-    paged cache's page (0: contiguous), so the key-block count matches the launch
-    (configs.forward_launch_config serves both).
+    causal_like must be what launch_fwd keys its tile config on (ScoreParams.causal_like), page_size the
+    paged cache's page (0: contiguous) and head_dim_v V's head dim (0: q's), so the key-block count matches the
+    launch (configs.forward_launch_config serves both).
     """
     if num_splits > 0:
         return min(num_splits, 128)
-    config = configs.forward_launch_config(configs.arch_class(q.device), q.shape[-1], causal_like, seqlen_q,
-                                           page_size=page_size)
+    config = configs.forward_launch_config(configs.arch_class(q.device), max(q.shape[-1], head_dim_v),
+                                           causal_like, seqlen_q, page_size=page_size)
     slots = configs.multiprocessor_count(q.device)
     if page_size:
         slots *= configs.PAGED_PROGRAMS_PER_SM
@@ -159,18 +159,20 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
                rng_state=None) -> None:
     """Run the forward kernel into preallocated out (q's layout) and lse (fp32, rows contiguous).
 
-    Dense: q/k/v (B, S, H, D). Varlen (cu_seqlens given): (T, H, D), seqlen_q/k are the max lengths.
+    Dense: q/k/v (B, S, H, D) (v and out: V's head dim Dv, any of 1..MAX_HEAD_DIM). Varlen (cu_seqlens given):
+    (T, H, D), seqlen_q/k are the max lengths.
     Paged (block_table given): k/v are (num_pages, page_size, Hk, D). cache_batch_idx maps q's batch rows
     to K/V rows; seqused_k / leftpad_k bound each row's keys. num_splits > 1 (dense layout only) splits
     each row's keys, writes fp32 partials and merges them with the combine kernel. dropout_p > 0 drops
     attention probabilities with the Philox stream seeded by rng_state ((2,) int64: seed, offset).
     """
     num_heads, head_dim = q.shape[-2], q.shape[-1]
-    num_heads_k = k.shape[-2]
+    num_heads_k, head_dim_v = k.shape[-2], v.shape[-1]
     is_varlen = cu_seqlens_q is not None
     is_paged = block_table is not None
-    config = configs.forward_launch_config(configs.arch_class(q.device), head_dim, params.causal_like, seqlen_q,
-                                           dropout_p > 0.0, k.shape[1] if is_paged else 0)
+    config = configs.forward_launch_config(configs.arch_class(q.device), max(head_dim, head_dim_v),
+                                           params.causal_like, seqlen_q, dropout_p > 0.0,
+                                           k.shape[1] if is_paged else 0)
     if seqlen_q == 0 or batch == 0:
         return
     pack_gqa = configs.pack_gqa(seqlen_q, num_heads // num_heads_k)
@@ -179,7 +181,8 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     heads_per_group = configs.heads_per_l2_group(
         _operand_bytes(k, seqlen_k, 2 if pack_gqa else 2 * num_heads_k / num_heads), batch_heads, params.causal_like)
     plain = not (is_varlen or is_paged or num_splits > 1 or dropout_p > 0.0 or alibi_slopes is not None
-                 or seqused_k is not None or leftpad_k is not None or cache_batch_idx is not None)
+                 or seqused_k is not None or leftpad_k is not None or cache_batch_idx is not None
+                 or head_dim_v != head_dim)
     if hopper.gluon_runs("fwd", q, params, seqlen_q, seqlen_k, plain, (q, k, v, out)):
         with device_guard(q):
             hopper.launch_fwd(q, k, v, out, lse, lse_strides, params, seqlen_q, seqlen_k, batch, heads_per_group)
@@ -187,7 +190,7 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     q_strides = _varlen_strides if is_varlen else _bsh_strides
     kv_strides = _paged_strides if is_paged else q_strides
     page_size, page_strides = (k.shape[1], (k.stride(0), v.stride(0))) if is_paged else (1, (0, 0))
-    block_dim = configs.block_d(head_dim)
+    block_dim, block_dim_v = configs.block_d(head_dim), configs.block_d(head_dim_v)
     is_split = num_splits > 1
     if is_split:
         assert not is_varlen, "split-KV is implemented for the dense layout only"
@@ -197,7 +200,8 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     split_strides = (out.stride(0), lse.stride(0)) if is_split else (0, 0)
     lse_strides = (lse.stride(1), lse.stride(2)) if is_split else lse_strides
     tma_mode = TMA_OFF
-    if (config.use_tma and not is_paged and q.shape[-3] > 0 and k.shape[-3] > 0
+    # a TMA box is at most 256 elements wide: wider head dims load by pointer
+    if (config.use_tma and not is_paged and q.shape[-3] > 0 and k.shape[-3] > 0 and max(block_dim, block_dim_v) <= 256
             and all(tma_compatible(t) for t in (q, k, v, out))):
         per_sequence = (is_split or pack_gqa or seqused_k is not None or leftpad_k is not None
                         or cache_batch_idx is not None)
@@ -209,12 +213,14 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
         _ensure_scratch_allocator()
     descriptors = (None,) * 4
     if tma_mode == TMA_HOST:
-        descriptors = tuple(_row_descriptor(t, rows, block_dim)
-                            for t, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n),
-                                            (out, config.block_m)))
+        descriptors = tuple(_row_descriptor(t, rows, width)
+                            for t, rows, width in ((q, config.block_m, block_dim), (k, config.block_n, block_dim),
+                                                   (v, config.block_n, block_dim_v),
+                                                   (out, config.block_m, block_dim_v)))
     elif tma_mode == TMA_PACKED:  # (total, H, D) viewed as one (1, total, H, D) sequence; O is stored by pointer
-        descriptors = (*(_row_descriptor(t.unsqueeze(0), rows, block_dim)
-                         for t, rows in ((q, config.block_m), (k, config.block_n), (v, config.block_n))), None)
+        descriptors = (*(_row_descriptor(t.unsqueeze(0), rows, width)
+                         for t, rows, width in ((q, config.block_m, block_dim), (k, config.block_n, block_dim),
+                                                (v, config.block_n, block_dim_v))), None)
     grid = (query_tiles * batch_heads, num_splits)
     row_bounds = fwd_row_bounds(q, k, is_varlen, block_table, seqused_k, leftpad_k, cache_batch_idx)
     with device_guard(q):
@@ -226,9 +232,9 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
             page_strides, split_strides, (num_heads, num_heads // num_heads_k), seqlen_q, seqlen_k, heads_per_group,
             params.kernel_scores(), params.window_left, params.window_right, int(params.alibi_pure_causal),
             (dropout_p, 1.0 / (1.0 - dropout_p)), *row_bounds,
-            HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-            IS_LOCAL=params.is_local, HAS_SOFTCAP=params.has_softcap, HAS_DROPOUT=dropout_p > 0.0,
-            IS_SPLIT=is_split, TMA_MODE=tma_mode,
+            HEAD_DIM=head_dim, BLOCK_D=block_dim, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dim_v,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, IS_LOCAL=params.is_local, HAS_SOFTCAP=params.has_softcap,
+            HAS_DROPOUT=dropout_p > 0.0, IS_SPLIT=is_split, TMA_MODE=tma_mode,
             FOLD_SCALE=not params.has_softcap and alibi_slopes is None and params.softmax_scale > 0.0,
             PACK_GQA=pack_gqa, TILE_IN_PAGE=is_paged and k.shape[1] % config.block_n == 0,
             RESCALE_THRESHOLD=config.rescale_threshold,
@@ -243,7 +249,7 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
                 target_out.stride(0), target_out.stride(1), target_out.stride(2),
                 target_lse.stride(0), target_lse.stride(1),
                 num_heads, seqlen_q, num_splits,
-                HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=COMBINE_BLOCK,
+                HEAD_DIM=head_dim_v, BLOCK_D=block_dim_v, BLOCK_M=COMBINE_BLOCK,
             )
 
 
@@ -257,6 +263,7 @@ def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, windo
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     q, k, v = (t if checks.has_contiguous_last_dim(t) else t.contiguous() for t in (q, k, v))
+    head_dim_v = v.shape[-1]
     window = (window_size_left, window_size_right)
     use_kernels = runs_triton(q)
     rng_state = dropout.new_rng_state(q.device) if dropout_p > 0.0 else torch.zeros(2, dtype=torch.int64,
@@ -279,12 +286,12 @@ def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, windo
         return out, lse, s_dmask, rng_state
 
     params = score_params(softmax_scale, causal, window_size_left, window_size_right, softcap, seqlen_k)
-    out = new_empty((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
+    out = new_empty((batch, seqlen_q, num_heads, head_dim_v), q.dtype, q.device)
     lse = new_empty((batch, num_heads, seqlen_q), torch.float32, q.device)
     # decode-shaped calls (a few query rows) split the keys as flash_attn_with_kvcache does
     num_splits = 1
     if seqlen_q <= configs.DECODE_MAX_ROWS and dropout_p == 0.0:
-        num_splits = splits_for(q, k.shape[2], seqlen_q, seqlen_k, 0, params.causal_like)
+        num_splits = splits_for(q, k.shape[2], seqlen_q, seqlen_k, 0, params.causal_like, head_dim_v=head_dim_v)
     launch_fwd(q, k, v, out, lse, params, alibi_slopes, (lse.stride(0), lse.stride(1)), seqlen_q, seqlen_k, batch,
                num_splits=num_splits, dropout_p=dropout_p, rng_state=rng_state)
     if learnable_sink is not None:
@@ -310,20 +317,21 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
     computes dK and dV only, hopper.computes_dq).
     """
     num_heads, head_dim = q.shape[-2], q.shape[-1]
-    num_heads_k = k.shape[-2]
+    num_heads_k, head_dim_v = k.shape[-2], v.shape[-1]
     group_size = num_heads // num_heads_k
-    config = configs.bwd_config(configs.arch_class(q.device), head_dim)
+    config = configs.bwd_config(configs.arch_class(q.device), max(head_dim, head_dim_v))
     is_varlen = cu_seqlens_q is not None
     seq_strides = _varlen_strides if is_varlen else _bsh_strides
-    block_dim = configs.block_d(head_dim)
+    block_dim, block_dim_v = configs.block_d(head_dim), configs.block_d(head_dim_v)
+    head_dims = dict(HEAD_DIM=head_dim, BLOCK_D=block_dim, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dim_v)
     # one check serves the Triton kernels' descriptors and the Gluon backward's rule (host time per backward)
     descriptors_ok = all(tma_compatible(t) for t in (q, k, v, dout))
-    use_tma = config.use_tma and descriptors_ok
+    use_tma = config.use_tma and descriptors_ok and max(block_dim, block_dim_v) <= 256  # TMA boxes: <= 256 wide
     if use_tma:
         _ensure_scratch_allocator()
     flags = dict(IS_LOCAL=params.is_local, HAS_SOFTCAP=params.has_softcap, HAS_DROPOUT=dropout_p > 0.0,
                  USE_TMA=use_tma)
-    plain = not (is_varlen or dropout_p > 0.0 or alibi_slopes is not None)
+    plain = not (is_varlen or dropout_p > 0.0 or alibi_slopes is not None or head_dim_v != head_dim)
     gluon = hopper.gluon_runs("bwd", q, params, seqlen_q, seqlen_k, plain, descriptors_ok, deterministic)
     gluon_dq = gluon and hopper.computes_dq(head_dim)
     dq_atomic = not gluon and config.dq_atomic and not deterministic and seqlen_q > 0
@@ -346,7 +354,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
                 out, dout, delta, dq_accum, cu_seqlens_q, (seq_strides(out), seq_strides(dout)), *delta_strides,
                 seq_strides(dq_accum) if dq_accum is not None else (0, 0, 0), num_heads, seqlen_q, delta_rows,
                 row_bounds[0],
-                HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.preprocess_block,
+                **head_dims, BLOCK_M=config.preprocess_block,
             )
         dkdv_heads_per_group = configs.heads_per_l2_group(_operand_bytes(q, seqlen_q, 2 * group_size),
                                                           batch * num_heads_k, params.causal_like)
@@ -361,7 +369,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
                 inputs, (dk, dv, dq_accum), optional, input_strides, *lse_strides, *delta_strides,
                 (seq_strides(dk), seq_strides(dv), seq_strides(dq_accum) if dq_atomic else (0, 0, 0)), alibi_stride,
                 (num_heads_k, group_size), seqlen_q, seqlen_k, dkdv_heads_per_group, *score_args,
-                HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.dkdv.block_m, BLOCK_N=config.dkdv.block_n,
+                **head_dims, BLOCK_M=config.dkdv.block_m, BLOCK_N=config.dkdv.block_n,
                 **flags, DQ_ATOMIC=dq_atomic, num_warps=config.dkdv.num_warps, num_stages=config.dkdv.num_stages,
             )
         if dq_atomic:
@@ -373,7 +381,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
             attn_bwd_dq_kernel[dq_grid](
                 inputs, dq, optional, input_strides, *lse_strides, *delta_strides, seq_strides(dq),
                 alibi_stride, (num_heads, group_size), seqlen_q, seqlen_k, dq_heads_per_group, *score_args,
-                HEAD_DIM=head_dim, BLOCK_D=block_dim, BLOCK_M=config.dq.block_m, BLOCK_N=config.dq.block_n, **flags,
+                **head_dims, BLOCK_M=config.dq.block_m, BLOCK_N=config.dq.block_n, **flags,
                 num_warps=config.dq.num_warps, num_stages=config.dq.num_stages,
             )
 
@@ -478,7 +486,7 @@ def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         return out, lse, s_dmask, rng_state
 
     params = score_params(softmax_scale, causal, window_size_left, window_size_right, softcap, max_seqlen_k)
-    out = new_empty((total_q, num_heads, head_dim), q.dtype, q.device)
+    out = new_empty((total_q, num_heads, v.shape[-1]), q.dtype, q.device)
     lse = new_empty((num_heads, total_q), torch.float32, q.device)
     launch_fwd(q, k, v, out, lse, params, alibi_slopes, (0, lse.stride(0)), max_seqlen_q, max_seqlen_k, batch,
                cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table, dropout_p=dropout_p,

@@ -14,7 +14,9 @@ from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512
+# flash_attn_with_kvcache's q / k head dim may reach MLA's (DeepSeek) 512 + 64, with V's at most MAX_HEAD_DIM
+MAX_KVCACHE_QK_HEAD_DIM = 576
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -54,11 +56,13 @@ def check_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     check(v.dtype == q.dtype, "query and value must have the same dtype")
 
 
-def check_head_dim(head_dim: int, direction: str = "forward") -> None:
-    if head_dim > MAX_HEAD_DIM:
-        raise RuntimeError(f"FlashAttention {direction} only supports head dimension at most {MAX_HEAD_DIM}")
+def check_head_dim(head_dim: int, direction: str = "forward", of: str = "", limit: int = MAX_HEAD_DIM) -> None:
+    """1 <= head_dim <= limit; `of` names the tensor where it is not q's (V's head dim)."""
+    if head_dim > limit:
+        raise RuntimeError(f"FlashAttention {direction} only supports head dimension at most {limit}"
+                           + (f", got {head_dim}" + (f" for {of}" if of else "")))
     if head_dim < 1:
-        raise RuntimeError(f"head dimension must be at least 1, got {head_dim}")
+        raise RuntimeError(f"head dimension{' of ' + of if of else ''} must be at least 1, got {head_dim}")
 
 
 def default_softmax_scale(head_dim: int) -> float:
@@ -96,7 +100,8 @@ def check_dim(tensor: torch.Tensor, name: str, names) -> None:
 
 
 def check_dense_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, direction: str = "forward") -> None:
-    """q (B, Sq, H, D), k/v (B, Sk, Hk, D): dtypes, devices, shapes, head counts."""
+    """q (B, Sq, H, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv): dtypes, devices, shapes, head counts (V's head dim
+    may differ from q's, docs/api.md §2.4)."""
     check_dtypes(q, k, v)
     check_same_device(q, k=k, v=v)
     check_device_capability(q)
@@ -109,7 +114,10 @@ def check_dense_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, direction
     check_head_counts(num_heads, num_heads_k)
     names = ("batch_size", "seqlen_k", "num_heads_k", "head_size")
     check_shape(k, "k", names, (batch, seqlen_k, num_heads_k, head_dim))
-    check_shape(v, "v", names, (batch, seqlen_k, num_heads_k, head_dim))
+    check_dim(v, "v", ("batch_size", "seqlen_k", "num_heads_k", "head_size_v"))
+    check_head_dim(v.shape[-1], direction, "v")
+    check_shape(v, "v", ("batch_size", "seqlen_k", "num_heads_k", "head_size_v"),
+                (batch, seqlen_k, num_heads_k, v.shape[-1]))
 
 
 def check_options(dropout_p: float, softcap: float, alibi_slopes: Optional[torch.Tensor], batch: int,
@@ -205,7 +213,9 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, direction: s
         names = ("num_blocks", "page_block_size", "num_heads_k", "head_size")
     check_head_counts(num_heads, num_heads_k)
     check_shape(k, "k", names, (*k.shape[:-2], num_heads_k, head_dim))
-    check_shape(v, "v", names, k.shape)
+    check_dim(v, "v", (*names[:-1], "head_size_v"))
+    check_head_dim(v.shape[-1], direction, "v")
+    check_shape(v, "v", (*names[:-1], "head_size_v"), (*k.shape[:-1], v.shape[-1]))
     return batch
 
 
@@ -260,7 +270,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     check_dim(q, "q", ("batch_size", "seqlen_q", "num_heads", "head_size"))
     batch, _, num_heads, head_dim = q.shape
     check(batch > 0, "batch size must be positive")
-    check_head_dim(head_dim)
+    check_head_dim(head_dim, limit=MAX_KVCACHE_QK_HEAD_DIM)
     if k_cache.dim() != 4:
         raise RuntimeError(f"k_cache must have 4 dimensions, got {tuple(k_cache.shape)}")
     num_heads_k = k_cache.shape[2]
@@ -268,7 +278,11 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     cache_names = (("num_blocks", "page_block_size") if block_table is not None else ("batch_size_cache", "seqlen_k"))
     check_shape(k_cache, "k_cache", (*cache_names, "num_heads_k", "head_size"),
                 (*k_cache.shape[:2], num_heads_k, head_dim))
-    check_shape(v_cache, "v_cache", (*cache_names, "num_heads_k", "head_size"), k_cache.shape)
+    if v_cache.dim() != 4:
+        raise RuntimeError(f"v_cache must have 4 dimensions, got {tuple(v_cache.shape)}")
+    check_head_dim(v_cache.shape[-1], of="v_cache")
+    check_shape(v_cache, "v_cache", (*cache_names, "num_heads_k", "head_size_v"),
+                (*k_cache.shape[:-1], v_cache.shape[-1]))
     check(num_splits <= 128, "num_splits > 128 not supported")
     check_options(0.0, softcap, alibi_slopes, batch, num_heads, q)
     if block_table is not None:
@@ -290,7 +304,9 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
               "If key is supplied, it must have seqlen <= the seqlen of the KV cache")
         names = ("batch_size", "seqlen_new", "num_heads_k", "head_size")
         check_shape(k, "k", names, (batch, k.shape[1], num_heads_k, head_dim))
-        check_shape(v, "v", names, k.shape)
+        check(v.dim() == 4, f"v must have shape (batch_size, seqlen_new, num_heads_k, head_size_v), got "
+                            f"{tuple(v.shape)}")
+        check_shape(v, "v", (*names[:-1], "head_size_v"), (*k.shape[:-1], v_cache.shape[-1]))
     if isinstance(cache_seqlens, torch.Tensor):
         check(cache_seqlens.dtype in (torch.int32, torch.int64), "seqlens_k must have dtype int32 (int64 is converted)")
         check(tuple(cache_seqlens.shape) == (batch,), "seqlens_k must have shape (batch_size)")

@@ -37,6 +37,7 @@ def _rotate_queries(q, rotary_cos, rotary_sin, cache_seqlens, interleaved: bool,
 
 def _append(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, capacity: int) -> None:
     batch, seqlen_new, num_heads_k, head_dim = k.shape
+    head_dim_v = v.shape[-1]
     if seqlen_new == 0:
         return
     page_args = (block_table.stride(0), k_cache.shape[1]) if block_table is not None else (0, 1)
@@ -48,7 +49,8 @@ def _append(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
             v_cache.stride(2), *page_args, num_heads_k, seqlen_new, capacity,
             k_cache.shape[0] if block_table is not None or cache_batch_idx is not None else None,
-            HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim), BLOCK_S=APPEND_BLOCK,
+            HEAD_DIM=head_dim, BLOCK_D=configs.block_d(head_dim), HEAD_DIM_V=head_dim_v,
+            BLOCK_DV=configs.block_d(head_dim_v), BLOCK_S=APPEND_BLOCK,
             HAS_BATCH_IDX=cache_batch_idx is not None, IS_PAGED=block_table is not None,
         )
 
@@ -96,13 +98,14 @@ def mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     # Keys past the capacity were not written, so they are never read either.
     seqused = torch.clamp(cache_seqlens + seqlen_new if seqlen_new else cache_seqlens, max=capacity)  # int32
     leftpad = None if cache_leftpad is None else torch.clamp(cache_leftpad, min=0)
-    out = new_empty((batch, seqlen_q, num_heads, head_dim), q.dtype, q.device)
+    out = new_empty((batch, seqlen_q, num_heads, v_cache.shape[-1]), q.dtype, q.device)
     lse = new_empty((batch, num_heads, seqlen_q), torch.float32, q.device)
     launch_fwd(q, k_cache, v_cache, out, lse, params, alibi_slopes, (lse.stride(0), lse.stride(1)), seqlen_q,
                capacity, batch, seqused_k=seqused, leftpad_k=leftpad, block_table=block_table,
                cache_batch_idx=cache_batch_idx,
                num_splits=splits_for(q, k_cache.shape[-2], seqlen_q, capacity, num_splits,
-                                     params.causal_like, 0 if block_table is None else k_cache.shape[1]))
+                                     params.causal_like, 0 if block_table is None else k_cache.shape[1],
+                                     v_cache.shape[-1]))
     if learnable_sink is not None:
         sink.fold_sink(out, lse, learnable_sink, runs_kernels=True)
     return out, lse

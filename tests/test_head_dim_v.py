@@ -1,0 +1,152 @@
+"""V's head dim apart from q's and k's (head_dim_v, docs/api.md §2.4), and head dims up to 512 (576 for the kv
+cache's q / k, MLA's decode shape): forward and backward against the float64 reference, NaN-poisoned outputs."""
+
+import pytest
+import torch
+
+import flashtriton
+from flashtriton.ops import hopper
+from flashtriton.reference import kvcache_reference
+from flashtriton.testing import (Case, assert_checks_ok, check_error, check_lse, compare_varlen_with_reference,
+                                 compare_with_reference, cu_seqlens, poisoned_outputs)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_dense(case: Case, head_dim_v: int, sink: bool = False):
+    """flash_attn_func with v (B, Sk, Hk, head_dim_v); every output and gradient against the reference."""
+    def tensor(*shape):
+        return torch.randn(*shape, device=DEVICE).to(case.dtype).requires_grad_()
+
+    q = tensor(case.batch, case.seqlen_q, case.num_heads, case.head_dim)
+    k = tensor(case.batch, case.seqlen_k, case.num_heads_k, case.head_dim)
+    v = tensor(case.batch, case.seqlen_k, case.num_heads_k, head_dim_v)
+    slopes = torch.rand(case.num_heads, device=DEVICE) * 0.3 if case.alibi else None
+    learnable_sink = torch.randn(case.num_heads, device=DEVICE).requires_grad_() if sink else None
+    leaves = (q, k, v) if learnable_sink is None else (q, k, v, learnable_sink)
+    with poisoned_outputs():
+        out, lse, _ = flashtriton.flash_attn_func(q, k, v, 0.0, case.softmax_scale, case.causal, case.window_size,
+                                                  case.softcap, slopes, return_attn_probs=True,
+                                                  learnable_sink=learnable_sink)
+        assert out.shape == (*q.shape[:-1], head_dim_v)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, leaves, dout)
+    assert_checks_ok(compare_with_reference(case, out, lse, q, k, v, slopes, grads, dout,
+                                            learnable_sink=learnable_sink))
+
+
+DIMS = [(32, 16), (16, 48), (40, 24), (64, 128), (72, 8)]
+FEATURES = {
+    "plain": dict(),
+    "causal-gqa": dict(causal=True, num_heads=6, num_heads_k=2),
+    "window-softcap": dict(window_size=(13, 4), softcap=3.0),
+    "alibi-bf16": dict(alibi=True, causal=True, dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES), ids=list(FEATURES))
+@pytest.mark.parametrize("head_dim,head_dim_v", DIMS, ids=[f"d{a}-dv{b}" for a, b in DIMS])
+def test_dense_forward_and_backward(head_dim, head_dim_v, feature):
+    case = Case(**{**dict(batch=2, seqlen_q=70, seqlen_k=85, num_heads=4, num_heads_k=2, head_dim=head_dim),
+                   **FEATURES[feature]})
+    run_dense(case, head_dim_v)
+
+
+def test_with_sinks_and_few_queries():
+    """Decode-shaped queries (split keys, packed GQA) and sinks folded into the narrower output."""
+    run_dense(Case(batch=1, seqlen_q=3, seqlen_k=400, num_heads=8, num_heads_k=2, head_dim=64, causal=True), 32,
+              sink=True)
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v", [(512, 512), (320, 512), (512, 96)],
+                         ids=["d512", "d320-dv512", "d512-dv96"])
+def test_head_dims_up_to_512(head_dim, head_dim_v):
+    run_dense(Case(batch=1, seqlen_q=40, seqlen_k=72, num_heads=2, num_heads_k=1, head_dim=head_dim, causal=True),
+              head_dim_v)
+
+
+def test_varlen_forward_and_backward():
+    lengths_q, lengths_k = [9, 0, 31], [12, 5, 40]
+    cu_q, cu_k = cu_seqlens(lengths_q, DEVICE), cu_seqlens(lengths_k, DEVICE)
+    q = torch.randn(sum(lengths_q) + 2, 4, 32, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    k = torch.randn(sum(lengths_k), 2, 32, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    v = torch.randn(sum(lengths_k), 2, 64, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    options = dict(causal=True, window_size=(20, 0))
+    with poisoned_outputs():
+        out, lse, _ = flashtriton.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 31, 40, return_attn_probs=True,
+                                                         **options)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert out.shape == (q.shape[0], 4, 64)
+    assert_checks_ok(compare_varlen_with_reference(out, lse, q, k, v, cu_q, cu_k, 40, grads, dout, **options))
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_kvcache_appends_and_attends(num_splits, paged):
+    batch, heads, heads_k, dim, dim_v, capacity = 3, 4, 2, 48, 32, 96
+    q = torch.randn(batch, 2, heads, dim, device=DEVICE, dtype=torch.float16)
+    k_new = torch.randn(batch, 2, heads_k, dim, device=DEVICE, dtype=torch.float16)
+    v_new = torch.randn(batch, 2, heads_k, dim_v, device=DEVICE, dtype=torch.float16)
+    block_table, rows = None, (batch, capacity)
+    if paged:
+        page = 16
+        block_table = torch.randperm(batch * capacity // page, device=DEVICE).view(batch, -1).to(torch.int32)
+        rows = (batch * capacity // page, page)
+    k_cache = torch.randn(*rows, heads_k, dim, device=DEVICE, dtype=torch.float16)
+    v_cache = torch.randn(*rows, heads_k, dim_v, device=DEVICE, dtype=torch.float16)
+    options = dict(cache_seqlens=torch.tensor([0, 40, 94], dtype=torch.int32, device=DEVICE),
+                   block_table=block_table, causal=True)
+    ref_out, ref_lse, ref_k, ref_v = kvcache_reference(q, k_cache, v_cache, k_new, v_new, **options)
+    pt_out = kvcache_reference(q, k_cache, v_cache, k_new, v_new, compute_dtype=None, **options)[0]
+    with poisoned_outputs():
+        out, lse = flashtriton.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, num_splits=num_splits,
+                                                       return_softmax_lse=True, **options)
+    assert_checks_ok([check_error("out", out, ref_out, pt_out, factor=3.0), check_lse(lse, ref_lse)])
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+def test_mla_decode_shape():
+    """MLA (DeepSeek) decoding: one query token, q / k head dim 576 = 512 + 64, V head dim 512, one KV head."""
+    batch, heads, capacity = 2, 8, 80
+    q = torch.randn(batch, 1, heads, 576, device=DEVICE, dtype=torch.bfloat16)
+    k_cache = torch.randn(batch, capacity, 1, 576, device=DEVICE, dtype=torch.bfloat16)
+    v_cache = torch.randn(batch, capacity, 1, 512, device=DEVICE, dtype=torch.bfloat16)
+    cache_seqlens = torch.tensor([33, 80], dtype=torch.int32, device=DEVICE)
+    ref_out, ref_lse, _, _ = kvcache_reference(q, k_cache, v_cache, cache_seqlens=cache_seqlens)
+    pt_out = kvcache_reference(q, k_cache, v_cache, cache_seqlens=cache_seqlens, compute_dtype=None)[0]
+    with poisoned_outputs():
+        out, lse = flashtriton.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                                                       return_softmax_lse=True)
+    assert out.shape == (batch, 1, heads, 512)
+    assert_checks_ok([check_error("out", out, ref_out, pt_out, factor=3.0), check_lse(lse, ref_lse)])
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: flashtriton.flash_attn_func(*_qkv(64, 513)), "at most 512, got 513 for v"),
+    (lambda: flashtriton.flash_attn_func(*_qkv(576, 512)), "at most 512"),
+    (lambda: flashtriton.flash_attn_with_kvcache(*_qkv(577, 512)), "at most 576"),
+    (lambda: flashtriton.flash_attn_with_kvcache(*_qkv(576, 513)), "at most 512, got 513 for v_cache"),
+], ids=["v-513", "dense-qk-576", "kvcache-qk-577", "kvcache-v-513"])
+def test_head_dims_above_the_limits_raise(call, match):
+    with pytest.raises(RuntimeError, match=match):
+        call()
+
+
+def _qkv(head_dim: int, head_dim_v: int):
+    return (torch.zeros(1, 4, 2, head_dim, device=DEVICE, dtype=torch.float16),
+            torch.zeros(1, 4, 2, head_dim, device=DEVICE, dtype=torch.float16),
+            torch.zeros(1, 4, 2, head_dim_v, device=DEVICE, dtype=torch.float16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="long sequences and the Hopper kernels run on a GPU")
+@pytest.mark.parametrize("head_dim,head_dim_v", [(192, 128), (128, 64), (64, 128), (512, 512), (256, 512)])
+def test_long_sequences_gpu(head_dim, head_dim_v):
+    """GPU tiles (wgmma, descriptors up to 256 wide, pointer loads above); the Gluon kernels, which need equal head
+    dims, leave these calls to the Triton kernels."""
+    launches = hopper.fwd_launch_count, hopper.bwd_launch_count
+    run_dense(Case(batch=2, seqlen_q=700, seqlen_k=900, num_heads=4, num_heads_k=2, head_dim=head_dim,
+                   dtype=torch.bfloat16, causal=True), head_dim_v)
+    if head_dim != head_dim_v:
+        assert (hopper.fwd_launch_count, hopper.bwd_launch_count) == launches
