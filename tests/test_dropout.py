@@ -5,6 +5,7 @@ import torch
 
 import flashtriton
 from flashtriton.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
+from flashtriton.ops import backend, dropout
 from flashtriton.reference import attention_reference_varlen
 from flashtriton.testing import Case, assert_checks_ok, check_error, compare_with_reference, poisoned_outputs
 
@@ -62,6 +63,26 @@ def test_drop_rate_lse_and_s_dmask_contents():
     assert torch.all(s_dmask[..., ~visible] == 0) and not torch.signbit(s_dmask[..., ~visible]).any()
     probs = s_dmask.abs().float()
     torch.testing.assert_close(probs.sum(-1), torch.ones_like(probs.sum(-1)), rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("p,threshold", [(0.1, 229), (0.17, 211), (0.2, 204), (0.5, 127), (0.9, 25)])
+def test_keep_threshold_is_fa2s_byte(p, threshold):
+    """FA2's 8-bit convention: keep = 1 - p in fp32, threshold floor(keep * 255) (fp32 rounding makes p = 0.2's
+    0.8 * 255 land just above 204), keep probability (threshold + 1) / 256, kept values scaled by 1 / keep."""
+    assert dropout.keep_threshold(p) == threshold
+    assert dropout.keep_probability(p) == (threshold + 1) / 256
+    assert dropout.kernel_dropout(p) == (float(threshold), float(torch.tensor(1.0) / (1 - torch.tensor(p))))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.17])
+def test_dropped_fraction_over_a_large_mask(p):
+    """The kernels' mask (the CPU reference path's draws) drops a fraction within 0.01 of p, and within sampling
+    noise of 1 - keep_probability(p)."""
+    rng_state = dropout.new_rng_state(DEVICE)
+    keep = dropout.keep_mask(rng_state, 2, 4, 256, 256, p, backend.runs_triton(rng_state))
+    dropped = 1.0 - keep.float().mean().item()
+    assert abs(dropped - p) < 0.01
+    assert abs(dropped - (1 - dropout.keep_probability(p))) < 5 * (p * (1 - p) / keep.numel()) ** 0.5
 
 
 def test_manual_seed_reproduces_and_calls_differ():

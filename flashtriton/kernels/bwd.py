@@ -18,7 +18,7 @@ and the generated code depends on that order):
   strides      (batch, row, head) strides of Q, K, V and DOut; grad_strides / dq_strides: those of the gradients
   head_counts  (query heads or KV heads, group_size): the heads the kernel's grid runs over, and query heads per KV head
   scores       ScoreParams.kernel_scores: (qk_scale_log2, softcap_in_scale, softcap_out_log2)
-  dropout      (dropout_p, dropout_scale)
+  dropout      (keep_threshold, dropout_scale)
   q_rows, k_rows  varlen: Q's and K's total rows, which every sequence is clamped into (common.sequence_bounds), so
                malformed cu_seqlens make sequences shorter or empty and never reach outside the tensors; dense: None
 The Lse / Delta strides, sequence lengths, heads_per_group, window and row bounds are plain unspecialized arguments:
@@ -92,13 +92,13 @@ def _dkdv_q_loop(dk, dv, k, v, n_start, m_block_lo, m_block_hi, head_rows, row_s
     loads), Lse and Delta, and the head's index in q_desc / do_desc (USE_TMA's loads); row_strides: (stride_qm,
     stride_dom, stride_dqa_m); dqa_base: the head's rows of the fp32 dQ accumulator that DQ_ATOMIC adds each query
     block's dS K into (unscaled); alibi: (slope in log2 units, alibi_pure_causal); dropout: the kernel's
-    (dropout_p, dropout_scale), drawn from rng_state in the head's Philox stream."""
+    (keep_threshold, dropout_scale), drawn from rng_state in the head's Philox stream."""
     q_base, do_base, lse_base, delta_base, head = head_rows
     stride_qm, stride_dom, stride_dqa_m = row_strides
     seqlen_q, seqlen_k, _, _ = visibility
     _, softcap_in_scale, _ = scores
     slope_log2, alibi_pure_causal = alibi
-    dropout_p, dropout_scale = dropout
+    keep_threshold, dropout_scale = dropout
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -135,7 +135,7 @@ def _dkdv_q_loop(dk, dv, k, v, n_start, m_block_lo, m_block_hi, head_rows, row_s
         # [BLOCK_N, BLOCK_M]
         dp_t = mma(v, tl.trans(do))
         if HAS_DROPOUT:
-            keep_t = tl.trans(dropout_keep(rng_state, stream, offs_m, n_start, dropout_p, BLOCK_N))
+            keep_t = tl.trans(dropout_keep(rng_state, stream, offs_m, n_start, keep_threshold, BLOCK_N))
             dv = mma((tl.where(keep_t, p_t, 0.0) * dropout_scale).to(do.dtype), do, dv)
             dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
         else:
@@ -266,14 +266,14 @@ def _dq_kv_loop(dq, q, do, lse_log2, delta, offs_m, n_block_lo, n_block_hi, kv, 
 
     kv: (k_base, v_base, stride_kn, stride_vn, head_k), where the KV head's rows start in K and V (pointer loads),
     their row strides and the head's index in k_desc / v_desc (USE_TMA's loads); alibi: (slope in log2 units,
-    alibi_pure_causal); dropout: the kernel's (dropout_p, dropout_scale), drawn from rng_state in the query head's
+    alibi_pure_causal); dropout: the kernel's (keep_threshold, dropout_scale), drawn from rng_state in the query head's
     Philox stream.
     """
     k_base, v_base, stride_kn, stride_vn, head_k = kv
     _, seqlen_k, _, _ = visibility
     _, softcap_in_scale, _ = scores
     slope_log2, alibi_pure_causal = alibi
-    dropout_p, dropout_scale = dropout
+    keep_threshold, dropout_scale = dropout
     offs_col = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -304,7 +304,7 @@ def _dq_kv_loop(dq, q, do, lse_log2, delta, offs_m, n_block_lo, n_block_hi, kv, 
             p = tl.where(visibility_mask(offs_m, offs_n, visibility, IS_LOCAL), p, 0.0)
         dp = mma(do, v_t)
         if HAS_DROPOUT:
-            keep = dropout_keep(rng_state, stream, offs_m, n_start, dropout_p, BLOCK_N)
+            keep = dropout_keep(rng_state, stream, offs_m, n_start, keep_threshold, BLOCK_N)
             dp = tl.where(keep, dp * dropout_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:

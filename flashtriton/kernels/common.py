@@ -302,27 +302,45 @@ def pages_in_pool(block_table_row, key_start, key_end, page_size, num_pages, BLO
 
 
 @triton.jit
-def dropout_keep(rng_state, stream, offs_m, n_start, dropout_p, BLOCK_N: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] bool keep mask of flash-attention dropout, Bernoulli(1 - dropout_p), for query rows
-    offs_m [BLOCK_M] and keys n_start + [0, BLOCK_N) (n_start a multiple of 4).
+def _interleave4(a, b, c, d):
+    """[..., 2, 2] whose row-major flattening of the last two axes is a, b, c, d."""
+    return tl.join(tl.join(a, c), tl.join(b, d))
 
-    Counter-based (Philox): one call yields four 32-bit words; key j of query row i in stream
-    (batch * heads + head) takes word j % 4 of philox(seed, j // 4, i, stream, offset), with
+
+@triton.jit
+def dropout_keep(rng_state, stream, offs_m, n_start, keep_threshold, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] bool keep mask of flash-attention dropout for query rows offs_m [BLOCK_M] and keys
+    n_start + [0, BLOCK_N) (n_start a multiple of 16; BLOCK_N of 16 or more).
+
+    FA2's convention (docs/api.md §4.7): one random byte per element, kept where byte <= keep_threshold =
+    floor((1 - dropout_p) * 255) (ops/dropout.keep_threshold), so the keep probability is (keep_threshold + 1) / 256.
+    Counter-based (Philox): one call yields four 32-bit words, sixteen bytes; key j of query row i in stream
+    (batch * heads + head) takes byte j % 4 of word (j // 4) % 4 of philox(seed, j // 16, i, stream, offset), with
     (seed, offset) = rng_state[0:2]. The mask never depends on tile sizes, launch order or splits.
     stream is a scalar or a [BLOCK_M, 1] tensor (one stream per row).
     """
     seed = tl.load(rng_state)
     offset = (tl.load(rng_state + 1) & 0x7FFFFFFF).to(tl.int32)
-    # [BLOCK_M, BLOCK_N // 4]: the Philox counter of each group of four keys
-    quads = (n_start // 4 + tl.arange(0, BLOCK_N // 4))[None, :]
-    zeros = tl.zeros_like(offs_m[:, None] + quads)
-    word0, word1, word2, word3 = tl.random.philox(seed, quads + zeros, offs_m[:, None] + zeros, stream + zeros,
+    threshold = (tl.zeros([], tl.float32) + keep_threshold).to(tl.uint32)
+    # [BLOCK_M, BLOCK_N // 16]: the Philox counter of each group of sixteen keys
+    groups = (n_start // 16 + tl.arange(0, BLOCK_N // 16))[None, :]
+    zeros = tl.zeros_like(offs_m[:, None] + groups)
+    word0, word1, word2, word3 = tl.random.philox(seed, groups + zeros, offs_m[:, None] + zeros, stream + zeros,
                                                   offset + zeros)
-    keep0 = (tl.random.uint_to_uniform_float(word0) >= dropout_p).to(tl.int8)
-    keep1 = (tl.random.uint_to_uniform_float(word1) >= dropout_p).to(tl.int8)
-    keep2 = (tl.random.uint_to_uniform_float(word2) >= dropout_p).to(tl.int8)
-    keep3 = (tl.random.uint_to_uniform_float(word3) >= dropout_p).to(tl.int8)
-    # [BLOCK_M, BLOCK_N // 4, 2, 2] -> [BLOCK_M, BLOCK_N]: element [c, y, x] is word 2y + x of quad c,
-    # column 4c + 2y + x
-    keep = tl.join(tl.join(keep0, keep2), tl.join(keep1, keep3))
+    # [BLOCK_M, BLOCK_N // 16, 2, 2] per byte position b: key 4 w + b of the group, for words w = 0..3
+    by_byte0 = _interleave4(((word0 & 0xFF) <= threshold).to(tl.int8), ((word1 & 0xFF) <= threshold).to(tl.int8),
+                            ((word2 & 0xFF) <= threshold).to(tl.int8), ((word3 & 0xFF) <= threshold).to(tl.int8))
+    by_byte1 = _interleave4((((word0 >> 8) & 0xFF) <= threshold).to(tl.int8),
+                            (((word1 >> 8) & 0xFF) <= threshold).to(tl.int8),
+                            (((word2 >> 8) & 0xFF) <= threshold).to(tl.int8),
+                            (((word3 >> 8) & 0xFF) <= threshold).to(tl.int8))
+    by_byte2 = _interleave4((((word0 >> 16) & 0xFF) <= threshold).to(tl.int8),
+                            (((word1 >> 16) & 0xFF) <= threshold).to(tl.int8),
+                            (((word2 >> 16) & 0xFF) <= threshold).to(tl.int8),
+                            (((word3 >> 16) & 0xFF) <= threshold).to(tl.int8))
+    by_byte3 = _interleave4(((word0 >> 24) <= threshold).to(tl.int8), ((word1 >> 24) <= threshold).to(tl.int8),
+                            ((word2 >> 24) <= threshold).to(tl.int8), ((word3 >> 24) <= threshold).to(tl.int8))
+    # [BLOCK_M, BLOCK_N // 16, 2, 2, 2, 2] -> [BLOCK_M, BLOCK_N]: flattened, element 4 w + b of a group is byte b of
+    # word w, key 16 c + 4 w + b
+    keep = _interleave4(by_byte0, by_byte1, by_byte2, by_byte3)
     return tl.reshape(keep, [offs_m.shape[0], BLOCK_N]) != 0

@@ -10,7 +10,7 @@ from .common import dropout_keep, tile_and_batch_head
 
 
 @triton.jit(do_not_specialize=["rows", "cols"])
-def dropout_mask_kernel(RngState, Keep, stride_kb, stride_kh, stride_km, num_heads, rows, cols, dropout_p,
+def dropout_mask_kernel(RngState, Keep, stride_kb, stride_kh, stride_km, num_heads, rows, cols, keep_threshold,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keep[b, h, i, j] = 1 where attention probability (i, j) of stream b * heads + h is kept."""
     m_block, batch_head = tile_and_batch_head(tl.cdiv(rows, BLOCK_M))
@@ -19,6 +19,6 @@ def dropout_mask_kernel(RngState, Keep, stride_kb, stride_kh, stride_km, num_hea
     for n_start in range(0, cols, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
         # [BLOCK_M, BLOCK_N]
-        keep = dropout_keep(RngState, batch_head, offs_m, n_start, dropout_p, BLOCK_N)
+        keep = dropout_keep(RngState, batch_head, offs_m, n_start, keep_threshold, BLOCK_N)
         mask = (offs_m < rows)[:, None] & (offs_n < cols)[None, :]
         tl.store(base + offs_m[:, None].to(tl.int64) * stride_km + offs_n[None, :], keep.to(tl.int8), mask=mask)

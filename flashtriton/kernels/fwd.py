@@ -45,7 +45,7 @@ def _fwd_kv_loop(acc, l_i, m_i, q, offs_m, n_block_lo, n_block_hi, kv, k_desc, v
     (batch, first row, head) coordinates of its tiles in k_desc / v_desc (TMA_MODE); block_table_row: the batch
     row's pages, None where K/V are not paged; pages: (page_size, stride_kpage, stride_vpage, num_pages); with
     CHECK_PAGES, keys on a page outside [0, num_pages) are masked (paged_row_offsets);
-    alibi: ([BLOCK_M, 1] slopes in log2 units, alibi_pure_causal); dropout: the kernel's (dropout_p, dropout_scale),
+    alibi: ([BLOCK_M, 1] slopes in log2 units, alibi_pure_causal); dropout: the kernel's (keep_threshold, dropout_scale),
     drawn from rng_state in the rows' Philox streams.
     """
     k_base, v_base, stride_kn, stride_vn, desc_kv_batch, desc_k_row0, desc_head_k = kv
@@ -53,7 +53,7 @@ def _fwd_kv_loop(acc, l_i, m_i, q, offs_m, n_block_lo, n_block_hi, kv, k_desc, v
     _, seqlen_k, _, _ = visibility
     qk_scale_log2, _, _ = scores
     slope_log2, alibi_pure_causal = alibi
-    dropout_p, _ = dropout
+    keep_threshold, _ = dropout
     IS_PAGED: tl.constexpr = block_table_row is not None
     offs_col = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -121,7 +121,7 @@ def _fwd_kv_loop(acc, l_i, m_i, q, offs_m, n_block_lo, n_block_hi, kv, k_desc, v
             l_i = l_i * alpha
         l_i += tl.sum(p, 1)  # the softmax normalizer (and so the LSE) ignores dropout
         if HAS_DROPOUT:
-            p = tl.where(dropout_keep(rng_state, stream, offs_m, n_start, dropout_p, BLOCK_N), p, 0.0)
+            p = tl.where(dropout_keep(rng_state, stream, offs_m, n_start, keep_threshold, BLOCK_N), p, 0.0)
         acc = mma(p.to(v.dtype), v, acc)
         m_i = m_new
     return acc, l_i, m_i
@@ -170,7 +170,7 @@ def attn_fwd_kernel(
       page_strides   (K, V) strides between pages; split_strides: (Out, Lse) strides between splits
       head_counts    (num_heads, group_size): query heads, query heads per KV head
       scores         ScoreParams.kernel_scores: (qk_scale_log2, softcap_in_scale, softcap_out_log2)
-      dropout        (dropout_p, dropout_scale)
+      dropout        (keep_threshold, dropout_scale)
       q_rows, k_rows the rows each sequence's queries / keys must lie in, None where no index value decides them
                      (dense calls): varlen Q's and K's total rows, K's sequence length (seqused_k / leftpad_k), a
                      block-table row's capacity (paged: the key length alone is clamped)
@@ -190,7 +190,7 @@ def attn_fwd_kernel(
     row b to K/V row CacheBatchIdx[b] (the kv-cache's cache_batch_idx). Query tiles run in reverse order, so under a
     causal mask the longest rows start first; programs run in groups of heads_per_group (batch, head) pairs
     (grouped_tile_and_batch_head). HAS_DROPOUT drops P elements by dropout_keep (seeded from RngState) after the row
-    sum, so the LSE ignores dropout, and scales the output by dropout_scale = 1 / (1 - dropout_p).
+    sum, so the LSE ignores dropout, and scales the output by dropout_scale = 1 / (1 - dropout_p) (FA2: fp32).
     IS_SPLIT (split-KV, grid axis 1 = split): each split attends to its share of the visible key blocks and
     writes fp32 partial outputs and LSEs (-inf where it saw no key) for attn_combine_kernel to merge.
     """

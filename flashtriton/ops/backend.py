@@ -231,7 +231,7 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
             *lse_strides, (_alibi_batch_stride(alibi_slopes), block_table.stride(0) if is_paged else 0), page_size,
             page_strides, split_strides, (num_heads, num_heads // num_heads_k), seqlen_q, seqlen_k, heads_per_group,
             params.kernel_scores(), params.window_left, params.window_right, int(params.alibi_pure_causal),
-            (dropout_p, 1.0 / (1.0 - dropout_p)), *row_bounds,
+            dropout.kernel_dropout(dropout_p), *row_bounds,
             HEAD_DIM=head_dim, BLOCK_D=block_dim, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dim_v,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, IS_LOCAL=params.is_local, HAS_SOFTCAP=params.has_softcap,
             HAS_DROPOUT=dropout_p > 0.0, IS_SPLIT=is_split, TMA_MODE=tma_mode,
@@ -344,7 +344,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
     # varlen: the packed rows every sequence is clamped into (kernels/bwd.py), so malformed cu_seqlens stay inside
     row_bounds = (q.shape[0], k.shape[0]) if is_varlen else (None, None)
     score_args = (params.softmax_scale, params.kernel_scores(), params.window_left, params.window_right,
-                  int(params.alibi_pure_causal), (dropout_p, 1.0 / (1.0 - dropout_p)), *row_bounds)
+                  int(params.alibi_pure_causal), dropout.kernel_dropout(dropout_p), *row_bounds)
     alibi_stride = _alibi_batch_stride(alibi_slopes)
     with device_guard(q):
         preprocess_rows = max(seqlen_q, delta_rows)

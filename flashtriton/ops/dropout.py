@@ -4,14 +4,19 @@ rng_state is a (2,) int64 tensor (seed, offset) drawn from PyTorch's default gen
 torch.randint, on that device: no host synchronization, CUDA-graph capturable, reproducible under
 torch.manual_seed, different on every call. The kernels key Philox by (seed, offset, batch * heads + head,
 query row, key column); the backward regenerates the same mask from the saved rng_state.
+FA2's convention: one random byte per element, kept where byte <= keep_threshold(dropout_p), so an element is kept
+with probability keep_probability(dropout_p) = (floor((1 - p) * 255) + 1) / 256 (0.8984 for p = 0.1), and kept
+values are scaled by 1 / (1 - p) in fp32 (kernels/common.dropout_keep).
 Without kernels (CPU reference path) the mask comes from a torch.Generator seeded with rng_state instead:
 the same distribution and reproducibility, but not the kernels' bits.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from functools import lru_cache
+from typing import Optional, Tuple
 
+import numpy as np
 import torch
 
 from ..kernels.dropout import dropout_mask_kernel
@@ -21,6 +26,25 @@ from .launching import compiled_without_line_info, device_guard, triton_cdiv
 compiled_without_line_info(dropout_mask_kernel)
 
 MASK_BLOCK = 64
+
+
+@lru_cache(maxsize=64)
+def keep_threshold(dropout_p: float) -> int:
+    """The byte threshold of dropout_p: floor(keep * 255) with keep = 1 - p computed in fp32, as FA2 does."""
+    keep = np.float32(1.0) - np.float32(dropout_p)
+    return int(np.floor(np.float64(keep) * 255.0))
+
+
+def keep_probability(dropout_p: float) -> float:
+    """The exact probability that an element is kept: (keep_threshold + 1) / 256."""
+    return (keep_threshold(dropout_p) + 1) / 256
+
+
+@lru_cache(maxsize=64)
+def kernel_dropout(dropout_p: float) -> Tuple[float, float]:
+    """The kernels' `dropout` argument group: (keep_threshold, scale of kept values 1 / (1 - p) in fp32)."""
+    keep = np.float32(1.0) - np.float32(dropout_p)
+    return float(keep_threshold(dropout_p)), float(np.float32(1.0) / keep)
 
 
 def new_rng_state(device) -> torch.Tensor:
@@ -40,13 +64,14 @@ def keep_mask(rng_state: torch.Tensor, batch: int, heads: int, rows: int, cols: 
     if not use_kernels:
         seed, offset = (int(x) for x in rng_state.tolist())
         generator = torch.Generator(device="cpu").manual_seed((seed ^ (offset << 1)) & (2 ** 63 - 1))
-        return (torch.rand(batch, heads, rows, cols, generator=generator) >= dropout_p).to(device)
+        random_bytes = torch.randint(0, 256, (batch, heads, rows, cols), generator=generator, dtype=torch.int16)
+        return (random_bytes <= keep_threshold(dropout_p)).to(device)
     keep = torch.empty(batch, heads, rows, cols, dtype=torch.int8, device=device)
     if keep.numel():
         grid = (triton_cdiv(rows, MASK_BLOCK) * batch * heads,)
         with device_guard(keep):
             dropout_mask_kernel[grid](rng_state, keep, keep.stride(0), keep.stride(1), keep.stride(2), heads, rows,
-                                      cols, dropout_p, BLOCK_M=MASK_BLOCK, BLOCK_N=MASK_BLOCK)
+                                      cols, kernel_dropout(dropout_p)[0], BLOCK_M=MASK_BLOCK, BLOCK_N=MASK_BLOCK)
     return keep.bool()
 
 
