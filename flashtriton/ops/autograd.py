@@ -67,7 +67,8 @@ def _backward(ctx, saved, dout, dq, dk, dv) -> Optional[torch.Tensor]:
     once by the caller (each access unpacks every saved tensor again). Returns the sink's gradient (None without a
     sink): from the LSE and the backward's softmax_d (ops/sink.py)."""
     q, k, v, out, softmax_lse, rng_state, *rest = saved
-    learnable_sink = rest.pop() if ctx.has_sink else None
+    learnable_sink = rest[-1] if ctx.has_sink else None
+    cu_seqlens = rest[:-1] if ctx.has_sink else rest  # no list.pop: torch.compile traces the saved tensors as a tuple
     dout = maybe_contiguous(dout)
     if ctx.max_seqlens is None:
         softmax_d = flash_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, *ctx.options, rng_state)
@@ -75,7 +76,7 @@ def _backward(ctx, saved, dout, dq, dk, dv) -> Optional[torch.Tensor]:
     if ctx.is_paged:
         raise RuntimeError("flash_attn_varlen_func with block_table (paged K/V) has no backward; "
                            "it is meant for inference")
-    softmax_d = flash_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, *rest, *ctx.max_seqlens,
+    softmax_d = flash_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, *cu_seqlens, *ctx.max_seqlens,
                                       *ctx.options, rng_state)
     return None if learnable_sink is None else sink_grad(softmax_lse[None], softmax_d[None], learnable_sink)
 
