@@ -18,7 +18,7 @@ from .reference import (attention_probabilities, attention_reference, attention_
                         sequence_slices)
 
 __all__ = ["Case", "ErrorCheck", "check_error", "check_lse", "make_case_inputs", "poisoned_outputs", "strided_like",
-           "compare_with_reference"]
+           "compare_with_reference", "assert_compiled_matches_eager"]
 
 
 @contextlib.contextmanager
@@ -370,3 +370,16 @@ def _varlen_fp32_backward_floor(q, k, v, out, dout, cu_seqlens_q, cu_seqlens_k, 
                                               dout[None, rows_q], softmax_scale, causal, window_size, softcap,
                                               row_slopes(alibi_slopes, b), seqlen_k_star=max_seqlen_k))
     return max(f[0] for f in floors), max(f[1] for f in floors)
+
+
+def assert_compiled_matches_eager(attention, make_leaves, dout: torch.Tensor) -> None:
+    """attention(*leaves) -> (out, lse) eager and under torch.compile(fullgraph=True, backend="aot_eager"): outputs
+    and the leaves' gradients (from out.backward(dout)) bitwise equal."""
+    results = []
+    for fn in (attention, torch.compile(attention, fullgraph=True, backend="aot_eager")):
+        leaves = make_leaves()
+        out, lse = fn(*leaves)
+        out.backward(dout)
+        results.append((out, lse, *(leaf.grad for leaf in leaves)))
+    for eager, compiled in zip(*results):
+        assert torch.equal(eager, compiled)

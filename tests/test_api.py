@@ -19,7 +19,8 @@ import torch
 
 import flashtriton as flash_attn
 import flashtriton.flash_attn_interface as fai
-from flashtriton.testing import Case, compare_with_reference, cu_seqlens, make_case_inputs, poisoned_outputs
+from flashtriton.testing import (Case, assert_compiled_matches_eager, compare_with_reference, cu_seqlens, make_case_inputs,
+                                 poisoned_outputs)
 
 # ------------------------------------------------------------------------------------------------------------
 # Signature parity. Each entry is the parameter list copied verbatim from docs/api.md; add rows as functions land.
@@ -582,20 +583,7 @@ def test_torch_compile_fullgraph_matches_eager(entry):
         out, lse, _ = ENTRIES[entry].fn(*tensors, causal=True, return_attn_probs=True)
         return out, lse
 
-    _assert_compiled_matches_eager(attention, lambda: ENTRIES[entry].leaves(q, k, v), dout)
-
-
-def _assert_compiled_matches_eager(attention, make_leaves, dout):
-    """attention(*leaves) -> (out, lse) eager and under torch.compile(fullgraph=True): outputs and the leaves'
-    gradients bitwise equal."""
-    results = []
-    for fn in (attention, torch.compile(attention, fullgraph=True, backend="aot_eager")):
-        leaves = make_leaves()
-        out, lse = fn(*leaves)
-        out.backward(dout)
-        results.append((out, lse, *(leaf.grad for leaf in leaves)))
-    for eager, compiled in zip(*results):
-        assert torch.equal(eager, compiled)
+    assert_compiled_matches_eager(attention, lambda: ENTRIES[entry].leaves(q, k, v), dout)
 
 
 def test_opcheck_forward():
@@ -638,7 +626,7 @@ def test_torch_compile_fullgraph_varlen_matches_eager(entry):
         out, lse, _ = fn(*tensors, cu, cu, max_seqlen, max_seqlen, causal=True, return_attn_probs=True)
         return out, lse
 
-    _assert_compiled_matches_eager(attention, lambda: [t.detach().clone().requires_grad_() for t in pack(q, k, v)],
+    assert_compiled_matches_eager(attention, lambda: [t.detach().clone().requires_grad_() for t in pack(q, k, v)],
                                    dout)
 
 

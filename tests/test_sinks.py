@@ -10,8 +10,9 @@ import flashtriton
 from flashtriton import flash_attn_interface as fai
 from flashtriton.ops import backend
 from flashtriton.reference import attention_reference, kvcache_reference
-from flashtriton.testing import (Case, assert_checks_ok, check_error, check_lse, compare_varlen_with_reference,
-                                 compare_with_reference, cu_seqlens, make_case_inputs, poisoned_outputs)
+from flashtriton.testing import (Case, assert_checks_ok, assert_compiled_matches_eager, check_error, check_lse,
+                                 compare_varlen_with_reference, compare_with_reference, cu_seqlens, make_case_inputs,
+                                 poisoned_outputs)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -209,19 +210,12 @@ def test_torch_compile_fullgraph_with_sinks():
     q, k, v = (torch.randn(1, 24, 2, 16, dtype=torch.float16) for _ in range(3))
     sink = torch.randn(2)
     dout = torch.randn_like(q)
-    results = []
 
     def attention(q, k, v, sink):
         out, lse, _ = flashtriton.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, learnable_sink=sink)
         return out, lse
 
-    for fn in (attention, torch.compile(attention, fullgraph=True, backend="aot_eager")):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v, sink)]
-        out, lse = fn(*leaves)
-        out.backward(dout)
-        results.append((out, lse, *(leaf.grad for leaf in leaves)))
-    for eager, compiled in zip(*results):
-        assert torch.equal(eager, compiled)
+    assert_compiled_matches_eager(attention, lambda: [t.clone().requires_grad_() for t in (q, k, v, sink)], dout)
 
 
 def test_opcheck_forward_with_sink():
