@@ -4,7 +4,7 @@
 #
 #   bash tools/gpu_check.sh [STEPS]     STEPS: comma list of tests,reliability,sanitize,bench,triton,deterministic,
 #                                       sweep,hopper-sweep,l2-groups,decode,decode-sweep,varlen,dropout,cold,fa4,
-#                                       features,host,fuzz (default tests,reliability,decode)
+#                                       features,model,host,fuzz (default tests,reliability,decode)
 # Environment: FLASHTRITON_COMMIT (the commit recorded in bench metadata), OUT, FUZZ_EXAMPLES (fuzz step, default
 # 120), TESTS_LIMIT (tests step seconds, default 300; a machine with an empty Triton cache needs ~400).
 set -uo pipefail
@@ -55,6 +55,9 @@ step fa4 300 bash -c "bash tools/fa4_wheels.sh install && export PYTHONPATH=\$(b
 step features 540 bash -c "bash tools/fa4_wheels.sh install && export PYTHONPATH=\$(bash tools/fa4_wheels.sh path):\$PYTHONPATH \
   && python -m flashtriton bench --features --dtype ${FEATURE_DTYPE:-bf16} ${FEATURE_ROWS:+--rows $FEATURE_ROWS} \
        --out '$out/features'"
+# a ~1B-parameter Llama-style model through transformers: training step and generate() tokens/s per attention
+# implementation (FA4's row where tools/fa4_wheels.sh installed it)
+step model 540 python benchmarks/bench_model.py --out "$out/model"
 # host time per eager call (profile of 300 warm calls)
 step host 60 python tools/profile_first_call.py --top 25 --steady 300
 # the four fuzz tests side by side (one process each, logs fuzz-<test>.log), new random cases each run;
