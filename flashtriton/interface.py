@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from .ops.autograd import (FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc, FlashAttnVarlenFunc,
-                           FlashAttnVarlenKVPackedFunc, FlashAttnVarlenQKVPackedFunc, apply, maybe_contiguous)
+                           FlashAttnVarlenKVPackedFunc, FlashAttnVarlenQKVPackedFunc, VarlenLayout, apply, fp8_forward,
+                           maybe_contiguous)
 from .ops.checks import cache_seqlens_int, default_softmax_scale, window_size_ints
 from .ops.library import flash_kvcache
 
@@ -28,6 +29,9 @@ _COMMON_DOC = """
         also sums exp(learnable_sink[h]), a logit with no value (no scale, softcap or ALiBi applied to it), so
         out = sum_j p_j v_j with sum_j p_j + p_sink = 1; rows that see no key give out 0. softmax_lse includes the
         sink (rows without a key: learnable_sink[h]). Differentiable (dsink).
+    q_descale, k_descale, v_descale (keyword only, FA3's names): (batch_size, nheads_k) fp32 each, required with
+        torch.float8_e4m3fn q, k, v (FP8): attention of q * q_descale, k * k_descale, v * v_descale, P rounded to
+        e4m3 for the P.V product, out in bf16; forward only (no dropout; inputs must not require grad).
 Return:
     out, or (out, softmax_lse (batch_size, nheads, seqlen_q) fp32, S_dmask) with return_attn_probs.
 """
@@ -47,8 +51,17 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                  softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink)
 
 
+def _is_fp8(q, descales) -> bool:
+    return q.dtype == torch.float8_e4m3fn or any(d is not None for d in descales)
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, learnable_sink=None):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, learnable_sink=None,
+                    q_descale=None, k_descale=None, v_descale=None):
+    descales = (q_descale, k_descale, v_descale)
+    if _is_fp8(q, descales):
+        return fp8_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           return_attn_probs, learnable_sink, descales)
     return apply(FlashAttnFunc, (q, k, v, learnable_sink), q, k, v, dropout_p, softmax_scale, causal, window_size,
                  softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink)
 
@@ -93,8 +106,13 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *,
-                           learnable_sink=None):
+                           learnable_sink=None, q_descale=None, k_descale=None, v_descale=None):
     cu_seqlens_k = _distinct_inputs(cu_seqlens_q, cu_seqlens_k)
+    descales = (q_descale, k_descale, v_descale)
+    if _is_fp8(q, descales):
+        varlen = VarlenLayout(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), block_table)
+        return fp8_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           return_attn_probs, learnable_sink, descales, varlen)
     return apply(FlashAttnVarlenFunc, (q, k, v, learnable_sink), q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                  return_attn_probs, block_table, learnable_sink)
@@ -124,7 +142,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
-                            learnable_sink=None):
+                            learnable_sink=None, q_descale=None, k_descale=None, v_descale=None):
     """Attention over a KV cache, appending new keys/values in place first (inference; no autograd).
 
     q (batch_size, seqlen_q, nheads, headdim); k_cache/v_cache (batch_size_cache, seqlen_cache, nheads_k,
@@ -136,6 +154,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Causal/window/ALiBi are bottom-right aligned to the valid keys. num_splits (split-KV: 0 = heuristic,
     1 = none, n <= 128 parts) only affects speed; each fixed value is deterministic.
     learnable_sink (keyword only): (nheads,) attention sinks, as flash_attn_func's (included in softmax_lse).
+    q_descale, k_descale, v_descale (keyword only): FP8 q / caches' descales, as flash_attn_func's (out in bf16).
     v_cache and v may have their own head dim (the output's), e.g. MLA's q / k 576 and v 512.
     Return: out, or (out, softmax_lse (batch_size, nheads, seqlen_q)) with return_softmax_lse.
     """
@@ -155,5 +174,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                          cache_batch_idx, cache_leftpad, block_table, float(softmax_scale),
                                          bool(causal), window_left, window_right, float(softcap),
                                          bool(rotary_interleaved), alibi_slopes, int(num_splits),
-                                         *(() if learnable_sink is None else (learnable_sink,)))
+                                         *(() if learnable_sink is None and q_descale is None and k_descale is None
+                                           and v_descale is None
+                                           else (learnable_sink, q_descale, k_descale, v_descale)))
     return (out, softmax_lse) if return_softmax_lse else out

@@ -133,8 +133,14 @@ def attention_reference(
     seqlen_k_star: Optional[int] = None,
     compute_dtype: Optional[torch.dtype] = torch.float64,
     learnable_sink: Optional[torch.Tensor] = None,
+    descales: Optional[Sequence[torch.Tensor]] = None,
+    quantize_p: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention exactly as docs/api.md §4.1 defines it. Returns (out in q's dtype, lse (B, H, Sq) float32).
+
+    descales: (q_descale, k_descale, v_descale), each (B, Hk) fp32, for FP8 (e4m3) q, k, v (docs/api.md §4.12):
+    attention of the dequantized inputs with P rounded to e4m3 for the P.V product as the kernels do it (relative to
+    each row's max; quantize_p=False: unrounded, the oracle of the dequantized inputs); out in bf16.
 
     compute_dtype: float64 for an oracle, float32 for the CPU path, None (or q.dtype) to do the
     math in the input dtype, which measures PyTorch's own rounding error there.
@@ -145,10 +151,36 @@ def attention_reference(
     Differentiable w.r.t. q, k, v (and learnable_sink); rows with no visible key give out 0, lse +inf (without a
     sink) and zero gradients.
     """
+    if descales is not None:
+        return _fp8_attention(q, k, v, descales, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                              seqlen_k_star, compute_dtype or torch.float32, learnable_sink, quantize_p)
     r = _probabilities(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_mask,
                        seqlen_k_star, compute_dtype, learnable_sink=learnable_sink)
     out = torch.einsum("bhqk,bkhd->bqhd", r.kept.to(r.vc.dtype), r.vc)
     return out.to(q.dtype).contiguous(), r.lse.to(torch.float32)
+
+
+def _fp8_attention(q, k, v, descales, softmax_scale, causal, window_size, softcap, alibi_slopes, seqlen_k_star,
+                   compute_dtype, learnable_sink, quantize_p):
+    """attention_reference of FP8 inputs (descales given): the softmax of the dequantized scores; each row's
+    probabilities relative to its max (what the kernels hold, in (0, 1]) rounded to e4m3 for the product with V,
+    normalized by the unrounded sum, times v_descale. Returns (out bf16, lse fp32)."""
+    q_descale, k_descale, v_descale = (d.to(compute_dtype) for d in descales)
+    group = q.shape[2] // k.shape[2]
+    # (B, 1, H or Hk, 1) per-head factors
+    q_factor = q_descale.repeat_interleave(group, dim=1)[:, None, :, None]
+    qf = q.to(compute_dtype) * q_factor
+    kf = k.to(compute_dtype) * k_descale[:, None, :, None]
+    r = _probabilities(qf, kf, v.to(compute_dtype), softmax_scale, causal, window_size, softcap, alibi_slopes, 0.0,
+                       None, seqlen_k_star, compute_dtype, learnable_sink=learnable_sink)
+    # (B, H, Sq, 1) each row's largest probability: the kernels' P is probs / row_max, its sum 1 / row_max
+    row_max = r.probs.amax(dim=-1, keepdim=True)
+    relative = torch.where(row_max > 0, r.probs / torch.where(row_max > 0, row_max, 1.0), 0.0)
+    if quantize_p:
+        relative = relative.to(torch.float8_e4m3fn).to(compute_dtype)
+    out = torch.einsum("bhqk,bkhd->bqhd", relative * row_max, r.vc)
+    out = out * v_descale.repeat_interleave(group, dim=1)[:, None, :, None]
+    return out.to(torch.bfloat16).contiguous(), r.lse.to(torch.float32)
 
 
 def attention_reference_backward(
@@ -238,15 +270,19 @@ def attention_reference_varlen(
     dropout_mask: Optional[torch.Tensor] = None,
     compute_dtype: Optional[torch.dtype] = torch.float64,
     learnable_sink: Optional[torch.Tensor] = None,
+    descales: Optional[Sequence[torch.Tensor]] = None,
+    quantize_p: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Varlen attention (docs/api.md §4.9): each sequence on its own, window normalized with S* = max_seqlen_k.
+    descales: FP8 inputs' (q, k, v) descales, (B, Hk) each (attention_reference's); out then bf16.
 
     q (Tq, H, D), k/v (Tk, Hk, D). Returns (out (Tq, H, D), lse (H, Tq)); uncovered rows are 0 / +inf (lse =
     learnable_sink[h] with a sink).
     dropout_mask: bool (B, H, >= max Sq, >= max Sk) in each sequence's local indices.
     """
     total_q, num_heads, head_dim = q.shape
-    out = torch.zeros(total_q, num_heads, v.shape[-1], dtype=q.dtype, device=q.device)
+    out = torch.zeros(total_q, num_heads, v.shape[-1], dtype=torch.bfloat16 if descales else q.dtype,
+                      device=q.device)
     lse = torch.full((num_heads, total_q), float("inf"), dtype=torch.float32, device=q.device)
     for b, rows_q, rows_k in sequence_slices(cu_seqlens_q, cu_seqlens_k):
         if rows_q.stop == rows_q.start:
@@ -254,7 +290,8 @@ def attention_reference_varlen(
         out_b, lse_b = attention_reference(
             q[None, rows_q], k[None, rows_k], v[None, rows_k], softmax_scale, causal, window_size, softcap,
             row_slopes(alibi_slopes, b), dropout_p, _sequence_mask(dropout_mask, b, rows_q, rows_k),
-            seqlen_k_star=max_seqlen_k, compute_dtype=compute_dtype, learnable_sink=learnable_sink)
+            seqlen_k_star=max_seqlen_k, compute_dtype=compute_dtype, learnable_sink=learnable_sink,
+            descales=None if descales is None else [d[b:b + 1] for d in descales], quantize_p=quantize_p)
         out[rows_q] = out_b[0]
         lse[:, rows_q] = lse_b[0]
     if learnable_sink is not None:  # rows of no sequence see no key: their lse is the sink
@@ -331,7 +368,7 @@ def _table_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor):
 def kvcache_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                       cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                       window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
-                      compute_dtype=torch.float64, learnable_sink=None):
+                      compute_dtype=torch.float64, learnable_sink=None, descales=None, quantize_p=True):
     """flash_attn_with_kvcache literally (docs/api.md §5), one batch row at a time; host loops, any device.
 
     Returns (out (B, Sq, H, D), lse (B, H, Sq) fp32, new k_cache, new v_cache); the caches passed in are
@@ -360,7 +397,8 @@ def kvcache_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
             return block_table[b, positions // page_size].long(), positions % page_size
         return torch.full_like(positions, rows[b]), positions
 
-    out = torch.empty(*q.shape[:-1], v_cache.shape[-1], dtype=q.dtype, device=q.device)
+    out = torch.empty(*q.shape[:-1], v_cache.shape[-1], dtype=torch.bfloat16 if descales else q.dtype,
+                      device=q.device)
     lse = torch.empty(batch, q.shape[2], seqlen_q, dtype=torch.float32, device=q.device)
     for b in range(batch):
         length = lengths[b]
@@ -381,6 +419,7 @@ def kvcache_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
         out_b, lse_b = attention_reference(q_b[None], k_cache[index][None], v_cache[index][None], softmax_scale,
                                            causal, window_size, softcap, row_slopes(alibi_slopes, b),
                                            seqlen_k_star=capacity, compute_dtype=compute_dtype,
-                                           learnable_sink=learnable_sink)
+                                           learnable_sink=learnable_sink, quantize_p=quantize_p,
+                                           descales=None if descales is None else [d[b:b + 1] for d in descales])
         out[b], lse[b] = out_b[0], lse_b[0]
     return out, lse, k_cache, v_cache

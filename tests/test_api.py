@@ -117,9 +117,9 @@ def test_low_level_signature_matches_spec(name, prefix):
     assert parameters[len(spec):] == LOW_LEVEL_EXTENSIONS.get(name, [])
 
 
-# optional trailing parameters beyond FA2's (the forwards take learnable sinks)
-LOW_LEVEL_EXTENSIONS = {"_flash_attn_forward": [("learnable_sink", None)],
-                        "_flash_attn_varlen_forward": [("learnable_sink", None)]}
+# optional trailing parameters beyond FA2's (the forwards take learnable sinks and FP8 descales)
+_FORWARD_EXTENSIONS = [("learnable_sink", None), ("q_descale", None), ("k_descale", None), ("v_descale", None)]
+LOW_LEVEL_EXTENSIONS = {"_flash_attn_forward": _FORWARD_EXTENSIONS, "_flash_attn_varlen_forward": _FORWARD_EXTENSIONS}
 
 
 def test_window_size_is_a_named_parameter():

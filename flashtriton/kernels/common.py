@@ -21,17 +21,32 @@ import triton.language as tl
 
 @triton.jit
 def mma(a, b, acc=None):
-    """tl.dot(a, b, acc) of fp16 / bf16 tiles: exact products summed in fp32 onto acc (zeros when None). Every
-    matrix product of the Triton kernels goes through here. Triton's interpreter (3.6-3.9) multiplies bf16 operands
-    as their uint16 storage, an integer product; where the kernels are interpreted, bf16 operands are first widened
-    to fp32 (exactly), which gives what the GPU's bf16 MMA computes: exact products, fp32 sums. Compiled,
+    """tl.dot(a, b, acc) of fp16 / bf16 / fp8 (e4m3) tiles: exact products summed in fp32 onto acc (zeros when None).
+    Every matrix product of the Triton kernels goes through here. Triton's interpreter (3.6-3.9) multiplies bf16 and
+    fp8 operands as their integer storage, an integer product; where the kernels are interpreted, such operands are
+    first widened to fp32 (exactly), which gives what the GPU's MMA computes: exact products, fp32 sums. Compiled,
     INTERPRETED is False, the branch leaves no code and the generated code is that of a direct tl.dot."""
     if INTERPRETED:
-        if a.dtype == tl.bfloat16:
+        if a.dtype == tl.bfloat16 or a.dtype.is_fp8():
             a = a.to(tl.float32)
-        if b.dtype == tl.bfloat16:
+        if b.dtype == tl.bfloat16 or b.dtype.is_fp8():
             b = b.to(tl.float32)
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def pv_operand(p, dtype: tl.constexpr):
+    """Probabilities p (fp32, in [0, 2^8]) as the P.V product's A operand, in V's dtype (fp16, bf16, or e4m3 for FP8
+    inputs: round to nearest even, saturating at 448). Triton's interpreter (3.6) converts fp32 to e4m3 by
+    truncation with lost carries (0.49 -> 0.25); interpreted, p is first rounded onto the e4m3 grid in fp32 (adding and
+    subtracting 1.5 * 2^23 ulps rounds to the ulp exactly), whose values it converts exactly. Compiled, that branch
+    leaves no code."""
+    if INTERPRETED and dtype == tl.float8e4nv:
+        # the e4m3 ulp at p: 2^(exponent - 3), normal exponents from -6 (below: the subnormals' 2^-9)
+        exponent = tl.maximum(tl.floor(tl.log2(tl.maximum(p, 0.001953125))), -6.0)
+        magic = tl.exp2(exponent - 3.0) * 12582912.0
+        p = tl.minimum((p + magic) - magic, 448.0)
+    return p.to(dtype)
 
 
 # TRITON_INTERPRET is read when @triton.jit decorates, so a decorated function says whether kernels are

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .common import (alibi_bias_log2, dropout_keep, grouped_tile_and_batch_head, kv_block_range, mma,
-                     paged_row_offsets, pages_in_pool, row_offsets, scores_log2, sequence_bounds,
+                     paged_row_offsets, pages_in_pool, pv_operand, row_offsets, scores_log2, sequence_bounds,
                      split_kv_block_range, to_int64, visibility_mask)
 
 # TMA_MODE values
@@ -45,8 +45,9 @@ def _fwd_kv_loop(acc, l_i, m_i, q, offs_m, n_block_lo, n_block_hi, kv, k_desc, v
     (batch, first row, head) coordinates of its tiles in k_desc / v_desc (TMA_MODE); block_table_row: the batch
     row's pages, None where K/V are not paged; pages: (page_size, stride_kpage, stride_vpage, num_pages); with
     CHECK_PAGES, keys on a page outside [0, num_pages) are masked (paged_row_offsets);
-    alibi: ([BLOCK_M, 1] slopes in log2 units, alibi_pure_causal); dropout: the kernel's (keep_threshold, dropout_scale),
-    drawn from rng_state in the rows' Philox streams.
+    alibi: ([BLOCK_M, 1] slopes in log2 units, alibi_pure_causal); dropout: the kernel's (keep_threshold,
+    dropout_scale), drawn from rng_state in the rows' Philox streams. FP8 (e4m3) K and V: P is rounded to e4m3 for
+    the P.V product, as V's dtype.
     """
     k_base, v_base, stride_kn, stride_vn, desc_kv_batch, desc_k_row0, desc_head_k = kv
     page_size, stride_kpage, stride_vpage, num_pages = pages
@@ -122,7 +123,7 @@ def _fwd_kv_loop(acc, l_i, m_i, q, offs_m, n_block_lo, n_block_hi, kv, k_desc, v
         l_i += tl.sum(p, 1)  # the softmax normalizer (and so the LSE) ignores dropout
         if HAS_DROPOUT:
             p = tl.where(dropout_keep(rng_state, stream, offs_m, n_start, keep_threshold, BLOCK_N), p, 0.0)
-        acc = mma(p.to(v.dtype), v, acc)
+        acc = mma(pv_operand(p, v.dtype), v, acc)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -163,8 +164,9 @@ def attn_fwd_kernel(
 
     Grouped arguments:
       inputs         (Q, K, V): Q and K HEAD_DIM wide, V HEAD_DIM_V (also Out's); outputs: (Out, Lse)
-      optional       (AlibiSlopes, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, BlockTable, CacheBatchIdx, RngState),
-                     each None where the call has none (and no code for it is generated)
+      optional       (AlibiSlopes, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, BlockTable, CacheBatchIdx, RngState,
+                     Descales), each None where the call has none (and no code for it is generated); Descales:
+                     (QDescale, KDescale, VDescale) of FP8 inputs, fp32 (batch, kv heads) contiguous
       strides        (batch, row, head) strides of Q, K, V and Out
       batch_strides  (AlibiSlopes, BlockTable) batch-row strides
       page_strides   (K, V) strides between pages; split_strides: (Out, Lse) strides between splits
@@ -196,7 +198,7 @@ def attn_fwd_kernel(
     """
     Q, K, V = inputs
     Out, Lse = outputs
-    AlibiSlopes, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, BlockTable, CacheBatchIdx, RngState = optional
+    AlibiSlopes, CuSeqlensQ, CuSeqlensK, SeqUsedK, LeftPadK, BlockTable, CacheBatchIdx, RngState, Descales = optional
     q_strides, k_strides, v_strides, o_strides = strides
     stride_qb, stride_qm, stride_qh = q_strides
     stride_kb, stride_kn, stride_kh = k_strides
@@ -313,6 +315,12 @@ def attn_fwd_kernel(
         slope_log2 = tl.load(AlibiSlopes + batch * stride_alibi_b + heads)[:, None] * 1.4426950408889634
     stream = (batch * num_heads + heads)[:, None]
 
+    if Descales is not None:
+        # FP8: q and k dequantize into the scores' scale (softcap's input scale too), v's into the output's (below)
+        QDescale, KDescale, VDescale = Descales
+        descale_index = batch * num_heads_k + head_k
+        qk_descale = tl.load(QDescale + descale_index) * tl.load(KDescale + descale_index)
+        scores = (scores[0] * qk_descale, scores[1] * qk_descale, scores[2])
     # [BLOCK_M] running max (log2), row sum; [BLOCK_M, BLOCK_DV] output accumulator
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -356,6 +364,8 @@ def attn_fwd_kernel(
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     if HAS_DROPOUT:
         out = out * dropout_scale
+    if Descales is not None:
+        out = out * tl.load(VDescale + descale_index)
     # rows that saw no key: +inf as flash_attn returns it, -inf inside a split so the combine weighs it 0
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf") if IS_SPLIT else float("inf"))

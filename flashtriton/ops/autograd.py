@@ -81,6 +81,28 @@ def _backward(ctx, saved, dout, dq, dk, dv) -> Optional[torch.Tensor]:
     return None if learnable_sink is None else sink_grad(softmax_lse[None], softmax_d[None], learnable_sink)
 
 
+def fp8_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax,
+                learnable_sink, descales, varlen: Optional[VarlenLayout] = None):
+    """The forward of FP8 inputs (docs/api.md §4.12), outside autograd: it has no backward, and refuses inputs that
+    need a gradient. Returns what the autograd functions return (out bf16)."""
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, learnable_sink)):
+        raise RuntimeError("FP8 attention is forward only: no input may require grad (run it under torch.no_grad() "
+                           "or detach the inputs)")
+    if softmax_scale is None:
+        softmax_scale = default_softmax_scale(q.shape[-1])
+    window_left, window_right = window_size_ints(window_size)
+    q, k, v = maybe_contiguous(q), maybe_contiguous(k), maybe_contiguous(v)
+    options = (float(dropout_p), float(softmax_scale), bool(causal), window_left, window_right, float(softcap),
+               alibi_slopes, False)
+    if varlen is None:
+        out, softmax_lse, s_dmask, _ = flash_forward(q, k, v, *options, learnable_sink, *descales)
+    else:
+        out, softmax_lse, s_dmask, _ = flash_varlen_forward(
+            q, k, v, varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.max_seqlen_q, varlen.max_seqlen_k, *options,
+            varlen.block_table, None, None, False, 0, learnable_sink, *descales)
+    return (out, softmax_lse, s_dmask) if return_softmax else out
+
+
 def _needs_grad(is_grad_enabled, *tensors) -> bool:
     return bool(is_grad_enabled) and any(getattr(t, "requires_grad", False) for t in tensors)
 

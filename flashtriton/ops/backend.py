@@ -156,7 +156,7 @@ def fwd_row_bounds(q, k, is_varlen: bool, block_table, seqused_k, leftpad_k, cac
 def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides: Tuple[int, int],
                seqlen_q: int, seqlen_k: int, batch: int, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
                leftpad_k=None, block_table=None, cache_batch_idx=None, num_splits: int = 1, dropout_p: float = 0.0,
-               rng_state=None) -> None:
+               rng_state=None, descales=None) -> None:
     """Run the forward kernel into preallocated out (q's layout) and lse (fp32, rows contiguous).
 
     Dense: q/k/v (B, S, H, D) (v and out: V's head dim Dv, any of 1..MAX_HEAD_DIM). Varlen (cu_seqlens given):
@@ -164,7 +164,8 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     Paged (block_table given): k/v are (num_pages, page_size, Hk, D). cache_batch_idx maps q's batch rows
     to K/V rows; seqused_k / leftpad_k bound each row's keys. num_splits > 1 (dense layout only) splits
     each row's keys, writes fp32 partials and merges them with the combine kernel. dropout_p > 0 drops
-    attention probabilities with the Philox stream seeded by rng_state ((2,) int64: seed, offset).
+    attention probabilities with the Philox stream seeded by rng_state ((2,) int64: seed, offset). descales: FP8
+    q, k, v's (q_descale, k_descale, v_descale), (B, Hk) fp32 each (out is bf16 then).
     """
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k, head_dim_v = k.shape[-2], v.shape[-1]
@@ -226,7 +227,8 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     with device_guard(q):
         attn_fwd_kernel[grid](
             (q, k, v), (out, lse),
-            (alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table, cache_batch_idx, rng_state),
+            (alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table, cache_batch_idx, rng_state,
+             None if descales is None else tuple(d.contiguous() for d in descales)),
             *descriptors, (q_strides(q), kv_strides(k), kv_strides(v), q_strides(out[0] if is_split else out)),
             *lse_strides, (_alibi_batch_stride(alibi_slopes), block_table.stride(0) if is_paged else 0), page_size,
             page_strides, split_strides, (num_heads, num_heads // num_heads_k), seqlen_q, seqlen_k, heads_per_group,
@@ -255,11 +257,13 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
 
 def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
             window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor], return_softmax: bool,
-            learnable_sink: Optional[torch.Tensor] = None):
+            learnable_sink: Optional[torch.Tensor] = None, q_descale=None, k_descale=None, v_descale=None):
     """Dense forward. Returns (out, softmax_lse (B, H, Sq), S_dmask, rng_state); see docs/api.md §7. With
-    learnable_sink (H,) the LSE includes the sinks (§4.11)."""
+    learnable_sink (H,) the LSE includes the sinks (§4.11); q/k/v_descale: FP8 inputs' (§4.12), out in bf16."""
+    descales = (q_descale, k_descale, v_descale)
     checks.check_fwd(q, k, v, dropout_p, softcap, alibi_slopes, return_softmax)
     checks.check_learnable_sink(learnable_sink, q, q.shape[2])
+    fp8 = checks.check_fp8(q, descales, q.shape[0], k.shape[2], dropout_p)
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k = k.shape[1]
     q, k, v = (t if checks.has_contiguous_last_dim(t) else t.contiguous() for t in (q, k, v))
@@ -280,20 +284,20 @@ def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, windo
 
     if not use_kernels:
         out, lse = reference_path.dense_forward(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes,
-                                                dropout_p, keep)
+                                                dropout_p, keep, descales if fp8 else None)
         if learnable_sink is not None:
             sink.fold_sink(out, lse, learnable_sink, runs_kernels=False)
         return out, lse, s_dmask, rng_state
 
     params = score_params(softmax_scale, causal, window_size_left, window_size_right, softcap, seqlen_k)
-    out = new_empty((batch, seqlen_q, num_heads, head_dim_v), q.dtype, q.device)
+    out = new_empty((batch, seqlen_q, num_heads, head_dim_v), torch.bfloat16 if fp8 else q.dtype, q.device)
     lse = new_empty((batch, num_heads, seqlen_q), torch.float32, q.device)
     # decode-shaped calls (a few query rows) split the keys as flash_attn_with_kvcache does
     num_splits = 1
     if seqlen_q <= configs.DECODE_MAX_ROWS and dropout_p == 0.0:
         num_splits = splits_for(q, k.shape[2], seqlen_q, seqlen_k, 0, params.causal_like, head_dim_v=head_dim_v)
     launch_fwd(q, k, v, out, lse, params, alibi_slopes, (lse.stride(0), lse.stride(1)), seqlen_q, seqlen_k, batch,
-               num_splits=num_splits, dropout_p=dropout_p, rng_state=rng_state)
+               num_splits=num_splits, dropout_p=dropout_p, rng_state=rng_state, descales=descales if fp8 else None)
     if learnable_sink is not None:
         sink.fold_sink(out, lse, learnable_sink, runs_kernels=True)
     return out, lse, s_dmask, rng_state
@@ -446,7 +450,7 @@ def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                    softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, return_softmax: bool = False,
                    block_table: Optional[torch.Tensor] = None, leftpad_k: Optional[torch.Tensor] = None,
                    seqused_k: Optional[torch.Tensor] = None, zero_tensors: bool = False, num_splits: int = 0,
-                   learnable_sink: Optional[torch.Tensor] = None):
+                   learnable_sink: Optional[torch.Tensor] = None, q_descale=None, k_descale=None, v_descale=None):
     """Varlen forward. Returns (out (Tq, H, D), softmax_lse (H, Tq), S_dmask, rng_state); see docs/api.md §7.
 
     Rows not covered by any sequence get out 0 and lse +inf (-inf with zero_tensors=True, as FA2; with
@@ -457,6 +461,8 @@ def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     batch = checks.check_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap, alibi_slopes,
                                     return_softmax, block_table, leftpad_k, seqused_k, num_splits)
     checks.check_learnable_sink(learnable_sink, q, q.shape[1])
+    descales = (q_descale, k_descale, v_descale)
+    fp8 = checks.check_fp8(q, descales, batch, k.shape[-2], dropout_p)
     total_q, num_heads, head_dim = q.shape
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     checks.check_varlen_index_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
@@ -478,7 +484,7 @@ def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     if not use_kernels:
         out, lse = reference_path.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
                                                  causal, window, softcap, alibi_slopes, block_table, leftpad_k,
-                                                 seqused_k, dropout_p, keep)
+                                                 seqused_k, dropout_p, keep, descales if fp8 else None)
         if zero_tensors:  # as the kernel path fills them below (CPU tensors: reading cu_seqlens_q costs nothing)
             lse[:, int(cu_seqlens_q[-1]):] = float("-inf")
         if learnable_sink is not None:
@@ -486,11 +492,11 @@ def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         return out, lse, s_dmask, rng_state
 
     params = score_params(softmax_scale, causal, window_size_left, window_size_right, softcap, max_seqlen_k)
-    out = new_empty((total_q, num_heads, v.shape[-1]), q.dtype, q.device)
+    out = new_empty((total_q, num_heads, v.shape[-1]), torch.bfloat16 if fp8 else q.dtype, q.device)
     lse = new_empty((num_heads, total_q), torch.float32, q.device)
     launch_fwd(q, k, v, out, lse, params, alibi_slopes, (0, lse.stride(0)), max_seqlen_q, max_seqlen_k, batch,
                cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table, dropout_p=dropout_p,
-               rng_state=rng_state)
+               rng_state=rng_state, descales=descales if fp8 else None)
     _zero_uncovered_rows(out, cu_seqlens_q)
     _zero_uncovered_rows(lse, cu_seqlens_q, float("-inf") if zero_tensors else float("inf"), dim=1)
     if learnable_sink is not None:

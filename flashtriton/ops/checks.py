@@ -50,7 +50,16 @@ def _major_capability(device_index: Optional[int]) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
+FP8_DTYPE = torch.float8_e4m3fn
+DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
+
+
 def check_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """fp16 / bf16 (FA2's), or FP8 e4m3 q, k and v together (forward only; check_fp8 checks the rest)."""
+    if q.dtype == FP8_DTYPE or k.dtype == FP8_DTYPE or v.dtype == FP8_DTYPE:
+        check(q.dtype == k.dtype == v.dtype == FP8_DTYPE,
+              f"FP8 attention takes q, k and v all in torch.float8_e4m3fn, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+        return
     check(q.dtype in SUPPORTED_DTYPES, "FlashAttention only support fp16 and bf16 data type")
     check(k.dtype == q.dtype, "query and key must have the same dtype")
     check(v.dtype == q.dtype, "query and value must have the same dtype")
@@ -153,6 +162,34 @@ def check_learnable_sink(learnable_sink: Optional[torch.Tensor], q: torch.Tensor
     check_same_device(q, learnable_sink=learnable_sink)
 
 
+def check_fp8(q: torch.Tensor, descales, batch: int, num_heads_k: int, dropout_p: float = 0.0) -> bool:
+    """Whether this forward is FP8 (docs/api.md §4.12): e4m3 q (check_dtypes saw k and v) with the three descales,
+    each (batch_size, num_heads_k) fp32 on q's device, an sm_89+ GPU or a CPU, no dropout. Descales without FP8
+    inputs raise too."""
+    descales = tuple(descales) if descales is not None else (None, None, None)
+    given = [name for name, d in zip(DESCALE_NAMES, descales) if d is not None]
+    if q.dtype != FP8_DTYPE:
+        check(not given,
+              f"{', '.join(given)} apply to FP8 (torch.float8_e4m3fn) q, k, v only, got q of dtype {q.dtype}")
+        return False
+    missing = [name for name, d in zip(DESCALE_NAMES, descales) if d is None]
+    check(not missing, f"FP8 (torch.float8_e4m3fn) q, k, v need q_descale, k_descale and v_descale ((batch_size, "
+                       f"num_heads_k) = ({batch}, {num_heads_k}) fp32), missing {', '.join(missing)}")
+    for name, descale in zip(DESCALE_NAMES, descales):
+        check(isinstance(descale, torch.Tensor) and tuple(descale.shape) == (batch, num_heads_k)
+              and descale.dtype == torch.float32,
+              f"{name} must be a (batch_size, num_heads_k) = ({batch}, {num_heads_k}) float32 tensor, got "
+              + (f"{tuple(descale.shape)} {descale.dtype}" if isinstance(descale, torch.Tensor)
+                 else type(descale).__name__))
+        check_same_device(q, **{name: descale})
+    check(dropout_p == 0.0, f"FP8 attention takes no dropout, got dropout_p={dropout_p}")
+    if q.is_cuda and torch.version.cuda is not None:
+        capability = torch.cuda.get_device_capability(q.device)
+        check(capability >= (8, 9), f"FP8 attention needs an sm_89 or newer GPU (FP8 tensor cores), got sm_"
+                                    f"{capability[0]}{capability[1]}")
+    return True
+
+
 def check_fwd(q, k, v, dropout_p: float, softcap: float, alibi_slopes, return_softmax: bool) -> None:
     """Every check of the dense forward (docs/api.md §6); also run by the fake implementation."""
     check_dense_qkv(q, k, v)
@@ -175,8 +212,14 @@ def _check_bwd_outputs(dout, q, out, dq, dk, dv, k, v) -> None:
     check_same_device(q, dout=dout, out=out, dq=dq, dk=dk, dv=dv)
 
 
+def check_no_fp8_backward(q: torch.Tensor) -> None:
+    check(q.dtype != FP8_DTYPE, "FP8 attention is forward only: there is no backward for torch.float8_e4m3fn inputs "
+                                "(train in bf16 / fp16)")
+
+
 def check_bwd(dout, q, k, v, out, dq, dk, dv, dropout_p: float, softcap: float, alibi_slopes) -> None:
     """Every check of the dense backward; also run by the fake implementation."""
+    check_no_fp8_backward(q)
     check_dense_qkv(q, k, v, direction="backward")
     _check_bwd_outputs(dout, q, out, dq, dk, dv, k, v)
     check_options(dropout_p, softcap, alibi_slopes, q.shape[0], q.shape[2], q)
@@ -244,6 +287,7 @@ def check_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p: float, soft
 def check_varlen_bwd(dout, q, k, v, out, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, dropout_p: float, softcap: float,
                      alibi_slopes) -> int:
     """Every check of the varlen backward; returns the batch size. Also run by the fake implementation."""
+    check_no_fp8_backward(q)
     batch = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, None, direction="backward")
     _check_bwd_outputs(dout, q, out, dq, dk, dv, k, v)
     check_options(dropout_p, softcap, alibi_slopes, batch, q.shape[1], q)

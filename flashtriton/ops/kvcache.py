@@ -58,7 +58,8 @@ def _append(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
 def mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens: Optional[torch.Tensor],
                     cache_batch_idx, cache_leftpad, block_table, softmax_scale: float, causal: bool,
                     window_size_left: int, window_size_right: int, softcap: float, rotary_interleaved: bool,
-                    alibi_slopes, num_splits: int, learnable_sink=None):
+                    alibi_slopes, num_splits: int, learnable_sink=None, q_descale=None, k_descale=None,
+                    v_descale=None):
     """Append k/v (rotated) into the caches in place, then attend. Returns (out (B, Sq, H, D), lse (B, H, Sq)).
 
     cache_seqlens is None (every row holds `capacity` keys) or an int32 (B,) tensor. learnable_sink (H,): sinks
@@ -67,6 +68,9 @@ def mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     checks.check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                          cache_leftpad, block_table, softcap, alibi_slopes, num_splits)
     checks.check_learnable_sink(learnable_sink, q, q.shape[2])
+    descales = (q_descale, k_descale, v_descale)
+    fp8 = checks.check_fp8(q, descales, q.shape[0], k_cache.shape[2])
+    checks.check(not (fp8 and rotary_cos is not None), "rotary embedding is not supported with FP8 inputs")
     batch, seqlen_q, num_heads, head_dim = q.shape
     capacity = checks.kv_capacity(k_cache, block_table)
     seqlen_new = 0 if k is None else k.shape[1]
@@ -80,7 +84,8 @@ def mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     if not runs_triton(q):
         out, lse = reference_path.kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                                   cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
-                                                  window, softcap, rotary_interleaved, alibi_slopes)
+                                                  window, softcap, rotary_interleaved, alibi_slopes,
+                                                  descales if fp8 else None)
         if learnable_sink is not None:
             sink.fold_sink(out, lse, learnable_sink, runs_kernels=False)
         return out, lse
@@ -98,14 +103,14 @@ def mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     # Keys past the capacity were not written, so they are never read either.
     seqused = torch.clamp(cache_seqlens + seqlen_new if seqlen_new else cache_seqlens, max=capacity)  # int32
     leftpad = None if cache_leftpad is None else torch.clamp(cache_leftpad, min=0)
-    out = new_empty((batch, seqlen_q, num_heads, v_cache.shape[-1]), q.dtype, q.device)
+    out = new_empty((batch, seqlen_q, num_heads, v_cache.shape[-1]), torch.bfloat16 if fp8 else q.dtype, q.device)
     lse = new_empty((batch, num_heads, seqlen_q), torch.float32, q.device)
     launch_fwd(q, k_cache, v_cache, out, lse, params, alibi_slopes, (lse.stride(0), lse.stride(1)), seqlen_q,
                capacity, batch, seqused_k=seqused, leftpad_k=leftpad, block_table=block_table,
                cache_batch_idx=cache_batch_idx,
                num_splits=splits_for(q, k_cache.shape[-2], seqlen_q, capacity, num_splits,
                                      params.causal_like, 0 if block_table is None else k_cache.shape[1],
-                                     v_cache.shape[-1]))
+                                     v_cache.shape[-1]), descales=descales if fp8 else None)
     if learnable_sink is not None:
         sink.fold_sink(out, lse, learnable_sink, runs_kernels=True)
     return out, lse

@@ -32,21 +32,26 @@ def _flash_attn_forward(
     alibi_slopes: Optional[Tensor],
     return_softmax: bool,
     learnable_sink: Optional[Tensor] = None,
+    q_descale: Optional[Tensor] = None,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Dense forward; returns (out, softmax_lse (B, H, Sq) fp32, S_dmask, rng_state (2,) int64). learnable_sink
-    (H,): sinks, included in softmax_lse (docs/api.md §4.11)."""
+    (H,): sinks, included in softmax_lse (docs/api.md §4.11); q/k/v_descale: FP8 inputs' (§4.12), out in bf16."""
     return backend.mha_fwd(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-                           softcap, alibi_slopes, return_softmax, learnable_sink)
+                           softcap, alibi_slopes, return_softmax, learnable_sink, q_descale, k_descale, v_descale)
 
 
 @_flash_attn_forward.register_fake
 def _flash_attn_forward_fake(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-                             softcap, alibi_slopes, return_softmax, learnable_sink=None):
+                             softcap, alibi_slopes, return_softmax, learnable_sink=None, q_descale=None,
+                             k_descale=None, v_descale=None):
     checks.check_fwd(q, k, v, dropout_p, softcap, alibi_slopes, return_softmax)
     checks.check_learnable_sink(learnable_sink, q, q.shape[2])
+    fp8 = checks.check_fp8(q, (q_descale, k_descale, v_descale), q.shape[0], k.shape[2], dropout_p)
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k = k.shape[1]
-    out = q.new_empty(batch, seqlen_q, num_heads, head_dim)
+    out = q.new_empty(batch, seqlen_q, num_heads, v.shape[-1], dtype=torch.bfloat16 if fp8 else q.dtype)
     softmax_lse = q.new_empty(batch, num_heads, seqlen_q, dtype=torch.float32)
     if return_softmax:
         s_dmask = q.new_empty(batch, num_heads, _round128(seqlen_q), _round128(seqlen_k))
@@ -114,24 +119,29 @@ def _flash_attn_varlen_forward(
     zero_tensors: bool = False,
     num_splits: int = 0,
     learnable_sink: Optional[Tensor] = None,
+    q_descale: Optional[Tensor] = None,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Varlen forward; returns (out (Tq, H, D), softmax_lse (H, Tq) fp32, S_dmask, rng_state)."""
     return backend.mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                   softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
                                   return_softmax, block_table, leftpad_k, seqused_k, zero_tensors, num_splits,
-                                  learnable_sink)
+                                  learnable_sink, q_descale, k_descale, v_descale)
 
 
 @_flash_attn_varlen_forward.register_fake
 def _flash_attn_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                     softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
                                     alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
-                                    seqused_k=None, zero_tensors=False, num_splits=0, learnable_sink=None):
+                                    seqused_k=None, zero_tensors=False, num_splits=0, learnable_sink=None,
+                                    q_descale=None, k_descale=None, v_descale=None):
     batch = checks.check_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap, alibi_slopes,
                                     return_softmax, block_table, leftpad_k, seqused_k, num_splits)
     checks.check_learnable_sink(learnable_sink, q, q.shape[1])
+    fp8 = checks.check_fp8(q, (q_descale, k_descale, v_descale), batch, k.shape[-2], dropout_p)
     total_q, num_heads, head_dim = q.shape
-    out = q.new_empty(total_q, num_heads, head_dim)
+    out = q.new_empty(total_q, num_heads, v.shape[-1], dtype=torch.bfloat16 if fp8 else q.dtype)
     softmax_lse = q.new_empty(num_heads, total_q, dtype=torch.float32)
     if return_softmax:
         s_dmask = q.new_empty(batch, num_heads, _round128(max_seqlen_q), _round128(max_seqlen_k))
@@ -205,23 +215,29 @@ def fwd_kvcache(
     alibi_slopes: Optional[Tensor],
     num_splits: int,
     learnable_sink: Optional[Tensor] = None,
+    q_descale: Optional[Tensor] = None,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """KV-cache forward: appends k/v into the caches (in place), returns (out, softmax_lse (B, H, Sq))."""
     return kvcache.mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                    cache_leftpad, block_table, softmax_scale, causal, window_size_left,
                                    window_size_right, softcap, rotary_interleaved, alibi_slopes, num_splits,
-                                   learnable_sink)
+                                   learnable_sink, q_descale, k_descale, v_descale)
 
 
 @fwd_kvcache.register_fake
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                       cache_leftpad, block_table, softmax_scale, causal, window_size_left, window_size_right, softcap,
-                      rotary_interleaved, alibi_slopes, num_splits, learnable_sink=None):
+                      rotary_interleaved, alibi_slopes, num_splits, learnable_sink=None, q_descale=None,
+                      k_descale=None, v_descale=None):
     checks.check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                          cache_leftpad, block_table, softcap, alibi_slopes, num_splits)
     checks.check_learnable_sink(learnable_sink, q, q.shape[2])
+    fp8 = checks.check_fp8(q, (q_descale, k_descale, v_descale), q.shape[0], k_cache.shape[2])
     batch, seqlen_q, num_heads, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty(batch, num_heads, seqlen_q, dtype=torch.float32)
+    out = q.new_empty(batch, seqlen_q, num_heads, v_cache.shape[-1], dtype=torch.bfloat16 if fp8 else q.dtype)
+    return out, q.new_empty(batch, num_heads, seqlen_q, dtype=torch.float32)
 
 
 def eager_or_op(op, implementation):

@@ -21,11 +21,11 @@ from . import dropout
 
 
 def dense_forward(q, k, v, softmax_scale: float, causal: bool, window: Tuple[int, int], softcap: float, alibi_slopes,
-                  dropout_p: float, keep: Optional[torch.Tensor]):
-    """(out, lse) of mha_fwd; keep: the (B, H, R(Sq), R(Sk)) keep mask when dropout_p > 0."""
+                  dropout_p: float, keep: Optional[torch.Tensor], descales=None):
+    """(out, lse) of mha_fwd; keep: the (B, H, R(Sq), R(Sk)) keep mask when dropout_p > 0; descales: FP8's."""
     dropout_mask = None if keep is None else keep[:, :, :q.shape[1], :k.shape[1]]
     return attention_reference(q, k, v, softmax_scale, causal, window, softcap, alibi_slopes, dropout_p, dropout_mask,
-                               compute_dtype=torch.float32)
+                               compute_dtype=torch.float32, descales=descales)
 
 
 def dense_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softmax_scale: float, causal: bool,
@@ -67,7 +67,7 @@ def _gather_paged(cache: torch.Tensor, block_table: torch.Tensor, cu_seqlens_k: 
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softmax_scale: float, causal: bool,
                    window: Tuple[int, int], softcap: float, alibi_slopes, block_table, leftpad_k, seqused_k,
-                   dropout_p: float, keep: Optional[torch.Tensor]):
+                   dropout_p: float, keep: Optional[torch.Tensor], descales=None):
     """(out, lse) of mha_varlen_fwd: per-sequence reference (a host loop); paged K/V gathered, seqused_k / leftpad_k
     applied by cutting each sequence's keys."""
     cu_k = cu_seqlens_k
@@ -81,7 +81,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int, softm
         cu_k = torch.nn.functional.pad((ends - starts).cumsum(0), (1, 0)).to(torch.int32)
     return attention_reference_varlen(q, k, v, cu_seqlens_q, cu_k, max_seqlen_k, softmax_scale, causal, window,
                                       softcap, alibi_slopes, dropout_p=dropout_p, dropout_mask=keep,
-                                      compute_dtype=torch.float32)
+                                      compute_dtype=torch.float32, descales=descales)
 
 
 def varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_k: int,
@@ -104,12 +104,12 @@ def varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, c
 
 def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                     block_table, softmax_scale: float, causal: bool, window: Tuple[int, int], softcap: float,
-                    rotary_interleaved: bool, alibi_slopes):
+                    rotary_interleaved: bool, alibi_slopes, descales=None):
     """(out, lse) of mha_fwd_kvcache; k / v are appended into k_cache / v_cache in place, as the kernels do."""
     out, lse, new_k_cache, new_v_cache = kvcache_reference(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
         block_table, softmax_scale, causal, window, softcap, rotary_interleaved, alibi_slopes,
-        compute_dtype=torch.float32)
+        compute_dtype=torch.float32, descales=descales)
     k_cache.copy_(new_k_cache)
     v_cache.copy_(new_v_cache)
     return out, lse
