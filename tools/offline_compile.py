@@ -94,8 +94,10 @@ def _kernel_values(name, head_dim, local, block_m, block_n, dtype, dropout, pack
         if packed:
             descriptors = (*(Arg(f"tensordesc<{dtype}[1,{rows},1,{width}]>")
                              for rows, width in ((block_m, block_d), (block_n, block_d), (block_n, block_dv))), None)
-        return dict(inputs=(_pointer(dtype),) * 3, outputs=(_pointer(dtype), _pointer("fp32")),
-                    optional=(None, cu_seqlens, cu_seqlens, paging, None, paging, None, rng_state),
+        out_dtype = "bf16" if dtype == "fp8e4nv" else dtype  # FP8 inputs write bf16
+        return dict(inputs=(_pointer(dtype),) * 3, outputs=(_pointer(out_dtype), _pointer("fp32")),
+                    optional=(None, cu_seqlens, cu_seqlens, paging, None, paging, None, rng_state,
+                              (_pointer("fp32"),) * 3 if dtype == "fp8e4nv" else None),
                     **dict(zip(("q_desc", "k_desc", "v_desc", "o_desc"), descriptors)), strides=(row_strides,) * 4, stride_lse_b=INT, stride_lse_h=INT,
                     batch_strides=(STRIDE, STRIDE), page_size=INT, page_strides=(STRIDE, STRIDE),
                     split_strides=(STRIDE, STRIDE), head_counts=(INT, INT), **scores, **flags, IS_SPLIT=False,
@@ -209,6 +211,7 @@ def main():
                                                 "HOPPER_BWD entry")
     parser.add_argument("--config", default="128,128,8,3")
     parser.add_argument("--dropout", action="store_true")
+    parser.add_argument("--fp8", action="store_true", help="forward only: e4m3 q, k, v with descales (bf16 out)")
     parser.add_argument("--pack-gqa", action="store_true", help="forward only: packed GQA decode tiles")
     parser.add_argument("--paged", action="store_true", help="forward only: paged K/V, one page per key tile")
     parser.add_argument("--tma-device", action="store_true",
@@ -250,7 +253,7 @@ def main():
         return
     block_m, block_n, warps, stages = (int(x) for x in args.config.split(","))
     compiled = compile_kernel(KERNELS[args.kernel], args.head_dim, args.local, block_m, block_n, warps, stages,
-                              dropout=args.dropout, pack_gqa=args.pack_gqa, paged=args.paged,
+                              dtype="fp8e4nv" if args.fp8 else "bf16", dropout=args.dropout, pack_gqa=args.pack_gqa, paged=args.paged,
                               tma_device=args.tma_device, packed=args.packed, dq_atomic=args.dq_atomic,
                               head_dim_v=args.head_dim_v)
     print(f"{args.kernel} d{args.head_dim} dv{args.head_dim_v or args.head_dim} local={args.local} dropout={args.dropout} pack_gqa={args.pack_gqa} "
