@@ -4,7 +4,8 @@
 #
 #   bash tools/gpu_check.sh [STEPS]     STEPS: comma list of tests,reliability,sanitize,bench,triton,deterministic,
 #                                       sweep,hopper-sweep,l2-groups,decode,decode-sweep,varlen,dropout,cold,fa4,
-#                                       features,model,context-parallel,host,fuzz (default tests,reliability,decode)
+#                                       features,model,context-parallel,fp8,host,fuzz (default tests,reliability,
+#                                       decode)
 # Environment: FLASHTRITON_COMMIT (the commit recorded in bench metadata), OUT, FUZZ_EXAMPLES (fuzz step, default
 # 120), TESTS_LIMIT (tests step seconds, default 300; a machine with an empty Triton cache needs ~400).
 set -uo pipefail
@@ -62,6 +63,8 @@ step model 540 python benchmarks/bench_model.py --out "$out/model"
 # PyTorch's context_parallel with flashtriton as SDPA's flash provider; ring-flash-attn must be installed (--no-deps)
 step context-parallel 560 bash -c "python benchmarks/bench_context_parallel.py --world \$(python -c 'import torch; \
   print(torch.cuda.device_count())') --out '$out/context-parallel'"
+# FP8 against bf16: the forward on the baseline shapes (d128, d256), FP8-cache decode, accuracy
+step fp8 300 python benchmarks/bench_fp8.py --out "$out/fp8"
 # host time per eager call (profile of 300 warm calls)
 step host 60 python tools/profile_first_call.py --top 25 --steady 300
 # the four fuzz tests side by side (one process each, logs fuzz-<test>.log), new random cases each run;
