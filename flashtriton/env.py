@@ -19,7 +19,8 @@ OLD_GPU_REASON = "FlashAttention only supports Ampere GPUs or newer."
 
 # Features of the dense API that every supported device runs.
 DENSE_FEATURES = ("forward", "backward", "fp16", "bf16", "causal", "sliding window", "softcap", "ALiBi",
-                  "GQA/MQA", "head dim 1..256", "deterministic backward", "dropout")
+                  "GQA/MQA", "head dim 1..512", "V head dim apart from q's", "learnable sinks",
+                  "deterministic backward", "dropout")
 # Public functions of the flash_attn 2.x surface that may not be implemented yet.
 OPTIONAL_FUNCTIONS = {"varlen": "flash_attn_varlen_func", "kv cache": "flash_attn_with_kvcache"}
 

@@ -22,7 +22,7 @@ uint64 tensors aten returns without dropout.
 
 Unsupported here, raising RuntimeError naming the argument: dropout_p > 0, return_debug_mask, block_table (paged
 KV), seqused_k. Dtype, head dim and shape errors are flashtriton's own (docs/api.md §6): fp16 and
-bf16 only, head dim at most 256. SDPA checks its FLASH backend's constraints (no attn_mask, fp16/bf16, ...) before
+bf16 only, head dim at most 512. SDPA checks its FLASH backend's constraints (no attn_mask, fp16/bf16, ...) before
 it calls these kernels, so those calls go to the other backends as usual.
 
 Activation checks each operator's schema against the functions here and raises naming the operator when the
