@@ -333,6 +333,8 @@ class Validator:
             "varlen = dense": lambda: self.check_varlen_equals_dense(
                 replace(base, batch=3, causal=True, alibi=True, num_heads=2 * base.num_heads)),
             "dropout": lambda: self.check_dropout(replace(base, causal=True, num_heads=2 * base.num_heads)),
+            "learnable sink": lambda: self.check_extension(replace(base, causal=True), sink=True),
+            "V head dim 32, q's 64": lambda: self.check_extension(replace(base, causal=True), head_dim_v=32),
         }
         return [Check("edge", name, run) for name, run in probes.items()]
 
@@ -355,6 +357,25 @@ class Validator:
         failures = [] if rate_ok else [f"drop rate {drop_rate:.3f}, expected {DROPOUT_P} +- 0.02"]
         extra = [{"name": "drop rate", "max_error": abs(drop_rate - DROPOUT_P), "bound": 0.02, "ok": rate_ok}]
         return summarize("edge", "dropout", checks, failures, extra)
+
+    def check_extension(self, case: Case, sink: bool = False, head_dim_v: int = 0) -> CheckResult:
+        """The extensions of the API (docs/api.md §2.4, §4.11): learnable sinks (dsink too) or a V head dim apart
+        from q's, forward and backward, against the reference (tolerance rule)."""
+        q, k, v, _ = make_case_inputs(case, self.device, requires_grad=True)
+        if head_dim_v:
+            v = torch.randn(*v.shape[:-1], head_dim_v, device=self.device).to(case.dtype).requires_grad_()
+        learnable_sink = torch.randn(case.num_heads, device=self.device).requires_grad_() if sink else None
+        leaves = (q, k, v) if learnable_sink is None else (q, k, v, learnable_sink)
+        scale = self.kernel_scale(case)
+        with poisoned_outputs():
+            out, lse, _ = flash_attn_func(q, k, v, 0.0, scale, case.causal, return_attn_probs=True,
+                                          learnable_sink=learnable_sink)
+            dout = torch.randn_like(out)
+            grads = torch.autograd.grad(out, leaves, dout)
+        checks = compare_with_reference(case, out, lse, q, k, v, None, grads, dout, grad_factor=GRAD_FACTOR,
+                                        learnable_sink=learnable_sink)
+        return summarize("edge", "learnable sink" if sink else f"V head dim {head_dim_v}, q's {case.head_dim}",
+                         checks)
 
     def check_window_zero(self, case: Case) -> CheckResult:
         """window (0, 0) with Sq == Sk: each row sees only its aligned key, so out must equal V exactly."""

@@ -126,6 +126,7 @@ def test_validate_inject_fault_fails_after_reexec(validate_runs):
         assert f"FAIL api / {path} base" in run.stdout, path
     for path, variant in kvcache_cases():
         assert f"FAIL api / {path} {variant} " in run.stdout, (path, variant)
+    assert "FAIL edge / learnable sink" in run.stdout and "FAIL edge / V head dim 32" in run.stdout
 
 
 def test_inject_fault_is_hidden_from_help(capsys):
