@@ -52,7 +52,8 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 
 
 def _is_fp8(q, descales) -> bool:
-    return q.dtype == torch.float8_e4m3fn or any(d is not None for d in descales)
+    return q.dtype == torch.float8_e4m3fn or descales[0] is not None or descales[1] is not None or \
+        descales[2] is not None
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,

@@ -56,6 +56,8 @@ DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
 
 def check_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """fp16 / bf16 (FA2's), or FP8 e4m3 q, k and v together (forward only; check_fp8 checks the rest)."""
+    if q.dtype in SUPPORTED_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype:  # the common case, first
+        return
     if q.dtype == FP8_DTYPE or k.dtype == FP8_DTYPE or v.dtype == FP8_DTYPE:
         check(q.dtype == k.dtype == v.dtype == FP8_DTYPE,
               f"FP8 attention takes q, k and v all in torch.float8_e4m3fn, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
@@ -123,6 +125,8 @@ def check_dense_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, direction
     check_head_counts(num_heads, num_heads_k)
     names = ("batch_size", "seqlen_k", "num_heads_k", "head_size")
     check_shape(k, "k", names, (batch, seqlen_k, num_heads_k, head_dim))
+    if v.shape == k.shape:  # the common case: k's checks hold for v
+        return
     check_dim(v, "v", ("batch_size", "seqlen_k", "num_heads_k", "head_size_v"))
     check_head_dim(v.shape[-1], direction, "v")
     check_shape(v, "v", ("batch_size", "seqlen_k", "num_heads_k", "head_size_v"),
@@ -167,6 +171,8 @@ def check_fp8(q: torch.Tensor, descales, batch: int, num_heads_k: int, dropout_p
     each (batch_size, num_heads_k) fp32 on q's device, an sm_89+ GPU or a CPU, no dropout. Descales without FP8
     inputs raise too."""
     descales = tuple(descales) if descales is not None else (None, None, None)
+    if q.dtype != FP8_DTYPE and descales[0] is None and descales[1] is None and descales[2] is None:
+        return False  # the common case, in O(1)
     given = [name for name, d in zip(DESCALE_NAMES, descales) if d is not None]
     if q.dtype != FP8_DTYPE:
         check(not given,
