@@ -2,8 +2,10 @@
 
 Triton 3.6-3.9's interpreter multiplies bf16 tl.dot operands as their uint16 storage. Every tl.dot of the
 attention kernels goes through flashtriton.kernels.common.mma, which widens bf16 operands to fp32 where the
-kernels are interpreted. These tests run the kernels in bf16 against the float64 reference and check that
-tests/conftest.py leaves the interpreter's dot alone, so the library, not the test setup, makes bf16 right.
+kernels are interpreted. The interpreter also converts fp32 to bf16 (and e4m3) by truncation where the GPU
+rounds to nearest even; every narrowing conversion of the kernels goes through common.narrow, which rounds first.
+These tests run the kernels in bf16 against the float64 reference and check that tests/conftest.py leaves the
+interpreter's dot alone, so the library, not the test setup, makes bf16 right.
 """
 
 import pytest
@@ -56,6 +58,39 @@ def test_mma_sums_exact_products_in_fp32(dtype):
     bound = (k + 1) * 2.0 ** -24 * (a.double().abs() @ b.double().abs() + c.double().abs())
     assert ((product.double() - exact).abs() <= bound).all(), float((product.double() - exact).abs().max())
     assert ((out.double() - (exact + c.double())).abs() <= bound).all(), float((out.double() - exact).abs().max())
+
+
+@triton.jit
+def _narrow_kernel(X, Out, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Out + offs, common.narrow(tl.load(X + offs), Out.dtype.element_ty))
+
+
+@pytest.mark.skipif(not backend.KERNELS_INTERPRETED and not torch.cuda.is_available(),
+                    reason="no kernel runs here: neither interpreted nor a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn], ids=["bf16", "fp16", "e4m3"])
+def test_narrow_rounds_to_nearest_even(dtype):
+    """common.narrow gives torch's conversion bit for bit (round to nearest even; the GPU's cvt.rn), interpreted or
+    compiled: random values over many binades, ties, signed zeros, infinities and NaN (e4m3: within +-448, where
+    torch does not saturate)."""
+    device = "cpu" if backend.KERNELS_INTERPRETED else "cuda"
+    generator = torch.Generator().manual_seed(0)
+    if dtype == torch.float8_e4m3fn:
+        grid = torch.arange(-448.0, 448.0, 2.0 ** -4)
+        values = torch.cat([torch.rand(2048, generator=generator) * 896 - 448,
+                            torch.randn(1024, generator=generator) * 2.0 ** -6, grid[:1024] + 2.0 ** -5])
+    else:
+        values = torch.cat([torch.randn(3000, generator=generator) * 10.0 ** torch.randint(-4, 5, (3000,),
+                                                                                          generator=generator),
+                            torch.tensor([1.00390625, 1.01171875, 0.99995, -0.99995, 0.0, -0.0, float("inf"),
+                                          -float("inf"), float("nan")])])
+    x = torch.cat([values, torch.zeros(4096 - values.numel())]).to(device)
+    out = torch.empty(4096, dtype=dtype, device=device)
+    _narrow_kernel[(1,)](x, out, 4096)
+    expected = x.to(dtype)
+    same = (out.view(torch.uint8) == expected.view(torch.uint8)).view(4096, -1).all(-1)
+    same |= out.float().isnan() & expected.float().isnan()
+    assert same.all(), (x[~same][:4], out[~same][:4], expected[~same][:4])
 
 
 @interpreted_only

@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from .common import (alibi_bias_log2, dropout_keep, grouped_tile_and_batch_head, head_rows_descriptor,
-                     kv_block_range, load_head_rows, mma, q_block_range, row_offsets, scores_log2, sequence_bounds,
-                     tanh, tile_and_batch_head, to_int64, visibility_mask)
+                     kv_block_range, load_head_rows, mma, narrow, q_block_range, row_offsets, scores_log2,
+                     sequence_bounds, tanh, tile_and_batch_head, to_int64, visibility_mask)
 
 
 @triton.jit(do_not_specialize=["stride_delta_b", "stride_delta_h", "seqlen_q", "delta_rows", "q_rows"])
@@ -136,21 +136,21 @@ def _dkdv_q_loop(dk, dv, k, v, n_start, m_block_lo, m_block_hi, head_rows, row_s
         dp_t = mma(v, tl.trans(do))
         if HAS_DROPOUT:
             keep_t = tl.trans(dropout_keep(rng_state, stream, offs_m, n_start, keep_threshold, BLOCK_N))
-            dv = mma((tl.where(keep_t, p_t, 0.0) * dropout_scale).to(do.dtype), do, dv)
+            dv = mma(narrow(tl.where(keep_t, p_t, 0.0) * dropout_scale, do.dtype), do, dv)
             dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
         else:
-            dv = mma(p_t.to(do.dtype), do, dv)
+            dv = mma(narrow(p_t, do.dtype), do, dv)
         ds_t = p_t * (dp_t - delta[None, :])
         if HAS_SOFTCAP:
             cap_t = tanh(qk_t * softcap_in_scale)
             ds_t = ds_t * (1.0 - cap_t * cap_t)
-        dk = mma(ds_t.to(q_t.dtype), tl.trans(q_t), dk)
+        dk = mma(narrow(ds_t, q_t.dtype), tl.trans(q_t), dk)
         if DQ_ATOMIC:
             # Unmasked blocks leave keys past seqlen_k unmasked (their dK/dV rows are never stored); their dS
             # must not reach dQ, where exp2(0 - lse) may be inf and k's row is 0.
             ds_t = tl.where((offs_n < seqlen_k)[:, None], ds_t, 0.0)
             # [BLOCK_M, BLOCK_D] this key tile's part of the query block's dQ (unscaled)
-            dq_part = mma(tl.trans(ds_t.to(k.dtype)), k)
+            dq_part = mma(tl.trans(narrow(ds_t, k.dtype)), k)
             tl.atomic_add(dqa_base + offs_m.to(tl.int64)[:, None] * stride_dqa_m + offs_d[None, :], dq_part,
                           mask=row_in[:, None] & d_in[None, :], sem="relaxed")
     return dk, dv
@@ -251,9 +251,9 @@ def attn_bwd_dkdv_kernel(
 
     dk = dk * softmax_scale
     tl.store(DK + batch64 * stride_dkb + rows_k * stride_dkn + head_k.to(tl.int64) * stride_dkh
-             + offs_col[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
+             + offs_col[:, None] * stride_dkn + offs_d[None, :], narrow(dk, DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + batch64 * stride_dvb + rows_k * stride_dvn + head_k.to(tl.int64) * stride_dvh
-             + offs_col[:, None] * stride_dvn + offs_dv[None, :], dv.to(DV.dtype.element_ty), mask=v_mask)
+             + offs_col[:, None] * stride_dvn + offs_dv[None, :], narrow(dv, DV.dtype.element_ty), mask=v_mask)
 
 
 @triton.jit
@@ -310,7 +310,7 @@ def _dq_kv_loop(dq, q, do, lse_log2, delta, offs_m, n_block_lo, n_block_hi, kv, 
         if HAS_SOFTCAP:
             cap = tanh(qk * softcap_in_scale)
             ds = ds * (1.0 - cap * cap)
-        dq = mma(ds.to(k_t.dtype), tl.trans(k_t), dq)
+        dq = mma(narrow(ds, k_t.dtype), tl.trans(k_t), dq)
     return dq
 
 
@@ -399,4 +399,4 @@ def attn_bwd_dq_kernel(
                          BLOCK_DV=BLOCK_DV)
     dq = dq * softmax_scale
     tl.store(DQ + batch64 * stride_dqb + rows_q * stride_dqm + head64 * stride_dqh
-             + offs_row[:, None] * stride_dqm + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=q_mask)
+             + offs_row[:, None] * stride_dqm + offs_d[None, :], narrow(dq, DQ.dtype.element_ty), mask=q_mask)

@@ -7,7 +7,7 @@ lse_s = -inf and weigh nothing; rows no split saw get out 0 and lse +inf (flash_
 import triton
 import triton.language as tl
 
-from .common import tile_and_batch_head
+from .common import narrow, tile_and_batch_head
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "num_splits", "stride_la_split", "stride_la_b", "stride_la_h",
@@ -49,5 +49,5 @@ def attn_combine_kernel(
         partial = tl.load(out_rows + split * stride_oa_split + offs_d[None, :], mask=mask, other=0.0)
         acc += tl.where(scale[:, None] > 0.0, partial * scale[:, None], 0.0)
     out_ptrs = Out + batch * stride_ob + head * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :]
-    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs, narrow(acc, Out.dtype.element_ty), mask=mask)
     tl.store(Lse + batch * stride_lse_b + head * stride_lse_h + offs_m, lse, mask=row_in)

@@ -35,18 +35,46 @@ def mma(a, b, acc=None):
 
 
 @triton.jit
-def pv_operand(p, dtype: tl.constexpr):
-    """Probabilities p (fp32, in [0, 2^8]) as the P.V product's A operand, in V's dtype (fp16, bf16, or e4m3 for FP8
-    inputs: round to nearest even, saturating at 448). Triton's interpreter (3.6) converts fp32 to e4m3 by
-    truncation with lost carries (0.49 -> 0.25); interpreted, p is first rounded onto the e4m3 grid in fp32 (adding and
-    subtracting 1.5 * 2^23 ulps rounds to the ulp exactly), whose values it converts exactly. Compiled, that branch
-    leaves no code."""
-    if INTERPRETED and dtype == tl.float8e4nv:
-        # the e4m3 ulp at p: 2^(exponent - 3), normal exponents from -6 (below: the subnormals' 2^-9)
-        exponent = tl.maximum(tl.floor(tl.log2(tl.maximum(p, 0.001953125))), -6.0)
-        magic = tl.exp2(exponent - 3.0) * 12582912.0
-        p = tl.minimum((p + magic) - magic, 448.0)
-    return p.to(dtype)
+def narrow(x, dtype: tl.constexpr):
+    """x in dtype (fp16, bf16 or e4m3), rounded to nearest even (e4m3 saturating at +-448), as the GPU converts.
+    Every narrowing conversion of the Triton kernels goes through here. Triton's interpreter (3.6) converts fp32 to
+    bf16 by truncation (0.99995 -> 0.9961) and to e4m3 by truncation with lost carries (0.49 -> 0.25); interpreted,
+    x is first rounded onto dtype's grid in fp32, whose values it then converts exactly: bf16 by rounding the fp32
+    bits to their upper 16 (NaN kept; fp32 subnormals still flush to 0 there), e4m3 by adding and subtracting 1.5 * 2^23 ulps (which rounds to the ulp).
+    Compiled, INTERPRETED is False, the branches leave no code and this is x.to(dtype)."""
+    if INTERPRETED and x.dtype == tl.float32:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            # + 0x7FFF, + 1 more where the kept part is odd: ties go to even; then the lower 16 bits cleared
+            bits = (bits + (32767 + ((bits >> 16) & 1))) >> 16 << 16
+            x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+        if dtype == tl.float8e4nv:
+            # the e4m3 ulp at |x|: 2^(exponent - 3), normal exponents from -6 (below: the subnormals' 2^-9)
+            exponent = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(x), 0.001953125))), -6.0)
+            magic = tl.exp2(exponent - 3.0) * 12582912.0
+            rounded = tl.minimum(tl.maximum((x + magic) - magic, -448.0), 448.0)
+            x = tl.where(rounded == 0.0, x * 0.0, rounded)  # zeros keep x's sign
+    return x.to(dtype)
+
+
+# FP8's P.V: P (in [0, 1], the forward rescales every block for FP8) is scaled by this power of two before it is split
+# into two e4m3 terms, so that the low term of small probabilities stays out of e4m3's subnormals; the output divides
+# it out.
+FP8_P_SCALE = tl.constexpr(16.0)
+
+
+@triton.jit
+def pv_product(p, v, acc):
+    """acc + p.v for a [BLOCK_M, BLOCK_N] fp32 p and a [BLOCK_N, BLOCK_DV] v. fp16 / bf16 v: p rounded to v's dtype,
+    one product. FP8 (e4m3) v: p * FP8_P_SCALE as two e4m3 terms, hi = e4m3(16 p) and lo = e4m3(16 p - hi), each
+    multiplied by v (two FP8 products): P keeps about 8 significant bits, as in bf16, where one e4m3 term keeps 4 (a
+    10x larger output RMSE on N(0, 1) inputs). acc then holds FP8_P_SCALE times the sum; the caller divides it out."""
+    if v.dtype == tl.float8e4nv:
+        scaled = p * FP8_P_SCALE
+        high = narrow(scaled, v.dtype)
+        acc = mma(high, v, acc)
+        return mma(narrow(scaled - high.to(tl.float32), v.dtype), v, acc)
+    return mma(narrow(p, v.dtype), v, acc)
 
 
 # TRITON_INTERPRET is read when @triton.jit decorates, so a decorated function says whether kernels are

@@ -21,8 +21,8 @@ K/V tile is read once per KV head instead of once per query head.
 import triton
 import triton.language as tl
 
-from .common import (alibi_bias_log2, dropout_keep, grouped_tile_and_batch_head, kv_block_range, mma,
-                     paged_row_offsets, pages_in_pool, pv_operand, row_offsets, scores_log2, sequence_bounds,
+from .common import (FP8_P_SCALE, alibi_bias_log2, dropout_keep, grouped_tile_and_batch_head, kv_block_range, mma,
+                     narrow, paged_row_offsets, pages_in_pool, pv_product, row_offsets, scores_log2, sequence_bounds,
                      split_kv_block_range, to_int64, visibility_mask)
 
 # TMA_MODE values
@@ -46,8 +46,8 @@ def _fwd_kv_loop(acc, l_i, m_i, q, offs_m, n_block_lo, n_block_hi, kv, k_desc, v
     row's pages, None where K/V are not paged; pages: (page_size, stride_kpage, stride_vpage, num_pages); with
     CHECK_PAGES, keys on a page outside [0, num_pages) are masked (paged_row_offsets);
     alibi: ([BLOCK_M, 1] slopes in log2 units, alibi_pure_causal); dropout: the kernel's (keep_threshold,
-    dropout_scale), drawn from rng_state in the rows' Philox streams. FP8 (e4m3) K and V: P is rounded to e4m3 for
-    the P.V product, as V's dtype.
+    dropout_scale), drawn from rng_state in the rows' Philox streams. FP8 (e4m3) K and V: P enters the P.V product
+    as two e4m3 terms scaled by FP8_P_SCALE (common.pv_product; the epilogue divides it out).
     """
     k_base, v_base, stride_kn, stride_vn, desc_kv_batch, desc_k_row0, desc_head_k = kv
     page_size, stride_kpage, stride_vpage, num_pages = pages
@@ -123,7 +123,7 @@ def _fwd_kv_loop(acc, l_i, m_i, q, offs_m, n_block_lo, n_block_hi, kv, k_desc, v
         l_i += tl.sum(p, 1)  # the softmax normalizer (and so the LSE) ignores dropout
         if HAS_DROPOUT:
             p = tl.where(dropout_keep(rng_state, stream, offs_m, n_start, keep_threshold, BLOCK_N), p, 0.0)
-        acc = mma(pv_operand(p, v.dtype), v, acc)
+        acc = pv_product(p, v, acc)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -365,14 +365,14 @@ def attn_fwd_kernel(
     if HAS_DROPOUT:
         out = out * dropout_scale
     if Descales is not None:
-        out = out * tl.load(VDescale + descale_index)
+        out = out * (tl.load(VDescale + descale_index) / FP8_P_SCALE)
     # rows that saw no key: +inf as flash_attn returns it, -inf inside a split so the combine weighs it 0
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf") if IS_SPLIT else float("inf"))
     if (TMA_MODE == TMA_HOST or TMA_MODE == TMA_DEVICE) and not PACK_GQA:
         o_desc.store([desc_batch, m_start, desc_head, 0],
-                     out.to(Out.dtype.element_ty).reshape(1, BLOCK_M, 1, BLOCK_DV))
+                     narrow(out, Out.dtype.element_ty).reshape(1, BLOCK_M, 1, BLOCK_DV))
     else:
-        tl.store(o_base + o_row_offs[:, None] + offs_dv[None, :], out.to(Out.dtype.element_ty),
+        tl.store(o_base + o_row_offs[:, None] + offs_dv[None, :], narrow(out, Out.dtype.element_ty),
                  mask=row_in[:, None] & dv_in[None, :])
     tl.store(lse_base + lse_row_offs, lse, mask=row_in)

@@ -19,6 +19,8 @@ unrotated, so an out-of-place call writes every row.
 import triton
 import triton.language as tl
 
+from .common import narrow
+
 
 @triton.jit
 def _rotate_pairs(a, b, cos, sin):
@@ -59,22 +61,22 @@ def _rotary_block(out_rows, x_rows, Cos, Sin, offs_s, row_in, offs_k, k_in, head
         y_even, y_odd = _rotate_pairs(x_even, x_odd, cos, sin)
         # [BLOCK_S, BLOCK_H, 2 * BLOCK_K]
         y = tl.reshape(tl.join(y_even, y_odd), [x.shape[0], x.shape[1], 2 * BLOCK_K])
-        tl.store(out_rows + offs_r[None, None, :], y.to(out_rows.dtype.element_ty), mask=mask)
+        tl.store(out_rows + offs_r[None, None, :], narrow(y, out_rows.dtype.element_ty), mask=mask)
     else:
         # [BLOCK_S, BLOCK_H, BLOCK_K]
         mask = tile_in & k_in[None, None, :]
         x1 = tl.load(x_rows + offs_k[None, None, :], mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x_rows + ROTARY_DIM_HALF + offs_k[None, None, :], mask=mask, other=0.0).to(tl.float32)
         y1, y2 = _rotate_pairs(x1, x2, cos, sin)
-        tl.store(out_rows + offs_k[None, None, :], y1.to(out_rows.dtype.element_ty), mask=mask)
-        tl.store(out_rows + ROTARY_DIM_HALF + offs_k[None, None, :], y2.to(out_rows.dtype.element_ty), mask=mask)
+        tl.store(out_rows + offs_k[None, None, :], narrow(y1, out_rows.dtype.element_ty), mask=mask)
+        tl.store(out_rows + ROTARY_DIM_HALF + offs_k[None, None, :], narrow(y2, out_rows.dtype.element_ty), mask=mask)
     if COPY_TAIL:
         # [BLOCK_TAIL] features r .. HEAD_DIM-1 pass through unchanged
         offs_t = ROTARY_DIM + tl.arange(0, BLOCK_TAIL)
         # [BLOCK_S, BLOCK_H, BLOCK_TAIL]
         tail_mask = tile_in & (offs_t < HEAD_DIM)[None, None, :]
         tail = tl.load(x_rows + offs_t[None, None, :], mask=tail_mask, other=0.0)
-        tl.store(out_rows + offs_t[None, None, :], tail.to(out_rows.dtype.element_ty), mask=tail_mask)
+        tl.store(out_rows + offs_t[None, None, :], narrow(tail, out_rows.dtype.element_ty), mask=tail_mask)
 
 
 @triton.jit(do_not_specialize=["num_s_blocks", "seqlen", "seqlen_ro", "seqlen_offset", "total_tokens"])

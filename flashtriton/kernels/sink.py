@@ -8,6 +8,8 @@ keys, lse, the new LSE is logaddexp(lse, sink) and the output shrinks by exp(lse
 import triton
 import triton.language as tl
 
+from .common import narrow
+
 
 @triton.jit(do_not_specialize=["rows", "stride_ob", "stride_om", "stride_oh", "stride_lse_b", "stride_lse_h"])
 def attn_fold_sink_kernel(
@@ -38,4 +40,4 @@ def attn_fold_sink_kernel(
                 + offs_m.to(tl.int64)[:, None] * stride_om + offs_d[None, :])
     mask = inside[:, None] & (offs_d < HEAD_DIM)[None, :]
     out = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, (out * kept[:, None]).to(Out.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs, narrow(out * kept[:, None], Out.dtype.element_ty), mask=mask)
