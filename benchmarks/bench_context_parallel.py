@@ -159,19 +159,22 @@ def _inputs(tokens: int, args, device, dtype, seed: int):
     return randn(args.heads), randn(args.heads_k), randn(args.heads_k), randn(args.heads)
 
 
-def _timed(fn, device, reps: int) -> float:
-    """Median milliseconds of fn over reps calls after one warm-up, every rank in step (barriers)."""
+def _timed(fn, device, reps: int, in_step: bool = True) -> float:
+    """Median milliseconds of fn over reps calls after one warm-up; in_step: every rank in step (barriers around
+    each call), else one process alone."""
     fn()
     times = []
     for _ in range(reps):
-        dist.barrier()
+        if in_step:
+            dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        dist.barrier()
+        if in_step:
+            dist.barrier()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
@@ -247,8 +250,8 @@ def _worker(rank: int, args, directory: str) -> None:
                     q, k, v, dout = _inputs(tokens, args, device, dtype, seed=1)
                     forward, forward_backward = _step_fns(lambda *t: flashtriton.flash_attn_func(*t, causal=True),
                                                           q, k, v, dout)
-                    single[tokens] = (_time_alone(forward, device, args.reps),
-                                      _time_alone(forward_backward, device, args.reps))
+                    single[tokens] = (_timed(forward, device, args.reps, in_step=False),
+                                      _timed(forward_backward, device, args.reps, in_step=False))
                     del q, k, v, dout
                 except torch.OutOfMemoryError:
                     single[tokens] = (None, None)
@@ -284,20 +287,6 @@ def _worker(rank: int, args, directory: str) -> None:
             Path(directory, "rows.json").write_text(json.dumps(rows))
     finally:
         dist.destroy_process_group()
-
-
-def _time_alone(fn, device, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def markdown(rows, metadata: dict) -> str:
