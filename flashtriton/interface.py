@@ -12,7 +12,7 @@ import torch
 from .ops.autograd import (FlashAttnFunc, FlashAttnKVPackedFunc, FlashAttnQKVPackedFunc, FlashAttnVarlenFunc,
                            FlashAttnVarlenKVPackedFunc, FlashAttnVarlenQKVPackedFunc, VarlenLayout, apply, fp8_forward,
                            maybe_contiguous)
-from .ops.checks import cache_seqlens_int, default_softmax_scale, window_size_ints
+from .ops.checks import cache_seqlens_int, default_softmax_scale, fp8_requested, window_size_ints
 from .ops.library import flash_kvcache
 
 _COMMON_DOC = """
@@ -30,8 +30,9 @@ _COMMON_DOC = """
         out = sum_j p_j v_j with sum_j p_j + p_sink = 1; rows that see no key give out 0. softmax_lse includes the
         sink (rows without a key: learnable_sink[h]). Differentiable (dsink).
     q_descale, k_descale, v_descale (keyword only, FA3's names): (batch_size, nheads_k) fp32 each, required with
-        torch.float8_e4m3fn q, k, v (FP8): attention of q * q_descale, k * k_descale, v * v_descale, P rounded to
-        e4m3 for the P.V product, out in bf16; forward only (no dropout; inputs must not require grad).
+        torch.float8_e4m3fn q, k, v (FP8): attention of q * q_descale, k * k_descale, v * v_descale, P entering
+        the P.V product as two e4m3 terms (docs/api.md §4.12), out in bf16; forward only (no dropout; inputs must
+        not require grad).
 Return:
     out, or (out, softmax_lse (batch_size, nheads, seqlen_q) fp32, S_dmask) with return_attn_probs.
 """
@@ -51,16 +52,11 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                  softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink)
 
 
-def _is_fp8(q, descales) -> bool:
-    return q.dtype == torch.float8_e4m3fn or descales[0] is not None or descales[1] is not None or \
-        descales[2] is not None
-
-
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, learnable_sink=None,
                     q_descale=None, k_descale=None, v_descale=None):
     descales = (q_descale, k_descale, v_descale)
-    if _is_fp8(q, descales):
+    if fp8_requested(q, descales):
         return fp8_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            return_attn_probs, learnable_sink, descales)
     return apply(FlashAttnFunc, (q, k, v, learnable_sink), q, k, v, dropout_p, softmax_scale, causal, window_size,
@@ -110,7 +106,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            learnable_sink=None, q_descale=None, k_descale=None, v_descale=None):
     cu_seqlens_k = _distinct_inputs(cu_seqlens_q, cu_seqlens_k)
     descales = (q_descale, k_descale, v_descale)
-    if _is_fp8(q, descales):
+    if fp8_requested(q, descales):
         varlen = VarlenLayout(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), block_table)
         return fp8_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            return_attn_probs, learnable_sink, descales, varlen)

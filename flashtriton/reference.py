@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .scores import normalize_window, score_params
+from .scores import FP8_P_SCALE, normalize_window, score_params
 
 __all__ = ["visible_mask", "attention_probabilities", "attention_reference", "attention_reference_backward",
            "attention_reference_varlen", "attention_reference_varlen_backward", "kvcache_reference", "rotate"]
@@ -162,12 +162,13 @@ def attention_reference(
 
 
 def fp8_pv_terms(relative: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
-    """Probabilities relative to the row max (in [0, 1]) as the FP8 kernels multiply them by V: scaled by 16 and
-    split into two e4m3 terms, hi = e4m3(16 p) and lo = e4m3(16 p - hi); returns (hi + lo) / 16."""
-    scaled = relative * 16
+    """Probabilities relative to the row max (in [0, 1]) as the FP8 kernels multiply them by V: scaled by
+    scores.FP8_P_SCALE (16) and split into two e4m3 terms, hi = e4m3(16 p) and lo = e4m3(16 p - hi); returns
+    (hi + lo) / 16."""
+    scaled = relative * FP8_P_SCALE
     high = scaled.to(torch.float8_e4m3fn).to(compute_dtype)
     low = (scaled - high).to(torch.float8_e4m3fn).to(compute_dtype)
-    return (high + low) / 16
+    return (high + low) / FP8_P_SCALE
 
 
 def _fp8_attention(q, k, v, descales, softmax_scale, causal, window_size, softcap, alibi_slopes, seqlen_k_star,

@@ -18,6 +18,8 @@ full blocks that these helpers return.
 import triton
 import triton.language as tl
 
+from ..scores import FP8_P_SCALE as _FP8_P_SCALE
+
 
 @triton.jit
 def mma(a, b, acc=None):
@@ -40,8 +42,9 @@ def narrow(x, dtype: tl.constexpr):
     Every narrowing conversion of the Triton kernels goes through here. Triton's interpreter (3.6) converts fp32 to
     bf16 by truncation (0.99995 -> 0.9961) and to e4m3 by truncation with lost carries (0.49 -> 0.25); interpreted,
     x is first rounded onto dtype's grid in fp32, whose values it then converts exactly: bf16 by rounding the fp32
-    bits to their upper 16 (NaN kept; fp32 subnormals still flush to 0 there), e4m3 by adding and subtracting 1.5 * 2^23 ulps (which rounds to the ulp).
-    Compiled, INTERPRETED is False, the branches leave no code and this is x.to(dtype)."""
+    bits to their upper 16 (NaN kept; fp32 subnormals still flush to 0 there), e4m3 by adding and subtracting
+    1.5 * 2^23 ulps (which rounds to the ulp). Compiled, INTERPRETED is False, the branches leave no code and this is
+    x.to(dtype)."""
     if INTERPRETED and x.dtype == tl.float32:
         if dtype == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
@@ -57,10 +60,8 @@ def narrow(x, dtype: tl.constexpr):
     return x.to(dtype)
 
 
-# FP8's P.V: P (in [0, 1], the forward rescales every block for FP8) is scaled by this power of two before it is split
-# into two e4m3 terms, so that the low term of small probabilities stays out of e4m3's subnormals; the output divides
-# it out.
-FP8_P_SCALE = tl.constexpr(16.0)
+# scores.FP8_P_SCALE in kernels (P is in [0, 1] there: the forward rescales every block for FP8)
+FP8_P_SCALE = tl.constexpr(_FP8_P_SCALE)
 
 
 @triton.jit

@@ -263,8 +263,7 @@ def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, windo
     learnable_sink (H,) the LSE includes the sinks (§4.11); q/k/v_descale: FP8 inputs' (§4.12), out in bf16."""
     descales = (q_descale, k_descale, v_descale)
     checks.check_fwd(q, k, v, dropout_p, softcap, alibi_slopes, return_softmax)
-    if learnable_sink is not None:
-        checks.check_learnable_sink(learnable_sink, q, q.shape[2])
+    checks.check_learnable_sink(learnable_sink, q, q.shape[2])
     fp8 = checks.check_fp8(q, descales, q.shape[0], k.shape[2], dropout_p)
     batch, seqlen_q, num_heads, head_dim = q.shape
     seqlen_k = k.shape[1]

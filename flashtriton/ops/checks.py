@@ -166,12 +166,18 @@ def check_learnable_sink(learnable_sink: Optional[torch.Tensor], q: torch.Tensor
     check_same_device(q, learnable_sink=learnable_sink)
 
 
+def fp8_requested(q: torch.Tensor, descales) -> bool:
+    """Whether a call asks for FP8 attention: e4m3 q, or any of the three descales given (check_fp8 then checks it
+    all, and rejects descales with 16-bit inputs)."""
+    return q.dtype == FP8_DTYPE or descales[0] is not None or descales[1] is not None or descales[2] is not None
+
+
 def check_fp8(q: torch.Tensor, descales, batch: int, num_heads_k: int, dropout_p: float = 0.0) -> bool:
     """Whether this forward is FP8 (docs/api.md §4.12): e4m3 q (check_dtypes saw k and v) with the three descales,
     each (batch_size, num_heads_k) fp32 on q's device, an sm_89+ GPU or a CPU, no dropout. Descales without FP8
     inputs raise too."""
     descales = tuple(descales) if descales is not None else (None, None, None)
-    if q.dtype != FP8_DTYPE and descales[0] is None and descales[1] is None and descales[2] is None:
+    if not fp8_requested(q, descales):
         return False  # the common case, in O(1)
     given = [name for name, d in zip(DESCALE_NAMES, descales) if d is not None]
     if q.dtype != FP8_DTYPE:
