@@ -117,6 +117,9 @@ def chosen_providers(args) -> list:
     return list(bench_features.PROVIDERS if args.features else bench.DEFAULT_PROVIDERS)
 
 
+CAUSAL_VALUES = {"both": (False, True), "on": (True,), "off": (False,)}
+
+
 def bench_command(args) -> int:
     if cuda_unavailable("bench times the kernels on a CUDA GPU"):
         return EXIT_CANNOT_RUN
@@ -130,7 +133,7 @@ def bench_command(args) -> int:
     if "flashtriton-triton" in providers:
         err("the flashtriton-triton provider is a column of --features only")
         return EXIT_CANNOT_RUN
-    causal_values = {"both": (False, True), "on": (True,), "off": (False,)}[args.causal]
+    causal_values = CAUSAL_VALUES[args.causal]
     progress = Progress(0)
     rows, metadata = [], {}
     for dtype in dtypes:
@@ -165,7 +168,8 @@ def features_command(args, dtypes) -> int:
     progress = Progress(0)
     result = bench_features.run_features(bench_features.select_features(args.rows), providers, modes, dtypes,
                                          args.timing, args.warmup, args.rep,
-                                         progress=lambda done, total, label: progress.update(done, label, total))
+                                         progress=lambda done, total, label: progress.update(done, label, total),
+                                         causal_values=CAUSAL_VALUES[args.causal])
     progress.finish()
     out(bench_features.features_markdown(result.rows, result.metadata))
     for path in bench_features.write_results(result, args.out):
