@@ -102,10 +102,13 @@ def test_fuzz_flash_attn_func(case, input_scale, tma, dq_atomic, heads_per_group
 @st.composite
 def hopper_forward_cases(draw):
     """Cases in the domain of the Gluon Hopper forward (ops/hopper.covers): head dim 64 / 128 / 256, 16-bit,
-    no window but the causal one (also spelled (-1, 0)), no softcap or ALiBi, TMA-addressable layouts, more than
-    DECODE_MAX_ROWS query rows."""
+    any window (the causal one also spelled (-1, 0); local windows), no softcap or ALiBi, TMA-addressable layouts,
+    more than DECODE_MAX_ROWS query rows."""
     heads_k = draw(st.sampled_from([1, 2]))
     causal = draw(st.booleans())
+    window = (-1, 0) if causal else (-1, -1)
+    if draw(st.booleans()):
+        window = draw(windows())
     return Case(
         batch=draw(st.integers(1, 2)),
         seqlen_q=draw(st.integers(configs.DECODE_MAX_ROWS + 1, MAX_SEQLEN)),
@@ -115,7 +118,7 @@ def hopper_forward_cases(draw):
         head_dim=draw(st.sampled_from([64] if SMALL else configs.HOPPER_FWD_HEAD_DIMS)),
         dtype=draw(st.sampled_from([torch.float16] if SMALL else [torch.float16, torch.bfloat16])),
         causal=causal and draw(st.booleans()),
-        window_size=(-1, 0) if causal else (-1, -1),
+        window_size=window,
         softmax_scale=draw(st.sampled_from([None, None, 0.3])),
         layout=draw(st.sampled_from(["contiguous", "bhsd"])),
     )

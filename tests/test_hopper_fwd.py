@@ -47,8 +47,9 @@ COVERS = {  # name: (head_dim, dtype, seqlen_q, seqlen_k, causal, window, softca
     "d96": (96, torch.bfloat16, 1000, 1000, False, (-1, -1), 0.0, 0.1, True, False),
     "decode-rows": (128, torch.bfloat16, 16, 1000, False, (-1, -1), 0.0, 0.1, True, False),
     "no-keys": (128, torch.bfloat16, 100, 0, False, (-1, -1), 0.0, 0.1, True, False),
-    "local-window": (128, torch.bfloat16, 1000, 1000, False, (64, 0), 0.0, 0.1, True, False),
-    "causal-local": (128, torch.bfloat16, 1000, 1000, True, (64, -1), 0.0, 0.1, True, False),
+    "local-window": (128, torch.bfloat16, 1000, 1000, False, (64, 0), 0.0, 0.1, True, True),
+    "causal-local": (128, torch.bfloat16, 1000, 1000, True, (64, -1), 0.0, 0.1, True, True),
+    "two-sided-window": (64, torch.float16, 700, 300, False, (20, 45), 0.0, 0.1, True, True),
     "softcap": (128, torch.bfloat16, 1000, 1000, False, (-1, -1), 5.0, 0.1, True, False),
     "negative-scale": (128, torch.bfloat16, 1000, 1000, False, (-1, -1), 0.0, -0.1, True, False),
     "not-plain": (128, torch.bfloat16, 1000, 1000, False, (-1, -1), 0.0, 0.1, False, False),
@@ -57,10 +58,13 @@ COVERS = {  # name: (head_dim, dtype, seqlen_q, seqlen_k, causal, window, softca
 
 @pytest.mark.parametrize("name", list(COVERS))
 def test_gluon_forward_coverage_rule(name):
-    """What the Gluon kernel takes; everything else must stay on the Triton kernel (checked on CPU: pure rule)."""
+    """What the Gluon kernel takes; everything else must stay on the Triton kernel (checked on CPU: pure rule). The
+    backward takes no local window."""
     head_dim, dtype, seqlen_q, seqlen_k, causal, window, softcap, scale, plain, covered = COVERS[name]
     params = score_params(scale, causal, *window, softcap, seqlen_k)
     assert hopper.covers("fwd", head_dim, dtype, seqlen_q, seqlen_k, params, plain) == covered
+    if hopper.local_window(params, seqlen_k):
+        assert not hopper.covers("bwd", head_dim, dtype, seqlen_q, seqlen_k, params, plain)
 
 
 def config_ids(key) -> str:
@@ -235,6 +239,27 @@ FEATURES = {
 def test_gluon_forward_features(feature):
     case = Case(batch=2, seqlen_q=333, seqlen_k=333, head_dim=128, dtype=torch.bfloat16, **FEATURES[feature])
     checks, ran = run_forward(case, grads=True)
+    assert ran, "the Gluon forward did not run"
+    assert_checks_ok(checks)
+
+
+WINDOWS = [(0, 0), (1, 0), (63, 0), (64, 0), (200, 0), (300, 17), (20, 45), (2000, 1), (0, 300)]
+WINDOW_SHAPES = [(333, 333), (700, 300), (300, 700), (1000, 1000)]
+
+
+@needs_hopper
+@pytest.mark.parametrize("programs", [None, 3], ids=["configured-grid", "3-programs"])
+@pytest.mark.parametrize("head_dim", configs.HOPPER_FWD_HEAD_DIMS, ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("seqlen_q,seqlen_k", WINDOW_SHAPES, ids=[f"sq{a}-sk{b}" for a, b in WINDOW_SHAPES])
+@pytest.mark.parametrize("window", WINDOWS, ids=[f"w{a}-{b}" for a, b in WINDOWS])
+def test_gluon_forward_local_windows(window, seqlen_q, seqlen_k, head_dim, programs):
+    """Local windows (LOCAL): windows narrower and wider than a key block and than a tile, one-sided and two-sided,
+    sq != sk both ways (rows and whole tiles that see no key), through the configured grid and 3 programs that each
+    run many tiles of different block ranges."""
+    case = Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=4, num_heads_k=2, head_dim=head_dim,
+                dtype=torch.bfloat16, causal=window[1] == 0 and window[0] % 2 == 0, window_size=window)
+    with forced_hopper_grid(programs):
+        checks, ran = run_forward(case)
     assert ran, "the Gluon forward did not run"
     assert_checks_ok(checks)
 

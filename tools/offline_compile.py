@@ -2,7 +2,7 @@
 
     python tools/offline_compile.py [--head-dim 128] [--head-dim-v DV] [--local] [--kernel fwd|dkdv|dq]
                                     [--config M,N,WARPS,STAGES]
-    python tools/offline_compile.py --kernel fwd-hopper [--head-dim 128] [--causal]
+    python tools/offline_compile.py --kernel fwd-hopper [--head-dim 128] [--causal] [--local]
                                     [--hopper-config N,STAGES,REGS[,P,PP,H[,T[,C]]]]
                                                        # the Gluon forward; default: its configs.HOPPER_FWD entry
                                                        # (P, PP, H: persistent, ping-pong, hold_schedule, 0 or 1;
@@ -150,9 +150,9 @@ def _compile_gluon(kernel, signature: dict, constexprs: dict):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
-def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16"):
+def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", local: bool = False):
     """The Gluon Hopper forward (kernels/hopper/fwd.py) with `config` (default configs.HOPPER_FWD[head_dim, causal]),
-    as a dense launch."""
+    as a dense launch; `local`: a local window (LOCAL)."""
     from flashtriton import configs
     from flashtriton.kernels.hopper.fwd import CONSUMER_ROWS, attn_fwd_hopper_kernel
     from flashtriton.ops.hopper import forward_constexprs
@@ -169,7 +169,8 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
                                                "seqlen_q", "seqlen_k", "heads_per_group", "paired", "full_items",
                                                "tail_programs", "tail_blocks", "item_blocks")})
     signature["qk_scale_log2"] = signature["rescale_threshold"] = "fp32"
-    return _compile_gluon(attn_fwd_hopper_kernel, signature, forward_constexprs(config, causal))
+    signature["window_left"] = signature["window_right"] = "i32"
+    return _compile_gluon(attn_fwd_hopper_kernel, signature, forward_constexprs(config, causal, local))
 
 
 def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", ordered: bool = False):
@@ -243,8 +244,8 @@ def main():
             flags, threshold = [bool(int(flag)) for flag in rest[:3]], [float(value) for value in rest[3:4]]
             consumers = [int(value) for value in rest[4:5]]
             config = HopperFwdConfig(int(block_n), int(stages), int(regs), *flags, *threshold, *consumers)
-        compiled = compile_hopper_fwd(args.head_dim, args.causal, config)
-        print(f"fwd-hopper d{args.head_dim} causal={args.causal} {args.hopper_config or 'table'}: "
+        compiled = compile_hopper_fwd(args.head_dim, args.causal, config, local=args.local)
+        print(f"fwd-hopper d{args.head_dim} causal={args.causal} local={args.local} {args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} "
               f"shared {compiled.metadata.shared} wgmma {compiled.asm['ptx'].count('wgmma.mma_async')} "
               f"setmaxnreg {compiled.asm['ptx'].count('setmaxnreg')} "

@@ -69,7 +69,8 @@ def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seq
     """gluon_runs' rule on the call's shape and options alone (no device, layout or switch): whether the Gluon
     kernels compute this forward ("fwd") or backward ("bwd"). `plain`: dense (B, S, H, D) layout with no varlen,
     paged cache, seqused_k / leftpad_k / cache_batch_idx, split-KV, dropout or ALiBi (the caller knows those).
-    Windows: none, or the causal one (window_right 0, left never binding). The backward also needs a head dim with a
+    Windows: the forward takes any (local windows: LOCAL); the backward none, or the causal one (window_right 0,
+    left never binding). The backward also needs a head dim with a
     configs.HOPPER_BWD entry, and with deterministic=True one where dQ is not added in an arbitrary order
     (`can_order_dq`)."""
     if direction not in DIRECTIONS:
@@ -78,10 +79,20 @@ def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seq
                                or (deterministic and computes_dq(head_dim) and not can_order_dq(head_dim))):
         return False
     no_window = params.window_left < 0 and params.window_right < 0
-    causal = params.window_right == 0 and params.window_left >= seqlen_k
     return (plain and head_dim in configs.HOPPER_FWD_HEAD_DIMS and dtype in (torch.float16, torch.bfloat16)
             and seqlen_q > configs.DECODE_MAX_ROWS and seqlen_k > 0 and params.softcap == 0.0
-            and params.softmax_scale > 0.0 and (no_window or causal))
+            and params.softmax_scale > 0.0
+            and (direction == "fwd" or no_window or causal_window(params, seqlen_k)))
+
+
+def causal_window(params, seqlen_k: int) -> bool:
+    """The normalized window is the causal mask (window_right 0, window_left never binding)."""
+    return params.window_right == 0 and params.window_left >= seqlen_k
+
+
+def local_window(params, seqlen_k: int) -> bool:
+    """The normalized window binds somewhere other than the causal diagonal (the forward's LOCAL)."""
+    return params.window_left >= 0 and not causal_window(params, seqlen_k)
 
 
 def gluon_runs(direction: str, q: torch.Tensor, params, seqlen_q: int, seqlen_k: int, plain: bool,
@@ -184,11 +195,11 @@ def tail_split(items: int, programs: int, paired: bool, num_tiles: int, tile_row
     return TailSplit(full_waves * programs, tail_programs, tail_blocks, item_blocks, tail_items * (2 if paired else 1))
 
 
-def forward_constexprs(config, causal: bool) -> dict:
+def forward_constexprs(config, causal: bool, local: bool = False) -> dict:
     """attn_fwd_hopper_kernel's compile-time arguments for `config` (configs.HOPPER_FWD; tools/offline_compile builds
     the same kernel)."""
-    return dict(CAUSAL=causal, STAGES=config.stages, CONSUMERS=config.consumers, CONSUMER_REGS=config.consumer_regs,
-                PINGPONG=config.pingpong, HOLD_SCHEDULE=config.hold_schedule,
+    return dict(CAUSAL=causal, LOCAL=local, STAGES=config.stages, CONSUMERS=config.consumers,
+                CONSUMER_REGS=config.consumer_regs, PINGPONG=config.pingpong, HOLD_SCHEDULE=config.hold_schedule,
                 RESCALE_SKIP=config.rescale_threshold > 0.0, MASK_BY_RESIDUES=config.mask_by_residues,
                 SPLIT_TAIL=config.persistent and config.split_tail, num_warps=4)
 
@@ -199,12 +210,14 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
     global fwd_launch_count, tail_merge_count
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     config = configs.HOPPER_FWD[head_dim, params.causal_like]
+    local = local_window(params, seqlen_k)
     tile_rows = config.consumers * CONSUMER_ROWS.value
     num_tiles = triton_cdiv(seqlen_q, tile_rows)
-    programs, paired = forward_grid(num_tiles, batch * num_heads, config, params.causal_like, q.device)
+    # a local window's tiles do not pair into equal lengths, nor are tail items all one length: neither is used
+    programs, paired = forward_grid(num_tiles, batch * num_heads, config, params.causal_like and not local, q.device)
     items = ((num_tiles + 1) // 2 if paired else num_tiles) * batch * num_heads
     split = None
-    if config.persistent and config.split_tail:
+    if config.persistent and config.split_tail and not local:
         split = tail_split(items, programs, paired, num_tiles, tile_rows, config.block_n, seqlen_q, seqlen_k,
                            params.causal_like, config.tail_min_blocks)
     work = (heads_per_group, int(paired), items, 0, 0, 1)
@@ -218,7 +231,8 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
         tile_descriptor(q, CONSUMER_ROWS.value), tile_descriptor(k, config.block_n),
         tile_descriptor(v, config.block_n), tile_descriptor(out, CONSUMER_ROWS.value), lse, partial, partial_lse,
         *lse_strides, batch, num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, *work,
-        params.qk_scale_log2, config.rescale_threshold, **forward_constexprs(config, params.causal_like))
+        params.qk_scale_log2, config.rescale_threshold, params.window_left, params.window_right,
+        **forward_constexprs(config, params.causal_like, local))
     if split is not None:
         attn_tail_merge_kernel[(split.tiles * tile_rows * head_dim // TAIL_MERGE_ELEMENTS.value,)](
             partial, partial_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), *lse_strides, batch,

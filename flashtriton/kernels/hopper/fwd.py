@@ -4,8 +4,8 @@ rows of a 128- (192-) row tile. The consumers share the stages and run out of ph
 softmax overlaps another's wgmma (what the Triton kernel cannot schedule).
 
 Scope (ops/hopper.gluon_runs decides): dense (B, S, H, D) bf16/fp16 tensors addressed by host tensor descriptors,
-head dim 64 / 128 / 256, GQA, no window or the causal one (bottom-right aligned), positive softmax scale, no
-softcap, ALiBi or dropout; everything else runs kernels/fwd.py. Numerics are those of kernels/fwd.py: fp32 scores
+head dim 64 / 128 / 256, GQA, any window (causal, or local: LOCAL; bottom-right aligned), positive softmax scale,
+no softcap, ALiBi or dropout; everything else runs kernels/fwd.py. Numerics are those of kernels/fwd.py: fp32 scores
 and accumulators, P rounded to V's dtype, natural-log LSE, +inf for rows that see no key; the A-1 rescale skip (max
 lagging) where configs.HOPPER_FWD has a rescale_threshold, decided per warp (_rescale).
 
@@ -86,16 +86,27 @@ def _item_tiles(item, num_tiles, num_batch_heads, heads_per_group, paired):
 
 
 @gluon.jit
-def _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, causal, TILE_ROWS: gl.constexpr,
+def _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, causal, window, TILE_ROWS: gl.constexpr,
                BLOCK_N: gl.constexpr):
-    """(batch, head, first query row, key blocks) of a tile (numbered longest first). At least one key block, even
-    for a causal tile whose rows all precede the first key (sq > sk): it comes back fully masked, so those rows see
-    no key."""
+    """(batch, head, first query row, one past its last key block, key blocks) of a tile (numbered longest first);
+    its blocks are visited from the last down. window: () or (window_left, window_right), a local window
+    (kernels/common.kv_block_range's bounds: the blocks any of the tile's rows sees). At least one key block, even
+    for a tile whose rows see no key (a causal tile whose rows all precede the first key, sq > sk; a window outside
+    the keys): it comes back fully masked, so those rows see no key."""
     m_start = (num_tiles - 1 - tile) * TILE_ROWS
     key_end = seqlen_k
     if causal != 0:
         key_end = gl.minimum(m_start + TILE_ROWS + (seqlen_k - seqlen_q), seqlen_k)
-    return batch_head // num_heads, batch_head % num_heads, m_start, gl.maximum(gl.cdiv(key_end, BLOCK_N), 1)
+    end_block = gl.maximum(gl.cdiv(key_end, BLOCK_N), 1)
+    first_block = end_block * 0
+    if len(window) > 0:
+        offset = seqlen_k - seqlen_q
+        last_row = gl.minimum(m_start + TILE_ROWS, seqlen_q) - 1
+        key_blocks = gl.cdiv(seqlen_k, BLOCK_N)
+        first_block = gl.minimum(gl.maximum(m_start + offset - window[0], 0) // BLOCK_N, key_blocks - 1)
+        end_block = gl.minimum(gl.cdiv(gl.maximum(last_row + offset + window[1] + 1, 0), BLOCK_N), key_blocks)
+        end_block = gl.maximum(end_block, first_block + 1)
+    return batch_head // num_heads, batch_head % num_heads, m_start, end_block, end_block - first_block
 
 
 @gluon.jit
@@ -140,21 +151,22 @@ def _next_piece(item, which, x, x_start, x_end, tail, work, TILE_ROWS: gl.conste
     blocks, slot, the cursor after it): the blocks are visited from the first one down; slot -1: the piece is its
     tile's whole (O and the LSE go to the output), else 2 P + 0 for the piece at the start of the program's share,
     2 P + 1 for the one at its end (ops/hopper.tail_split's workspace, which attn_tail_merge_kernel
-    merges). work: (num_tiles, num_batch_heads, heads_per_group, num_heads, seqlen_q, seqlen_k, causal, paired).
+    merges). work: (num_tiles, num_batch_heads, heads_per_group, num_heads, seqlen_q, seqlen_k, causal, paired,
+    window) (window: _tile_work's).
     Branch-free, one copy of the item arithmetic for both kinds of piece: each partition holds this code."""
-    num_tiles, num_batch_heads, heads_per_group, num_heads, seqlen_q, seqlen_k, causal, paired = work
+    num_tiles, num_batch_heads, heads_per_group, num_heads, seqlen_q, seqlen_k, causal, paired, window = work
     if len(tail) > 1:
         in_tail = item >= tail[0]
         offset = x // tail[3]
         batch_head, first_tile, end_tile, tile_step = _item_tiles(gl.where(in_tail, tail[0] + offset, item),
                                                                   num_tiles, num_batch_heads, heads_per_group, paired)
-        first_blocks = _tile_work(first_tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, causal,
-                                  TILE_ROWS, BLOCK_N)[3]
+        first_blocks = _tile_work(first_tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, causal, window,
+                                  TILE_ROWS, BLOCK_N)[4]
         position = x - offset * tail[3]
         which = gl.where(in_tail, (position >= first_blocks).to(gl.int32), which)
         tile = first_tile + which * tile_step
-        batch, head, m_start, n_blocks = _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k,
-                                                    causal, TILE_ROWS, BLOCK_N)
+        batch, head, m_start, end_block, n_blocks = _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q,
+                                                               seqlen_k, causal, window, TILE_ROWS, BLOCK_N)
         # blocks of the tile visited before this piece
         before = gl.where(in_tail, position - which * first_blocks, 0)
         count = gl.where(in_tail, gl.minimum(x_end - x, n_blocks - before), n_blocks)
@@ -166,15 +178,15 @@ def _next_piece(item, which, x, x_start, x_end, tail, work, TILE_ROWS: gl.conste
         batch_head, first_tile, end_tile, tile_step = _item_tiles(item, num_tiles, num_batch_heads, heads_per_group,
                                                                   paired)
         tile = first_tile + which * tile_step
-        batch, head, m_start, n_blocks = _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k,
-                                                    causal, TILE_ROWS, BLOCK_N)
+        batch, head, m_start, end_block, n_blocks = _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q,
+                                                               seqlen_k, causal, window, TILE_ROWS, BLOCK_N)
         before = 0
         count = n_blocks
         slot = -1
         last_of_item = tile + tile_step >= end_tile
         next_item = gl.where(last_of_item, item + gl.num_programs(0), item)
     next_which = gl.where(last_of_item, 0, which + 1)
-    return batch, head, m_start, n_blocks - 1 - before, count, slot, next_item, next_which, x
+    return batch, head, m_start, end_block - 1 - before, count, slot, next_item, next_which, x
 
 
 @gluon.jit
@@ -234,6 +246,29 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
                             top - j, head_k)
         load += count
         done += 1
+
+
+@gluon.jit
+def _mask_local(s, j, row0, offs_m, seqlen_q, seqlen_k, window, col_s: gl.constexpr):
+    """_mask_block under a local window (window_left, window_right): s [ROWS, BLOCK_N] of key block j with keys past
+    seqlen_k and outside each row's window (bottom-right aligned: keys [i + sk - sq - left, i + sk - sq + right])
+    set to -inf; a block inside every row's window and the keys comes back untouched."""
+    ROWS: gl.constexpr = s.shape[0]
+    BLOCK_N: gl.constexpr = s.shape[1]
+    offset = seqlen_k - seqlen_q
+    n_start = j * BLOCK_N
+    # the last key the first row sees, the first key the last row sees
+    first_row_last_key = row0 + offset + window[1]
+    last_row_first_key = row0 + ROWS - 1 + offset - window[0]
+    if (n_start + BLOCK_N > seqlen_k) | (n_start + BLOCK_N - 1 > first_row_last_key) | (n_start < last_row_first_key):
+        # [ROWS] each row's first and last visible key, moved into the block; [BLOCK_N] the block's columns
+        row_last_key = gl.minimum(offs_m + offset + window[1], seqlen_k - 1) - n_start
+        row_first_key = offs_m + offset - window[0] - n_start
+        columns = gl.expand_dims(gl.arange(0, BLOCK_N, col_s), 0)
+        # [ROWS, BLOCK_N]
+        visible = (columns <= gl.expand_dims(row_last_key, 1)) & (columns >= gl.expand_dims(row_first_key, 1))
+        s = gl.where(visible, s, float("-inf"))
+    return s
 
 
 @gluon.jit
@@ -360,7 +395,7 @@ def _pass_turn(turns):
 
 @gluon.jit
 def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, release_q, first_load, top, count,
-                row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, turns, lead, fences, lag, residues,
+                row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, window, turns, lead, fences, lag, residues,
                 acc_layout: gl.constexpr):
     """One consumer's pass over a work item's key blocks (the program's loads first_load, first_load + 1, ...) for
     its Q tile q [ROWS, HEAD_DIM] (shared memory): `count` key blocks from block `top` down (step j visits block
@@ -401,7 +436,10 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     s = warpgroup_mma_wait(0, deps=(s, ))
     arrive_after_wgmma(k_empty.index(stage))
     # [ROWS, BLOCK_N] probabilities of the block whose P.V is pending
-    s = _mask_block(s, top, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
+    if len(window) > 0:
+        s = _mask_local(s, top, row0, offs_m, seqlen_q, seqlen_k, window, col_s)
+    else:
+        s = _mask_block(s, top, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
     p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)
     # [ROWS, BLOCK_N] the wgmma's A operand, made where the softmax ends: only these half-width registers stay live
     # across the next S issue (fp32 p live there pushes ptxas to wait for P V before the softmax, serializing them)
@@ -420,7 +458,9 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         # S_j done (wgmma groups complete in order); P_{j-1} V_{j-1} may still run
         s = warpgroup_mma_wait(1, deps=(s, ))
         arrive_after_wgmma(k_empty.index(stage))
-        if causal != 0:
+        if len(window) > 0:
+            s = _mask_local(s, top - j, row0, offs_m, seqlen_q, seqlen_k, window, col_s)
+        elif causal != 0:
             s = _mask_block(s, top - j, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
         p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)
         _hold_schedule(fences)
@@ -495,7 +535,7 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
                                                          instr_shape=[16, HEAD_DIM, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    seqlen_q, seqlen_k, causal = work[4], work[5], work[6]
+    seqlen_q, seqlen_k, causal, window = work[4], work[5], work[6], work[8]
     q = q_tile.reshape([ROWS, HEAD_DIM])
     lead = (row_offset == 0).to(gl.int32)
     load = 0
@@ -511,7 +551,7 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
         mbarrier.wait(q_ready, done & 1)
         acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,
                                     load, top, count, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal,
-                                    turns, lead, fences, lag, residues, acc_layout)
+                                    window, turns, lead, fences, lag, residues, acc_layout)
         seen = l_i > 0.0
         # [ROWS] the row sums, 1 for rows that saw no key
         row_sum = gl.where(seen, l_i, 1.0)
@@ -548,11 +588,13 @@ def _consumer_args(consumer: gl.constexpr, q_smem, o_smem, q_ready, q_empty, tur
 
 
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "batch", "seqlen_q", "seqlen_k", "heads_per_group",
-                              "paired", "full_items", "tail_programs", "tail_blocks", "item_blocks"])
+                              "paired", "full_items", "tail_programs", "tail_blocks", "item_blocks", "window_left",
+                              "window_right"])
 def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, batch,
                            num_heads, group_size, seqlen_q, seqlen_k, heads_per_group, paired, full_items,
-                           tail_programs, tail_blocks, item_blocks, qk_scale_log2,
-                           rescale_threshold, CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                           tail_programs, tail_blocks, item_blocks, qk_scale_log2, rescale_threshold, window_left,
+                           window_right, CAUSAL: gl.constexpr, LOCAL: gl.constexpr, STAGES: gl.constexpr,
+                           CONSUMERS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, HOLD_SCHEDULE: gl.constexpr,
                            RESCALE_SKIP: gl.constexpr, MASK_BY_RESIDUES: gl.constexpr,
                            SPLIT_TAIL: gl.constexpr, num_warps: gl.constexpr):
@@ -568,7 +610,10 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
     producer (1 warp) are worker partitions. PINGPONG (two consumers): they issue their wgmmas in alternation
     (_wait_turn).
     RESCALE_SKIP: the max lags by up to rescale_threshold (log2 units) and unmoved warps skip the output rescale
-    (_softmax_block, _rescale). MASK_BY_RESIDUES: how a causal block's mask compares columns (_mask_block)."""
+    (_softmax_block, _rescale). MASK_BY_RESIDUES: how a causal block's mask compares columns (_mask_block).
+    LOCAL: a local window (window_left, window_right, both >= 0, normalized as kernels/common's): each tile visits the
+    key blocks its rows see (_tile_work) and masks both edges (_mask_local); grids are not paired and the tail is not
+    cut (ops/hopper.launch_fwd)."""
     ROWS: gl.constexpr = CONSUMER_ROWS
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
@@ -635,7 +680,12 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
     causal = gl.to_tensor(CAUSAL).to(gl.int32)
     o_in_q = gl.to_tensor(O_IN_Q).to(gl.int32)
     # the work items and the tail's cut (_next_piece)
-    work = (num_tiles, num_batch_heads, heads_per_group, num_heads, seqlen_q, seqlen_k, causal, paired)
+    # the local window, or () without one (a tuple's length reaches the partitions)
+    if LOCAL:
+        window = (window_left, window_right)
+    else:
+        window = ()
+    work = (num_tiles, num_batch_heads, heads_per_group, num_heads, seqlen_q, seqlen_k, causal, paired, window)
     if SPLIT_TAIL:
         tail = (full_items, tail_programs, tail_blocks, item_blocks)
     else:
@@ -704,10 +754,10 @@ def attn_tail_merge_kernel(Partial, PartialLse, Out, Lse, stride_ob, stride_om, 
     second = tail_tile - offset * (1 + paired)
     batch_head, first_tile, end_tile, tile_step = _item_tiles(full_items + offset, num_tiles, batch * num_heads,
                                                               heads_per_group, paired)
-    first_blocks = _tile_work(first_tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, CAUSAL, TILE_ROWS,
-                              BLOCK_N)[3]
-    batch_index, head, m_start, n_blocks = _tile_work(first_tile + second * tile_step, batch_head, num_tiles,
-                                                      num_heads, seqlen_q, seqlen_k, CAUSAL, TILE_ROWS, BLOCK_N)
+    first_blocks = _tile_work(first_tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, CAUSAL, (),
+                              TILE_ROWS, BLOCK_N)[4]
+    batch_index, head, m_start, _, n_blocks = _tile_work(first_tile + second * tile_step, batch_head, num_tiles,
+                                                         num_heads, seqlen_q, seqlen_k, CAUSAL, (), TILE_ROWS, BLOCK_N)
     # the tile's positions in the tail: [first, first + n_blocks)
     first = offset * item_blocks + second * first_blocks
     first_program = _programs_upto(first, tail) - 1
