@@ -14,6 +14,7 @@ import math
 import os
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import Optional
 
 import torch
 
@@ -220,6 +221,13 @@ HOPPER_FWD = {(64, False): HopperFwdConfig(128, 2, 160, persistent=True, consume
               (256, False): replace(_HOPPER_FWD_D256, persistent=True, split_tail=True),
               (256, True): replace(_HOPPER_FWD_D256, mask_by_residues=True)}
 HOPPER_FWD_HEAD_DIMS = tuple(sorted({head_dim for head_dim, _ in HOPPER_FWD}))
+
+
+def hopper_fwd_tile_dim(head_dim: int) -> Optional[int]:
+    """The head dim of the Gluon forward's tiles for head_dim: the smallest HOPPER_FWD_HEAD_DIMS entry that holds it
+    (80 and 96 run on 128-wide tiles, 192 on 256-wide: the tensor descriptors read the missing columns of Q, K and V
+    as zeros and never store them), None above 256."""
+    return next((tile for tile in HOPPER_FWD_HEAD_DIMS if head_dim <= tile), None)
 
 
 @dataclass(frozen=True)

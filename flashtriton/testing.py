@@ -136,7 +136,9 @@ class Case:
     softcap: float = 0.0
     alibi: bool = False
     softmax_scale: Optional[float] = None
-    layout: str = "contiguous"  # or "bhsd" (transposed views), "sliced" (views into wider tensors)
+    # or "bhsd" (transposed views), "sliced" (views into wider tensors), "wider-rows" (the aligned first D columns of
+    # NaN-filled wider rows)
+    layout: str = "contiguous"
 
     def label(self) -> str:
         parts = [f"b{self.batch}", f"sq{self.seqlen_q}", f"sk{self.seqlen_k}", f"h{self.num_heads}",
@@ -167,6 +169,13 @@ def strided_like(tensor: torch.Tensor, layout: str) -> torch.Tensor:
         wide = torch.empty(batch, seqlen + 3, heads + 1, dim + 8, dtype=tensor.dtype, device=tensor.device)
         wide.normal_()
         view = wide[:, 2:seqlen + 2, 1:, 3:dim + 3]
+        view.copy_(tensor)
+        return view
+    if layout == "wider-rows":
+        # 16-byte aligned rows of a wider tensor whose other columns hold NaN: a kernel that reads past D shows it
+        batch, seqlen, heads, dim = tensor.shape
+        wide = torch.full((batch, seqlen, heads, dim + 64), float("nan"), dtype=tensor.dtype, device=tensor.device)
+        view = wide[..., :dim]
         view.copy_(tensor)
         return view
     raise ValueError(f"unknown layout {layout!r}")

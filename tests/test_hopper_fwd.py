@@ -44,7 +44,10 @@ COVERS = {  # name: (head_dim, dtype, seqlen_q, seqlen_k, causal, window, softca
     "d64-fp16-causal-sq>sk": (64, torch.float16, 700, 300, True, (-1, -1), 0.0, 0.1, True, True),
     "d256-window-wider-than-keys": (256, torch.bfloat16, 100, 100, False, (500, 500), 0.0, 0.1, True, True),
     "fp32": (128, torch.float32, 1000, 1000, False, (-1, -1), 0.0, 0.1, True, False),
-    "d96": (96, torch.bfloat16, 1000, 1000, False, (-1, -1), 0.0, 0.1, True, False),
+    "d96-on-128-tiles": (96, torch.bfloat16, 1000, 1000, False, (-1, -1), 0.0, 0.1, True, True),
+    "d192-on-256-tiles": (192, torch.bfloat16, 1000, 1000, True, (-1, -1), 0.0, 0.1, True, True),
+    "d32-on-64-tiles": (32, torch.float16, 1000, 1000, False, (-1, -1), 0.0, 0.1, True, True),
+    "d512": (512, torch.bfloat16, 1000, 1000, False, (-1, -1), 0.0, 0.1, True, False),
     "decode-rows": (128, torch.bfloat16, 16, 1000, False, (-1, -1), 0.0, 0.1, True, False),
     "no-keys": (128, torch.bfloat16, 100, 0, False, (-1, -1), 0.0, 0.1, True, False),
     "local-window": (128, torch.bfloat16, 1000, 1000, False, (64, 0), 0.0, 0.1, True, True),
@@ -65,6 +68,13 @@ def test_gluon_forward_coverage_rule(name):
     assert hopper.covers("fwd", head_dim, dtype, seqlen_q, seqlen_k, params, plain) == covered
     if hopper.local_window(params, seqlen_k):
         assert not hopper.covers("bwd", head_dim, dtype, seqlen_q, seqlen_k, params, plain)
+    if head_dim not in configs.HOPPER_BWD:
+        assert not hopper.covers("bwd", head_dim, dtype, seqlen_q, seqlen_k, params, plain)
+
+
+def test_head_dims_between_tile_classes_take_the_next_wider_tiles():
+    assert [configs.hopper_fwd_tile_dim(d) for d in (8, 64, 72, 80, 96, 128, 136, 192, 256, 264)] == \
+        [64, 64, 128, 128, 128, 128, 256, 256, 256, None]
 
 
 def config_ids(key) -> str:
@@ -127,6 +137,26 @@ def test_gluon_forward_matches_reference(seqlen_q, seqlen_k, head_dim, dtype, ca
                                        head_dim=head_dim, dtype=dtype, causal=causal))
     assert ran, "the Gluon forward did not run"
     assert_checks_ok(checks)
+
+
+PADDED_HEAD_DIMS = [8, 40, 80, 96, 136, 192]
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", PADDED_HEAD_DIMS, ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 700), (1000, 1000)], ids=["sq300-sk700", "sq1000-sk1000"])
+def test_gluon_forward_head_dims_between_tile_classes(seqlen_q, seqlen_k, head_dim, causal):
+    """Head dims the tiles are wider than (configs.hopper_fwd_tile_dim): the descriptors read Q, K and V's missing
+    columns as zeros and store only out's own: NaN-poisoned out, whose next head's columns a store past D would
+    overwrite; q, k and v as the first D columns of wider rows holding NaN (a read past D would poison the result);
+    the configured grid and 3 programs."""
+    for grid, layout in ((None, "contiguous"), (3, "contiguous"), (None, "wider-rows")):
+        with forced_hopper_grid(grid):
+            checks, ran = run_forward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
+                                           head_dim=head_dim, dtype=torch.bfloat16, causal=causal, layout=layout))
+        assert ran, f"the Gluon forward did not run ({layout})"
+        assert_checks_ok(checks)
 
 
 @needs_hopper

@@ -79,7 +79,8 @@ def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seq
                                or (deterministic and computes_dq(head_dim) and not can_order_dq(head_dim))):
         return False
     no_window = params.window_left < 0 and params.window_right < 0
-    return (plain and head_dim in configs.HOPPER_FWD_HEAD_DIMS and dtype in (torch.float16, torch.bfloat16)
+    head_dim_fits = configs.hopper_fwd_tile_dim(head_dim) is not None if direction == "fwd" else True
+    return (plain and head_dim_fits and dtype in (torch.float16, torch.bfloat16)
             and seqlen_q > configs.DECODE_MAX_ROWS and seqlen_k > 0 and params.softcap == 0.0
             and params.softmax_scale > 0.0
             and (direction == "fwd" or no_window or causal_window(params, seqlen_k)))
@@ -209,7 +210,9 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
     """Run the Gluon forward into out (B, Sq, H, D) and lse (fp32, rows contiguous, strides lse_strides)."""
     global fwd_launch_count, tail_merge_count
     num_heads, head_dim = q.shape[-2], q.shape[-1]
-    config = configs.HOPPER_FWD[head_dim, params.causal_like]
+    # head dims between the tile classes run on the next wider tiles (their missing columns read as zeros)
+    tile_dim = configs.hopper_fwd_tile_dim(head_dim)
+    config = configs.HOPPER_FWD[tile_dim, params.causal_like]
     local = local_window(params, seqlen_k)
     tile_rows = config.consumers * CONSUMER_ROWS.value
     num_tiles = triton_cdiv(seqlen_q, tile_rows)
@@ -217,7 +220,8 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
     programs, paired = forward_grid(num_tiles, batch * num_heads, config, params.causal_like and not local, q.device)
     items = ((num_tiles + 1) // 2 if paired else num_tiles) * batch * num_heads
     split = None
-    if config.persistent and config.split_tail and not local:
+    # the tail merge writes whole tile rows: not where out is narrower than the tiles
+    if config.persistent and config.split_tail and not local and tile_dim == head_dim:
         split = tail_split(items, programs, paired, num_tiles, tile_rows, config.block_n, seqlen_q, seqlen_k,
                            params.causal_like, config.tail_min_blocks)
     work = (heads_per_group, int(paired), items, 0, 0, 1)
@@ -228,8 +232,9 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
         partial_lse = torch.empty(rows, dtype=torch.float32, device=q.device)
         work = (heads_per_group, int(paired), split.full_items, split.programs, split.blocks, split.item_blocks)
     attn_fwd_hopper_kernel[(programs,)](
-        tile_descriptor(q, CONSUMER_ROWS.value), tile_descriptor(k, config.block_n),
-        tile_descriptor(v, config.block_n), tile_descriptor(out, CONSUMER_ROWS.value), lse, partial, partial_lse,
+        tile_descriptor(q, CONSUMER_ROWS.value, tile_dim), tile_descriptor(k, config.block_n, tile_dim),
+        tile_descriptor(v, config.block_n, tile_dim), tile_descriptor(out, CONSUMER_ROWS.value, tile_dim), lse,
+        partial, partial_lse,
         *lse_strides, batch, num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, *work,
         params.qk_scale_log2, config.rescale_threshold, params.window_left, params.window_right,
         **forward_constexprs(config, params.causal_like, local))

@@ -4,10 +4,11 @@ rows of a 128- (192-) row tile. The consumers share the stages and run out of ph
 softmax overlaps another's wgmma (what the Triton kernel cannot schedule).
 
 Scope (ops/hopper.gluon_runs decides): dense (B, S, H, D) bf16/fp16 tensors addressed by host tensor descriptors,
-head dim 64 / 128 / 256, GQA, any window (causal, or local: LOCAL; bottom-right aligned), positive softmax scale,
-no softcap, ALiBi or dropout; everything else runs kernels/fwd.py. Numerics are those of kernels/fwd.py: fp32 scores
-and accumulators, P rounded to V's dtype, natural-log LSE, +inf for rows that see no key; the A-1 rescale skip (max
-lagging) where configs.HOPPER_FWD has a rescale_threshold, decided per warp (_rescale).
+tiles 64 / 128 / 256 wide (narrower head dims run on the next wider tiles: the descriptors read the missing columns
+as zeros and store only out's own), GQA, any window (causal, or local: LOCAL; bottom-right aligned), positive
+softmax scale, no softcap, ALiBi or dropout; everything else runs kernels/fwd.py. Numerics are those of
+kernels/fwd.py: fp32 scores and accumulators, P rounded to V's dtype, natural-log LSE, +inf for rows that see no key;
+the A-1 rescale skip (max lagging) where configs.HOPPER_FWD has a rescale_threshold, decided per warp (_rescale).
 
 Work: the grid's programs take work items in turn, p, p + P, p + 2P, ... (ops/hopper.forward_grid sizes the grid:
 one program per item, or persistent: as many as fit the GPU at once). An item is one tile, or for persistent
