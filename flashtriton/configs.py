@@ -244,6 +244,12 @@ class HopperBwdConfig:
 HOPPER_BWD = {64: HopperBwdConfig(64, 2, 240), 128: HopperBwdConfig(64, 2, 248), 256: HopperBwdConfig(64, 2, 240)}
 
 
+def hopper_bwd_tile_dim(head_dim: int) -> Optional[int]:
+    """The head dim of the Gluon backward's tiles for head_dim (hopper_fwd_tile_dim's rule over HOPPER_BWD): the
+    descriptors read the missing columns as zeros, dK / dV are stored and dQ reduced within head_dim only."""
+    return next((tile for tile in sorted(HOPPER_BWD) if head_dim <= tile), None)
+
+
 def heads_per_l2_group(bytes_per_head: int, batch_heads: int, causal: bool) -> int:
     """(batch, head) pairs per launch-order group: as many as fit L2_GROUP_BYTES[causal], at least 1."""
     return max(1, min(batch_heads, L2_GROUP_BYTES[causal] // max(1, bytes_per_head)))

@@ -35,7 +35,10 @@ COVERS = {
     "plain-d128": (dict(), True),
     "causal": (dict(params=_params(causal=True)), True),
     "head-dim-64": (dict(head_dim=64), True),
-    "head-dim-96": (dict(head_dim=96), False),
+    "head-dim-96-on-128-tiles": (dict(head_dim=96), True),
+    "head-dim-192-on-256-tiles": (dict(head_dim=192, params=_params(causal=True)), True),
+    "head-dim-40-on-64-tiles": (dict(head_dim=40), True),
+    "head-dim-320": (dict(head_dim=320), False),
     "head-dim-256": (dict(head_dim=256), True),
     "deterministic": (dict(deterministic=True), True),
     "deterministic-d64": (dict(deterministic=True, head_dim=64), False),
@@ -221,6 +224,32 @@ ORDERED_CASES = {
     "sq700-sk300-mqa-causal": dict(seqlen_q=700, seqlen_k=300, num_heads=4, num_heads_k=1, causal=True),
     "sq17-sk17": dict(seqlen_q=17, seqlen_k=17),
 }
+
+
+def test_head_dims_between_tile_classes_take_the_next_wider_backward_tiles():
+    assert [configs.hopper_bwd_tile_dim(d) for d in (8, 64, 80, 96, 128, 192, 256, 264)] == \
+        [64, 64, 128, 128, 128, 256, 256, None]
+    # tiles 128 wide order dQ by features (deterministic=True takes them); 64 wide do not; 256 wide leave dQ to Triton
+    assert hopper.can_order_dq(96) and not hopper.can_order_dq(40) and not hopper.computes_dq(192)
+
+
+@needs_hopper
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [8, 40, 80, 96, 136, 192])
+@pytest.mark.parametrize("layout", ["contiguous", "wider-rows"])
+def test_gluon_backward_head_dims_between_tile_classes(layout, head_dim, causal, deterministic):
+    """Head dims the backward's tiles are wider than (configs.hopper_bwd_tile_dim): missing columns of K, V, Q and
+    dO read as zeros, dK / dV stored and dQ reduced within the head dim only (NaN-poisoned outputs; inputs as the
+    first D columns of NaN-filled wider rows, whose NaN a read past D would spread); with deterministic=True, tiles
+    128 wide order dQ (the same bits in two calls)."""
+    case = Case(batch=2, seqlen_q=333, seqlen_k=200, num_heads=4, num_heads_k=2, head_dim=head_dim,
+                dtype=torch.bfloat16, causal=causal, layout=layout)
+    checks, ran = run_backward(case, deterministic=deterministic, repeats=2 if deterministic else 1)
+    takes = hopper.covers("bwd", head_dim, torch.bfloat16, 333, 200, _params(causal, seqlen_k=200), True,
+                          deterministic)
+    assert ran == takes, f"the Gluon backward {'did not run' if takes else 'ran'}"
+    assert_checks_ok(checks)
 
 
 @needs_hopper

@@ -180,7 +180,7 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     from flashtriton.ops.hopper import backward_division
 
     config = config or configs.HOPPER_BWD[head_dim]
-    kernel, keys, qdo_features, dq_box = backward_division(head_dim)
+    kernel, keys, qdo_features, dq_box, _ = backward_division(head_dim)
     signature = {"k_desc": _gluon_tile_type(keys, head_dim, dtype), "v_desc": _gluon_tile_type(keys, head_dim, dtype),
                  "q_desc": _gluon_tile_type(config.query_rows, qdo_features, dtype),
                  "do_desc": _gluon_tile_type(config.query_rows, qdo_features, dtype),
@@ -194,7 +194,7 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
         constexprs["ORDERED"] = ordered
     names = list(inspect.signature(kernel.fn).parameters)
     signature.update({name: "i32" for name in names if name.startswith("stride") or name in (
-        "num_heads_k", "group_size", "seqlen_q", "seqlen_k", "heads_per_group")})
+        "num_heads_k", "group_size", "seqlen_q", "seqlen_k", "head_dim", "heads_per_group")})
     signature = {name: signature[name] for name in names if name in signature}  # in the kernel's order
     return _compile_gluon(kernel, signature, constexprs)
 

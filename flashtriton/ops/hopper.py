@@ -2,12 +2,13 @@
 
 backend.launch_fwd and backend.launch_bwd ask `gluon_runs` first and fall back to the Triton kernels (kernels/fwd.py,
 kernels/bwd.py) for everything the Gluon kernels do not take. The forward is kernels/hopper/fwd.py; the backward is
-kernels/hopper/bwd.py at head dims 64 and 128 (dK, dV and dQ in one kernel, dQ by TMA reductions: at 128 they can
-come in a fixed order, `orders_dq`, which deterministic=True takes; at 64 never, so deterministic=True does not take
-it there) and kernels/hopper/bwd_d256.py at 256 (dK and dV only: backend.launch_bwd runs the Triton dQ kernel after
-it, deterministic). FLASHTRITON_GLUON=0 (configs.GLUON_ALLOWED) keeps every call on the Triton kernels. Gluon has no
-interpreter: CPU tensors never get here, and the GPU tests (tests/test_hopper_fwd.py, tests/test_hopper_bwd.py, plus
-every dense test whose case is eligible) are what check these kernels.
+kernels/hopper/bwd.py at head dims 64 and 128 (dK, dV and dQ in one kernel, dQ by TMA reductions: at 128 they can come
+in a fixed order, `orders_dq`, which deterministic=True takes; at 64 never, so deterministic=True does not take it
+there) and kernels/hopper/bwd_d256.py at 256 (dK and dV only: backend.launch_bwd runs the Triton dQ kernel after it,
+deterministic); head dims between those run on the next wider tiles. FLASHTRITON_GLUON=0 (configs.GLUON_ALLOWED) keeps
+every call on the Triton kernels. Gluon has no interpreter: CPU tensors never get here, and the GPU tests
+(tests/test_hopper_fwd.py, tests/test_hopper_bwd.py, plus every dense test whose case is eligible) are what check
+these kernels.
 """
 
 from __future__ import annotations
@@ -70,17 +71,17 @@ def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seq
     kernels compute this forward ("fwd") or backward ("bwd"). `plain`: dense (B, S, H, D) layout with no varlen,
     paged cache, seqused_k / leftpad_k / cache_batch_idx, split-KV, dropout or ALiBi (the caller knows those).
     Windows: the forward takes any (local windows: LOCAL); the backward none, or the causal one (window_right 0,
-    left never binding). The backward also needs a head dim with a
-    configs.HOPPER_BWD entry, and with deterministic=True one where dQ is not added in an arbitrary order
-    (`can_order_dq`)."""
+    left never binding). Head dims up to 256 run on the next wider tiles of their direction
+    (configs.hopper_fwd_tile_dim / hopper_bwd_tile_dim); with deterministic=True the backward needs tiles where dQ is
+    not added in an arbitrary order (`can_order_dq`)."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-    if direction == "bwd" and (head_dim not in configs.HOPPER_BWD
-                               or (deterministic and computes_dq(head_dim) and not can_order_dq(head_dim))):
+    tile_dim = configs.hopper_fwd_tile_dim(head_dim) if direction == "fwd" else configs.hopper_bwd_tile_dim(head_dim)
+    if tile_dim is None or (direction == "bwd" and deterministic and computes_dq(head_dim)
+                            and not can_order_dq(head_dim)):
         return False
     no_window = params.window_left < 0 and params.window_right < 0
-    head_dim_fits = configs.hopper_fwd_tile_dim(head_dim) is not None if direction == "fwd" else True
-    return (plain and head_dim_fits and dtype in (torch.float16, torch.bfloat16)
+    return (plain and dtype in (torch.float16, torch.bfloat16)
             and seqlen_q > configs.DECODE_MAX_ROWS and seqlen_k > 0 and params.softcap == 0.0
             and params.softmax_scale > 0.0
             and (direction == "fwd" or no_window or causal_window(params, seqlen_k)))
@@ -258,25 +259,28 @@ D256_QDO_FEATURES = 128
 
 
 def backward_division(head_dim: int):
-    """(kernel, keys per program, features per Q / dO box, (rows, features) per dQ reduction or None) of a head
-    dim with a configs.HOPPER_BWD entry."""
-    if head_dim == 256:
-        return attn_bwd_hopper_d256_kernel, KEY_BLOCK_D256, D256_QDO_FEATURES, None
-    return attn_bwd_hopper_kernel, KEY_BLOCK, head_dim, (configs.HOPPER_BWD[head_dim].query_rows, DQ_FEATURES)
+    """(kernel, keys per program, features per Q / dO box, (rows, features) per dQ reduction or None, tile head dim)
+    of a head dim up to 256: its tiles are those of the next configs.HOPPER_BWD entry (configs.hopper_bwd_tile_dim;
+    their missing columns read as zeros and are never stored)."""
+    tile_dim = configs.hopper_bwd_tile_dim(head_dim)
+    if tile_dim == 256:
+        return attn_bwd_hopper_d256_kernel, KEY_BLOCK_D256, D256_QDO_FEATURES, None, tile_dim
+    return (attn_bwd_hopper_kernel, KEY_BLOCK, tile_dim, (configs.HOPPER_BWD[tile_dim].query_rows, DQ_FEATURES),
+            tile_dim)
 
 
 def computes_dq(head_dim: int) -> bool:
-    """Whether the Gluon backward adds dQ itself (into the fp32 accumulator: head dims 64 and 128), or computes dK
-    and dV only and leaves dQ to the Triton dQ kernel (head dim 256). head_dim must have a configs.HOPPER_BWD
-    entry."""
+    """Whether the Gluon backward adds dQ itself (into the fp32 accumulator: tiles 64 and 128 wide), or computes dK
+    and dV only and leaves dQ to the Triton dQ kernel (tiles 256 wide). head_dim at most 256."""
     return backward_division(head_dim)[3] is not None
 
 
 def can_order_dq(head_dim: int) -> bool:
-    """Whether the kernel can add dQ in a fixed order at this head dim: where it splits dQ by features (128), each
-    consumer adds its own features, one reduction per (query block, feature half) and key block; at 64 both
-    consumers add into the same features and are not ordered."""
-    return computes_dq(head_dim) and backward_division(head_dim)[3][1] < head_dim
+    """Whether the kernel can add dQ in a fixed order at this head dim: where it splits dQ by features (tiles 128
+    wide), each consumer adds its own features, one reduction per (query block, feature half) and key block; on 64
+    wide tiles both consumers add into the same features and are not ordered."""
+    division = backward_division(head_dim)
+    return division[3] is not None and division[3][1] < division[4]
 
 
 def orders_dq(head_dim: int, deterministic: bool) -> bool:
@@ -317,8 +321,8 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
     global bwd_launch_count
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k = k.shape[-2]
-    config = configs.HOPPER_BWD[head_dim]
-    kernel, keys, qdo_features, dq_box = backward_division(head_dim)
+    kernel, keys, qdo_features, dq_box, tile_dim = backward_division(head_dim)
+    config = configs.HOPPER_BWD[tile_dim]
     grid = (triton_cdiv(seqlen_k, keys) * batch * num_heads_k,)
     ordered = orders_dq(head_dim, deterministic)
     # per (batch, query head, query block of the kernel, feature half): reductions completed so far
@@ -326,13 +330,14 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
                                device=q.device) if ordered else None)
     kernel_args = {} if dq_box is None else dict(ORDERED=ordered)
     kernel[grid](
-        tile_descriptor(k, keys), tile_descriptor(v, keys), tile_descriptor(q, config.query_rows, qdo_features),
+        tile_descriptor(k, keys, tile_dim), tile_descriptor(v, keys, tile_dim),
+        tile_descriptor(q, config.query_rows, qdo_features),
         tile_descriptor(dout, config.query_rows, qdo_features),
         *(() if dq_box is None else (tile_descriptor(dq_accum, *dq_box), )),
         *(_row_statistic_descriptor(stat, strides, batch, num_heads, seqlen_q, config.query_rows)
           for stat, strides in ((lse, lse_strides), (delta, delta_strides))),
         dk, dv, *(() if dq_box is None else (dq_counters, )), dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2), num_heads_k, num_heads // num_heads_k, seqlen_q, seqlen_k,
+        dv.stride(0), dv.stride(1), dv.stride(2), num_heads_k, num_heads // num_heads_k, seqlen_q, seqlen_k, head_dim,
         1 if ordered else heads_per_group, params.softmax_scale, params.qk_scale_log2,
         CAUSAL=params.causal_like, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4,
         **kernel_args)

@@ -35,7 +35,8 @@ KEYS_PER_PROGRAM = gl.constexpr(64)  # the M of the dK / dV wgmmas; each consume
 @gluon.jit
 def _consumer(k_own, v_own, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse_smem, delta_smem, p_smem, ds_smem,
               p_own, ds_own, kv_ready, q_ready, q_empty, pds_ready, pds_free, DK, DV, stride_dk_b,
-              stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, key0, feature0,
+              stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim, key0,
+              feature0,
               group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
               causal):
     """One warpgroup: S / dP of keys [n_start + key0, + OWN) (k_own, v_own [OWN, HEAD_DIM]; p_own, ds_own: its
@@ -101,13 +102,13 @@ def _consumer(k_own, v_own, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse_smem, d
         arrive_after_wgmma(q_empty.index(stage))
     # [KEYS, FEAT] this consumer's features of the key rows
     store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
-                   batch, head_k, n_start, feature0, seqlen_k, softmax_scale)
+                   batch, head_k, n_start, feature0, seqlen_k, head_dim, softmax_scale)
 
 
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "heads_per_group"])
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "head_dim", "heads_per_group"])
 def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, DK, DV,
                                 stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
-                                num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, softmax_scale,
+                                num_heads_k, group_size, seqlen_q, seqlen_k, head_dim, heads_per_group, softmax_scale,
                                 qk_scale_log2, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                                 CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """One program per (64-key block, batch * kv head), in bwd.py's order and launch-order groups.
@@ -154,7 +155,7 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta
     k_flat = k_smem.reshape([KEYS, HEAD_DIM])
     v_flat = v_smem.reshape([KEYS, HEAD_DIM])
     pointers = (DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch,
-                head_k, n_start)
+                head_k, n_start, head_dim)
     loop = (group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
             causal)
     barriers = (kv_ready, q_ready, q_empty, pds_ready, pds_free)

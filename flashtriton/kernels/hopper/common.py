@@ -67,9 +67,10 @@ def key_block_of_program(num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_
 
 @gluon.jit
 def store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
-                   batch, head_k, first_row, feature0, seqlen_k, softmax_scale):
+                   batch, head_k, first_row, feature0, seqlen_k, head_dim, softmax_scale):
     """Store dk * softmax_scale and dv ([KEY_ROWS, FEATURES] fp32 accumulators) into key rows [first_row, +
-    KEY_ROWS) below seqlen_k and features [feature0, + FEATURES) of DK and DV, in their dtype. The rows go out in
+    KEY_ROWS) below seqlen_k and features [feature0, + FEATURES) below head_dim (DK's and DV's own, where the tiles
+    are wider) of DK and DV, in their dtype. The rows go out in
     16-byte pieces (a blocked layout, converted through shared memory): stored straight from the wgmma layout, every
     32-byte sector would be written in two halves."""
     KEY_ROWS: gl.constexpr = dk.shape[0]
@@ -82,7 +83,7 @@ def store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride
     # [KEY_ROWS] key rows, [FEATURES] features
     rows = first_row + gl.arange(0, KEY_ROWS, gl.SliceLayout(1, layout))
     features = feature0 + gl.arange(0, FEATURES, gl.SliceLayout(0, layout))
-    store_mask = gl.expand_dims(rows < seqlen_k, 1)
+    store_mask = gl.expand_dims(rows < seqlen_k, 1) & gl.expand_dims(features < head_dim, 0)
     dk_ptrs = (DK + batch.to(gl.int64) * stride_dk_b + head_k.to(gl.int64) * stride_dk_h
                + gl.expand_dims(rows.to(gl.int64) * stride_dk_n, 1) + gl.expand_dims(features, 0))
     dv_ptrs = (DV + batch.to(gl.int64) * stride_dv_b + head_k.to(gl.int64) * stride_dv_h
