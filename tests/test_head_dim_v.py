@@ -5,7 +5,9 @@ import pytest
 import torch
 
 import flashtriton
+from flashtriton import configs
 from flashtriton.ops import hopper
+from flashtriton.scores import score_params
 from flashtriton.reference import kvcache_reference
 from flashtriton.testing import (Case, assert_checks_ok, check_error, check_lse, compare_varlen_with_reference,
                                  compare_with_reference, cu_seqlens, poisoned_outputs)
@@ -141,12 +143,21 @@ def _qkv(head_dim: int, head_dim_v: int):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="long sequences and the Hopper kernels run on a GPU")
-@pytest.mark.parametrize("head_dim,head_dim_v", [(192, 128), (128, 64), (64, 128), (512, 512), (256, 512)])
-def test_long_sequences_gpu(head_dim, head_dim_v):
-    """GPU tiles (wgmma, descriptors up to 256 wide, pointer loads above); the Gluon kernels, which need equal head
-    dims, leave these calls to the Triton kernels."""
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim,head_dim_v", [(192, 128), (128, 64), (64, 128), (256, 128), (96, 192), (512, 512),
+                                                 (256, 512)])
+def test_long_sequences_gpu(head_dim, head_dim_v, causal):
+    """GPU tiles (wgmma, descriptors up to 256 wide, pointer loads above). On sm_90 the Gluon forward takes V's own
+    head dim up to 256 (q / k and v / out tiles of their own widths); the Gluon backward needs equal head dims and
+    leaves these calls to the Triton kernels."""
     launches = hopper.fwd_launch_count, hopper.bwd_launch_count
     run_dense(Case(batch=2, seqlen_q=700, seqlen_k=900, num_heads=4, num_heads_k=2, head_dim=head_dim,
-                   dtype=torch.bfloat16, causal=True), head_dim_v)
+                   dtype=torch.bfloat16, causal=causal), head_dim_v)
+    gluon_forward = hopper.gluon_runs("fwd", torch.empty(1, 1, 1, head_dim, device=DEVICE, dtype=torch.bfloat16),
+                                      score_params(head_dim ** -0.5, causal, -1, -1, 0.0, 900), 700, 900, True, True,
+                                      head_dim_v=head_dim_v)
+    assert gluon_forward == (hopper.is_hopper(torch.device(DEVICE)) and max(head_dim, head_dim_v) <= 256
+                             and hopper.attn_fwd_hopper_kernel is not None and configs.GLUON_ALLOWED)
+    assert hopper.fwd_launch_count == launches[0] + int(gluon_forward)
     if head_dim != head_dim_v:
-        assert (hopper.fwd_launch_count, hopper.bwd_launch_count) == launches
+        assert hopper.bwd_launch_count == launches[1]

@@ -150,21 +150,23 @@ def _compile_gluon(kernel, signature: dict, constexprs: dict):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
-def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", local: bool = False):
-    """The Gluon Hopper forward (kernels/hopper/fwd.py) with `config` (default configs.HOPPER_FWD[head_dim, causal]),
-    as a dense launch; `local`: a local window (LOCAL)."""
+def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", local: bool = False,
+                       head_dim_v: int = 0):
+    """The Gluon Hopper forward (kernels/hopper/fwd.py) with `config` (default configs.HOPPER_FWD[the wider tile
+    dim, causal]), as a dense launch on head_dim-wide Q / K tiles and head_dim_v-wide V / O tiles (0: head_dim's);
+    `local`: a local window (LOCAL)."""
     from flashtriton import configs
     from flashtriton.kernels.hopper.fwd import CONSUMER_ROWS, attn_fwd_hopper_kernel
     from flashtriton.ops.hopper import forward_constexprs
 
-    config = config or configs.HOPPER_FWD[head_dim, causal]
-
-    def descriptor(rows):
-        return _gluon_tile_type(rows, head_dim, dtype)
-
+    head_dim_v = head_dim_v or head_dim
+    config = config or configs.HOPPER_FWD[max(head_dim, head_dim_v), causal]
     rows = CONSUMER_ROWS.value
-    signature = {"q_desc": descriptor(rows), "k_desc": descriptor(config.block_n), "v_desc": descriptor(config.block_n),
-                 "o_desc": descriptor(rows), "Lse": "*fp32", "Partial": "*fp32", "PartialLse": "*fp32"}
+    signature = {"q_desc": _gluon_tile_type(rows, head_dim, dtype),
+                 "k_desc": _gluon_tile_type(config.block_n, head_dim, dtype),
+                 "v_desc": _gluon_tile_type(config.block_n, head_dim_v, dtype),
+                 "o_desc": _gluon_tile_type(rows, head_dim_v, dtype), "Lse": "*fp32", "Partial": "*fp32",
+                 "PartialLse": "*fp32"}
     signature.update({name: "i32" for name in ("stride_lse_b", "stride_lse_h", "batch", "num_heads", "group_size",
                                                "seqlen_q", "seqlen_k", "heads_per_group", "paired", "full_items",
                                                "tail_programs", "tail_blocks", "item_blocks")})
@@ -244,8 +246,10 @@ def main():
             flags, threshold = [bool(int(flag)) for flag in rest[:3]], [float(value) for value in rest[3:4]]
             consumers = [int(value) for value in rest[4:5]]
             config = HopperFwdConfig(int(block_n), int(stages), int(regs), *flags, *threshold, *consumers)
-        compiled = compile_hopper_fwd(args.head_dim, args.causal, config, local=args.local)
-        print(f"fwd-hopper d{args.head_dim} causal={args.causal} local={args.local} {args.hopper_config or 'table'}: "
+        compiled = compile_hopper_fwd(args.head_dim, args.causal, config, local=args.local,
+                                      head_dim_v=args.head_dim_v or 0)
+        print(f"fwd-hopper d{args.head_dim} dv{args.head_dim_v or args.head_dim} causal={args.causal} "
+              f"local={args.local} {args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} "
               f"shared {compiled.metadata.shared} wgmma {compiled.asm['ptx'].count('wgmma.mma_async')} "
               f"setmaxnreg {compiled.asm['ptx'].count('setmaxnreg')} "

@@ -66,19 +66,24 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seqlen_k: int, params, plain: bool,
-           deterministic: bool = False) -> bool:
+           deterministic: bool = False, head_dim_v: Optional[int] = None) -> bool:
     """gluon_runs' rule on the call's shape and options alone (no device, layout or switch): whether the Gluon
     kernels compute this forward ("fwd") or backward ("bwd"). `plain`: dense (B, S, H, D) layout with no varlen,
     paged cache, seqused_k / leftpad_k / cache_batch_idx, split-KV, dropout or ALiBi (the caller knows those).
     Windows: the forward takes any (local windows: LOCAL); the backward none, or the causal one (window_right 0,
     left never binding). Head dims up to 256 run on the next wider tiles of their direction
-    (configs.hopper_fwd_tile_dim / hopper_bwd_tile_dim); with deterministic=True the backward needs tiles where dQ is
-    not added in an arbitrary order (`can_order_dq`)."""
+    (configs.hopper_fwd_tile_dim / hopper_bwd_tile_dim); the forward takes V's own head dim (head_dim_v, default
+    head_dim), the backward equal ones only; with deterministic=True the backward needs tiles where dQ is not added
+    in an arbitrary order (`can_order_dq`)."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-    tile_dim = configs.hopper_fwd_tile_dim(head_dim) if direction == "fwd" else configs.hopper_bwd_tile_dim(head_dim)
-    if tile_dim is None or (direction == "bwd" and deterministic and computes_dq(head_dim)
-                            and not can_order_dq(head_dim)):
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    if direction == "fwd":
+        tile_dims_exist = configs.hopper_fwd_tile_dim(max(head_dim, head_dim_v)) is not None
+    else:  # the Gluon backward takes equal head dims only
+        tile_dims_exist = head_dim_v == head_dim and configs.hopper_bwd_tile_dim(head_dim) is not None
+    if not tile_dims_exist or (direction == "bwd" and deterministic and computes_dq(head_dim)
+                               and not can_order_dq(head_dim)):
         return False
     no_window = params.window_left < 0 and params.window_right < 0
     return (plain and dtype in (torch.float16, torch.bfloat16)
@@ -98,17 +103,18 @@ def local_window(params, seqlen_k: int) -> bool:
 
 
 def gluon_runs(direction: str, q: torch.Tensor, params, seqlen_q: int, seqlen_k: int, plain: bool,
-               addressable: Union[bool, Sequence[torch.Tensor]], deterministic: bool = False) -> bool:
+               addressable: Union[bool, Sequence[torch.Tensor]], deterministic: bool = False,
+               head_dim_v: Optional[int] = None) -> bool:
     """Whether this forward (direction "fwd") or backward ("bwd") runs the Gluon kernels: Triton has them, they are
     switched on (FLASHTRITON_GLUON; and FLASHTRITON_TMA: they load and store only through tensor descriptors), they
     cover the call (`covers`), q is on an sm_90 GPU, the tensors the kernel addresses by tensor descriptors (q, k, v
     and out, or q, k, v and dout) are in layouts descriptors can address, and, for a backward whose dQ is ordered,
     every key block of a head fits on the GPU at once (`order_fits`). addressable: those tensors, checked here with
     launching.tma_compatible (after the cheaper conditions), or the caller's own answer for them (True / False)
-    where it checks them anyway."""
+    where it checks them anyway. head_dim_v: V's head dim where it is not q's."""
     kernel = attn_fwd_hopper_kernel if direction == "fwd" else attn_bwd_hopper_kernel
     return (kernel is not None and configs.GLUON_ALLOWED and configs.TMA_ALLOWED and q.is_cuda
-            and covers(direction, q.shape[-1], q.dtype, seqlen_q, seqlen_k, params, plain, deterministic)
+            and covers(direction, q.shape[-1], q.dtype, seqlen_q, seqlen_k, params, plain, deterministic, head_dim_v)
             and (addressable if isinstance(addressable, bool) else all(tma_compatible(t) for t in addressable))
             and is_hopper(q.device)
             and not (direction == "bwd" and orders_dq(q.shape[-1], deterministic)
@@ -208,12 +214,13 @@ def forward_constexprs(config, causal: bool, local: bool = False) -> dict:
 
 def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
                heads_per_group: int) -> None:
-    """Run the Gluon forward into out (B, Sq, H, D) and lse (fp32, rows contiguous, strides lse_strides)."""
+    """Run the Gluon forward into out (B, Sq, H, Dv) and lse (fp32, rows contiguous, strides lse_strides)."""
     global fwd_launch_count, tail_merge_count
-    num_heads, head_dim = q.shape[-2], q.shape[-1]
-    # head dims between the tile classes run on the next wider tiles (their missing columns read as zeros)
-    tile_dim = configs.hopper_fwd_tile_dim(head_dim)
-    config = configs.HOPPER_FWD[tile_dim, params.causal_like]
+    num_heads, head_dim, head_dim_v = q.shape[-2], q.shape[-1], v.shape[-1]
+    # head dims between the tile classes run on the next wider tiles (their missing columns read as zeros); q / k
+    # and v / out have tiles of their own widths, the config is the wider one's
+    tile_dim, tile_dim_v = configs.hopper_fwd_tile_dim(head_dim), configs.hopper_fwd_tile_dim(head_dim_v)
+    config = configs.HOPPER_FWD[max(tile_dim, tile_dim_v), params.causal_like]
     local = local_window(params, seqlen_k)
     tile_rows = config.consumers * CONSUMER_ROWS.value
     num_tiles = triton_cdiv(seqlen_q, tile_rows)
@@ -221,8 +228,8 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
     programs, paired = forward_grid(num_tiles, batch * num_heads, config, params.causal_like and not local, q.device)
     items = ((num_tiles + 1) // 2 if paired else num_tiles) * batch * num_heads
     split = None
-    # the tail merge writes whole tile rows: not where out is narrower than the tiles
-    if config.persistent and config.split_tail and not local and tile_dim == head_dim:
+    # the tail merge writes whole tile rows of q's head dim: not where out is narrower than the tiles or than q
+    if config.persistent and config.split_tail and not local and tile_dim == head_dim == head_dim_v:
         split = tail_split(items, programs, paired, num_tiles, tile_rows, config.block_n, seqlen_q, seqlen_k,
                            params.causal_like, config.tail_min_blocks)
     work = (heads_per_group, int(paired), items, 0, 0, 1)
@@ -234,7 +241,7 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
         work = (heads_per_group, int(paired), split.full_items, split.programs, split.blocks, split.item_blocks)
     attn_fwd_hopper_kernel[(programs,)](
         tile_descriptor(q, CONSUMER_ROWS.value, tile_dim), tile_descriptor(k, config.block_n, tile_dim),
-        tile_descriptor(v, config.block_n, tile_dim), tile_descriptor(out, CONSUMER_ROWS.value, tile_dim), lse,
+        tile_descriptor(v, config.block_n, tile_dim_v), tile_descriptor(out, CONSUMER_ROWS.value, tile_dim_v), lse,
         partial, partial_lse,
         *lse_strides, batch, num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, *work,
         params.qk_scale_log2, config.rescale_threshold, params.window_left, params.window_right,

@@ -3,12 +3,13 @@ three consumer warpgroups (configs.HopperFwdConfig.consumers: three for non-caus
 rows of a 128- (192-) row tile. The consumers share the stages and run out of phase with each other, so one's
 softmax overlaps another's wgmma (what the Triton kernel cannot schedule).
 
-Scope (ops/hopper.gluon_runs decides): dense (B, S, H, D) bf16/fp16 tensors addressed by host tensor descriptors,
-tiles 64 / 128 / 256 wide (narrower head dims run on the next wider tiles: the descriptors read the missing columns
-as zeros and store only out's own), GQA, any window (causal, or local: LOCAL; bottom-right aligned), positive
-softmax scale, no softcap, ALiBi or dropout; everything else runs kernels/fwd.py. Numerics are those of
-kernels/fwd.py: fp32 scores and accumulators, P rounded to V's dtype, natural-log LSE, +inf for rows that see no key;
-the A-1 rescale skip (max lagging) where configs.HOPPER_FWD has a rescale_threshold, decided per warp (_rescale).
+Scope (ops/hopper.gluon_runs decides): dense (B, S, H, D) bf16/fp16 tensors addressed by host tensor descriptors, tiles
+64 / 128 / 256 wide (narrower head dims run on the next wider tiles: the descriptors read the missing columns as zeros
+and store only out's own; V and O may have tiles of another width than Q and K: V's own head dim), GQA, any window
+(causal, or local: LOCAL; bottom-right aligned), positive softmax scale, no softcap, ALiBi or dropout; everything else
+runs kernels/fwd.py. Numerics are those of kernels/fwd.py: fp32 scores and accumulators, P rounded to V's dtype,
+natural-log LSE, +inf for rows that see no key; the A-1 rescale skip (max lagging) where configs.HOPPER_FWD has a
+rescale_threshold, decided per warp (_rescale).
 
 Work: the grid's programs take work items in turn, p, p + P, p + 2P, ... (ops/hopper.forward_grid sizes the grid:
 one program per item, or persistent: as many as fit the GPU at once). An item is one tile, or for persistent
@@ -399,7 +400,8 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
                 row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, window, turns, lead, fences, lag, residues,
                 acc_layout: gl.constexpr):
     """One consumer's pass over a work item's key blocks (the program's loads first_load, first_load + 1, ...) for
-    its Q tile q [ROWS, HEAD_DIM] (shared memory): `count` key blocks from block `top` down (step j visits block
+    its Q tile q [ROWS, HEAD_DIM] (shared memory; V's rows are HEAD_DIM_V wide): `count` key blocks from block `top`
+    down (step j visits block
     top - j; a whole tile's top is its last block).
     Only blocks crossing seqlen_k or (causal) the diagonal need a mask, and they come first: non-causal, the first
     step's block alone, so the loop has no mask code (code that never runs there would still cost time); causal,
@@ -411,20 +413,21 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     once its last S wgmma completed. With ping-pong the S_0 issue and each block's S_j + P_{j-1} V_{j-1} issue are
     steps first_load, first_load + 1, ... of _wait_turn (both consumers count the same loads). lag:
     _softmax_block's; residues: _mask_block's.
-    Returns the unnormalized output [ROWS, HEAD_DIM], the running max (log2 units) and the row sum [ROWS]."""
+    Returns the unnormalized output [ROWS, HEAD_DIM_V], the running max (log2 units) and the row sum [ROWS]."""
     ROWS: gl.constexpr = q.shape[0]
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
+    HEAD_DIM_V: gl.constexpr = v_smem.shape[4]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, acc_layout)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    # [ROWS, BLOCK_N] the zero accumulator of the S wgmmas; [ROWS, HEAD_DIM] the output accumulator
+    # [ROWS, BLOCK_N] the zero accumulator of the S wgmmas; [ROWS, HEAD_DIM_V] the output accumulator
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, acc_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([ROWS], gl.float32, row_s)
     stage = first_load % STAGES
@@ -454,7 +457,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         _wait_turn(turns, load, lead)
         s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
                           is_async=True)
-        acc = warpgroup_mma(p, v_smem.index(previous).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
+        acc = warpgroup_mma(p, v_smem.index(previous).reshape([BLOCK_N, HEAD_DIM_V]), acc, is_async=True)
         _pass_turn(turns)
         # S_j done (wgmma groups complete in order); P_{j-1} V_{j-1} may still run
         s = warpgroup_mma_wait(1, deps=(s, ))
@@ -472,7 +475,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     arrive_after_wgmma(q_free, pred=release_q)
     last = first_load + count - 1
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-    acc = warpgroup_mma(p, v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM]), acc)
+    acc = warpgroup_mma(p, v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM_V]), acc)
     arrive_after_wgmma(v_empty.index(last % STAGES))
     return acc, m_i, l_i
 
@@ -530,10 +533,11 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
     TILE_ROWS: gl.constexpr = len(team) * ROWS
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
+    HEAD_DIM_V: gl.constexpr = v_smem.shape[4]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
+                                                         instr_shape=[16, HEAD_DIM_V, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, acc_layout)
     seqlen_q, seqlen_k, causal, window = work[4], work[5], work[6], work[8]
@@ -618,22 +622,26 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
     ROWS: gl.constexpr = CONSUMER_ROWS
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
+    HEAD_DIM_V: gl.constexpr = v_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
     # O gets tiles of its own where they fit next to Q and the K/V stages, so the next tile's Q can land while O is
-    # stored; else (head dim 256) O is staged in the consumer's Q tile
-    tile_bytes: gl.constexpr = ROWS * HEAD_DIM * dtype.primitive_bitwidth // 8
-    stage_bytes: gl.constexpr = 2 * BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
-    O_IN_Q: gl.constexpr = 2 * CONSUMERS * tile_bytes + STAGES * stage_bytes > SHARED_BYTES_FOR_TILES
+    # stored; else (head dim 256) O is staged in the consumer's Q tile (of the same shape: V's head dim is q's)
+    element_bytes: gl.constexpr = dtype.primitive_bitwidth // 8
+    tiles_bytes: gl.constexpr = CONSUMERS * ROWS * (HEAD_DIM + HEAD_DIM_V) * element_bytes
+    stage_bytes: gl.constexpr = BLOCK_N * (HEAD_DIM + HEAD_DIM_V) * element_bytes
+    O_IN_Q: gl.constexpr = tiles_bytes + STAGES * stage_bytes > SHARED_BYTES_FOR_TILES
     num_tiles = gl.cdiv(seqlen_q, CONSUMERS * ROWS)
     num_batch_heads = batch * num_heads
-    # [CONSUMERS, 1, ROWS, 1, HEAD_DIM] the consumers' Q tiles and O tiles; [STAGES, 1, BLOCK_N, 1, HEAD_DIM] K, V
+    # [CONSUMERS, 1, ROWS, 1, HEAD_DIM] the consumers' Q tiles, [.., HEAD_DIM_V] their O tiles; [STAGES, 1, BLOCK_N, 1,
+    # HEAD_DIM] K, [.., HEAD_DIM_V] V
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM], q_desc.layout)
     if O_IN_Q:
+        gl.static_assert(HEAD_DIM == HEAD_DIM_V, "O tiles of V's head dim must fit beside the Q tiles")
         o_smem = q_smem
     else:
-        o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM], o_desc.layout)
+        o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM_V], o_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM_V], v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
