@@ -363,7 +363,7 @@ def test_grid_sizes(monkeypatch, persistent, causal):
 
 
 def _tail_pieces(split: hopper.TailSplit, programs: int, tile_blocks) -> dict:
-    """The model of kernels/hopper/fwd._next_piece's tail: {program: [(tail tile, first position, blocks, slot)]} for
+    """The model of kernels/hopper/schedule.next_piece's tail: {program: [(tail tile, first position, blocks, slot)]} for
     tail tiles of tile_blocks[t] key blocks laid end to end (slot -1: the whole tile)."""
     starts = [sum(tile_blocks[:t]) for t in range(len(tile_blocks))]
     pieces = {}

@@ -158,7 +158,7 @@ def forward_grid(num_tiles: int, batch_heads: int, config, causal: bool, device:
 
 @dataclass(frozen=True)
 class TailSplit:
-    """How a persistent grid's last, partial wave is cut (kernels/hopper/fwd._next_piece): items from full_items on
+    """How a persistent grid's last, partial wave is cut (kernels/hopper/schedule.next_piece): items from full_items on
     form the tail, `blocks` key blocks of `tiles` tiles (item_blocks per item) cut evenly among the first `programs`
     programs, each of which leaves at most two partial results (the workspace's slots)."""
     full_items: int
@@ -170,7 +170,7 @@ class TailSplit:
 
 def tile_key_blocks(tile: int, num_tiles: int, tile_rows: int, block_n: int, seqlen_q: int, seqlen_k: int,
                     causal: bool) -> int:
-    """Key blocks of tile `tile` (numbered longest first), as kernels/hopper/fwd._tile_work counts them."""
+    """Key blocks of tile `tile` (numbered longest first), as kernels/hopper/schedule.tile_work counts them."""
     key_end = seqlen_k
     if causal:
         key_end = min((num_tiles - tile) * tile_rows + seqlen_k - seqlen_q, seqlen_k)
@@ -235,7 +235,7 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
     work = (heads_per_group, int(paired), items, 0, 0, 1)
     partial = partial_lse = lse  # not read without a tail cut (any fp32 tensor)
     if split is not None:
-        rows = 2 * split.programs * tile_rows  # two slots per tail program (kernels/hopper/fwd._next_piece)
+        rows = 2 * split.programs * tile_rows  # two slots per tail program (kernels/hopper/schedule.next_piece)
         partial = torch.empty(rows * head_dim, dtype=torch.float32, device=q.device)
         partial_lse = torch.empty(rows, dtype=torch.float32, device=q.device)
         work = (heads_per_group, int(paired), split.full_items, split.programs, split.blocks, split.item_blocks)

@@ -15,7 +15,7 @@ Work: the grid's programs take work items in turn, p, p + P, p + 2P, ... (ops/ho
 one program per item, or persistent: as many as fit the GPU at once). An item is one tile, or for persistent
 causal grids a pair of tiles (the longest and the shortest left) so that every item has the same number of key
 blocks. Where configs.HopperFwdConfig.split_tail says, the items of a persistent grid's last, partial wave (the
-tail) are cut by key blocks evenly among all programs (stream-K style, _next_piece): a piece short of its tile
+tail) are cut by key blocks evenly among all programs (stream-K style, next_piece): a piece short of its tile
 writes its normalized partial output and LSE to a workspace, and attn_tail_merge_kernel merges them by LSE
 weights after the kernel. The producer loads the next tile's Q and K/V blocks while the consumers finish the
 current one (their last wgmmas, normalization, O store). A tile's key blocks are visited from the last to the
@@ -43,7 +43,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .common import arrive_after_wgmma, grouped_tile_of
+from .common import arrive_after_wgmma
+from .schedule import first_cursor, item_tiles, more_work, next_piece, tile_work
 
 SHARED_BYTES_FOR_TILES = gl.constexpr(220 * 1024)  # sm_90: 227 KiB per program, less barriers and the compiler's
 CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M tile); a tile has one per consumer
@@ -68,127 +69,6 @@ _RESCALE_PTX_32 = gl.constexpr(_rescale_unless_unmoved_ptx(32))
 _RESCALE_PTX_64 = gl.constexpr(_rescale_unless_unmoved_ptx(64))
 _RESCALE_CONSTRAINTS_32 = gl.constexpr(",".join(["=f"] * 32 + ["f"] * 64))
 _RESCALE_CONSTRAINTS_64 = gl.constexpr(",".join(["=f"] * 64 + ["f"] * 128))
-
-
-@gluon.jit
-def _slots(num_tiles, paired):
-    """Work items per (batch, head): its tiles, or paired (persistent causal grids) pairs of them (_item_tiles)."""
-    return gl.where(paired != 0, (num_tiles + 1) // 2, num_tiles)
-
-
-@gluon.jit
-def _item_tiles(item, num_tiles, num_batch_heads, heads_per_group, paired):
-    """Work item `item`'s (batch * heads index) and its tiles as a range (first, end, step), tiles numbered longest
-    first, items in grouped_tile_of's order. Unpaired an item is one tile; paired (persistent causal grids) item s
-    is tiles s and num_tiles - 1 - s, whose key blocks add up to the same count for every s, so that programs taking
-    items in turn get equal work."""
-    slot, batch_head = grouped_tile_of(item, _slots(num_tiles, paired), num_batch_heads, heads_per_group)
-    end = gl.where(paired != 0, num_tiles - slot, slot + 1)
-    return batch_head, slot, end, gl.maximum(num_tiles - 1 - 2 * slot, 1)
-
-
-@gluon.jit
-def _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, causal, window, TILE_ROWS: gl.constexpr,
-               BLOCK_N: gl.constexpr):
-    """(batch, head, first query row, one past its last key block, key blocks) of a tile (numbered longest first);
-    its blocks are visited from the last down. window: () or (window_left, window_right), a local window
-    (kernels/common.kv_block_range's bounds: the blocks any of the tile's rows sees). At least one key block, even
-    for a tile whose rows see no key (a causal tile whose rows all precede the first key, sq > sk; a window outside
-    the keys): it comes back fully masked, so those rows see no key."""
-    m_start = (num_tiles - 1 - tile) * TILE_ROWS
-    key_end = seqlen_k
-    if causal != 0:
-        key_end = gl.minimum(m_start + TILE_ROWS + (seqlen_k - seqlen_q), seqlen_k)
-    end_block = gl.maximum(gl.cdiv(key_end, BLOCK_N), 1)
-    first_block = end_block * 0
-    if len(window) > 0:
-        offset = seqlen_k - seqlen_q
-        last_row = gl.minimum(m_start + TILE_ROWS, seqlen_q) - 1
-        key_blocks = gl.cdiv(seqlen_k, BLOCK_N)
-        first_block = gl.minimum(gl.maximum(m_start + offset - window[0], 0) // BLOCK_N, key_blocks - 1)
-        end_block = gl.minimum(gl.cdiv(gl.maximum(last_row + offset + window[1] + 1, 0), BLOCK_N), key_blocks)
-        end_block = gl.maximum(end_block, first_block + 1)
-    return batch_head // num_heads, batch_head % num_heads, m_start, end_block, end_block - first_block
-
-
-@gluon.jit
-def _tail_range(tail):
-    """This program's share [start, end) of the tail (tail: (full_items, programs, blocks, item_blocks), or
-    (full_items, ) where no tail is cut (configs.HopperFwdConfig.split_tail off: none of its code is compiled);
-    ops/hopper.tail_split): the work items from full_items on, their tiles one after the other and each tile's
-    key blocks in visiting order (last first), as `blocks` positions cut evenly among the first `programs`
-    programs."""
-    start = gl.program_id(0) * 0
-    end = start
-    if len(tail) > 1:
-        mine = (gl.program_id(0) < tail[1]).to(gl.int32)
-        programs = gl.maximum(tail[1], 1)
-        start = mine * (gl.program_id(0) * tail[2] // programs)
-        end = mine * ((gl.program_id(0) + 1) * tail[2] // programs)
-    return start, end
-
-
-@gluon.jit
-def _first_cursor(tail):
-    """The program's cursor before its first piece (_next_piece): its first item, its first tile, its tail share."""
-    x_start, x_end = _tail_range(tail)
-    return gl.program_id(0), x_start * 0, x_start, x_end
-
-
-@gluon.jit
-def _more_work(item, x, x_end, tail):
-    """Whether the program has work left: a whole item below full_items, or positions of its tail share."""
-    more = item < tail[0]
-    if len(tail) > 1:
-        more = more | (x < x_end)
-    return more
-
-
-@gluon.jit
-def _next_piece(item, which, x, x_start, x_end, tail, work, TILE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The program's next piece of work, from its cursor: tile `which` of work item `item` (the program's items p,
-    p + P, ... below full_items = tail[0]), each tile whole; then positions [x, x_end) of its tail share [x_start,
-    x_end) (_tail_range; every tail item has item_blocks = tail[3] key blocks: a paired item's first tile, then its
-    second), a tile's part at a time. Returns (batch, head, first query row, the first key block visited, key
-    blocks, slot, the cursor after it): the blocks are visited from the first one down; slot -1: the piece is its
-    tile's whole (O and the LSE go to the output), else 2 P + 0 for the piece at the start of the program's share,
-    2 P + 1 for the one at its end (ops/hopper.tail_split's workspace, which attn_tail_merge_kernel
-    merges). work: (num_tiles, num_batch_heads, heads_per_group, num_heads, seqlen_q, seqlen_k, causal, paired,
-    window) (window: _tile_work's).
-    Branch-free, one copy of the item arithmetic for both kinds of piece: each partition holds this code."""
-    num_tiles, num_batch_heads, heads_per_group, num_heads, seqlen_q, seqlen_k, causal, paired, window = work
-    if len(tail) > 1:
-        in_tail = item >= tail[0]
-        offset = x // tail[3]
-        batch_head, first_tile, end_tile, tile_step = _item_tiles(gl.where(in_tail, tail[0] + offset, item),
-                                                                  num_tiles, num_batch_heads, heads_per_group, paired)
-        first_blocks = _tile_work(first_tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, causal, window,
-                                  TILE_ROWS, BLOCK_N)[4]
-        position = x - offset * tail[3]
-        which = gl.where(in_tail, (position >= first_blocks).to(gl.int32), which)
-        tile = first_tile + which * tile_step
-        batch, head, m_start, end_block, n_blocks = _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q,
-                                                               seqlen_k, causal, window, TILE_ROWS, BLOCK_N)
-        # blocks of the tile visited before this piece
-        before = gl.where(in_tail, position - which * first_blocks, 0)
-        count = gl.where(in_tail, gl.minimum(x_end - x, n_blocks - before), n_blocks)
-        slot = gl.where(in_tail & (count < n_blocks), 2 * gl.program_id(0) + (x != x_start).to(gl.int32), -1)
-        last_of_item = tile + tile_step >= end_tile
-        next_item = gl.where(in_tail | ~last_of_item, item, item + gl.num_programs(0))
-        x = x + in_tail.to(gl.int32) * count
-    else:
-        batch_head, first_tile, end_tile, tile_step = _item_tiles(item, num_tiles, num_batch_heads, heads_per_group,
-                                                                  paired)
-        tile = first_tile + which * tile_step
-        batch, head, m_start, end_block, n_blocks = _tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q,
-                                                               seqlen_k, causal, window, TILE_ROWS, BLOCK_N)
-        before = 0
-        count = n_blocks
-        slot = -1
-        last_of_item = tile + tile_step >= end_tile
-        next_item = gl.where(last_of_item, item + gl.num_programs(0), item)
-    next_which = gl.where(last_of_item, 0, which + 1)
-    return batch, head, m_start, end_block - 1 - before, count, slot, next_item, next_which, x
 
 
 @gluon.jit
@@ -229,10 +109,10 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     q_bytes: gl.constexpr = ROWS * HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8
     load = 0
     done = 0
-    item, which, x_start, x_end = _first_cursor(tail)
+    item, which, x_start, x_end = first_cursor(tail)
     x = x_start
-    while _more_work(item, x, x_end, tail):
-        batch, head, m_start, top, count, slot, item, which, x = _next_piece(item, which, x, x_start, x_end, tail,
+    while more_work(item, x, x_end, tail):
+        batch, head, m_start, top, count, slot, item, which, x = next_piece(item, which, x, x_start, x_end, tail,
                                                                              work, CONSUMERS * ROWS, BLOCK_N)
         head_k = head // group_size
         # key blocks from the piece's last to its first (_key_blocks)
@@ -521,7 +401,7 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
               k_ready, v_ready, k_empty, v_empty, team, fences, lag, residues, stride_lse_b, stride_lse_h, tail,
               work, qk_scale_log2, o_in_q):
     """One warpgroup: query rows [m_start + row_offset, + ROWS) of every piece of work of this program (a tile, or
-    part of a tail tile's key blocks: _next_piece). Per piece: wait for its Q tile (q_tile [1, ROWS, 1, HEAD_DIM],
+    part of a tail tile's key blocks: next_piece). Per piece: wait for its Q tile (q_tile [1, ROWS, 1, HEAD_DIM],
     shared), run the key blocks, normalize, store the natural-log LSE and O (_store_output; a partial piece's to
     the workspace instead: _store_partial). q_empty tells the producer that q_tile may
     be refilled: after the last S wgmma, or where O is staged in q_tile itself (o_in_q) once O's store has read it.
@@ -545,10 +425,10 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
     lead = (row_offset == 0).to(gl.int32)
     load = 0
     done = 0
-    item, which, x_start, x_end = _first_cursor(tail)
+    item, which, x_start, x_end = first_cursor(tail)
     x = x_start
-    while _more_work(item, x, x_end, tail):
-        batch, head, m_start, top, count, slot, item, which, x = _next_piece(item, which, x, x_start, x_end, tail,
+    while more_work(item, x, x_end, tail):
+        batch, head, m_start, top, count, slot, item, which, x = next_piece(item, which, x, x_start, x_end, tail,
                                                                              work, TILE_ROWS, BLOCK_N)
         row0 = m_start + row_offset
         # [ROWS] this consumer's query rows
@@ -605,19 +485,19 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
                            SPLIT_TAIL: gl.constexpr, num_warps: gl.constexpr):
     """Work items: query tiles of CONSUMERS * 64 rows of every (batch, head), longest first, in launch-order groups of
     heads_per_group (batch, head) pairs like kernels/fwd.py, or with `paired` (1) pairs of tiles of equal total
-    length (_item_tiles); program p takes items p, p + P, p + 2P, ... of a grid of P programs (one per item, or
+    length (item_tiles); program p takes items p, p + P, p + 2P, ... of a grid of P programs (one per item, or
     persistent: one per SM, so the next tile's loads overlap this one's end) below full_items. The items from
     full_items on (the tail: fewer than a wave) are cut by key blocks evenly among the first tail_programs programs
     (ops/hopper.tail_split: tail_blocks positions, every item item_blocks long); pieces short of their tile
     write partial results (Partial, PartialLse: two slots per tail program) that attn_tail_merge_kernel
-    merges (_next_piece). full_items = all items and tail_programs = 0: no tail; SPLIT_TAIL off: no code for one.
+    merges (next_piece). full_items = all items and tail_programs = 0: no tail; SPLIT_TAIL off: no code for one.
     num_warps (4) is the first consumer's; the other consumers (4 warps, CONSUMER_REGS registers each) and the
     producer (1 warp) are worker partitions. PINGPONG (two consumers): they issue their wgmmas in alternation
     (_wait_turn).
     RESCALE_SKIP: the max lags by up to rescale_threshold (log2 units) and unmoved warps skip the output rescale
     (_softmax_block, _rescale). MASK_BY_RESIDUES: how a causal block's mask compares columns (_mask_block).
     LOCAL: a local window (window_left, window_right, both >= 0, normalized as kernels/common's): each tile visits the
-    key blocks its rows see (_tile_work) and masks both edges (_mask_local); grids are not paired and the tail is not
+    key blocks its rows see (tile_work) and masks both edges (_mask_local); grids are not paired and the tail is not
     cut (ops/hopper.launch_fwd)."""
     ROWS: gl.constexpr = CONSUMER_ROWS
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
@@ -688,7 +568,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
     # constexprs arrive in partitions as plain ints (Triton 3.6): the flags travel as tensors
     causal = gl.to_tensor(CAUSAL).to(gl.int32)
     o_in_q = gl.to_tensor(O_IN_Q).to(gl.int32)
-    # the work items and the tail's cut (_next_piece)
+    # the work items and the tail's cut (next_piece)
     # the local window, or () without one (a tuple's length reaches the partitions)
     if LOCAL:
         window = (window_left, window_right)
@@ -721,7 +601,7 @@ TAIL_MERGE_ELEMENTS = gl.constexpr(4096)
 
 @gluon.jit
 def _programs_upto(x, tail):
-    """How many tail programs' shares (_tail_range) start at or before tail position x."""
+    """How many tail programs' shares (tail_range) start at or before tail position x."""
     return gl.minimum(tail[1], ((x + 1) * tail[1] + tail[2] - 1) // tail[2])
 
 
@@ -729,7 +609,7 @@ def _programs_upto(x, tail):
 def _load_partial(Partial, PartialLse, program, first, tail, rows, columns, TILE_ROWS: gl.constexpr):
     """Tail program `program`'s partial result of the tail tile starting at position `first`: its LSE [ROWS] and
     output [ROWS, HEAD_DIM] at `rows` of the tile (slot 2 p + 1 where p's share started before the tile, else 2 p:
-    _next_piece)."""
+    next_piece)."""
     slot = 2 * program + (program * tail[2] // tail[1] < first).to(gl.int32)
     slot_rows = slot.to(gl.int64) * TILE_ROWS + rows
     return (gl.load(PartialLse + slot_rows),
@@ -761,11 +641,11 @@ def attn_tail_merge_kernel(Partial, PartialLse, Out, Lse, stride_ob, stride_om, 
     tail_tile = gl.program_id(0) // chunks
     offset = tail_tile // (1 + paired)
     second = tail_tile - offset * (1 + paired)
-    batch_head, first_tile, end_tile, tile_step = _item_tiles(full_items + offset, num_tiles, batch * num_heads,
+    batch_head, first_tile, end_tile, tile_step = item_tiles(full_items + offset, num_tiles, batch * num_heads,
                                                               heads_per_group, paired)
-    first_blocks = _tile_work(first_tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, CAUSAL, (),
+    first_blocks = tile_work(first_tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, CAUSAL, (),
                               TILE_ROWS, BLOCK_N)[4]
-    batch_index, head, m_start, _, n_blocks = _tile_work(first_tile + second * tile_step, batch_head, num_tiles,
+    batch_index, head, m_start, _, n_blocks = tile_work(first_tile + second * tile_step, batch_head, num_tiles,
                                                          num_heads, seqlen_q, seqlen_k, CAUSAL, (), TILE_ROWS, BLOCK_N)
     # the tile's positions in the tail: [first, first + n_blocks)
     first = offset * item_blocks + second * first_blocks

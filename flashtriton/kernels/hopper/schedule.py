@@ -1,0 +1,129 @@
+"""Work items of the Hopper forward (fwd.py) and its tail merge: which query tile of which (batch, head) a program
+runs next, its key-block range, and the stream-K style cut of a persistent grid's last wave (ops/hopper.tail_split).
+Every partition of the forward holds this code: it is branch-free integer arithmetic on the program's cursor."""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from .common import grouped_tile_of
+
+
+@gluon.jit
+def slots(num_tiles, paired):
+    """Work items per (batch, head): its tiles, or paired (persistent causal grids) pairs of them (item_tiles)."""
+    return gl.where(paired != 0, (num_tiles + 1) // 2, num_tiles)
+
+
+@gluon.jit
+def item_tiles(item, num_tiles, num_batch_heads, heads_per_group, paired):
+    """Work item `item`'s (batch * heads index) and its tiles as a range (first, end, step), tiles numbered longest
+    first, items in grouped_tile_of's order. Unpaired an item is one tile; paired (persistent causal grids) item s
+    is tiles s and num_tiles - 1 - s, whose key blocks add up to the same count for every s, so that programs taking
+    items in turn get equal work."""
+    slot, batch_head = grouped_tile_of(item, slots(num_tiles, paired), num_batch_heads, heads_per_group)
+    end = gl.where(paired != 0, num_tiles - slot, slot + 1)
+    return batch_head, slot, end, gl.maximum(num_tiles - 1 - 2 * slot, 1)
+
+
+@gluon.jit
+def tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, causal, window, TILE_ROWS: gl.constexpr,
+               BLOCK_N: gl.constexpr):
+    """(batch, head, first query row, one past its last key block, key blocks) of a tile (numbered longest first);
+    its blocks are visited from the last down. window: () or (window_left, window_right), a local window
+    (kernels/common.kv_block_range's bounds: the blocks any of the tile's rows sees). At least one key block, even
+    for a tile whose rows see no key (a causal tile whose rows all precede the first key, sq > sk; a window outside
+    the keys): it comes back fully masked, so those rows see no key."""
+    m_start = (num_tiles - 1 - tile) * TILE_ROWS
+    key_end = seqlen_k
+    if causal != 0:
+        key_end = gl.minimum(m_start + TILE_ROWS + (seqlen_k - seqlen_q), seqlen_k)
+    end_block = gl.maximum(gl.cdiv(key_end, BLOCK_N), 1)
+    first_block = end_block * 0
+    if len(window) > 0:
+        offset = seqlen_k - seqlen_q
+        last_row = gl.minimum(m_start + TILE_ROWS, seqlen_q) - 1
+        key_blocks = gl.cdiv(seqlen_k, BLOCK_N)
+        first_block = gl.minimum(gl.maximum(m_start + offset - window[0], 0) // BLOCK_N, key_blocks - 1)
+        end_block = gl.minimum(gl.cdiv(gl.maximum(last_row + offset + window[1] + 1, 0), BLOCK_N), key_blocks)
+        end_block = gl.maximum(end_block, first_block + 1)
+    return batch_head // num_heads, batch_head % num_heads, m_start, end_block, end_block - first_block
+
+
+@gluon.jit
+def tail_range(tail):
+    """This program's share [start, end) of the tail (tail: (full_items, programs, blocks, item_blocks), or
+    (full_items, ) where no tail is cut (configs.HopperFwdConfig.split_tail off: none of its code is compiled);
+    ops/hopper.tail_split): the work items from full_items on, their tiles one after the other and each tile's
+    key blocks in visiting order (last first), as `blocks` positions cut evenly among the first `programs`
+    programs."""
+    start = gl.program_id(0) * 0
+    end = start
+    if len(tail) > 1:
+        mine = (gl.program_id(0) < tail[1]).to(gl.int32)
+        programs = gl.maximum(tail[1], 1)
+        start = mine * (gl.program_id(0) * tail[2] // programs)
+        end = mine * ((gl.program_id(0) + 1) * tail[2] // programs)
+    return start, end
+
+
+@gluon.jit
+def first_cursor(tail):
+    """The program's cursor before its first piece (next_piece): its first item, its first tile, its tail share."""
+    x_start, x_end = tail_range(tail)
+    return gl.program_id(0), x_start * 0, x_start, x_end
+
+
+@gluon.jit
+def more_work(item, x, x_end, tail):
+    """Whether the program has work left: a whole item below full_items, or positions of its tail share."""
+    more = item < tail[0]
+    if len(tail) > 1:
+        more = more | (x < x_end)
+    return more
+
+
+@gluon.jit
+def next_piece(item, which, x, x_start, x_end, tail, work, TILE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The program's next piece of work, from its cursor: tile `which` of work item `item` (the program's items p,
+    p + P, ... below full_items = tail[0]), each tile whole; then positions [x, x_end) of its tail share [x_start,
+    x_end) (tail_range; every tail item has item_blocks = tail[3] key blocks: a paired item's first tile, then its
+    second), a tile's part at a time. Returns (batch, head, first query row, the first key block visited, key
+    blocks, slot, the cursor after it): the blocks are visited from the first one down; slot -1: the piece is its
+    tile's whole (O and the LSE go to the output), else 2 P + 0 for the piece at the start of the program's share,
+    2 P + 1 for the one at its end (ops/hopper.tail_split's workspace, which attn_tail_merge_kernel
+    merges). work: (num_tiles, num_batch_heads, heads_per_group, num_heads, seqlen_q, seqlen_k, causal, paired,
+    window) (window: tile_work's).
+    Branch-free, one copy of the item arithmetic for both kinds of piece: each partition holds this code."""
+    num_tiles, num_batch_heads, heads_per_group, num_heads, seqlen_q, seqlen_k, causal, paired, window = work
+    if len(tail) > 1:
+        in_tail = item >= tail[0]
+        offset = x // tail[3]
+        batch_head, first_tile, end_tile, tile_step = item_tiles(gl.where(in_tail, tail[0] + offset, item),
+                                                                  num_tiles, num_batch_heads, heads_per_group, paired)
+        first_blocks = tile_work(first_tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, causal, window,
+                                  TILE_ROWS, BLOCK_N)[4]
+        position = x - offset * tail[3]
+        which = gl.where(in_tail, (position >= first_blocks).to(gl.int32), which)
+        tile = first_tile + which * tile_step
+        batch, head, m_start, end_block, n_blocks = tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q,
+                                                               seqlen_k, causal, window, TILE_ROWS, BLOCK_N)
+        # blocks of the tile visited before this piece
+        before = gl.where(in_tail, position - which * first_blocks, 0)
+        count = gl.where(in_tail, gl.minimum(x_end - x, n_blocks - before), n_blocks)
+        slot = gl.where(in_tail & (count < n_blocks), 2 * gl.program_id(0) + (x != x_start).to(gl.int32), -1)
+        last_of_item = tile + tile_step >= end_tile
+        next_item = gl.where(in_tail | ~last_of_item, item, item + gl.num_programs(0))
+        x = x + in_tail.to(gl.int32) * count
+    else:
+        batch_head, first_tile, end_tile, tile_step = item_tiles(item, num_tiles, num_batch_heads, heads_per_group,
+                                                                  paired)
+        tile = first_tile + which * tile_step
+        batch, head, m_start, end_block, n_blocks = tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q,
+                                                               seqlen_k, causal, window, TILE_ROWS, BLOCK_N)
+        before = 0
+        count = n_blocks
+        slot = -1
+        last_of_item = tile + tile_step >= end_tile
+        next_item = gl.where(last_of_item, item + gl.num_programs(0), item)
+    next_which = gl.where(last_of_item, 0, which + 1)
+    return batch, head, m_start, end_block - 1 - before, count, slot, next_item, next_which, x
