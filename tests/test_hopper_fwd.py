@@ -18,7 +18,8 @@ from flashtriton import configs
 from flashtriton.ops import hopper
 from flashtriton.ops.backend import KERNELS_INTERPRETED
 from flashtriton.scores import score_params
-from flashtriton.testing import Case, assert_checks_ok, compare_with_reference, forced_heads_per_group, \
+from flashtriton.testing import Case, assert_checks_ok, compare_varlen_with_reference, compare_with_reference, \
+    cu_seqlens, forced_heads_per_group, \
     forced_hopper_grid, make_case_inputs, poisoned_outputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -148,6 +149,47 @@ def test_gluon_forward_matches_reference(seqlen_q, seqlen_k, head_dim, dtype, ca
                                        head_dim=head_dim, dtype=dtype, causal=causal))
     assert ran, "the Gluon forward did not run"
     assert_checks_ok(checks)
+
+
+VARLEN_CASES = {  # name: (lengths of q, lengths of k, heads, kv heads, head dim, V's head dim, options)
+    "mixed-causal": ([300, 1, 0, 129, 1000, 64], [300, 1, 0, 129, 1000, 64], 4, 4, 128, 128, dict(causal=True)),
+    "mixed-full-gqa": ([200, 17, 513, 0, 90], [250, 0, 513, 33, 70], 6, 2, 64, 64, dict()),
+    "sq-over-sk-causal": ([400, 70, 129], [100, 300, 64], 2, 1, 128, 128, dict(causal=True)),
+    "window": ([700, 333, 18], [700, 333, 18], 4, 2, 128, 128, dict(window_size=(100, 20))),
+    "d96-dv64": ([257, 40, 600], [257, 40, 600], 3, 3, 96, 64, dict(causal=True)),
+    "d256": ([130, 390], [390, 130], 2, 2, 256, 256, dict()),
+}
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(VARLEN_CASES))
+def test_gluon_forward_varlen(name, dtype):
+    """Packed sequences (flash_attn_varlen_func) on the Gluon forward: lengths not a multiple of the tiles, empty
+    query or key sequences, sq != sk both ways, GQA, windows, head dims between tile classes and V's own; rows past
+    the last sequence hold NaN in q, k and v (a read of them would reach the output: V's rows past each sequence's
+    keys are cleared before P V); NaN-poisoned outputs against the float64 reference, every row (uncovered rows: out
+    0, LSE +inf); the configured grid and 3 programs."""
+    lengths_q, lengths_k, heads, heads_k, head_dim, head_dim_v, options = VARLEN_CASES[name]
+    cu_q, cu_k = cu_seqlens(lengths_q, "cuda"), cu_seqlens(lengths_k, "cuda")
+    padding = 37
+    q = torch.randn(sum(lengths_q) + padding, heads, head_dim, device="cuda").to(dtype)
+    k = torch.randn(sum(lengths_k) + padding, heads_k, head_dim, device="cuda").to(dtype)
+    v = torch.randn(sum(lengths_k) + padding, heads_k, head_dim_v, device="cuda").to(dtype)
+    for tensor, covered in ((q, sum(lengths_q)), (k, sum(lengths_k)), (v, sum(lengths_k))):
+        tensor[covered:] = float("nan")
+    for grid in (None, 3):
+        before = hopper.fwd_launch_count
+        with forced_hopper_grid(grid), poisoned_outputs():
+            out, lse, _ = flashtriton.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                             return_attn_probs=True, **options)
+        assert hopper.fwd_launch_count == before + 1, "the Gluon forward did not run"
+        covered = sum(lengths_q)
+        clean = [t[:sum(lengths)] for t, lengths in ((q, lengths_q), (k, lengths_k), (v, lengths_k))]
+        assert_checks_ok(compare_varlen_with_reference(out[:covered], lse[:, :covered], *clean, cu_q.cpu(),
+                                                       cu_k.cpu(), max(lengths_k), **options))
+        assert torch.equal(out[covered:], torch.zeros_like(out[covered:]))
+        assert torch.isinf(lse[:, covered:]).all()
 
 
 PADDED_HEAD_DIMS = [8, 40, 80, 96, 136, 192]

@@ -2,7 +2,8 @@
 
     python tools/offline_compile.py [--head-dim 128] [--head-dim-v DV] [--local] [--kernel fwd|dkdv|dq]
                                     [--config M,N,WARPS,STAGES]
-    python tools/offline_compile.py --kernel fwd-hopper [--head-dim 128] [--causal] [--local]
+    python tools/offline_compile.py --kernel fwd-hopper [--head-dim 128] [--head-dim-v DV] [--causal] [--local]
+                                    [--packed]         # --packed: a varlen launch
                                     [--hopper-config N,STAGES,REGS[,P,PP,H[,T[,C]]]]
                                                        # the Gluon forward; default: its configs.HOPPER_FWD entry
                                                        # (P, PP, H: persistent, ping-pong, hold_schedule, 0 or 1;
@@ -151,10 +152,10 @@ def _compile_gluon(kernel, signature: dict, constexprs: dict):
 
 
 def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", local: bool = False,
-                       head_dim_v: int = 0):
+                       head_dim_v: int = 0, varlen: bool = False):
     """The Gluon Hopper forward (kernels/hopper/fwd.py) with `config` (default configs.HOPPER_FWD[the wider tile
-    dim, causal]), as a dense launch on head_dim-wide Q / K tiles and head_dim_v-wide V / O tiles (0: head_dim's);
-    `local`: a local window (LOCAL)."""
+    dim, causal]), as a dense launch (`varlen`: a varlen one) on head_dim-wide Q / K tiles and head_dim_v-wide V / O
+    tiles (0: head_dim's); `local`: a local window (LOCAL)."""
     from flashtriton import configs
     from flashtriton.kernels.hopper.fwd import CONSUMER_ROWS, attn_fwd_hopper_kernel
     from flashtriton.ops.hopper import forward_constexprs
@@ -172,7 +173,15 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
                                                "tail_programs", "tail_blocks", "item_blocks")})
     signature["qk_scale_log2"] = signature["rescale_threshold"] = "fp32"
     signature["window_left"] = signature["window_right"] = "i32"
-    return _compile_gluon(attn_fwd_hopper_kernel, signature, forward_constexprs(config, causal, local))
+    signature.update({name: "i32" for name in ("q_rows", "k_rows", "stride_om", "stride_oh", "head_dim_v")})
+    constexprs = forward_constexprs(config, causal, local)
+    if varlen:
+        signature.update(CuSeqlensQ="*i32", CuSeqlensK="*i32", Out=f"*{dtype}")
+    else:
+        constexprs.update(CuSeqlensQ=None, CuSeqlensK=None, Out=None)
+    names = list(inspect.signature(attn_fwd_hopper_kernel.fn).parameters)
+    signature = {name: signature[name] for name in names if name in signature}  # in the kernel's order
+    return _compile_gluon(attn_fwd_hopper_kernel, signature, constexprs)
 
 
 def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", ordered: bool = False):
@@ -220,7 +229,8 @@ def main():
     parser.add_argument("--tma-device", action="store_true",
                         help="in-kernel tensor descriptors (forward TMA_DEVICE, backward USE_TMA)")
     parser.add_argument("--packed", action="store_true",
-                        help="forward only: varlen with host descriptors over the packed tensors (TMA_PACKED)")
+                        help="forward only: varlen with host descriptors over the packed tensors (TMA_PACKED; "
+                             "fwd-hopper: its varlen launch)")
     parser.add_argument("--dq-atomic", action="store_true", help="dkdv only: dQ added with atomics (DQ_ATOMIC)")
     parser.add_argument("--ordered", action="store_true", help="bwd-hopper d128: dQ reductions in a fixed order")
     args = parser.parse_args()
@@ -247,9 +257,9 @@ def main():
             consumers = [int(value) for value in rest[4:5]]
             config = HopperFwdConfig(int(block_n), int(stages), int(regs), *flags, *threshold, *consumers)
         compiled = compile_hopper_fwd(args.head_dim, args.causal, config, local=args.local,
-                                      head_dim_v=args.head_dim_v or 0)
+                                      head_dim_v=args.head_dim_v or 0, varlen=args.packed)
         print(f"fwd-hopper d{args.head_dim} dv{args.head_dim_v or args.head_dim} causal={args.causal} "
-              f"local={args.local} {args.hopper_config or 'table'}: "
+              f"local={args.local} varlen={args.packed} {args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} "
               f"shared {compiled.metadata.shared} wgmma {compiled.asm['ptx'].count('wgmma.mma_async')} "
               f"setmaxnreg {compiled.asm['ptx'].count('setmaxnreg')} "

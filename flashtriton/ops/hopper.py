@@ -26,8 +26,8 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from ..kernels.hopper.fwd import CONSUMER_ROWS, TAIL_MERGE_ELEMENTS, attn_fwd_hopper_kernel, \
-        attn_tail_merge_kernel
+    from ..kernels.hopper.fwd import CONSUMER_ROWS, attn_fwd_hopper_kernel
+    from ..kernels.hopper.tail_merge import TAIL_MERGE_ELEMENTS, attn_tail_merge_kernel
     compiled_without_line_info(attn_fwd_hopper_kernel, attn_tail_merge_kernel)
     # host descriptors of tensors gluon_runs / the launchers checked (tma_compatible)
     checked_descriptor = descriptor_builder(TensorDescriptor)
@@ -68,8 +68,9 @@ def _multiprocessors(device: torch.device) -> int:
 def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seqlen_k: int, params, plain: bool,
            deterministic: bool = False, head_dim_v: Optional[int] = None) -> bool:
     """gluon_runs' rule on the call's shape and options alone (no device, layout or switch): whether the Gluon
-    kernels compute this forward ("fwd") or backward ("bwd"). `plain`: dense (B, S, H, D) layout with no varlen,
-    paged cache, seqused_k / leftpad_k / cache_batch_idx, split-KV, dropout or ALiBi (the caller knows those).
+    kernels compute this forward ("fwd") or backward ("bwd"). `plain`: no paged cache, seqused_k / leftpad_k /
+    cache_batch_idx, split-KV, dropout or ALiBi, and for the backward no varlen (the caller knows those; the forward
+    takes varlen cu_seqlens).
     Windows: the forward takes any (local windows: LOCAL); the backward none, or the causal one (window_right 0,
     left never binding). Head dims up to 256 run on the next wider tiles of their direction
     (configs.hopper_fwd_tile_dim / hopper_bwd_tile_dim); the forward takes V's own head dim (head_dim_v, default
@@ -213,10 +214,17 @@ def forward_constexprs(config, causal: bool, local: bool = False) -> dict:
 
 
 def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
-               heads_per_group: int) -> None:
-    """Run the Gluon forward into out (B, Sq, H, Dv) and lse (fp32, rows contiguous, strides lse_strides)."""
+               heads_per_group: int, cu_seqlens_q=None, cu_seqlens_k=None) -> None:
+    """Run the Gluon forward into out (B, Sq, H, Dv) and lse (fp32, rows contiguous, strides lse_strides). Varlen
+    (cu_seqlens given): q, k, v and out (T, H, D), batch sequences, seqlen_q / seqlen_k the longest lengths, lse
+    (H, T) with lse_strides (0, T)."""
     global fwd_launch_count, tail_merge_count
     num_heads, head_dim, head_dim_v = q.shape[-2], q.shape[-1], v.shape[-1]
+    varlen = cu_seqlens_q is not None
+    varlen_args = (cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], out, out.stride(0), out.stride(1),
+                   head_dim_v) if varlen else (None, None, 0, 0, None, 0, 0, 0)
+    if varlen:  # one batch entry of all the rows to the descriptors; each tile finds its sequence's rows
+        q, k, v, out = (t.unsqueeze(0) for t in (q, k, v, out))
     # head dims between the tile classes run on the next wider tiles (their missing columns read as zeros); q / k
     # and v / out have tiles of their own widths, the config is the wider one's
     tile_dim, tile_dim_v = configs.hopper_fwd_tile_dim(head_dim), configs.hopper_fwd_tile_dim(head_dim_v)
@@ -224,12 +232,14 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
     local = local_window(params, seqlen_k)
     tile_rows = config.consumers * CONSUMER_ROWS.value
     num_tiles = triton_cdiv(seqlen_q, tile_rows)
-    # a local window's tiles do not pair into equal lengths, nor are tail items all one length: neither is used
-    programs, paired = forward_grid(num_tiles, batch * num_heads, config, params.causal_like and not local, q.device)
+    # a local window's or varlen tiles do not pair into equal lengths, nor are tail items all one length: neither is
+    # used
+    programs, paired = forward_grid(num_tiles, batch * num_heads, config, params.causal_like and not (local or varlen),
+                                    q.device)
     items = ((num_tiles + 1) // 2 if paired else num_tiles) * batch * num_heads
     split = None
     # the tail merge writes whole tile rows of q's head dim: not where out is narrower than the tiles or than q
-    if config.persistent and config.split_tail and not local and tile_dim == head_dim == head_dim_v:
+    if config.persistent and config.split_tail and not (local or varlen) and tile_dim == head_dim == head_dim_v:
         split = tail_split(items, programs, paired, num_tiles, tile_rows, config.block_n, seqlen_q, seqlen_k,
                            params.causal_like, config.tail_min_blocks)
     work = (heads_per_group, int(paired), items, 0, 0, 1)
@@ -244,7 +254,7 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
         tile_descriptor(v, config.block_n, tile_dim_v), tile_descriptor(out, CONSUMER_ROWS.value, tile_dim_v), lse,
         partial, partial_lse,
         *lse_strides, batch, num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, *work,
-        params.qk_scale_log2, config.rescale_threshold, params.window_left, params.window_right,
+        params.qk_scale_log2, config.rescale_threshold, params.window_left, params.window_right, *varlen_args,
         **forward_constexprs(config, params.causal_like, local))
     if split is not None:
         attn_tail_merge_kernel[(split.tiles * tile_rows * head_dim // TAIL_MERGE_ELEMENTS.value,)](

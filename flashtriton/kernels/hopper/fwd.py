@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from .common import arrive_after_wgmma
-from .schedule import first_cursor, item_tiles, more_work, next_piece, tile_work
+from .schedule import first_cursor, more_work, next_piece
 
 SHARED_BYTES_FOR_TILES = gl.constexpr(220 * 1024)  # sm_90: 227 KiB per program, less barriers and the compiler's
 CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M tile); a tile has one per consumer
@@ -72,10 +72,10 @@ _RESCALE_CONSTRAINTS_64 = gl.constexpr(",".join(["=f"] * 64 + ["f"] * 128))
 
 
 @gluon.jit
-def _load_stage(desc, smem, ready, empty, load, batch, block, head_k):
+def _load_stage(desc, smem, ready, empty, load, batch, row0, block, head_k):
     """The producer's load number `load` of K or V (desc, smem [STAGES, 1, BLOCK_N, 1, HEAD_DIM]): key block
-    `block` into stage load % STAGES once every consumer released that stage's previous tile, landing on ready
-    (TMA transaction bytes)."""
+    `block` (of the sequence whose first row is row0) into stage load % STAGES once every consumer released that
+    stage's previous tile, landing on ready (TMA transaction bytes)."""
     STAGES: gl.constexpr = smem.shape[0]
     BLOCK_N: gl.constexpr = smem.shape[2]
     HEAD_DIM: gl.constexpr = smem.shape[4]
@@ -83,14 +83,16 @@ def _load_stage(desc, smem, ready, empty, load, batch, block, head_k):
     stage = load % STAGES
     mbarrier.wait(empty.index(stage), ((load // STAGES) - 1) & 1, pred=load >= STAGES)
     mbarrier.expect(ready.index(stage), tile_bytes)
-    tma.async_copy_global_to_shared(desc, [batch, block * BLOCK_N, head_k, 0], ready.index(stage), smem.index(stage))
+    tma.async_copy_global_to_shared(desc, [batch, row0 + block * BLOCK_N, head_k, 0], ready.index(stage),
+                                    smem.index(stage))
 
 
 @gluon.jit
-def _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch, block, head_k):
+def _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch, row0, block,
+                    head_k):
     """K, then V, of key block `block` as the producer's load number `load` (_load_stage)."""
-    _load_stage(k_desc, k_smem, k_ready, k_empty, load, batch, block, head_k)
-    _load_stage(v_desc, v_smem, v_ready, v_empty, load, batch, block, head_k)
+    _load_stage(k_desc, k_smem, k_ready, k_empty, load, batch, row0, block, head_k)
+    _load_stage(v_desc, v_smem, v_ready, v_empty, load, batch, row0, block, head_k)
 
 
 @gluon.jit
@@ -101,7 +103,8 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     and V of the others; the program's load number l (counted across tiles) goes to stage l % STAGES once every
     consumer freed that stage's K (resp. V). The first K goes ahead of Q: its stage is free once the consumers' second-
     to-last S of the previous tile is done, Q's only after their last (loaded after Q, the first K would wait for
-    both consumers' last S, and the tile's first S for its landing)."""
+    both consumers' last S, and the tile's first S for its landing). Varlen tiles past their sequence's end (no key
+    block) are skipped, by the consumers too."""
     CONSUMERS: gl.constexpr = q_smem.shape[0]
     ROWS: gl.constexpr = q_smem.shape[2]
     BLOCK_N: gl.constexpr = k_smem.shape[2]
@@ -112,22 +115,24 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     item, which, x_start, x_end = first_cursor(tail)
     x = x_start
     while more_work(item, x, x_end, tail):
-        batch, head, m_start, top, count, slot, item, which, x = next_piece(item, which, x, x_start, x_end, tail,
-                                                                             work, CONSUMERS * ROWS, BLOCK_N)
-        head_k = head // group_size
-        # key blocks from the piece's last to its first (_key_blocks)
-        _load_stage(k_desc, k_smem, k_ready, k_empty, load, batch, top, head_k)
-        for consumer in gl.static_range(CONSUMERS):
-            mbarrier.wait(q_empty.index(consumer), (done - 1) & 1, pred=done > 0)
-            mbarrier.expect(q_ready.index(consumer), q_bytes)
-            tma.async_copy_global_to_shared(q_desc, [batch, m_start + consumer * ROWS, head, 0],
-                                            q_ready.index(consumer), q_smem.index(consumer))
-        _load_stage(v_desc, v_smem, v_ready, v_empty, load, batch, top, head_k)
-        for j in range(1, count):
-            _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load + j, batch,
-                            top - j, head_k)
-        load += count
-        done += 1
+        _, head, m_start, top, count, slot, item, which, x, bounds = next_piece(item, which, x, x_start, x_end, tail,
+                                                                                work, CONSUMERS * ROWS, BLOCK_N)
+        if count > 0:
+            _, _, q_start, k_start, desc_batch = bounds
+            head_k = head // group_size
+            # key blocks from the piece's last to its first (_key_blocks)
+            _load_stage(k_desc, k_smem, k_ready, k_empty, load, desc_batch, k_start, top, head_k)
+            for consumer in gl.static_range(CONSUMERS):
+                mbarrier.wait(q_empty.index(consumer), (done - 1) & 1, pred=done > 0)
+                mbarrier.expect(q_ready.index(consumer), q_bytes)
+                tma.async_copy_global_to_shared(q_desc, [desc_batch, q_start + m_start + consumer * ROWS, head, 0],
+                                                q_ready.index(consumer), q_smem.index(consumer))
+            _load_stage(v_desc, v_smem, v_ready, v_empty, load, desc_batch, k_start, top, head_k)
+            for j in range(1, count):
+                _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load + j,
+                                desc_batch, k_start, top - j, head_k)
+            load += count
+            done += 1
 
 
 @gluon.jit
@@ -276,9 +281,33 @@ def _pass_turn(turns):
 
 
 @gluon.jit
+def _clear_rows_past(v_stage, valid_rows):
+    """Zero the rows from valid_rows on of a V stage v_stage [BLOCK_N, HEAD_DIM_V] (shared memory), 16 rows at a
+    time, and make the stores visible to the wgmmas (async proxy) of the whole warpgroup. A varlen sequence's last key
+    block reads past its end: the next sequence's rows, or whatever lies past the last one (garbage, NaN). Its scores
+    are masked to -inf, so P is 0 there, but 0 * NaN in P V is NaN: such rows must hold zeros. Both consumers clear
+    the stage they share; they write the same values."""
+    BLOCK_N: gl.constexpr = v_stage.shape[0]
+    HEAD_DIM_V: gl.constexpr = v_stage.shape[1]
+    CHUNK: gl.constexpr = 16
+    # 8 elements (16 bytes) per thread and row, the warpgroup's 128 threads over [CHUNK, HEAD_DIM_V]
+    THREADS_PER_ROW: gl.constexpr = HEAD_DIM_V // 8 if HEAD_DIM_V // 8 < 32 else 32
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // THREADS_PER_ROW, THREADS_PER_ROW], [4, 1], [1, 0])
+    for chunk in gl.static_range(BLOCK_N // CHUNK):
+        if (chunk + 1) * CHUNK > valid_rows:
+            rows = v_stage.slice(chunk * CHUNK, CHUNK, dim=0)
+            # [CHUNK, HEAD_DIM_V] the chunk's values, its rows from valid_rows on zeroed
+            values = rows.load(layout)
+            row = chunk * CHUNK + gl.arange(0, CHUNK, gl.SliceLayout(1, layout))
+            rows.store(gl.where(gl.expand_dims(row < valid_rows, 1), values, gl.zeros_like(values)))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
 def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, release_q, first_load, top, count,
                 row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal, window, turns, lead, fences, lag, residues,
-                acc_layout: gl.constexpr):
+                clear_v, acc_layout: gl.constexpr):
     """One consumer's pass over a work item's key blocks (the program's loads first_load, first_load + 1, ...) for
     its Q tile q [ROWS, HEAD_DIM] (shared memory; V's rows are HEAD_DIM_V wide): `count` key blocks from block `top`
     down (step j visits block
@@ -292,7 +321,8 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     schedule; else ptxas waits for P V first), then P_j's operand and the rescale. Arrives on q_free (if release_q)
     once its last S wgmma completed. With ping-pong the S_0 issue and each block's S_j + P_{j-1} V_{j-1} issue are
     steps first_load, first_load + 1, ... of _wait_turn (both consumers count the same loads). lag:
-    _softmax_block's; residues: _mask_block's.
+    _softmax_block's; residues: _mask_block's. clear_v: (0, ) for a varlen call, else (): V's rows past seqlen_k in
+    block `top` (the only block that crosses it) are zeroed before its P V (_clear_rows_past).
     Returns the unnormalized output [ROWS, HEAD_DIM_V], the running max (log2 units) and the row sum [ROWS]."""
     ROWS: gl.constexpr = q.shape[0]
     STAGES: gl.constexpr = k_smem.shape[0]
@@ -334,6 +364,9 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         previous = (load - 1) % STAGES
         mbarrier.wait(k_ready.index(stage), (load // STAGES) & 1)
         mbarrier.wait(v_ready.index(previous), ((load - 1) // STAGES) & 1)
+        if len(clear_v) > 0:
+            if (j == 1) & ((top + 1) * BLOCK_N > seqlen_k):
+                _clear_rows_past(v_smem.index(previous).reshape([BLOCK_N, HEAD_DIM_V]), seqlen_k - top * BLOCK_N)
         _wait_turn(turns, load, lead)
         s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
                           is_async=True)
@@ -355,25 +388,66 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     arrive_after_wgmma(q_free, pred=release_q)
     last = first_load + count - 1
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+    if len(clear_v) > 0:
+        if (count == 1) & ((top + 1) * BLOCK_N > seqlen_k):
+            _clear_rows_past(v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM_V]), seqlen_k - top * BLOCK_N)
     acc = warpgroup_mma(p, v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM_V]), acc)
     arrive_after_wgmma(v_empty.index(last % STAGES))
     return acc, m_i, l_i
 
 
 @gluon.jit
+def _store_rows(out, rows_out, rows, head, row_in):
+    """out [ROWS, HEAD_DIM] (wgmma layout) into rows `rows` [ROWS] (row_in: which to store) of a varlen output by
+    pointer; rows_out: (Out, stride_om, stride_oh, head_dim_v), its columns past head_dim_v (the tile's padding)
+    left alone."""
+    HEAD_DIM: gl.constexpr = out.shape[1]
+    Out, stride_om, stride_oh, head_dim_v = rows_out
+    layout: gl.constexpr = out.type.layout
+    # [ROWS] rows, [HEAD_DIM] columns, in the accumulator's layout
+    rows = gl.convert_layout(rows, gl.SliceLayout(1, layout))
+    row_in = gl.convert_layout(row_in, gl.SliceLayout(1, layout))
+    columns = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, layout))
+    pointers = (Out + head.to(gl.int64) * stride_oh + gl.expand_dims(rows.to(gl.int64) * stride_om, 1)
+                + gl.expand_dims(columns, 0))
+    gl.store(pointers, out.to(Out.dtype.element_ty),
+             mask=gl.expand_dims(row_in, 1) & gl.expand_dims(columns < head_dim_v, 0))
+
+
+@gluon.jit
 def _store_output(out, lse, o_tile, o_desc, q_empty, Lse, stride_lse_b, stride_lse_h, batch, head, row0, offs_m,
-                  seqlen_q, o_in_q):
-    """A consumer's rows of a whole tile's result: lse [ROWS] (rows offs_m below seqlen_q), out [ROWS, HEAD_DIM]
-    through o_tile by TMA (which clips rows past seqlen_q); where O is staged in the consumer's Q tile (o_in_q), Q's
-    slot is released once the store has read it."""
+                  bounds, rows_out, o_in_q):
+    """A consumer's rows of a whole tile's result: lse [ROWS] (rows offs_m below the sequence's length), out [ROWS,
+    HEAD_DIM] through o_tile by TMA (which clips rows past a dense call's seqlen_q); where O is staged in the
+    consumer's Q tile (o_in_q), Q's slot is released once the store has read it. bounds: schedule.tile_work's.
+    rows_out: () for a dense call; for a varlen one (_store_rows' argument) a tile that runs past its sequence's end
+    is stored by pointer instead, as the next sequence's rows follow in the same tensor (and the LSE's rows are
+    offset by the sequence's first row: stride_lse_b is 0)."""
+    ROWS: gl.constexpr = out.shape[0]
+    seqlen_q, _, q_start, _, desc_batch = bounds
+    lse_row_base = batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + q_start
+    gl.store(Lse + lse_row_base + offs_m, lse, mask=offs_m < seqlen_q)
+    if len(rows_out) > 0:
+        if row0 + ROWS > seqlen_q:
+            _store_rows(out, rows_out, q_start + offs_m, head, offs_m < seqlen_q)
+            if o_in_q != 0:
+                mbarrier.arrive(q_empty)
+        else:
+            _store_tile(out, o_tile, o_desc, q_empty, [desc_batch, q_start + row0, head, 0], o_in_q)
+    else:
+        _store_tile(out, o_tile, o_desc, q_empty, [desc_batch, row0, head, 0], o_in_q)
+
+
+@gluon.jit
+def _store_tile(out, o_tile, o_desc, q_empty, coordinates, o_in_q):
+    """out [ROWS, HEAD_DIM] through o_tile to O's descriptor at `coordinates` by TMA; where O is staged in the
+    consumer's Q tile (o_in_q), Q's slot is released once the store has read it."""
     ROWS: gl.constexpr = out.shape[0]
     HEAD_DIM: gl.constexpr = out.shape[1]
-    lse_row_base = batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
-    gl.store(Lse + lse_row_base + offs_m, lse, mask=offs_m < seqlen_q)
     tma.store_wait(0)  # the previous tile's O store has read o_tile
     o_tile.reshape([ROWS, HEAD_DIM]).store(out.to(o_tile.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [batch, row0, head, 0], o_tile)
+    tma.async_copy_shared_to_global(o_desc, coordinates, o_tile)
     if o_in_q != 0:
         tma.store_wait(0)
         mbarrier.arrive(q_empty)
@@ -399,7 +473,7 @@ def _store_partial(out, lse, Partial, PartialLse, slot, row_offset, TILE_ROWS: g
 @gluon.jit
 def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, Partial, PartialLse, k_smem, v_smem,
               k_ready, v_ready, k_empty, v_empty, team, fences, lag, residues, stride_lse_b, stride_lse_h, tail,
-              work, qk_scale_log2, o_in_q):
+              work, qk_scale_log2, o_in_q, rows_out):
     """One warpgroup: query rows [m_start + row_offset, + ROWS) of every piece of work of this program (a tile, or
     part of a tail tile's key blocks: next_piece). Per piece: wait for its Q tile (q_tile [1, ROWS, 1, HEAD_DIM],
     shared), run the key blocks, normalize, store the natural-log LSE and O (_store_output; a partial piece's to
@@ -408,60 +482,95 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
     Rows that saw no key: out 0, lse +inf (docs/api.md §4.5). team: one entry per consumer of the program (a tile has
     len(team) * ROWS rows; a tuple's length reaches partitions where a constexpr does not). turns: the ping-pong
     barriers (_wait_turn), this consumer's first, or (); the first consumer (row_offset 0) leads. fences:
-    _hold_schedule's; lag: _softmax_block's; residues: _mask_block's."""
+    _hold_schedule's; lag: _softmax_block's; residues: _mask_block's; rows_out: _store_output's (varlen: O's
+    pointer, strides and head dim; its length also tells _key_blocks to clear V past each sequence's keys)."""
     ROWS: gl.constexpr = q_tile.shape[1]
     TILE_ROWS: gl.constexpr = len(team) * ROWS
     BLOCK_N: gl.constexpr = k_smem.shape[2]
     HEAD_DIM: gl.constexpr = k_smem.shape[4]
     HEAD_DIM_V: gl.constexpr = v_smem.shape[4]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM_V, 16])
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    seqlen_q, seqlen_k, causal, window = work[4], work[5], work[6], work[8]
-    q = q_tile.reshape([ROWS, HEAD_DIM])
+    # (0, ) for varlen calls: _key_blocks clears V's rows past a sequence's keys
+    if len(rows_out) > 0:
+        clear_v = (0, )
+    else:
+        clear_v = ()
     lead = (row_offset == 0).to(gl.int32)
+    # _run_piece's groups
+    tiles = (q_tile.reshape([ROWS, HEAD_DIM]), o_tile, k_smem, v_smem)
+    barriers = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
+    outputs = (o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, rows_out)
+    options = (row_offset, turns, lead, fences, lag, residues, clear_v, work[6], work[8], qk_scale_log2, o_in_q, tail,
+               team)
     load = 0
     done = 0
     item, which, x_start, x_end = first_cursor(tail)
     x = x_start
     while more_work(item, x, x_end, tail):
-        batch, head, m_start, top, count, slot, item, which, x = next_piece(item, which, x, x_start, x_end, tail,
-                                                                             work, TILE_ROWS, BLOCK_N)
-        row0 = m_start + row_offset
-        # [ROWS] this consumer's query rows
-        offs_m = row0 + gl.arange(0, ROWS, row_s)
-        mbarrier.wait(q_ready, done & 1)
-        acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,
-                                    load, top, count, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal,
-                                    window, turns, lead, fences, lag, residues, acc_layout)
-        seen = l_i > 0.0
-        # [ROWS] the row sums, 1 for rows that saw no key
-        row_sum = gl.where(seen, l_i, 1.0)
-        # [ROWS] one reciprocal per row, then a multiply per element (a division per element costs ~5
-        # instructions: div.full's range fix-ups, and spills at d128); rcp.approx is within 1 ulp, and a seen row's
-        # sum is >= 1 (its max's own term), so no denormal reaches it.
-        inverse_sum = gl.convert_layout(_reciprocal(row_sum), row_o)
-        # [ROWS] natural-log LSE (rows without a key: +inf in the output, -inf, no weight, in a partial result)
-        lse = (m_i + gl.log2(row_sum)) * 0.6931471805599453
-        out = acc * gl.expand_dims(inverse_sum, 1)
-        if len(tail) > 1:
-            if slot < 0:
-                _store_output(out, gl.where(seen, lse, float("inf")), o_tile, o_desc, q_empty, Lse, stride_lse_b,
-                              stride_lse_h, batch, head, row0, offs_m, seqlen_q, o_in_q)
-            else:
-                _store_partial(out, gl.where(seen, lse, float("-inf")), Partial, PartialLse, slot, row_offset,
-                               TILE_ROWS)
-                if o_in_q != 0:
-                    mbarrier.arrive(q_empty)
+        batch, head, m_start, top, count, slot, item, which, x, bounds = next_piece(item, which, x, x_start, x_end,
+                                                                                    tail, work, TILE_ROWS, BLOCK_N)
+        piece = (batch, head, m_start, top, count, slot, bounds)
+        if len(rows_out) > 0:
+            if count > 0:  # a varlen tile past its sequence's end has no work
+                load, done = _run_piece(piece, load, done, tiles, barriers, outputs, options, acc_layout)
         else:
-            _store_output(out, gl.where(seen, lse, float("inf")), o_tile, o_desc, q_empty, Lse, stride_lse_b,
-                          stride_lse_h, batch, head, row0, offs_m, seqlen_q, o_in_q)
-        load += count
-        done += 1
+            load, done = _run_piece(piece, load, done, tiles, barriers, outputs, options, acc_layout)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _run_piece(piece, load, done, tiles, barriers, outputs, options, acc_layout: gl.constexpr):
+    """_consumer's work on one piece (schedule.next_piece's (batch, head, m_start, top, count, slot, bounds)): wait for
+    its Q tile, run its key blocks, normalize, store. Returns the program's load and piece counters after it.
+    tiles: (q [ROWS, HEAD_DIM] shared, o_tile, k_smem, v_smem); barriers: (q_ready, q_empty, k_ready, v_ready,
+    k_empty, v_empty); outputs: (o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, rows_out); options:
+    (row_offset, turns, lead, fences, lag, residues, clear_v, causal, window, qk_scale_log2, o_in_q, tail, team)."""
+    batch, head, m_start, top, count, slot, bounds = piece
+    q, o_tile, k_smem, v_smem = tiles
+    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = barriers
+    o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, rows_out = outputs
+    row_offset, turns, lead, fences, lag, residues, clear_v, causal, window, qk_scale_log2, o_in_q, tail, team = options
+    ROWS: gl.constexpr = q.shape[0]
+    TILE_ROWS: gl.constexpr = len(team) * ROWS
+    BLOCK_N: gl.constexpr = k_smem.shape[2]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    seqlen_q, seqlen_k = bounds[0], bounds[1]
+    row0 = m_start + row_offset
+    # [ROWS] this consumer's query rows (of the sequence)
+    offs_m = row0 + gl.arange(0, ROWS, row_s)
+    mbarrier.wait(q_ready, done & 1)
+    acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,
+                                load, top, count, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, causal,
+                                window, turns, lead, fences, lag, residues, clear_v, acc_layout)
+    seen = l_i > 0.0
+    # [ROWS] the row sums, 1 for rows that saw no key
+    row_sum = gl.where(seen, l_i, 1.0)
+    # [ROWS] one reciprocal per row, then a multiply per element (a division per element costs ~5
+    # instructions: div.full's range fix-ups, and spills at d128); rcp.approx is within 1 ulp, and a seen
+    # row's sum is >= 1 (its max's own term), so no denormal reaches it.
+    inverse_sum = gl.convert_layout(_reciprocal(row_sum), row_o)
+    # [ROWS] natural-log LSE (rows without a key: +inf in the output, -inf, no weight, in a partial result)
+    lse = (m_i + gl.log2(row_sum)) * 0.6931471805599453
+    out = acc * gl.expand_dims(inverse_sum, 1)
+    if len(tail) > 1:
+        if slot < 0:
+            _store_output(out, gl.where(seen, lse, float("inf")), o_tile, o_desc, q_empty, Lse,
+                          stride_lse_b, stride_lse_h, batch, head, row0, offs_m, bounds, rows_out, o_in_q)
+        else:
+            _store_partial(out, gl.where(seen, lse, float("-inf")), Partial, PartialLse, slot, row_offset,
+                           TILE_ROWS)
+            if o_in_q != 0:
+                mbarrier.arrive(q_empty)
+    else:
+        _store_output(out, gl.where(seen, lse, float("inf")), o_tile, o_desc, q_empty, Lse, stride_lse_b,
+                      stride_lse_h, batch, head, row0, offs_m, bounds, rows_out, o_in_q)
+    load += count
+    done += 1
+    return load, done
 
 
 @gluon.jit
@@ -474,11 +583,12 @@ def _consumer_args(consumer: gl.constexpr, q_smem, o_smem, q_ready, q_empty, tur
 
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "batch", "seqlen_q", "seqlen_k", "heads_per_group",
                               "paired", "full_items", "tail_programs", "tail_blocks", "item_blocks", "window_left",
-                              "window_right"])
+                              "window_right", "q_rows", "k_rows", "stride_om", "stride_oh", "head_dim_v"])
 def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, batch,
                            num_heads, group_size, seqlen_q, seqlen_k, heads_per_group, paired, full_items,
                            tail_programs, tail_blocks, item_blocks, qk_scale_log2, rescale_threshold, window_left,
-                           window_right, CAUSAL: gl.constexpr, LOCAL: gl.constexpr, STAGES: gl.constexpr,
+                           window_right, CuSeqlensQ, CuSeqlensK, q_rows, k_rows, Out, stride_om, stride_oh,
+                           head_dim_v, CAUSAL: gl.constexpr, LOCAL: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMERS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, HOLD_SCHEDULE: gl.constexpr,
                            RESCALE_SKIP: gl.constexpr, MASK_BY_RESIDUES: gl.constexpr,
@@ -498,7 +608,12 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
     (_softmax_block, _rescale). MASK_BY_RESIDUES: how a causal block's mask compares columns (_mask_block).
     LOCAL: a local window (window_left, window_right, both >= 0, normalized as kernels/common's): each tile visits the
     key blocks its rows see (tile_work) and masks both edges (_mask_local); grids are not paired and the tail is not
-    cut (ops/hopper.launch_fwd)."""
+    cut (ops/hopper.launch_fwd).
+    Varlen (CuSeqlensQ / CuSeqlensK given, None for a dense call): batch sequences packed in (T, H, D) tensors,
+    (1, T, H, D) to the descriptors (q_rows / k_rows: T of q / k); seqlen_q / seqlen_k are the longest lengths; each
+    tile's sequence bounds come from schedule.tile_work; a tile that runs past its sequence's end stores O by pointer
+    (Out, stride_om, stride_oh; head_dim_v: out's own head dim), and V's rows past a sequence's keys are zeroed in
+    shared memory before they meet P (_clear_rows_past). Grids are not paired and the tail is not cut."""
     ROWS: gl.constexpr = CONSUMER_ROWS
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
@@ -574,13 +689,20 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
         window = (window_left, window_right)
     else:
         window = ()
-    work = (num_tiles, num_batch_heads, heads_per_group, num_heads, seqlen_q, seqlen_k, causal, paired, window)
+    # the varlen sequences and O's rows by pointer, or () for a dense call (schedule.tile_work, _store_output)
+    if CuSeqlensQ is not None:
+        seqs = (CuSeqlensQ, CuSeqlensK, q_rows, k_rows)
+        rows_out = (Out, stride_om, stride_oh, head_dim_v)
+    else:
+        seqs = ()
+        rows_out = ()
+    work = (num_tiles, num_batch_heads, heads_per_group, num_heads, seqlen_q, seqlen_k, causal, paired, window, seqs)
     if SPLIT_TAIL:
         tail = (full_items, tail_programs, tail_blocks, item_blocks)
     else:
         tail = (full_items, )
     common = (o_desc, Lse, Partial, PartialLse, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, team, fences, lag,
-              residues, stride_lse_b, stride_lse_h, tail, work, qk_scale_log2, o_in_q)
+              residues, stride_lse_b, stride_lse_h, tail, work, qk_scale_log2, o_in_q, rows_out)
     producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, group_size, tail, work)
     first = _consumer_args(0, q_smem, o_smem, q_ready, q_empty, turns, common)
@@ -592,95 +714,3 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
     else:
         gl.warp_specialize([(_consumer, first), (_consumer, second), (_producer, producer_args)], [4, 1],
                            [CONSUMER_REGS, 24])
-
-
-# query rows x head dim per program of attn_tail_merge_kernel: 32 rows at head dim 128, 16 at 256 (32 rows of
-# 256 would need 254 registers)
-TAIL_MERGE_ELEMENTS = gl.constexpr(4096)
-
-
-@gluon.jit
-def _programs_upto(x, tail):
-    """How many tail programs' shares (tail_range) start at or before tail position x."""
-    return gl.minimum(tail[1], ((x + 1) * tail[1] + tail[2] - 1) // tail[2])
-
-
-@gluon.jit
-def _load_partial(Partial, PartialLse, program, first, tail, rows, columns, TILE_ROWS: gl.constexpr):
-    """Tail program `program`'s partial result of the tail tile starting at position `first`: its LSE [ROWS] and
-    output [ROWS, HEAD_DIM] at `rows` of the tile (slot 2 p + 1 where p's share started before the tile, else 2 p:
-    next_piece)."""
-    slot = 2 * program + (program * tail[2] // tail[1] < first).to(gl.int32)
-    slot_rows = slot.to(gl.int64) * TILE_ROWS + rows
-    return (gl.load(PartialLse + slot_rows),
-            gl.load(Partial + gl.expand_dims(slot_rows * columns.shape[0], 1) + gl.expand_dims(columns, 0)))
-
-
-# named apart from the attn_fwd_* kernels: kernel_inspect's forward gates ask those for wgmma, which a merge has none of
-@gluon.jit(do_not_specialize=["stride_ob", "stride_om", "stride_oh", "stride_lse_b", "stride_lse_h", "batch",
-                              "seqlen_q", "seqlen_k", "heads_per_group", "paired", "full_items", "tail_programs",
-                              "tail_blocks", "item_blocks"])
-def attn_tail_merge_kernel(Partial, PartialLse, Out, Lse, stride_ob, stride_om, stride_oh, stride_lse_b,
-                           stride_lse_h, batch, num_heads, seqlen_q, seqlen_k, heads_per_group, paired, full_items,
-                           tail_programs, tail_blocks, item_blocks, CAUSAL: gl.constexpr, TILE_ROWS: gl.constexpr,
-                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, num_warps: gl.constexpr):
-    """The tail's merge, after attn_fwd_hopper_kernel (same work arguments): program i takes ROWS =
-    TAIL_MERGE_ELEMENTS / HEAD_DIM rows of tail tile i // (TILE_ROWS / ROWS) (tail tiles: item full_items + t // (1 +
-    paired)'s tiles in turn). A
-    tile cut among programs p_first .. p_last gets out = sum_p exp(lse_p - lse) out_p with lse = log(sum_p
-    exp(lse_p)) over their partial results (kernels/combine.py's rule: rows no piece saw, out 0 and lse +inf), in
-    one pass with a running max and the next piece's loads issued ahead (a pass per statistic would wait for each
-    load in turn); p's slot is 2 p + 1 where its share started before the tile (the
-    piece at its share's end), else 2 p. A tile its program ran whole is left as written."""
-    ROWS: gl.constexpr = TAIL_MERGE_ELEMENTS // HEAD_DIM
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
-    rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
-    tail = (full_items, tail_programs, tail_blocks, item_blocks)
-    num_tiles = gl.cdiv(seqlen_q, TILE_ROWS)
-    chunks: gl.constexpr = TILE_ROWS // ROWS
-    tail_tile = gl.program_id(0) // chunks
-    offset = tail_tile // (1 + paired)
-    second = tail_tile - offset * (1 + paired)
-    batch_head, first_tile, end_tile, tile_step = item_tiles(full_items + offset, num_tiles, batch * num_heads,
-                                                              heads_per_group, paired)
-    first_blocks = tile_work(first_tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, CAUSAL, (),
-                              TILE_ROWS, BLOCK_N)[4]
-    batch_index, head, m_start, _, n_blocks = tile_work(first_tile + second * tile_step, batch_head, num_tiles,
-                                                         num_heads, seqlen_q, seqlen_k, CAUSAL, (), TILE_ROWS, BLOCK_N)
-    # the tile's positions in the tail: [first, first + n_blocks)
-    first = offset * item_blocks + second * first_blocks
-    first_program = _programs_upto(first, tail) - 1
-    last_program = _programs_upto(first + n_blocks - 1, tail) - 1
-    if last_program > first_program:
-        # [ROWS] rows of the tile; [HEAD_DIM] columns
-        rows = gl.program_id(0) % chunks * ROWS + gl.arange(0, ROWS, rows_layout)
-        columns = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, layout))
-        # one pass, the running max and sum per row, the next piece's loads issued ahead of this one's merge
-        lse_max = gl.full([ROWS], float("-inf"), gl.float32, rows_layout)
-        weight_sum = gl.zeros([ROWS], gl.float32, rows_layout)
-        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout)
-        piece_lse, partial = _load_partial(Partial, PartialLse, first_program, first, tail, rows, columns, TILE_ROWS)
-        for program in range(first_program + 1, last_program + 2):
-            # [ROWS], [ROWS, HEAD_DIM] the next piece's (the last one's again at the end: the workspace ends there)
-            next_lse, next_partial = _load_partial(Partial, PartialLse, gl.minimum(program, last_program), first, tail,
-                                                   rows, columns, TILE_ROWS)
-            new_max = gl.maximum(lse_max, piece_lse)
-            pivot = gl.where(new_max == float("-inf"), 0.0, new_max)
-            # [ROWS] what the rows' sums so far are worth under the new max, and this piece's weight
-            kept = gl.exp(lse_max - pivot)
-            weight = gl.exp(piece_lse - pivot)
-            weight_sum = weight_sum * kept + weight
-            acc = acc * gl.expand_dims(kept, 1) + partial * gl.expand_dims(weight, 1)
-            lse_max = new_max
-            piece_lse, partial = next_lse, next_partial
-        seen = weight_sum > 0.0
-        lse = gl.where(seen, lse_max + gl.log(gl.where(seen, weight_sum, 1.0)), float("inf"))
-        acc = acc * gl.expand_dims(gl.where(seen, 1.0 / gl.where(seen, weight_sum, 1.0), 0.0), 1)
-        query_rows = m_start + rows
-        inside = query_rows < seqlen_q
-        out_rows = (Out + batch_index.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
-                    + query_rows.to(gl.int64) * stride_om)
-        gl.store(gl.expand_dims(out_rows, 1) + gl.expand_dims(columns, 0), acc.to(Out.dtype.element_ty),
-                 mask=gl.expand_dims(inside, 1))
-        gl.store(Lse + batch_index.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + query_rows, lse,
-                 mask=inside)

@@ -26,14 +26,36 @@ def item_tiles(item, num_tiles, num_batch_heads, heads_per_group, paired):
 
 
 @gluon.jit
-def tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, causal, window, TILE_ROWS: gl.constexpr,
-               BLOCK_N: gl.constexpr):
-    """(batch, head, first query row, one past its last key block, key blocks) of a tile (numbered longest first);
-    its blocks are visited from the last down. window: () or (window_left, window_right), a local window
+def sequence_rows(CuSeqlens, batch, rows):
+    """(first row, length) of sequence `batch` of a varlen call: cu_seqlens entries clamped into [0, rows] (an end
+    before its start gives an empty sequence), so malformed values never address rows outside the tensor."""
+    start = gl.minimum(gl.maximum(gl.load(CuSeqlens + batch), 0), rows)
+    end = gl.minimum(gl.maximum(gl.load(CuSeqlens + batch + 1), start), rows)
+    return start, end - start
+
+
+@gluon.jit
+def tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, causal, window, seqs,
+              TILE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(batch, head, first query row, one past its last key block, key blocks, bounds) of a tile (numbered longest
+    first); its blocks are visited from the last down. window: () or (window_left, window_right), a local window
     (kernels/common.kv_block_range's bounds: the blocks any of the tile's rows sees). At least one key block, even
     for a tile whose rows see no key (a causal tile whose rows all precede the first key, sq > sk; a window outside
-    the keys): it comes back fully masked, so those rows see no key."""
+    the keys): it comes back fully masked, so those rows see no key.
+    seqs: () for a dense (B, S, H, D) call, or (CuSeqlensQ, CuSeqlensK, q_rows, k_rows) for a varlen one, whose
+    tensors are (1, T, H, D) to the descriptors: the lengths are the sequence's own, seqlen_q and seqlen_k the
+    longest (num_tiles counts tiles of the longest); a tile past its sequence's end has no key block (the caller
+    skips it). bounds: (the sequence's query and key lengths, its first q and k rows, the descriptors' batch
+    coordinate)."""
+    batch = batch_head // num_heads
     m_start = (num_tiles - 1 - tile) * TILE_ROWS
+    q_start = m_start * 0
+    k_start = q_start
+    desc_batch = batch
+    if len(seqs) > 0:
+        q_start, seqlen_q = sequence_rows(seqs[0], batch, seqs[2])
+        k_start, seqlen_k = sequence_rows(seqs[1], batch, seqs[3])
+        desc_batch = q_start * 0
     key_end = seqlen_k
     if causal != 0:
         key_end = gl.minimum(m_start + TILE_ROWS + (seqlen_k - seqlen_q), seqlen_k)
@@ -42,11 +64,15 @@ def tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, causal
     if len(window) > 0:
         offset = seqlen_k - seqlen_q
         last_row = gl.minimum(m_start + TILE_ROWS, seqlen_q) - 1
-        key_blocks = gl.cdiv(seqlen_k, BLOCK_N)
+        key_blocks = gl.maximum(gl.cdiv(seqlen_k, BLOCK_N), 1)
         first_block = gl.minimum(gl.maximum(m_start + offset - window[0], 0) // BLOCK_N, key_blocks - 1)
         end_block = gl.minimum(gl.cdiv(gl.maximum(last_row + offset + window[1] + 1, 0), BLOCK_N), key_blocks)
         end_block = gl.maximum(end_block, first_block + 1)
-    return batch_head // num_heads, batch_head % num_heads, m_start, end_block, end_block - first_block
+    count = end_block - first_block
+    if len(seqs) > 0:
+        count = gl.where(m_start < seqlen_q, count, 0)
+    return (batch, batch_head % num_heads, m_start, end_block, count,
+            (seqlen_q, seqlen_k, q_start, k_start, desc_batch))
 
 
 @gluon.jit
@@ -88,25 +114,27 @@ def next_piece(item, which, x, x_start, x_end, tail, work, TILE_ROWS: gl.constex
     p + P, ... below full_items = tail[0]), each tile whole; then positions [x, x_end) of its tail share [x_start,
     x_end) (tail_range; every tail item has item_blocks = tail[3] key blocks: a paired item's first tile, then its
     second), a tile's part at a time. Returns (batch, head, first query row, the first key block visited, key
-    blocks, slot, the cursor after it): the blocks are visited from the first one down; slot -1: the piece is its
+    blocks, slot, the cursor after it, tile_work's bounds): the blocks are visited from the first one down (none: a
+    varlen tile past its sequence's end, which the caller skips); slot -1: the piece is its
     tile's whole (O and the LSE go to the output), else 2 P + 0 for the piece at the start of the program's share,
     2 P + 1 for the one at its end (ops/hopper.tail_split's workspace, which attn_tail_merge_kernel
     merges). work: (num_tiles, num_batch_heads, heads_per_group, num_heads, seqlen_q, seqlen_k, causal, paired,
-    window) (window: tile_work's).
+    window, seqs) (window, seqs: tile_work's).
     Branch-free, one copy of the item arithmetic for both kinds of piece: each partition holds this code."""
-    num_tiles, num_batch_heads, heads_per_group, num_heads, seqlen_q, seqlen_k, causal, paired, window = work
+    num_tiles, num_batch_heads, heads_per_group, num_heads, seqlen_q, seqlen_k, causal, paired, window, seqs = work
     if len(tail) > 1:
         in_tail = item >= tail[0]
         offset = x // tail[3]
         batch_head, first_tile, end_tile, tile_step = item_tiles(gl.where(in_tail, tail[0] + offset, item),
-                                                                  num_tiles, num_batch_heads, heads_per_group, paired)
+                                                                 num_tiles, num_batch_heads, heads_per_group, paired)
         first_blocks = tile_work(first_tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, causal, window,
-                                  TILE_ROWS, BLOCK_N)[4]
+                                 seqs, TILE_ROWS, BLOCK_N)[4]
         position = x - offset * tail[3]
         which = gl.where(in_tail, (position >= first_blocks).to(gl.int32), which)
         tile = first_tile + which * tile_step
-        batch, head, m_start, end_block, n_blocks = tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q,
-                                                               seqlen_k, causal, window, TILE_ROWS, BLOCK_N)
+        batch, head, m_start, end_block, n_blocks, bounds = tile_work(tile, batch_head, num_tiles, num_heads,
+                                                                      seqlen_q, seqlen_k, causal, window, seqs,
+                                                                      TILE_ROWS, BLOCK_N)
         # blocks of the tile visited before this piece
         before = gl.where(in_tail, position - which * first_blocks, 0)
         count = gl.where(in_tail, gl.minimum(x_end - x, n_blocks - before), n_blocks)
@@ -116,14 +144,15 @@ def next_piece(item, which, x, x_start, x_end, tail, work, TILE_ROWS: gl.constex
         x = x + in_tail.to(gl.int32) * count
     else:
         batch_head, first_tile, end_tile, tile_step = item_tiles(item, num_tiles, num_batch_heads, heads_per_group,
-                                                                  paired)
+                                                                 paired)
         tile = first_tile + which * tile_step
-        batch, head, m_start, end_block, n_blocks = tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q,
-                                                               seqlen_k, causal, window, TILE_ROWS, BLOCK_N)
+        batch, head, m_start, end_block, n_blocks, bounds = tile_work(tile, batch_head, num_tiles, num_heads,
+                                                                      seqlen_q, seqlen_k, causal, window, seqs,
+                                                                      TILE_ROWS, BLOCK_N)
         before = 0
         count = n_blocks
         slot = -1
         last_of_item = tile + tile_step >= end_tile
         next_item = gl.where(last_of_item, item + gl.num_programs(0), item)
     next_which = gl.where(last_of_item, 0, which + 1)
-    return batch, head, m_start, end_block - 1 - before, count, slot, next_item, next_which, x
+    return batch, head, m_start, end_block - 1 - before, count, slot, next_item, next_which, x, bounds
