@@ -101,9 +101,9 @@ def test_fuzz_flash_attn_func(case, input_scale, tma, dq_atomic, heads_per_group
 
 @st.composite
 def hopper_forward_cases(draw):
-    """Cases in the domain of the Gluon Hopper forward (ops/hopper.covers): head dim 64 / 128 / 256, 16-bit,
-    any window (the causal one also spelled (-1, 0); local windows), no softcap or ALiBi, TMA-addressable layouts,
-    more than DECODE_MAX_ROWS query rows."""
+    """Cases in the domain of the Gluon Hopper forward (ops/hopper.covers): head dims up to 256 (those between the
+    tile classes on wider tiles), 16-bit, any window (the causal one also spelled (-1, 0); local windows), no softcap
+    or ALiBi, TMA-addressable layouts (rows of wider tensors too), more than DECODE_MAX_ROWS query rows."""
     heads_k = draw(st.sampled_from([1, 2]))
     causal = draw(st.booleans())
     window = (-1, 0) if causal else (-1, -1)
@@ -115,12 +115,12 @@ def hopper_forward_cases(draw):
         seqlen_k=draw(st.integers(1, MAX_SEQLEN)),
         num_heads=heads_k * draw(st.sampled_from([1, 2, 3])),
         num_heads_k=heads_k,
-        head_dim=draw(st.sampled_from([64] if SMALL else configs.HOPPER_FWD_HEAD_DIMS)),
+        head_dim=draw(st.sampled_from([64] if SMALL else (*configs.HOPPER_FWD_HEAD_DIMS, 40, 96, 192))),
         dtype=draw(st.sampled_from([torch.float16] if SMALL else [torch.float16, torch.bfloat16])),
         causal=causal and draw(st.booleans()),
         window_size=window,
         softmax_scale=draw(st.sampled_from([None, None, 0.3])),
-        layout=draw(st.sampled_from(["contiguous", "bhsd"])),
+        layout=draw(st.sampled_from(["contiguous", "bhsd", "wider-rows"])),
     )
 
 
