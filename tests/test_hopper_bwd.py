@@ -45,7 +45,10 @@ COVERS = {
     "deterministic-d256": (dict(deterministic=True, head_dim=256), True),
     "not-plain": (dict(plain=False), False),
     "softcap": (dict(params=_params(softcap=3.0)), False),
-    "local-window": (dict(params=_params(window=(10, 0))), False),
+    "local-window": (dict(params=_params(window=(10, 0))), True),
+    "two-sided-window-d256": (dict(params=_params(window=(10, 30)), head_dim=256), True),
+    "local-window-deterministic": (dict(params=_params(window=(10, 0)), deterministic=True), False),
+    "local-window-deterministic-d256": (dict(params=_params(window=(10, 0)), deterministic=True, head_dim=256), True),
     "fp32": (dict(dtype=torch.float32), False),
 }
 
@@ -267,6 +270,11 @@ def test_gluon_backward_ordered_dq(name):
 
 FEATURES = {
     "gqa": dict(num_heads=6, num_heads_k=2),
+    "causal-window": dict(causal=True, window_size=(100, 0), seqlen_q=700, seqlen_k=900),
+    "two-sided-window": dict(window_size=(40, 200), seqlen_q=900, seqlen_k=700),
+    "window-misses-keys": dict(window_size=(3, 0), seqlen_q=200, seqlen_k=1000),
+    "window-d256": dict(window_size=(64, 64), head_dim=256),
+    "window-d96-gqa": dict(window_size=(129, 5), head_dim=96, num_heads=4, num_heads_k=2),
     "mqa-causal": dict(num_heads=4, num_heads_k=1, causal=True),
     "bhsd-layout": dict(layout="bhsd", causal=True),
     "scale": dict(softmax_scale=0.05),
@@ -276,8 +284,8 @@ FEATURES = {
 @needs_hopper
 @pytest.mark.parametrize("feature", list(FEATURES), ids=list(FEATURES))
 def test_gluon_backward_features(feature):
-    checks, ran = run_backward(Case(batch=2, seqlen_q=300, seqlen_k=300, head_dim=128, dtype=torch.bfloat16,
-                                    **FEATURES[feature]))
+    checks, ran = run_backward(Case(**{**dict(batch=2, seqlen_q=300, seqlen_k=300, head_dim=128,
+                                              dtype=torch.bfloat16), **FEATURES[feature]}))
     assert ran, "the Gluon backward did not run"
     assert_checks_ok(checks)
 

@@ -8,7 +8,7 @@
                                                        # the Gluon forward; default: its configs.HOPPER_FWD entry
                                                        # (P, PP, H: persistent, ping-pong, hold_schedule, 0 or 1;
                                                        # T: the rescale skip's threshold, 0: none; C: consumers)
-    python tools/offline_compile.py --kernel bwd-hopper [--head-dim 128] [--causal] [--ordered]
+    python tools/offline_compile.py --kernel bwd-hopper [--head-dim 128] [--causal] [--ordered] [--local]
                                     [--hopper-config ROWS,STAGES,REGS]
                                                        # the Gluon backward; default: its configs.HOPPER_BWD entry
     (fwd-hopper also prints exp2_before_pv_wait: how much of each consumer loop's softmax runs under its P V product,
@@ -184,9 +184,11 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     return _compile_gluon(attn_fwd_hopper_kernel, signature, constexprs)
 
 
-def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", ordered: bool = False):
+def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", ordered: bool = False,
+                       local: bool = False):
     """The Gluon Hopper backward (kernels/hopper/bwd.py; kernels/hopper/bwd_d256.py at head dim 256) with `config`
-    (default configs.HOPPER_BWD[head_dim]); `ordered`: dQ reductions in a fixed order (head dim 128)."""
+    (default configs.HOPPER_BWD[head_dim]); `ordered`: dQ reductions in a fixed order (head dim 128); `local`: a
+    local window (LOCAL)."""
     from flashtriton import configs
     from flashtriton.ops.hopper import backward_division
 
@@ -198,14 +200,16 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
                  "lse_desc": _gluon_descriptor_type([1, config.query_rows], "fp32"),
                  "delta_desc": _gluon_descriptor_type([1, config.query_rows], "fp32"),
                  "DK": f"*{dtype}", "DV": f"*{dtype}", "softmax_scale": "fp32", "qk_scale_log2": "fp32"}
-    constexprs = dict(CAUSAL=causal, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4)
+    constexprs = dict(CAUSAL=causal, LOCAL=local, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs,
+                      num_warps=4)
     if dq_box is not None:  # the d64 / d128 kernel's dQ accumulator and the counters of ordered dQ
         signature["dq_desc"] = _gluon_tile_type(*dq_box, "fp32")
         signature["dq_counters"] = "*i32"
         constexprs["ORDERED"] = ordered
     names = list(inspect.signature(kernel.fn).parameters)
     signature.update({name: "i32" for name in names if name.startswith("stride") or name in (
-        "num_heads_k", "group_size", "seqlen_q", "seqlen_k", "head_dim", "heads_per_group")})
+        "num_heads_k", "group_size", "seqlen_q", "seqlen_k", "head_dim", "heads_per_group", "window_left",
+        "window_right")})
     signature = {name: signature[name] for name in names if name in signature}  # in the kernel's order
     return _compile_gluon(kernel, signature, constexprs)
 
@@ -240,9 +244,9 @@ def main():
             from flashtriton.configs import HopperBwdConfig
 
             config = HopperBwdConfig(*(int(x) for x in args.hopper_config.split(",")))
-        compiled = compile_hopper_bwd(args.head_dim, args.causal, config, ordered=args.ordered)
+        compiled = compile_hopper_bwd(args.head_dim, args.causal, config, ordered=args.ordered, local=args.local)
         ptx = compiled.asm["ptx"]
-        print(f"bwd-hopper d{args.head_dim} causal={args.causal} ordered={args.ordered} "
+        print(f"bwd-hopper d{args.head_dim} causal={args.causal} local={args.local} ordered={args.ordered} "
               f"{args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} shared {compiled.metadata.shared} wgmma {ptx.count('wgmma.mma_async')} "
               f"atomics {ptx.count('atom.global')} reductions {ptx.count('cp.reduce.async.bulk')}")

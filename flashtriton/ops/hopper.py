@@ -71,11 +71,11 @@ def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seq
     kernels compute this forward ("fwd") or backward ("bwd"). `plain`: no paged cache, seqused_k / leftpad_k /
     cache_batch_idx, split-KV, dropout or ALiBi, and for the backward no varlen (the caller knows those; the forward
     takes varlen cu_seqlens).
-    Windows: the forward takes any (local windows: LOCAL); the backward none, or the causal one (window_right 0,
-    left never binding). Head dims up to 256 run on the next wider tiles of their direction
-    (configs.hopper_fwd_tile_dim / hopper_bwd_tile_dim); the forward takes V's own head dim (head_dim_v, default
-    head_dim), the backward equal ones only; with deterministic=True the backward needs tiles where dQ is not added
-    in an arbitrary order (`can_order_dq`)."""
+    Windows: any (local windows: LOCAL), except that deterministic=True with dQ in a fixed order (`orders_dq`)
+    takes no local window in the backward (its order assumes each key block's rows run to the last). Head dims up to
+    256 run on the next wider tiles of their direction (configs.hopper_fwd_tile_dim / hopper_bwd_tile_dim); the
+    forward takes V's own head dim (head_dim_v, default head_dim), the backward equal ones only; with
+    deterministic=True the backward needs tiles where dQ is not added in an arbitrary order (`can_order_dq`)."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
@@ -84,13 +84,11 @@ def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seq
     else:  # the Gluon backward takes equal head dims only
         tile_dims_exist = head_dim_v == head_dim and configs.hopper_bwd_tile_dim(head_dim) is not None
     if not tile_dims_exist or (direction == "bwd" and deterministic and computes_dq(head_dim)
-                               and not can_order_dq(head_dim)):
+                               and (not can_order_dq(head_dim) or local_window(params, seqlen_k))):
         return False
-    no_window = params.window_left < 0 and params.window_right < 0
     return (plain and dtype in (torch.float16, torch.bfloat16)
             and seqlen_q > configs.DECODE_MAX_ROWS and seqlen_k > 0 and params.softcap == 0.0
-            and params.softmax_scale > 0.0
-            and (direction == "fwd" or no_window or causal_window(params, seqlen_k)))
+            and params.softmax_scale > 0.0)
 
 
 def causal_window(params, seqlen_k: int) -> bool:
@@ -355,9 +353,9 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
           for stat, strides in ((lse, lse_strides), (delta, delta_strides))),
         dk, dv, *(() if dq_box is None else (dq_counters, )), dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), num_heads_k, num_heads // num_heads_k, seqlen_q, seqlen_k, head_dim,
-        1 if ordered else heads_per_group, params.softmax_scale, params.qk_scale_log2,
-        CAUSAL=params.causal_like, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4,
-        **kernel_args)
+        1 if ordered else heads_per_group, params.softmax_scale, params.qk_scale_log2, params.window_left,
+        params.window_right, CAUSAL=params.causal_like, LOCAL=local_window(params, seqlen_k), STAGES=config.stages,
+        CONSUMER_REGS=config.consumer_regs, num_warps=4, **kernel_args)
     if dq_accum is not None:
         dq.copy_(dq_accum)
     bwd_launch_count += 1

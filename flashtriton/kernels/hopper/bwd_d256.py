@@ -38,7 +38,7 @@ def _consumer(k_own, v_own, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse_smem, d
               stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim, key0,
               feature0,
               group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
-              causal):
+              causal, window):
     """One warpgroup: S / dP of keys [n_start + key0, + OWN) (k_own, v_own [OWN, HEAD_DIM]; p_own, ds_own: its
     [ROWS, OWN] halves of the P and dS tiles), dK / dV of features [feature0, + FEAT) (q_own, do_own: the staged Q /
     dO halves holding them). q_lo / q_hi, do_lo / do_hi: both feature halves of every Q / dO stage ([STAGES, 1, ROWS,
@@ -78,7 +78,8 @@ def _consumer(k_own, v_own, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse_smem, d
         dp = warpgroup_mma(do_tile_hi, v_own.slice(FEAT, FEAT, dim=1).permute((1, 0)), dp, is_async=True)
         s = warpgroup_mma_wait(2, deps=(s, ))
         # [ROWS, OWN] P
-        p = masked_probabilities(s, lse_log2, qk_scale_log2, n_start + key0, m_start, seqlen_q, seqlen_k, causal)
+        p = masked_probabilities(s, lse_log2, qk_scale_log2, n_start + key0, m_start, seqlen_q, seqlen_k, causal,
+                                 window)
         # both consumers' products of the previous block (readers of P and dS) completed
         mbarrier.wait(pds_free, (i - 1) & 1, pred=i >= 1)
         p_own.store(p.to(dtype))
@@ -105,13 +106,13 @@ def _consumer(k_own, v_own, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse_smem, d
                    batch, head_k, n_start, feature0, seqlen_k, head_dim, softmax_scale)
 
 
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "head_dim", "heads_per_group"])
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "head_dim", "heads_per_group", "window_left", "window_right"])
 def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, DK, DV,
                                 stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                                 num_heads_k, group_size, seqlen_q, seqlen_k, head_dim, heads_per_group, softmax_scale,
-                                qk_scale_log2, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                                CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """One program per (64-key block, batch * kv head), in bwd.py's order and launch-order groups.
+                                qk_scale_log2, window_left, window_right, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
+                                STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """One program per (64-key block, batch * kv head), in bwd.py's order and launch-order groups (LOCAL: bwd.py's).
     q_desc / do_desc move [1, ROWS, 1, HEAD_DIM / 2] feature halves. num_warps (4) is the first consumer's; the
     second consumer (4 warps, CONSUMER_REGS registers) and the producer (1 warp, common.backward_producer) are worker
     partitions."""
@@ -120,8 +121,13 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     FEAT: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = k_desc.dtype
+    # the local window, or () without one (a tuple's length reaches the partitions)
+    if LOCAL:
+        window = (window_left, window_right)
+    else:
+        window = ()
     batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations = key_block_of_program(
-        num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, KEYS, ROWS, CAUSAL)
+        num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS, CAUSAL)
     # [1, KEYS, 1, HEAD_DIM] K, V
     k_smem = gl.allocate_shared_memory(dtype, [1, KEYS, 1, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, KEYS, 1, HEAD_DIM], v_desc.layout)
@@ -157,7 +163,7 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta
     pointers = (DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch,
                 head_k, n_start, head_dim)
     loop = (group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
-            causal)
+            causal, window)
     barriers = (kv_ready, q_ready, q_empty, pds_ready, pds_free)
     staged = (q_lo, q_hi, do_lo, do_hi, lse_smem, delta_smem, p_smem, ds_smem)
     # consumer w: keys [OWN w, + OWN) for S / dP, features [FEAT w, + FEAT) for dK / dV

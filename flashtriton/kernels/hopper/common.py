@@ -42,14 +42,15 @@ def loop_position(i, first_visit, n_iterations):
 
 
 @gluon.jit
-def key_block_of_program(num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, KEYS: gl.constexpr,
+def key_block_of_program(num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS: gl.constexpr,
                          ROWS: gl.constexpr, CAUSAL: gl.constexpr, LAST_FIRST: gl.constexpr = False):
     """(batch, kv head, first key, first query block, query blocks per head, loop iterations) of this program: key
     blocks of KEYS keys in order (under a causal mask the blocks seen by the most query rows first; LAST_FIRST: the
     last key block first, as ordered dQ needs: a block's reductions wait for the next block's), in launch-order
     groups of heads_per_group (batch, kv head) pairs; the query blocks of ROWS rows that see a key of the block, all
-    or, under the causal mask (bottom-right aligned), those from row n_start - (seqlen_k - seqlen_q) on; the loop
-    runs over the group's query heads too."""
+    or, under the causal mask (bottom-right aligned), those from row n_start - (seqlen_k - seqlen_q) on, or under a
+    local window (window: (window_left, window_right), or () without one) those whose rows' windows meet the block
+    (none: no iteration, dK and dV of the block are 0); the loop runs over the group's query heads too."""
     n_key_blocks = gl.cdiv(seqlen_k, KEYS)
     n_block, batch_head = grouped_tile_of(gl.program_id(0), n_key_blocks, gl.num_programs(0) // n_key_blocks,
                                           heads_per_group)
@@ -61,7 +62,14 @@ def key_block_of_program(num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_
     m_block_lo = 0
     if CAUSAL:
         m_block_lo = gl.maximum(n_start - (seqlen_k - seqlen_q), 0) // ROWS
-    blocks_per_head = gl.cdiv(seqlen_q, ROWS) - m_block_lo
+    m_block_end = gl.cdiv(seqlen_q, ROWS)
+    if len(window) > 0:
+        # rows i see keys [i + offset - left, i + offset + right]: those that see one of [n_start, n_end)
+        offset = seqlen_k - seqlen_q
+        n_end = gl.minimum(n_start + KEYS, seqlen_k)
+        m_block_lo = gl.maximum(n_start - offset - window[1], 0) // ROWS
+        m_block_end = gl.cdiv(gl.minimum(gl.maximum(n_end - offset + window[0], 0), seqlen_q), ROWS)
+    blocks_per_head = gl.maximum(m_block_end - m_block_lo, 0)
     return batch, head_k, n_start, m_block_lo, blocks_per_head, group_size * blocks_per_head
 
 
@@ -127,20 +135,33 @@ def backward_producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_s
 
 
 @gluon.jit
-def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal):
+def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window):
     """P = exp2(s * qk_scale_log2 - lse_log2) of scores s [ROWS, KEYS] (query rows from m_start, keys from first_key),
-    0 where a key is past seqlen_k or, causal (bottom-right aligned), after the row's last key; blocks that need
-    neither come back without mask arithmetic. One comparison per element against each row's last visible key,
+    0 where a key is past seqlen_k or, causal (bottom-right aligned), after the row's last key, or outside the row's
+    local window (window: (window_left, window_right), or ()); blocks that need none of it come back without mask
+    arithmetic. One comparison per element against each row's last visible key,
     and nothing kept live across the caller's loop (key vectors held across it would spill ~40 registers of the
     d128 causal consumers). Query rows past seqlen_q are not masked: their Q, dO, lse and delta read as zeros, so
     P = 1 there but dS = 0 and dO = 0, and every product they enter adds zeros. Keys past seqlen_k are (their K
     rows are zeros, so P would be exp2(-lse_log2), which may overflow)."""
     ROWS: gl.constexpr = s.shape[0]
     KEYS: gl.constexpr = s.shape[1]
+    row_layout: gl.constexpr = gl.SliceLayout(1, s.type.layout)
     p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(lse_log2, 1))
     last_key = first_key + KEYS - 1
-    if (last_key >= seqlen_k) | ((causal != 0) & (last_key > m_start + (seqlen_k - seqlen_q))):
-        row_layout: gl.constexpr = gl.SliceLayout(1, s.type.layout)
+    if len(window) > 0:
+        offset = seqlen_k - seqlen_q
+        # the first row's last visible key, the last row's first
+        if (last_key >= seqlen_k) | (last_key > m_start + offset + window[1]) | (
+                first_key < m_start + ROWS - 1 + offset - window[0]):
+            # [ROWS] each row's position on the keys, counted from first_key
+            aligned = m_start + gl.arange(0, ROWS, row_layout) + offset - first_key
+            row_last = gl.minimum(aligned + window[1], seqlen_k - 1 - first_key)
+            # [ROWS, KEYS]
+            columns = gl.expand_dims(gl.arange(0, KEYS, gl.SliceLayout(0, s.type.layout)), 0)
+            visible = (columns <= gl.expand_dims(row_last, 1)) & (columns >= gl.expand_dims(aligned - window[0], 1))
+            p = gl.where(visible, p, 0.0)
+    elif (last_key >= seqlen_k) | ((causal != 0) & (last_key > m_start + (seqlen_k - seqlen_q))):
         # [ROWS] each row's last visible key, counted from first_key
         row_last = gl.full([ROWS], seqlen_k - 1 - first_key, gl.int32, row_layout)
         if causal != 0:
