@@ -54,7 +54,7 @@ COVERS = {  # name: (head_dim, dtype, seqlen_q, seqlen_k, causal, window, softca
     "local-window": (128, torch.bfloat16, 1000, 1000, False, (64, 0), 0.0, 0.1, True, True),
     "causal-local": (128, torch.bfloat16, 1000, 1000, True, (64, -1), 0.0, 0.1, True, True),
     "two-sided-window": (64, torch.float16, 700, 300, False, (20, 45), 0.0, 0.1, True, True),
-    "softcap": (128, torch.bfloat16, 1000, 1000, False, (-1, -1), 5.0, 0.1, True, False),
+    "softcap": (128, torch.bfloat16, 1000, 1000, False, (-1, -1), 5.0, 0.1, True, True),
     "negative-scale": (128, torch.bfloat16, 1000, 1000, False, (-1, -1), 0.0, -0.1, True, False),
     "not-plain": (128, torch.bfloat16, 1000, 1000, False, (-1, -1), 0.0, 0.1, False, False),
 }
@@ -149,6 +149,30 @@ def test_gluon_forward_matches_reference(seqlen_q, seqlen_k, head_dim, dtype, ca
                                        head_dim=head_dim, dtype=dtype, causal=causal))
     assert ran, "the Gluon forward did not run"
     assert_checks_ok(checks)
+
+
+SOFTCAP_CASES = {  # name: (head dim, causal, window, softcap, seqlen_q, seqlen_k)
+    "d128-causal": (128, True, (-1, -1), 30.0, 1000, 1000),
+    "d64-full-small-cap": (64, False, (-1, -1), 2.0, 300, 700),
+    "d256-window": (256, True, (200, 0), 50.0, 700, 500),
+    "d96-two-sided": (96, False, (64, 64), 10.0, 600, 600),
+}
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(SOFTCAP_CASES))
+def test_gluon_forward_softcap(name, dtype):
+    """Softcap on the Gluon forward (SOFTCAP: scores capped before the masks, the Triton kernels' tanh formula), with
+    causal and local windows and padded head dims; the configured grid and 3 programs."""
+    head_dim, causal, window, softcap, seqlen_q, seqlen_k = SOFTCAP_CASES[name]
+    for programs in (None, 3):
+        with forced_hopper_grid(programs):
+            checks, ran = run_forward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=4, num_heads_k=2,
+                                           head_dim=head_dim, dtype=dtype, causal=causal, window_size=window,
+                                           softcap=softcap))
+        assert ran, "the Gluon forward did not run"
+        assert_checks_ok(checks)
 
 
 VARLEN_CASES = {  # name: (lengths of q, lengths of k, heads, kv heads, head dim, V's head dim, options)
