@@ -186,10 +186,10 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
 
 
 def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", ordered: bool = False,
-                       local: bool = False):
+                       local: bool = False, softcap: bool = False):
     """The Gluon Hopper backward (kernels/hopper/bwd.py; kernels/hopper/bwd_d256.py at head dim 256) with `config`
     (default configs.HOPPER_BWD[head_dim]); `ordered`: dQ reductions in a fixed order (head dim 128); `local`: a
-    local window (LOCAL)."""
+    local window (LOCAL); `softcap`: SOFTCAP."""
     from flashtriton import configs
     from flashtriton.ops.hopper import backward_division
 
@@ -200,9 +200,10 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
                  "do_desc": _gluon_tile_type(config.query_rows, qdo_features, dtype),
                  "lse_desc": _gluon_descriptor_type([1, config.query_rows], "fp32"),
                  "delta_desc": _gluon_descriptor_type([1, config.query_rows], "fp32"),
-                 "DK": f"*{dtype}", "DV": f"*{dtype}", "softmax_scale": "fp32", "qk_scale_log2": "fp32"}
-    constexprs = dict(CAUSAL=causal, LOCAL=local, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs,
-                      num_warps=4)
+                 "DK": f"*{dtype}", "DV": f"*{dtype}", "softmax_scale": "fp32", "qk_scale_log2": "fp32",
+                 "softcap_in_scale": "fp32", "softcap_out_log2": "fp32"}
+    constexprs = dict(CAUSAL=causal, LOCAL=local, SOFTCAP=softcap, STAGES=config.stages,
+                      CONSUMER_REGS=config.consumer_regs, num_warps=4)
     if dq_box is not None:  # the d64 / d128 kernel's dQ accumulator and the counters of ordered dQ
         signature["dq_desc"] = _gluon_tile_type(*dq_box, "fp32")
         signature["dq_counters"] = "*i32"
@@ -228,7 +229,7 @@ def main():
                                                 "HOPPER_BWD entry")
     parser.add_argument("--config", default="128,128,8,3")
     parser.add_argument("--dropout", action="store_true")
-    parser.add_argument("--softcap", action="store_true", help="fwd-hopper only: SOFTCAP")
+    parser.add_argument("--softcap", action="store_true", help="fwd-hopper, bwd-hopper: SOFTCAP")
     parser.add_argument("--fp8", action="store_true", help="forward only: e4m3 q, k, v with descales (bf16 out)")
     parser.add_argument("--pack-gqa", action="store_true", help="forward only: packed GQA decode tiles")
     parser.add_argument("--paged", action="store_true", help="forward only: paged K/V, one page per key tile")
@@ -246,9 +247,11 @@ def main():
             from flashtriton.configs import HopperBwdConfig
 
             config = HopperBwdConfig(*(int(x) for x in args.hopper_config.split(",")))
-        compiled = compile_hopper_bwd(args.head_dim, args.causal, config, ordered=args.ordered, local=args.local)
+        compiled = compile_hopper_bwd(args.head_dim, args.causal, config, ordered=args.ordered, local=args.local,
+                                      softcap=args.softcap)
         ptx = compiled.asm["ptx"]
-        print(f"bwd-hopper d{args.head_dim} causal={args.causal} local={args.local} ordered={args.ordered} "
+        print(f"bwd-hopper d{args.head_dim} causal={args.causal} local={args.local} softcap={args.softcap} "
+              f"ordered={args.ordered} "
               f"{args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} shared {compiled.metadata.shared} wgmma {ptx.count('wgmma.mma_async')} "
               f"atomics {ptx.count('atom.global')} reductions {ptx.count('cp.reduce.async.bulk')}")

@@ -70,7 +70,7 @@ def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seq
     """gluon_runs' rule on the call's shape and options alone (no device, layout or switch): whether the Gluon kernels
     compute this forward ("fwd") or backward ("bwd"). `plain`: no paged cache, seqused_k / leftpad_k /
     cache_batch_idx, split-KV, dropout or ALiBi, and for the backward no varlen (the caller knows those; the forward
-    takes varlen cu_seqlens). Softcap: the forward only. Windows: any (local windows: LOCAL), except that
+    takes varlen cu_seqlens). Windows: any (local windows: LOCAL), except that
     deterministic=True with dQ in a fixed order (`orders_dq`) takes no local window in the backward (its order
     assumes each key block's rows run to the last). Head dims up to 256 run on the next wider tiles of their
     direction (configs.hopper_fwd_tile_dim / hopper_bwd_tile_dim); the forward takes V's own head dim (head_dim_v,
@@ -87,8 +87,7 @@ def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seq
                                and (not can_order_dq(head_dim) or local_window(params, seqlen_k))):
         return False
     return (plain and dtype in (torch.float16, torch.bfloat16)
-            and seqlen_q > configs.DECODE_MAX_ROWS and seqlen_k > 0
-            and (direction == "fwd" or params.softcap == 0.0) and params.softmax_scale > 0.0)
+            and seqlen_q > configs.DECODE_MAX_ROWS and seqlen_k > 0 and params.softmax_scale > 0.0)
 
 
 def causal_window(params, seqlen_k: int) -> bool:
@@ -354,8 +353,9 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
           for stat, strides in ((lse, lse_strides), (delta, delta_strides))),
         dk, dv, *(() if dq_box is None else (dq_counters, )), dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), num_heads_k, num_heads // num_heads_k, seqlen_q, seqlen_k, head_dim,
-        1 if ordered else heads_per_group, params.softmax_scale, params.qk_scale_log2, params.window_left,
-        params.window_right, CAUSAL=params.causal_like, LOCAL=local_window(params, seqlen_k), STAGES=config.stages,
+        1 if ordered else heads_per_group, params.softmax_scale, 1.0 if params.has_softcap else params.qk_scale_log2,
+        params.window_left, params.window_right, *params.kernel_scores()[1:], CAUSAL=params.causal_like,
+        LOCAL=local_window(params, seqlen_k), SOFTCAP=params.has_softcap, STAGES=config.stages,
         CONSUMER_REGS=config.consumer_regs, num_warps=4, **kernel_args)
     if dq_accum is not None:
         dq.copy_(dq_accum)

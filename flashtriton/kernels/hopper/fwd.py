@@ -43,7 +43,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .common import arrive_after_wgmma
+from .common import arrive_after_wgmma, softcap_tanh
 from .schedule import first_cursor, more_work, next_piece
 
 SHARED_BYTES_FOR_TILES = gl.constexpr(220 * 1024)  # sm_90: 227 KiB per program, less barriers and the compiler's
@@ -308,9 +308,9 @@ def _clear_rows_past(v_stage, valid_rows):
 def _capped(s, softcap):
     """softcap: () or (softcap_in_scale, softcap_out_log2) (scores.ScoreParams.kernel_scores): raw q.k scores s
     [ROWS, BLOCK_N] as softcap_out_log2 * tanh(s * softcap_in_scale), log2-domain logits the softmax takes at scale
-    1, with kernels/common.tanh's formula (the Triton kernels' numerics); s itself without a softcap."""
+    1 (common.softcap_tanh); s itself without a softcap."""
     if len(softcap) > 0:
-        s = (1.0 - 2.0 / (gl.exp2(s * (softcap[0] * 2.8853900817779268)) + 1.0)) * softcap[1]
+        s = softcap_tanh(s, softcap) * softcap[1]
     return s
 
 
