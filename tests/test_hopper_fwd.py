@@ -175,6 +175,35 @@ def test_gluon_forward_softcap(name, dtype):
         assert_checks_ok(checks)
 
 
+ALIBI_CASES = {  # name: (head dim, window, seqlen_q, seqlen_k, causal)
+    "d128-pure-causal": (128, (-1, -1), 1000, 1000, True),
+    "d64-causal-sq-over-sk": (64, (-1, -1), 700, 300, True),
+    "d256-causal-window": (256, (150, 0), 600, 800, True),
+    "d96-causal-window": (96, (33, 0), 500, 500, False),
+    "full-stays-on-triton": (128, (-1, -1), 500, 500, False),
+}
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(ALIBI_CASES))
+def test_gluon_forward_alibi(name, dtype):
+    """ALiBi on the Gluon forward for causal-like calls (window_right 0; FA2's pure-causal LSE configuration
+    included): per-(batch, head) slopes, sq != sk, windows, a padded head dim; non-causal calls stay on the Triton
+    kernel (their distances spill the Gluon forward's registers)."""
+    head_dim, window, seqlen_q, seqlen_k, causal = ALIBI_CASES[name]
+    if window != (-1, -1):
+        window = (window[0], 0)
+    gluon = causal or window[1] == 0
+    for programs in (None, 3):
+        with forced_hopper_grid(programs):
+            checks, ran = run_forward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=4, num_heads_k=2,
+                                           head_dim=head_dim, dtype=dtype, causal=causal, window_size=window,
+                                           alibi=True))
+        assert ran == gluon, f"the Gluon forward {'did not run' if gluon else 'ran'}"
+        assert_checks_ok(checks)
+
+
 VARLEN_CASES = {  # name: (lengths of q, lengths of k, heads, kv heads, head dim, V's head dim, options)
     "mixed-causal": ([300, 1, 0, 129, 1000, 64], [300, 1, 0, 129, 1000, 64], 4, 4, 128, 128, dict(causal=True)),
     "mixed-full-gqa": ([200, 17, 513, 0, 90], [250, 0, 513, 33, 70], 6, 2, 64, 64, dict()),

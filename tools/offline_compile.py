@@ -3,7 +3,7 @@
     python tools/offline_compile.py [--head-dim 128] [--head-dim-v DV] [--local] [--kernel fwd|dkdv|dq]
                                     [--config M,N,WARPS,STAGES]
     python tools/offline_compile.py --kernel fwd-hopper [--head-dim 128] [--head-dim-v DV] [--causal] [--local]
-                                    [--packed] [--softcap]  # --packed: a varlen launch
+                                    [--packed] [--softcap] [--alibi]  # --packed: a varlen launch
                                     [--hopper-config N,STAGES,REGS[,P,PP,H[,T[,C]]]]
                                                        # the Gluon forward; default: its configs.HOPPER_FWD entry
                                                        # (P, PP, H: persistent, ping-pong, hold_schedule, 0 or 1;
@@ -152,10 +152,10 @@ def _compile_gluon(kernel, signature: dict, constexprs: dict):
 
 
 def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", local: bool = False,
-                       head_dim_v: int = 0, varlen: bool = False, softcap: bool = False):
+                       head_dim_v: int = 0, varlen: bool = False, softcap: bool = False, alibi: bool = False):
     """The Gluon Hopper forward (kernels/hopper/fwd.py) with `config` (default configs.HOPPER_FWD[the wider tile
     dim, causal]), as a dense launch (`varlen`: a varlen one) on head_dim-wide Q / K tiles and head_dim_v-wide V / O
-    tiles (0: head_dim's); `local`: a local window (LOCAL); `softcap`: SOFTCAP."""
+    tiles (0: head_dim's); `local`: a local window (LOCAL); `softcap`: SOFTCAP; `alibi`: ALiBi slopes."""
     from flashtriton import configs
     from flashtriton.kernels.hopper.fwd import CONSUMER_ROWS, attn_fwd_hopper_kernel
     from flashtriton.ops.hopper import forward_constexprs
@@ -172,7 +172,8 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
                                                "seqlen_q", "seqlen_k", "heads_per_group", "paired", "full_items",
                                                "tail_programs", "tail_blocks", "item_blocks")})
     signature["qk_scale_log2"] = signature["rescale_threshold"] = "fp32"
-    signature["softcap_in_scale"] = signature["softcap_out_log2"] = "fp32"
+    signature["softcap_in_scale"] = signature["softcap_out_log2"] = signature["logit_scale_log2"] = "fp32"
+    signature["stride_alibi_b"] = signature["alibi_pure_causal"] = "i32"
     signature["window_left"] = signature["window_right"] = "i32"
     signature.update({name: "i32" for name in ("q_rows", "k_rows", "stride_om", "stride_oh", "head_dim_v")})
     constexprs = forward_constexprs(config, causal, local, softcap)
@@ -180,6 +181,10 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
         signature.update(CuSeqlensQ="*i32", CuSeqlensK="*i32", Out=f"*{dtype}")
     else:
         constexprs.update(CuSeqlensQ=None, CuSeqlensK=None, Out=None)
+    if alibi:
+        signature["AlibiSlopes"] = "*fp32"
+    else:
+        constexprs["AlibiSlopes"] = None
     names = list(inspect.signature(attn_fwd_hopper_kernel.fn).parameters)
     signature = {name: signature[name] for name in names if name in signature}  # in the kernel's order
     return _compile_gluon(attn_fwd_hopper_kernel, signature, constexprs)
@@ -230,6 +235,7 @@ def main():
     parser.add_argument("--config", default="128,128,8,3")
     parser.add_argument("--dropout", action="store_true")
     parser.add_argument("--softcap", action="store_true", help="fwd-hopper, bwd-hopper: SOFTCAP")
+    parser.add_argument("--alibi", action="store_true", help="fwd-hopper: ALiBi slopes")
     parser.add_argument("--fp8", action="store_true", help="forward only: e4m3 q, k, v with descales (bf16 out)")
     parser.add_argument("--pack-gqa", action="store_true", help="forward only: packed GQA decode tiles")
     parser.add_argument("--paged", action="store_true", help="forward only: paged K/V, one page per key tile")
@@ -266,9 +272,11 @@ def main():
             consumers = [int(value) for value in rest[4:5]]
             config = HopperFwdConfig(int(block_n), int(stages), int(regs), *flags, *threshold, *consumers)
         compiled = compile_hopper_fwd(args.head_dim, args.causal, config, local=args.local,
-                                      head_dim_v=args.head_dim_v or 0, varlen=args.packed, softcap=args.softcap)
+                                      head_dim_v=args.head_dim_v or 0, varlen=args.packed, softcap=args.softcap,
+                                      alibi=args.alibi)
         print(f"fwd-hopper d{args.head_dim} dv{args.head_dim_v or args.head_dim} causal={args.causal} "
-              f"local={args.local} varlen={args.packed} softcap={args.softcap} {args.hopper_config or 'table'}: "
+              f"local={args.local} varlen={args.packed} softcap={args.softcap} alibi={args.alibi} "
+              f"{args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} "
               f"shared {compiled.metadata.shared} wgmma {compiled.asm['ptx'].count('wgmma.mma_async')} "
               f"setmaxnreg {compiled.asm['ptx'].count('setmaxnreg')} "

@@ -69,8 +69,8 @@ def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seq
            deterministic: bool = False, head_dim_v: Optional[int] = None) -> bool:
     """gluon_runs' rule on the call's shape and options alone (no device, layout or switch): whether the Gluon kernels
     compute this forward ("fwd") or backward ("bwd"). `plain`: no paged cache, seqused_k / leftpad_k /
-    cache_batch_idx, split-KV, dropout or ALiBi, and for the backward no varlen (the caller knows those; the forward
-    takes varlen cu_seqlens). Windows: any (local windows: LOCAL), except that
+    cache_batch_idx, split-KV or dropout, and for the backward no varlen or ALiBi (the caller knows those; the
+    forward takes varlen cu_seqlens and ALiBi slopes). Windows: any (local windows: LOCAL), except that
     deterministic=True with dQ in a fixed order (`orders_dq`) takes no local window in the backward (its order
     assumes each key block's rows run to the last). Head dims up to 256 run on the next wider tiles of their
     direction (configs.hopper_fwd_tile_dim / hopper_bwd_tile_dim); the forward takes V's own head dim (head_dim_v,
@@ -211,10 +211,10 @@ def forward_constexprs(config, causal: bool, local: bool = False, softcap: bool 
 
 
 def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
-               heads_per_group: int, cu_seqlens_q=None, cu_seqlens_k=None) -> None:
+               heads_per_group: int, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None) -> None:
     """Run the Gluon forward into out (B, Sq, H, Dv) and lse (fp32, rows contiguous, strides lse_strides). Varlen
     (cu_seqlens given): q, k, v and out (T, H, D), batch sequences, seqlen_q / seqlen_k the longest lengths, lse
-    (H, T) with lse_strides (0, T)."""
+    (H, T) with lse_strides (0, T). alibi_slopes: fp32 (H,) or (B, H)."""
     global fwd_launch_count, tail_merge_count
     num_heads, head_dim, head_dim_v = q.shape[-2], q.shape[-1], v.shape[-1]
     varlen = cu_seqlens_q is not None
@@ -251,8 +251,10 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
         tile_descriptor(v, config.block_n, tile_dim_v), tile_descriptor(out, CONSUMER_ROWS.value, tile_dim_v), lse,
         partial, partial_lse,
         *lse_strides, batch, num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, *work,
-        1.0 if params.has_softcap else params.qk_scale_log2, config.rescale_threshold, params.window_left,
-        params.window_right, *varlen_args, *params.kernel_scores()[1:],
+        1.0 if params.has_softcap or alibi_slopes is not None else params.qk_scale_log2, config.rescale_threshold,
+        params.window_left, params.window_right, *varlen_args, *params.kernel_scores()[1:], alibi_slopes,
+        alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
+        int(params.alibi_pure_causal), params.qk_scale_log2,
         **forward_constexprs(config, params.causal_like, local, params.has_softcap))
     if split is not None:
         attn_tail_merge_kernel[(split.tiles * tile_rows * head_dim // TAIL_MERGE_ELEMENTS.value,)](
