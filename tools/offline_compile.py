@@ -143,10 +143,17 @@ def _compile_gluon(kernel, signature: dict, constexprs: dict):
     as Triton specializes a launch on torch's allocations."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    signature.update({name: "constexpr" for name in constexprs})
     names = list(inspect.signature(kernel.fn).parameters)
-    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
-             if kind.startswith("*")}
+    # constexprs by name (whole parameters) or by path (index, element) inside a grouped parameter
+    signature.update({name: "constexpr" for name in constexprs if isinstance(name, str)})
+    constexprs = {(names.index(key),) if isinstance(key, str) else key: value for key, value in constexprs.items()}
+    attrs = {}
+    for name, kind in signature.items():
+        kinds = kind if isinstance(kind, tuple) else (kind, )
+        for element, item in enumerate(kinds):
+            if item.startswith("*"):
+                path = (names.index(name), element) if isinstance(kind, tuple) else (names.index(name), )
+                attrs[path] = [["tt.divisibility", 16]]
     src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
@@ -172,20 +179,18 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
                                                "seqlen_q", "seqlen_k", "heads_per_group", "paired", "full_items",
                                                "tail_programs", "tail_blocks", "item_blocks")})
     signature["qk_scale_log2"] = signature["rescale_threshold"] = "fp32"
-    signature["softcap_in_scale"] = signature["softcap_out_log2"] = signature["logit_scale_log2"] = "fp32"
-    signature["stride_alibi_b"] = signature["alibi_pure_causal"] = "i32"
-    signature["window_left"] = signature["window_right"] = "i32"
-    signature.update({name: "i32" for name in ("q_rows", "k_rows", "stride_om", "stride_oh", "head_dim_v")})
+    signature["window_left"] = signature["window_right"] = signature["q_rows"] = signature["k_rows"] = "i32"
     constexprs = forward_constexprs(config, causal, local, softcap)
-    if varlen:
-        signature.update(CuSeqlensQ="*i32", CuSeqlensK="*i32", Out=f"*{dtype}")
-    else:
-        constexprs.update(CuSeqlensQ=None, CuSeqlensK=None, Out=None)
-    if alibi:
-        signature["AlibiSlopes"] = "*fp32"
-    else:
-        constexprs["AlibiSlopes"] = None
     names = list(inspect.signature(attn_fwd_hopper_kernel.fn).parameters)
+    # the grouped parameters: (CuSeqlensQ, CuSeqlensK, Out, stride_om, stride_oh, head_dim_v) and (softcap_in_scale,
+    # softcap_out_log2, AlibiSlopes, stride_alibi_b, alibi_pure_causal, logit_scale_log2); None pointers are constexprs
+    signature["varlen"] = ("*i32", "*i32", f"*{dtype}", "i32", "i32", "i32")
+    if not varlen:
+        signature["varlen"] = ("constexpr", ) * 3 + ("i32", ) * 3
+        constexprs.update({(names.index("varlen"), element): None for element in range(3)})
+    signature["logits"] = ("fp32", "fp32", "*fp32" if alibi else "constexpr", "i32", "i32", "fp32")
+    if not alibi:
+        constexprs[(names.index("logits"), 2)] = None
     signature = {name: signature[name] for name in names if name in signature}  # in the kernel's order
     return _compile_gluon(attn_fwd_hopper_kernel, signature, constexprs)
 

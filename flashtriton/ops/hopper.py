@@ -218,8 +218,9 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
     global fwd_launch_count, tail_merge_count
     num_heads, head_dim, head_dim_v = q.shape[-2], q.shape[-1], v.shape[-1]
     varlen = cu_seqlens_q is not None
-    varlen_args = (cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], out, out.stride(0), out.stride(1),
-                   head_dim_v) if varlen else (None, None, 0, 0, None, 0, 0, 0)
+    # attn_fwd_hopper_kernel's varlen group, q_rows and k_rows
+    varlen_args = ((cu_seqlens_q, cu_seqlens_k, out, out.stride(0), out.stride(1), head_dim_v), q.shape[0],
+                   k.shape[0]) if varlen else ((None, None, None, 0, 0, 0), 0, 0)
     if varlen:  # one batch entry of all the rows to the descriptors; each tile finds its sequence's rows
         q, k, v, out = (t.unsqueeze(0) for t in (q, k, v, out))
     # head dims between the tile classes run on the next wider tiles (their missing columns read as zeros); q / k
@@ -252,9 +253,10 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
         partial, partial_lse,
         *lse_strides, batch, num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, *work,
         1.0 if params.has_softcap or alibi_slopes is not None else params.qk_scale_log2, config.rescale_threshold,
-        params.window_left, params.window_right, *varlen_args, *params.kernel_scores()[1:], alibi_slopes,
-        alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
-        int(params.alibi_pure_causal), params.qk_scale_log2,
+        params.window_left, params.window_right, *varlen_args,
+        (*params.kernel_scores()[1:], alibi_slopes,
+         alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
+         int(params.alibi_pure_causal), params.qk_scale_log2),
         **forward_constexprs(config, params.causal_like, local, params.has_softcap))
     if split is not None:
         attn_tail_merge_kernel[(split.tiles * tile_rows * head_dim // TAIL_MERGE_ELEMENTS.value,)](

@@ -626,14 +626,11 @@ def _consumer_args(consumer: gl.constexpr, q_smem, o_smem, q_ready, q_empty, tur
 
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "batch", "seqlen_q", "seqlen_k", "heads_per_group",
                               "paired", "full_items", "tail_programs", "tail_blocks", "item_blocks", "window_left",
-                              "window_right", "q_rows", "k_rows", "stride_om", "stride_oh", "head_dim_v",
-                              "stride_alibi_b", "alibi_pure_causal"])
+                              "window_right", "q_rows", "k_rows"])
 def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, batch,
                            num_heads, group_size, seqlen_q, seqlen_k, heads_per_group, paired, full_items,
                            tail_programs, tail_blocks, item_blocks, qk_scale_log2, rescale_threshold, window_left,
-                           window_right, CuSeqlensQ, CuSeqlensK, q_rows, k_rows, Out, stride_om, stride_oh,
-                           head_dim_v, softcap_in_scale, softcap_out_log2, AlibiSlopes, stride_alibi_b,
-                           alibi_pure_causal, logit_scale_log2, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
+                           window_right, varlen, q_rows, k_rows, logits, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
                            SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMERS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, HOLD_SCHEDULE: gl.constexpr,
@@ -653,12 +650,14 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
     (_softmax_block, _rescale). MASK_BY_RESIDUES: how a causal block's mask compares columns (_mask_block). LOCAL: a
     local window (window_left, window_right, both >= 0, normalized as kernels/common's): each tile visits the key
     blocks its rows see (tile_work) and masks both edges (_mask_local); grids are not paired and the tail is not cut
-    (ops/hopper.launch_fwd). Varlen (CuSeqlensQ / CuSeqlensK given, None for a dense call): batch sequences packed
-    in (T, H, D) tensors, (1, T, H, D) to the descriptors (q_rows / k_rows: T of q / k); seqlen_q / seqlen_k are the
+    (ops/hopper.launch_fwd). Varlen (varlen: (CuSeqlensQ, CuSeqlensK, Out, stride_om, stride_oh, head_dim_v), the
+    pointers None for a dense call): batch sequences packed in (T, H, D) tensors, (1, T, H, D) to the descriptors
+    (q_rows / k_rows: T of q / k, unspecialized as they change every call); seqlen_q / seqlen_k are the
     longest lengths; each tile's sequence bounds come from schedule.tile_work; a tile that runs past its sequence's
     end stores O by pointer (Out, stride_om, stride_oh; head_dim_v: out's own head dim), and V's rows past a
     sequence's keys are zeroed in shared memory before they meet P (_clear_rows_past). Grids are not paired and the
-    tail is not cut. SOFTCAP: the scores are softcap_out_log2 * tanh(q.k * softcap_in_scale) (_logits),
+    tail is not cut. logits: (softcap_in_scale, softcap_out_log2, AlibiSlopes, stride_alibi_b, alibi_pure_causal,
+    logit_scale_log2). SOFTCAP: the scores are softcap_out_log2 * tanh(q.k * softcap_in_scale) (_logits),
     qk_scale_log2 1. ALiBi (AlibiSlopes given, None otherwise; stride_alibi_b 0 for (H,) slopes): the logits (q.k *
     logit_scale_log2, or the capped ones) get kernels/common.alibi_bias_log2's bias (_logits), qk_scale_log2 1."""
     ROWS: gl.constexpr = CONSUMER_ROWS
@@ -738,17 +737,17 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
         window = ()
     # the softcap's factors and ALiBi's slopes, or () without them (_logits; qk_scale_log2 is then 1)
     if SOFTCAP:
-        softcap = (softcap_in_scale, softcap_out_log2)
+        softcap = (logits[0], logits[1])
     else:
         softcap = ()
-    if AlibiSlopes is not None:
-        alibi = (AlibiSlopes, stride_alibi_b, alibi_pure_causal, logit_scale_log2)
+    if logits[2] is not None:
+        alibi = (logits[2], logits[3], logits[4], logits[5])
     else:
         alibi = ()
     # the varlen sequences and O's rows by pointer, or () for a dense call (schedule.tile_work, _store_output)
-    if CuSeqlensQ is not None:
-        seqs = (CuSeqlensQ, CuSeqlensK, q_rows, k_rows)
-        rows_out = (Out, stride_om, stride_oh, head_dim_v)
+    if varlen[0] is not None:
+        seqs = (varlen[0], varlen[1], q_rows, k_rows)
+        rows_out = (varlen[2], varlen[3], varlen[4], varlen[5])
     else:
         seqs = ()
         rows_out = ()
