@@ -51,8 +51,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .common import arrive_after_wgmma, backward_producer, key_block_of_program, loop_position, masked_probabilities, \
-    query_block, softcap_tanh, store_key_rows
+from .common import arrive_after_wgmma, backward_producer, backward_scores, key_block_of_program, loop_position, \
+    masked_probabilities, query_block, softcap_tanh, store_key_rows
 
 if not hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce"):
     raise ImportError("this Triton's Gluon has no TMA reduction; the Triton backward runs instead")
@@ -338,17 +338,8 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     dtype: gl.constexpr = k_desc.dtype
-    # the local window, or () without one (a tuple's length reaches the partitions where a constexpr does not)
-    if LOCAL:
-        gl.static_assert(not ORDERED, "ordered dQ takes no local window")
-        window = (window_left, window_right)
-    else:
-        window = ()
-    # the softcap's factors, or ()
-    if SOFTCAP:
-        softcap = (softcap_in_scale, softcap_out_log2)
-    else:
-        softcap = ()
+    gl.static_assert(not (LOCAL and ORDERED), "ordered dQ takes no local window")
+    window, softcap = backward_scores(window_left, window_right, softcap_in_scale, softcap_out_log2, LOCAL, SOFTCAP)
     batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations = key_block_of_program(
         num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS, CAUSAL, ORDERED)
     # [1, KEYS, 1, HEAD_DIM] K, V; [STAGES, 1, ROWS, 1, HEAD_DIM] Q, dO; [KEYS, ROWS] dS^T

@@ -26,8 +26,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .common import arrive_after_wgmma, backward_producer, key_block_of_program, masked_probabilities, query_block, \
-    softcap_tanh, store_key_rows
+from .common import arrive_after_wgmma, backward_producer, backward_scores, key_block_of_program, \
+    masked_probabilities, query_block, softcap_tanh, store_key_rows
 
 KEYS_PER_PROGRAM = gl.constexpr(64)  # the M of the dK / dV wgmmas; each consumer's S / dP covers half of them
 
@@ -130,15 +130,7 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     FEAT: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = k_desc.dtype
-    # the local window, or () without one (a tuple's length reaches the partitions)
-    if LOCAL:
-        window = (window_left, window_right)
-    else:
-        window = ()
-    if SOFTCAP:
-        softcap = (softcap_in_scale, softcap_out_log2)
-    else:
-        softcap = ()
+    window, softcap = backward_scores(window_left, window_right, softcap_in_scale, softcap_out_log2, LOCAL, SOFTCAP)
     batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations = key_block_of_program(
         num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS, CAUSAL)
     # [1, KEYS, 1, HEAD_DIM] K, V

@@ -135,6 +135,23 @@ def backward_producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_s
 
 
 @gluon.jit
+def backward_scores(window_left, window_right, softcap_in_scale, softcap_out_log2, LOCAL: gl.constexpr,
+                    SOFTCAP: gl.constexpr):
+    """(window, softcap) of a backward kernel: (window_left, window_right) with LOCAL, (softcap_in_scale,
+    softcap_out_log2) with SOFTCAP, () otherwise: tuples, whose length reaches the partitions where a constexpr does
+    not."""
+    if LOCAL:
+        window = (window_left, window_right)
+    else:
+        window = ()
+    if SOFTCAP:
+        softcap = (softcap_in_scale, softcap_out_log2)
+    else:
+        softcap = ()
+    return window, softcap
+
+
+@gluon.jit
 def softcap_tanh(s, softcap):
     """tanh(s * softcap_in_scale) of raw q.k scores s, with kernels/common.tanh's formula (the Triton kernels'
     numerics); softcap: (softcap_in_scale, softcap_out_log2), scores.ScoreParams.kernel_scores' factors. The capped
