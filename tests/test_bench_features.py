@@ -47,6 +47,22 @@ def test_triton_column_switches_gluon_off_for_the_call():
     assert seen == [False] and configs.GLUON_ALLOWED == allowed
 
 
+def test_triton_column_times_its_backward_with_gluon_off(monkeypatch):
+    """The backward picks its kernels when autograd runs it, after the forward returned: the timed function itself
+    must run with the Gluon kernels off."""
+    from flashtriton import bench, configs
+
+    seen = []
+    problem = make_problem(FEATURES[0], False, torch.float16, "cpu", tokens=TOKENS)
+    monkeypatch.setattr(bench_features, "make_problem", lambda *args: problem)
+    monkeypatch.setattr(bench_features, "timed", lambda attention, p, mode: lambda: seen.append(
+        (mode, configs.GLUON_ALLOWED)))
+    monkeypatch.setattr(bench, "time_ms", lambda function, *args: function() or 1.0)
+    bench_features.run_features([FEATURES[0]], ["flashtriton", "flashtriton-triton"], ["bwd"], [torch.float16],
+                                device="cpu", causal_values=(False, ))
+    assert seen == [("bwd", configs.GLUON_ALLOWED), ("bwd", False)]
+
+
 @pytest.mark.parametrize("name", ["window-256", "softcap-30", "alibi", "varlen-mixed", "paged-64"])
 def test_sdpa_refuses_rows_it_cannot_express(name):
     feature = bench_features.select_features([name])[0]

@@ -125,16 +125,16 @@ def test_varlen_backward_with_atomic_dq(force_dq_atomic):
 
 
 def test_varlen_equals_dense_on_equal_lengths():
-    """The varlen forward is the dense Triton kernel on per-sequence bounds: bitwise equal on equal lengths (the
-    dense call is kept off the Gluon Hopper kernel, which varlen never takes)."""
+    """The Triton kernels' varlen forward is their dense forward on per-sequence bounds: bitwise equal on equal
+    lengths (both calls kept off the Gluon Hopper kernel, whose varlen tiles may cut the work otherwise)."""
     batch, seqlen = 3, 75
     q = torch.randn(batch, seqlen, 4, 64, device=DEVICE, dtype=torch.float16)
     k, v = torch.randn_like(q), torch.randn_like(q)
     cu = cumulative([seqlen] * batch)
     with forced_gluon(False):
         dense = flashtriton.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
-    varlen = flashtriton.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, seqlen,
-                                                seqlen, causal=True, return_attn_probs=True)
+        varlen = flashtriton.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu,
+                                                    seqlen, seqlen, causal=True, return_attn_probs=True)
     assert torch.equal(varlen[0], dense[0].flatten(0, 1))
     assert torch.equal(varlen[1], dense[1].transpose(0, 1).flatten(1))
 

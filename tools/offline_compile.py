@@ -3,7 +3,7 @@
     python tools/offline_compile.py [--head-dim 128] [--head-dim-v DV] [--local] [--kernel fwd|dkdv|dq]
                                     [--config M,N,WARPS,STAGES]
     python tools/offline_compile.py --kernel fwd-hopper [--head-dim 128] [--head-dim-v DV] [--causal] [--local]
-                                    [--packed] [--softcap] [--alibi]  # --packed: a varlen launch
+                                    [--packed] [--alibi]  # --packed: a varlen launch
                                     [--hopper-config N,STAGES,REGS[,P,PP,H[,T[,C]]]]
                                                        # the Gluon forward; default: its configs.HOPPER_FWD entry
                                                        # (P, PP, H: persistent, ping-pong, hold_schedule, 0 or 1;
@@ -159,10 +159,10 @@ def _compile_gluon(kernel, signature: dict, constexprs: dict):
 
 
 def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", local: bool = False,
-                       head_dim_v: int = 0, varlen: bool = False, softcap: bool = False, alibi: bool = False):
+                       head_dim_v: int = 0, varlen: bool = False, alibi: bool = False):
     """The Gluon Hopper forward (kernels/hopper/fwd.py) with `config` (default configs.HOPPER_FWD[the wider tile
     dim, causal]), as a dense launch (`varlen`: a varlen one) on head_dim-wide Q / K tiles and head_dim_v-wide V / O
-    tiles (0: head_dim's); `local`: a local window (LOCAL); `softcap`: SOFTCAP; `alibi`: ALiBi slopes."""
+    tiles (0: head_dim's); `local`: a local window (LOCAL); `alibi`: ALiBi slopes."""
     from flashtriton import configs
     from flashtriton.kernels.hopper.fwd import CONSUMER_ROWS, attn_fwd_hopper_kernel
     from flashtriton.ops.hopper import forward_constexprs
@@ -180,26 +180,26 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
                                                "tail_programs", "tail_blocks", "item_blocks")})
     signature["qk_scale_log2"] = signature["rescale_threshold"] = "fp32"
     signature["window_left"] = signature["window_right"] = signature["q_rows"] = signature["k_rows"] = "i32"
-    constexprs = forward_constexprs(config, causal, local, softcap)
+    constexprs = forward_constexprs(config, causal, local)
     names = list(inspect.signature(attn_fwd_hopper_kernel.fn).parameters)
-    # the grouped parameters: (CuSeqlensQ, CuSeqlensK, Out, stride_om, stride_oh, head_dim_v) and (softcap_in_scale,
-    # softcap_out_log2, AlibiSlopes, stride_alibi_b, alibi_pure_causal, logit_scale_log2); None pointers are constexprs
+    # the grouped parameters: (CuSeqlensQ, CuSeqlensK, Out, stride_om, stride_oh, head_dim_v) and (AlibiSlopes,
+    # stride_alibi_b, alibi_pure_causal, logit_scale_log2); None pointers are constexprs
     signature["varlen"] = ("*i32", "*i32", f"*{dtype}", "i32", "i32", "i32")
     if not varlen:
         signature["varlen"] = ("constexpr", ) * 3 + ("i32", ) * 3
         constexprs.update({(names.index("varlen"), element): None for element in range(3)})
-    signature["logits"] = ("fp32", "fp32", "*fp32" if alibi else "constexpr", "i32", "i32", "fp32")
+    signature["alibi_args"] = ("*fp32" if alibi else "constexpr", "i32", "i32", "fp32")
     if not alibi:
-        constexprs[(names.index("logits"), 2)] = None
+        constexprs[(names.index("alibi_args"), 0)] = None
     signature = {name: signature[name] for name in names if name in signature}  # in the kernel's order
     return _compile_gluon(attn_fwd_hopper_kernel, signature, constexprs)
 
 
 def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", ordered: bool = False,
-                       local: bool = False, softcap: bool = False):
+                       local: bool = False):
     """The Gluon Hopper backward (kernels/hopper/bwd.py; kernels/hopper/bwd_d256.py at head dim 256) with `config`
     (default configs.HOPPER_BWD[head_dim]); `ordered`: dQ reductions in a fixed order (head dim 128); `local`: a
-    local window (LOCAL); `softcap`: SOFTCAP."""
+    local window (LOCAL)."""
     from flashtriton import configs
     from flashtriton.ops.hopper import backward_division
 
@@ -210,9 +210,8 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
                  "do_desc": _gluon_tile_type(config.query_rows, qdo_features, dtype),
                  "lse_desc": _gluon_descriptor_type([1, config.query_rows], "fp32"),
                  "delta_desc": _gluon_descriptor_type([1, config.query_rows], "fp32"),
-                 "DK": f"*{dtype}", "DV": f"*{dtype}", "softmax_scale": "fp32", "qk_scale_log2": "fp32",
-                 "softcap_in_scale": "fp32", "softcap_out_log2": "fp32"}
-    constexprs = dict(CAUSAL=causal, LOCAL=local, SOFTCAP=softcap, STAGES=config.stages,
+                 "DK": f"*{dtype}", "DV": f"*{dtype}", "softmax_scale": "fp32", "qk_scale_log2": "fp32"}
+    constexprs = dict(CAUSAL=causal, LOCAL=local, STAGES=config.stages,
                       CONSUMER_REGS=config.consumer_regs, num_warps=4)
     if dq_box is not None:  # the d64 / d128 kernel's dQ accumulator and the counters of ordered dQ
         signature["dq_desc"] = _gluon_tile_type(*dq_box, "fp32")
@@ -239,7 +238,6 @@ def main():
                                                 "HOPPER_BWD entry")
     parser.add_argument("--config", default="128,128,8,3")
     parser.add_argument("--dropout", action="store_true")
-    parser.add_argument("--softcap", action="store_true", help="fwd-hopper, bwd-hopper: SOFTCAP")
     parser.add_argument("--alibi", action="store_true", help="fwd-hopper: ALiBi slopes")
     parser.add_argument("--fp8", action="store_true", help="forward only: e4m3 q, k, v with descales (bf16 out)")
     parser.add_argument("--pack-gqa", action="store_true", help="forward only: packed GQA decode tiles")
@@ -258,10 +256,9 @@ def main():
             from flashtriton.configs import HopperBwdConfig
 
             config = HopperBwdConfig(*(int(x) for x in args.hopper_config.split(",")))
-        compiled = compile_hopper_bwd(args.head_dim, args.causal, config, ordered=args.ordered, local=args.local,
-                                      softcap=args.softcap)
+        compiled = compile_hopper_bwd(args.head_dim, args.causal, config, ordered=args.ordered, local=args.local)
         ptx = compiled.asm["ptx"]
-        print(f"bwd-hopper d{args.head_dim} causal={args.causal} local={args.local} softcap={args.softcap} "
+        print(f"bwd-hopper d{args.head_dim} causal={args.causal} local={args.local} "
               f"ordered={args.ordered} "
               f"{args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} shared {compiled.metadata.shared} wgmma {ptx.count('wgmma.mma_async')} "
@@ -277,10 +274,10 @@ def main():
             consumers = [int(value) for value in rest[4:5]]
             config = HopperFwdConfig(int(block_n), int(stages), int(regs), *flags, *threshold, *consumers)
         compiled = compile_hopper_fwd(args.head_dim, args.causal, config, local=args.local,
-                                      head_dim_v=args.head_dim_v or 0, varlen=args.packed, softcap=args.softcap,
+                                      head_dim_v=args.head_dim_v or 0, varlen=args.packed,
                                       alibi=args.alibi)
         print(f"fwd-hopper d{args.head_dim} dv{args.head_dim_v or args.head_dim} causal={args.causal} "
-              f"local={args.local} varlen={args.packed} softcap={args.softcap} alibi={args.alibi} "
+              f"local={args.local} varlen={args.packed} alibi={args.alibi} "
               f"{args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} "
               f"shared {compiled.metadata.shared} wgmma {compiled.asm['ptx'].count('wgmma.mma_async')} "

@@ -182,9 +182,11 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     heads_per_group = configs.heads_per_l2_group(
         _operand_bytes(k, seqlen_k, 2 if pack_gqa else 2 * num_heads_k / num_heads), batch_heads, params.causal_like)
     # ALiBi: causal calls only (hopper.covers' rule does not see the slopes): non-causal, its distances spill the
-    # Gluon forward's registers (sm_90 offline compiles)
+    # Gluon forward's registers (sm_90 offline compiles). Varlen calls without a query or key row: no tensor
+    # descriptor has zero rows
     plain = not (is_paged or num_splits > 1 or dropout_p > 0.0 or seqused_k is not None or leftpad_k is not None
-                 or cache_batch_idx is not None or (alibi_slopes is not None and not params.causal_like))
+                 or cache_batch_idx is not None or (alibi_slopes is not None and not params.causal_like)
+                 or (is_varlen and (q.shape[0] == 0 or k.shape[0] == 0)))
     if hopper.gluon_runs("fwd", q, params, seqlen_q, seqlen_k, plain, (q, k, v, out), head_dim_v=head_dim_v):
         with device_guard(q):
             hopper.launch_fwd(q, k, v, out, lse, lse_strides, params, seqlen_q, seqlen_k, batch, heads_per_group,

@@ -70,7 +70,7 @@ def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seq
     """gluon_runs' rule on the call's shape and options alone (no device, layout or switch): whether the Gluon kernels
     compute this forward ("fwd") or backward ("bwd"). `plain`: no paged cache, seqused_k / leftpad_k /
     cache_batch_idx, split-KV or dropout, and for the backward no varlen or ALiBi (the caller knows those; the
-    forward takes varlen cu_seqlens and ALiBi slopes). Windows: any (local windows: LOCAL), except that
+    forward takes varlen cu_seqlens and ALiBi slopes). No softcap. Windows: any (local windows: LOCAL), except that
     deterministic=True with dQ in a fixed order (`orders_dq`) takes no local window in the backward (its order
     assumes each key block's rows run to the last). Head dims up to 256 run on the next wider tiles of their
     direction (configs.hopper_fwd_tile_dim / hopper_bwd_tile_dim); the forward takes V's own head dim (head_dim_v,
@@ -87,7 +87,8 @@ def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seq
                                and (not can_order_dq(head_dim) or local_window(params, seqlen_k))):
         return False
     return (plain and dtype in (torch.float16, torch.bfloat16)
-            and seqlen_q > configs.DECODE_MAX_ROWS and seqlen_k > 0 and params.softmax_scale > 0.0)
+            and seqlen_q > configs.DECODE_MAX_ROWS and seqlen_k > 0 and params.softmax_scale > 0.0
+            and not params.has_softcap)
 
 
 def causal_window(params, seqlen_k: int) -> bool:
@@ -201,10 +202,10 @@ def tail_split(items: int, programs: int, paired: bool, num_tiles: int, tile_row
     return TailSplit(full_waves * programs, tail_programs, tail_blocks, item_blocks, tail_items * (2 if paired else 1))
 
 
-def forward_constexprs(config, causal: bool, local: bool = False, softcap: bool = False) -> dict:
+def forward_constexprs(config, causal: bool, local: bool = False) -> dict:
     """attn_fwd_hopper_kernel's compile-time arguments for `config` (configs.HOPPER_FWD; tools/offline_compile builds
     the same kernel)."""
-    return dict(CAUSAL=causal, LOCAL=local, SOFTCAP=softcap, STAGES=config.stages, CONSUMERS=config.consumers,
+    return dict(CAUSAL=causal, LOCAL=local, STAGES=config.stages, CONSUMERS=config.consumers,
                 CONSUMER_REGS=config.consumer_regs, PINGPONG=config.pingpong, HOLD_SCHEDULE=config.hold_schedule,
                 RESCALE_SKIP=config.rescale_threshold > 0.0, MASK_BY_RESIDUES=config.mask_by_residues,
                 SPLIT_TAIL=config.persistent and config.split_tail, num_warps=4)
@@ -252,12 +253,11 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
         tile_descriptor(v, config.block_n, tile_dim_v), tile_descriptor(out, CONSUMER_ROWS.value, tile_dim_v), lse,
         partial, partial_lse,
         *lse_strides, batch, num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, *work,
-        1.0 if params.has_softcap or alibi_slopes is not None else params.qk_scale_log2, config.rescale_threshold,
+        1.0 if alibi_slopes is not None else params.qk_scale_log2, config.rescale_threshold,
         params.window_left, params.window_right, *varlen_args,
-        (*params.kernel_scores()[1:], alibi_slopes,
-         alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
+        (alibi_slopes, alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
          int(params.alibi_pure_causal), params.qk_scale_log2),
-        **forward_constexprs(config, params.causal_like, local, params.has_softcap))
+        **forward_constexprs(config, params.causal_like, local))
     if split is not None:
         attn_tail_merge_kernel[(split.tiles * tile_rows * head_dim // TAIL_MERGE_ELEMENTS.value,)](
             partial, partial_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), *lse_strides, batch,
@@ -357,9 +357,8 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
           for stat, strides in ((lse, lse_strides), (delta, delta_strides))),
         dk, dv, *(() if dq_box is None else (dq_counters, )), dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), num_heads_k, num_heads // num_heads_k, seqlen_q, seqlen_k, head_dim,
-        1 if ordered else heads_per_group, params.softmax_scale, 1.0 if params.has_softcap else params.qk_scale_log2,
-        params.window_left, params.window_right, *params.kernel_scores()[1:], CAUSAL=params.causal_like,
-        LOCAL=local_window(params, seqlen_k), SOFTCAP=params.has_softcap, STAGES=config.stages,
+        1 if ordered else heads_per_group, params.softmax_scale, params.qk_scale_log2, params.window_left,
+        params.window_right, CAUSAL=params.causal_like, LOCAL=local_window(params, seqlen_k), STAGES=config.stages,
         CONSUMER_REGS=config.consumer_regs, num_warps=4, **kernel_args)
     if dq_accum is not None:
         dq.copy_(dq_accum)

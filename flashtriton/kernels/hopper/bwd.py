@@ -32,10 +32,10 @@ finds the one before it (a later key block) released: the later key blocks launc
 blocks must be resident together (the launcher's groups of one head, at most one key block per SM).
 
 Scope (ops/hopper.covers): the forward's (dense bf16/fp16, any window, bottom-right aligned, local ones not with
-ORDERED; softcap (SOFTCAP), no ALiBi or dropout), head dim 64 / 128 (narrower ones on these tiles). Keys past seqlen_k
-are masked out of P (their dK/dV rows are never stored; their K rows read as zeros, but P would not be 0); query rows
-past seqlen_q read Q, dO, lse and delta as zeros (TMA fills them), so P = 1 there but dS = 0 and every product they
-enter adds zeros (dQ rows past seqlen_q are clipped by the reduction).
+ORDERED; no softcap, ALiBi or dropout), head dim 64 / 128 (narrower ones on these tiles). Keys past seqlen_k are masked
+out of P (their dK/dV rows are never stored; their K rows read as zeros, but P would not be 0); query rows past seqlen_q
+read Q, dO, lse and delta as zeros (TMA fills them), so P = 1 there but dS = 0 and every product they enter adds zeros
+(dQ rows past seqlen_q are clipped by the reduction).
 
 Synchronisation: kv_ready (K and V landed), q_ready[s] (Q_i, dO_i, lse_i and delta_i of stage s landed), q_empty[s]
 (both consumers are done with stage s, count 2), with the feature split ds_ready (both consumers' dS written, count
@@ -51,8 +51,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .common import arrive_after_wgmma, backward_producer, backward_scores, key_block_of_program, loop_position, \
-    masked_probabilities, query_block, softcap_tanh, store_key_rows
+from .common import arrive_after_wgmma, backward_producer, key_block_of_program, loop_position, masked_probabilities, \
+    query_block, store_key_rows
 
 if not hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce"):
     raise ImportError("this Triton's Gluon has no TMA reduction; the Triton backward runs instead")
@@ -217,7 +217,7 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
               stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim, key0,
               feature0,
               group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
-              causal, first_visit, window, softcap, order):
+              causal, first_visit, window, order):
     """One warpgroup: keys [n_start + key0, + OWN) of the block (k_own, v_own: their K and V rows [OWN, HEAD_DIM];
     p_own, ds_own: its [ROWS, OWN] P and dS tiles in shared memory); dK / dV over every query block, and the dQ
     features [feature0, + FEATURES) of each block: with the split by features dS (both halves: ds_lo, ds_hi) times
@@ -267,17 +267,10 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
         s = warpgroup_mma(q_tile, k_own.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dp = warpgroup_mma(do_tile, v_own.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s, ))
-        if len(softcap) > 0:
-            # [ROWS, OWN] tanh of the scaled scores; the capped logits (qk_scale_log2 is 1 then)
-            capped = softcap_tanh(s, softcap)
-            s = capped * softcap[1]
         # [ROWS, OWN] P
         p = masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window)
         # this consumer's previous dV product (the reader of p_own) completed last iteration
         p_own.store(p.to(dtype))
-        if len(softcap) > 0:
-            # dS's chain rule through the cap (kernels/bwd.py's), folded into P now that P V's operand is stored
-            p = p * (1.0 - capped * capped)
         dp = warpgroup_mma_wait(0, deps=(dp, ))
         # [ROWS, OWN] dS
         ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
@@ -319,9 +312,9 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
 def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, delta_desc, DK, DV, dq_counters,
                            stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                            num_heads_k, group_size, seqlen_q, seqlen_k, head_dim, heads_per_group, softmax_scale,
-                           qk_scale_log2, window_left, window_right, softcap_in_scale, softcap_out_log2,
-                           CAUSAL: gl.constexpr, LOCAL: gl.constexpr, SOFTCAP: gl.constexpr, ORDERED: gl.constexpr,
-                           STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                           qk_scale_log2, window_left, window_right,
+                           CAUSAL: gl.constexpr, LOCAL: gl.constexpr, ORDERED: gl.constexpr, STAGES: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """One program per (128-key block, batch * kv head), key blocks in order (under a causal mask the blocks seen
     by the most query rows first), in launch-order groups of heads_per_group (batch, kv head) pairs. num_warps (4)
     is the first consumer's; the second consumer (4 warps, CONSUMER_REGS registers) and the producer (1 warp) are
@@ -332,14 +325,17 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
     the last's (the loops are a rotation), so the launcher gives it launch-order groups of one head and at most one
     key block per SM (all of a head's key blocks resident together). LOCAL: a local window (window_left,
     window_right, normalized as kernels/common's): each key block loops over the query blocks whose windows meet it
-    and masks both edges (common.masked_probabilities); not with ORDERED. SOFTCAP: the scores are capped
-    (common.softcap_tanh; qk_scale_log2 1) and dS takes the cap's derivative, 1 - tanh^2, as kernels/bwd.py does."""
+    and masks both edges (common.masked_probabilities); not with ORDERED."""
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     dtype: gl.constexpr = k_desc.dtype
-    gl.static_assert(not (LOCAL and ORDERED), "ordered dQ takes no local window")
-    window, softcap = backward_scores(window_left, window_right, softcap_in_scale, softcap_out_log2, LOCAL, SOFTCAP)
+    # the local window, or () without one (a tuple's length reaches the partitions where a constexpr does not)
+    if LOCAL:
+        gl.static_assert(not ORDERED, "ordered dQ takes no local window")
+        window = (window_left, window_right)
+    else:
+        window = ()
     batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations = key_block_of_program(
         num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS, CAUSAL, ORDERED)
     # [1, KEYS, 1, HEAD_DIM] K, V; [STAGES, 1, ROWS, 1, HEAD_DIM] Q, dO; [KEYS, ROWS] dS^T
@@ -403,7 +399,7 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
         first_visit = gl.to_tensor(0)
         order_of = ((), ())
     loop = (group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
-            causal, first_visit, window, softcap)
+            causal, first_visit, window)
     barriers = (kv_ready, q_ready, q_empty, ds_ready, ds_free)
     k_halves = (k_flat.slice(0, OWN, dim=0), k_flat.slice(OWN, OWN, dim=0))
     v_halves = (v_flat.slice(0, OWN, dim=0), v_flat.slice(OWN, OWN, dim=0))

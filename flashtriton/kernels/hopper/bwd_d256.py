@@ -26,8 +26,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .common import arrive_after_wgmma, backward_producer, backward_scores, key_block_of_program, \
-    masked_probabilities, query_block, softcap_tanh, store_key_rows
+from .common import arrive_after_wgmma, backward_producer, key_block_of_program, masked_probabilities, query_block, \
+    store_key_rows
 
 KEYS_PER_PROGRAM = gl.constexpr(64)  # the M of the dK / dV wgmmas; each consumer's S / dP covers half of them
 
@@ -38,7 +38,7 @@ def _consumer(k_own, v_own, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse_smem, d
               stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim, key0,
               feature0,
               group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
-              causal, window, softcap):
+              causal, window):
     """One warpgroup: S / dP of keys [n_start + key0, + OWN) (k_own, v_own [OWN, HEAD_DIM]; p_own, ds_own: its
     [ROWS, OWN] halves of the P and dS tiles), dK / dV of features [feature0, + FEAT) (q_own, do_own: the staged Q /
     dO halves holding them). q_lo / q_hi, do_lo / do_hi: both feature halves of every Q / dO stage ([STAGES, 1, ROWS,
@@ -77,19 +77,12 @@ def _consumer(k_own, v_own, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse_smem, d
                            is_async=True)
         dp = warpgroup_mma(do_tile_hi, v_own.slice(FEAT, FEAT, dim=1).permute((1, 0)), dp, is_async=True)
         s = warpgroup_mma_wait(2, deps=(s, ))
-        if len(softcap) > 0:
-            # [ROWS, OWN] tanh of the scaled scores; the capped logits (qk_scale_log2 is 1 then)
-            capped = softcap_tanh(s, softcap)
-            s = capped * softcap[1]
         # [ROWS, OWN] P
         p = masked_probabilities(s, lse_log2, qk_scale_log2, n_start + key0, m_start, seqlen_q, seqlen_k, causal,
                                  window)
         # both consumers' products of the previous block (readers of P and dS) completed
         mbarrier.wait(pds_free, (i - 1) & 1, pred=i >= 1)
         p_own.store(p.to(dtype))
-        if len(softcap) > 0:
-            # dS's chain rule through the cap (kernels/bwd.py's), folded into P now that P V's operand is stored
-            p = p * (1.0 - capped * capped)
         dp = warpgroup_mma_wait(0, deps=(dp, ))
         # [ROWS, OWN] dS
         ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
@@ -117,11 +110,9 @@ def _consumer(k_own, v_own, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse_smem, d
 def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, DK, DV,
                                 stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                                 num_heads_k, group_size, seqlen_q, seqlen_k, head_dim, heads_per_group, softmax_scale,
-                                qk_scale_log2, window_left, window_right, softcap_in_scale, softcap_out_log2,
-                                CAUSAL: gl.constexpr, LOCAL: gl.constexpr, SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
-                                CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """One program per (64-key block, batch * kv head), in bwd.py's order and launch-order groups (LOCAL, SOFTCAP:
-    bwd.py's).
+                                qk_scale_log2, window_left, window_right, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
+                                STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """One program per (64-key block, batch * kv head), in bwd.py's order and launch-order groups (LOCAL: bwd.py's).
     q_desc / do_desc move [1, ROWS, 1, HEAD_DIM / 2] feature halves. num_warps (4) is the first consumer's; the
     second consumer (4 warps, CONSUMER_REGS registers) and the producer (1 warp, common.backward_producer) are worker
     partitions."""
@@ -130,7 +121,11 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     FEAT: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = k_desc.dtype
-    window, softcap = backward_scores(window_left, window_right, softcap_in_scale, softcap_out_log2, LOCAL, SOFTCAP)
+    # the local window, or () without one (a tuple's length reaches the partitions)
+    if LOCAL:
+        window = (window_left, window_right)
+    else:
+        window = ()
     batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations = key_block_of_program(
         num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS, CAUSAL)
     # [1, KEYS, 1, HEAD_DIM] K, V
@@ -168,7 +163,7 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta
     pointers = (DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch,
                 head_k, n_start, head_dim)
     loop = (group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
-            causal, window, softcap)
+            causal, window)
     barriers = (kv_ready, q_ready, q_empty, pds_ready, pds_free)
     staged = (q_lo, q_hi, do_lo, do_hi, lse_smem, delta_smem, p_smem, ds_smem)
     # consumer w: keys [OWN w, + OWN) for S / dP, features [FEAT w, + FEAT) for dK / dV

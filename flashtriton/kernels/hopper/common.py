@@ -135,31 +135,6 @@ def backward_producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_s
 
 
 @gluon.jit
-def backward_scores(window_left, window_right, softcap_in_scale, softcap_out_log2, LOCAL: gl.constexpr,
-                    SOFTCAP: gl.constexpr):
-    """(window, softcap) of a backward kernel: (window_left, window_right) with LOCAL, (softcap_in_scale,
-    softcap_out_log2) with SOFTCAP, () otherwise: tuples, whose length reaches the partitions where a constexpr does
-    not."""
-    if LOCAL:
-        window = (window_left, window_right)
-    else:
-        window = ()
-    if SOFTCAP:
-        softcap = (softcap_in_scale, softcap_out_log2)
-    else:
-        softcap = ()
-    return window, softcap
-
-
-@gluon.jit
-def softcap_tanh(s, softcap):
-    """tanh(s * softcap_in_scale) of raw q.k scores s, with kernels/common.tanh's formula (the Triton kernels'
-    numerics); softcap: (softcap_in_scale, softcap_out_log2), scores.ScoreParams.kernel_scores' factors. The capped
-    log2-domain logits are softcap_out_log2 times it."""
-    return 1.0 - 2.0 / (gl.exp2(s * (softcap[0] * 2.8853900817779268)) + 1.0)
-
-
-@gluon.jit
 def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window):
     """P = exp2(s * qk_scale_log2 - lse_log2) of scores s [ROWS, KEYS] (query rows from m_start, keys from first_key),
     0 where a key is past seqlen_k or, causal (bottom-right aligned), after the row's last key, or outside the row's

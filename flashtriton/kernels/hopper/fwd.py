@@ -6,10 +6,10 @@ softmax overlaps another's wgmma (what the Triton kernel cannot schedule).
 Scope (ops/hopper.gluon_runs decides): dense (B, S, H, D) bf16/fp16 tensors addressed by host tensor descriptors, tiles
 64 / 128 / 256 wide (narrower head dims run on the next wider tiles: the descriptors read the missing columns as zeros
 and store only out's own; V and O may have tiles of another width than Q and K: V's own head dim), GQA, any window
-(causal, or local: LOCAL; bottom-right aligned), positive softmax scale, softcap (SOFTCAP), ALiBi, no dropout;
-everything else runs kernels/fwd.py. Numerics are those of kernels/fwd.py: fp32 scores and accumulators, P rounded to
-V's dtype, natural-log LSE, +inf for rows that see no key; the A-1 rescale skip (max lagging) where configs.HOPPER_FWD
-has a rescale_threshold, decided per warp (_rescale).
+(causal, or local: LOCAL; bottom-right aligned), positive softmax scale, ALiBi (causal-like calls), no softcap or
+dropout; everything else runs kernels/fwd.py. Numerics are those of kernels/fwd.py: fp32 scores and accumulators, P
+rounded to V's dtype, natural-log LSE, +inf for rows that see no key; the A-1 rescale skip (max lagging) where
+configs.HOPPER_FWD has a rescale_threshold, decided per warp (_rescale).
 
 Work: the grid's programs take work items in turn, p, p + P, p + 2P, ... (ops/hopper.forward_grid sizes the grid:
 one program per item, or persistent: as many as fit the GPU at once). An item is one tile, or for persistent
@@ -43,7 +43,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .common import arrive_after_wgmma, softcap_tanh
+from .common import arrive_after_wgmma
 from .schedule import first_cursor, more_work, next_piece
 
 SHARED_BYTES_FOR_TILES = gl.constexpr(220 * 1024)  # sm_90: 227 KiB per program, less barriers and the compiler's
@@ -305,20 +305,14 @@ def _clear_rows_past(v_stage, valid_rows):
 
 
 @gluon.jit
-def _logits(s, block, offs_m, seqlen_q, seqlen_k, logits, col_s: gl.constexpr):
+def _logits(s, block, offs_m, seqlen_q, seqlen_k, alibi, col_s: gl.constexpr):
     """Raw q.k scores s [ROWS, BLOCK_N] of key block `block` (query rows offs_m [ROWS]) as the log2-domain logits the
-    softmax takes at scale 1, where logits = (softcap, alibi) asks for more than the scale: softcap () or
-    (softcap_in_scale, softcap_out_log2) (scores.ScoreParams.kernel_scores): softcap_out_log2 * tanh(s *
-    softcap_in_scale) (common.softcap_tanh); alibi () or (slope_log2 of the tile's head, alibi_pure_causal,
-    qk_scale_log2): s * qk_scale_log2 (or the capped logits) plus kernels/common.alibi_bias_log2's bias, -slope_log2
-    * |row + seqlen_k - seqlen_q - key| (FA2's pure-causal configuration: -slope_log2 * -key). Without either, s
-    itself (the softmax folds the scale into its exponent)."""
-    softcap, alibi = logits
-    if len(softcap) > 0:
-        s = softcap_tanh(s, softcap) * softcap[1]
-    elif len(alibi) > 0:
-        s = s * alibi[2]
+    softmax takes at scale 1, where alibi = (slope_log2 of the tile's head, alibi_pure_causal, qk_scale_log2) asks for
+    more than the scale: s * qk_scale_log2 plus kernels/common.alibi_bias_log2's bias, -slope_log2 * |row + seqlen_k
+    - seqlen_q - key| (FA2's pure-causal configuration: -slope_log2 * -key). Without it (alibi ()), s itself (the
+    softmax folds the scale into its exponent)."""
     if len(alibi) > 0:
+        s = s * alibi[2]
         BLOCK_N: gl.constexpr = s.shape[1]
         # [ROWS] each row's position on the keys, counted from the block's first key (or the negated first key in
         # the pure-causal configuration), through an opaque copy: LLVM would otherwise hoist row - column, a loop-
@@ -340,7 +334,7 @@ def _logits(s, block, offs_m, seqlen_q, seqlen_k, logits, col_s: gl.constexpr):
 
 @gluon.jit
 def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, release_q, first_load, top, count,
-                row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, logits, causal, window, turns, lead, fences, lag,
+                row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, alibi, causal, window, turns, lead, fences, lag,
                 residues, clear_v, acc_layout: gl.constexpr):
     """One consumer's pass over a work item's key blocks (the program's loads first_load, first_load + 1, ...) for its
     Q tile q [ROWS, HEAD_DIM] (shared memory; V's rows are HEAD_DIM_V wide): `count` key blocks from block `top`
@@ -353,9 +347,9 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     ptxas waits for P V first), then P_j's operand and the rescale. Arrives on q_free (if release_q) once its last S
     wgmma completed. With ping-pong the S_0 issue and each block's S_j + P_{j-1} V_{j-1} issue are steps first_load,
     first_load + 1, ... of _wait_turn (both consumers count the same loads). lag: _softmax_block's; residues:
-    _mask_block's; logits: _logits' (qk_scale_log2 is 1 where it asks for a softcap or ALiBi). clear_v: (0, ) for a
-    varlen call, else (): V's rows past seqlen_k in block `top` (the only block that crosses it) are zeroed before
-    its P V (_clear_rows_past). Returns the unnormalized output [ROWS, HEAD_DIM_V], the running max (log2 units) and
+    _mask_block's; alibi: _logits' (qk_scale_log2 is 1 where it is given). clear_v: (0, ) for a varlen call, else
+    (): V's rows past seqlen_k in block `top` (the only block that crosses it) are zeroed before its P V
+    (_clear_rows_past). Returns the unnormalized output [ROWS, HEAD_DIM_V], the running max (log2 units) and
     the row sum [ROWS]."""
     ROWS: gl.constexpr = q.shape[0]
     STAGES: gl.constexpr = k_smem.shape[0]
@@ -380,7 +374,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
                       is_async=True)
     _pass_turn(turns)
-    s = _logits(warpgroup_mma_wait(0, deps=(s, )), top, offs_m, seqlen_q, seqlen_k, logits, col_s)
+    s = _logits(warpgroup_mma_wait(0, deps=(s, )), top, offs_m, seqlen_q, seqlen_k, alibi, col_s)
     arrive_after_wgmma(k_empty.index(stage))
     # [ROWS, BLOCK_N] probabilities of the block whose P.V is pending
     if len(window) > 0:
@@ -406,7 +400,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         acc = warpgroup_mma(p, v_smem.index(previous).reshape([BLOCK_N, HEAD_DIM_V]), acc, is_async=True)
         _pass_turn(turns)
         # S_j done (wgmma groups complete in order); P_{j-1} V_{j-1} may still run
-        s = _logits(warpgroup_mma_wait(1, deps=(s, )), top - j, offs_m, seqlen_q, seqlen_k, logits, col_s)
+        s = _logits(warpgroup_mma_wait(1, deps=(s, )), top - j, offs_m, seqlen_q, seqlen_k, alibi, col_s)
         arrive_after_wgmma(k_empty.index(stage))
         if len(window) > 0:
             s = _mask_local(s, top - j, row0, offs_m, seqlen_q, seqlen_k, window, col_s)
@@ -506,7 +500,7 @@ def _store_partial(out, lse, Partial, PartialLse, slot, row_offset, TILE_ROWS: g
 @gluon.jit
 def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, Partial, PartialLse, k_smem, v_smem,
               k_ready, v_ready, k_empty, v_empty, team, fences, lag, residues, stride_lse_b, stride_lse_h, tail,
-              work, qk_scale_log2, softcap, alibi, o_in_q, rows_out):
+              work, qk_scale_log2, alibi, o_in_q, rows_out):
     """One warpgroup: query rows [m_start + row_offset, + ROWS) of every piece of work of this program (a tile, or part
     of a tail tile's key blocks: next_piece). Per piece: wait for its Q tile (q_tile [1, ROWS, 1, HEAD_DIM],
     shared), run the key blocks, normalize, store the natural-log LSE and O (_store_output; a partial piece's to the
@@ -515,7 +509,7 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
     lse +inf (docs/api.md §4.5). team: one entry per consumer of the program (a tile has len(team) * ROWS rows; a
     tuple's length reaches partitions where a constexpr does not). turns: the ping-pong barriers (_wait_turn), this
     consumer's first, or (); the first consumer (row_offset 0) leads. fences: _hold_schedule's; lag:
-    _softmax_block's; residues: _mask_block's; softcap: _logits'; alibi: () or (AlibiSlopes, stride_alibi_b,
+    _softmax_block's; residues: _mask_block's; alibi: () or (AlibiSlopes, stride_alibi_b,
     alibi_pure_causal, qk_scale_log2 of the logits) (_run_piece loads each tile's slope for _logits); rows_out:
     _store_output's (varlen: O's pointer, strides and head dim; its length also tells _key_blocks to clear V past
     each sequence's keys)."""
@@ -536,8 +530,8 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
     tiles = (q_tile.reshape([ROWS, HEAD_DIM]), o_tile, k_smem, v_smem)
     barriers = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
     outputs = (o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, rows_out)
-    options = (row_offset, turns, lead, fences, lag, residues, clear_v, work[6], work[8], qk_scale_log2, softcap,
-               alibi, o_in_q, tail, team)
+    options = (row_offset, turns, lead, fences, lag, residues, clear_v, work[6], work[8], qk_scale_log2, alibi,
+               o_in_q, tail, team)
     load = 0
     done = 0
     item, which, x_start, x_end = first_cursor(tail)
@@ -560,14 +554,14 @@ def _run_piece(piece, load, done, tiles, barriers, outputs, options, acc_layout:
     its Q tile, run its key blocks, normalize, store. Returns the program's load and piece counters after it.
     tiles: (q [ROWS, HEAD_DIM] shared, o_tile, k_smem, v_smem); barriers: (q_ready, q_empty, k_ready, v_ready,
     k_empty, v_empty); outputs: (o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, rows_out); options:
-    (row_offset, turns, lead, fences, lag, residues, clear_v, causal, window, qk_scale_log2, softcap, o_in_q, tail,
+    (row_offset, turns, lead, fences, lag, residues, clear_v, causal, window, qk_scale_log2, alibi, o_in_q, tail,
     team)."""
     batch, head, m_start, top, count, slot, bounds = piece
     q, o_tile, k_smem, v_smem = tiles
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = barriers
     o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, rows_out = outputs
-    (row_offset, turns, lead, fences, lag, residues, clear_v, causal, window, qk_scale_log2, softcap, alibi, o_in_q,
-     tail, team) = options
+    (row_offset, turns, lead, fences, lag, residues, clear_v, causal, window, qk_scale_log2, alibi, o_in_q, tail,
+     team) = options
     ROWS: gl.constexpr = q.shape[0]
     TILE_ROWS: gl.constexpr = len(team) * ROWS
     BLOCK_N: gl.constexpr = k_smem.shape[2]
@@ -586,7 +580,7 @@ def _run_piece(piece, load, done, tiles, barriers, outputs, options, acc_layout:
     offs_m = row0 + gl.arange(0, ROWS, row_s)
     mbarrier.wait(q_ready, done & 1)
     acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,
-                                load, top, count, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, (softcap, alibi_row),
+                                load, top, count, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, alibi_row,
                                 causal,
                                 window, turns, lead, fences, lag, residues, clear_v, acc_layout)
     seen = l_i > 0.0
@@ -630,8 +624,8 @@ def _consumer_args(consumer: gl.constexpr, q_smem, o_smem, q_ready, q_empty, tur
 def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, batch,
                            num_heads, group_size, seqlen_q, seqlen_k, heads_per_group, paired, full_items,
                            tail_programs, tail_blocks, item_blocks, qk_scale_log2, rescale_threshold, window_left,
-                           window_right, varlen, q_rows, k_rows, logits, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
-                           SOFTCAP: gl.constexpr, STAGES: gl.constexpr,
+                           window_right, varlen, q_rows, k_rows, alibi_args, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
+                           STAGES: gl.constexpr,
                            CONSUMERS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, HOLD_SCHEDULE: gl.constexpr,
                            RESCALE_SKIP: gl.constexpr, MASK_BY_RESIDUES: gl.constexpr,
@@ -656,10 +650,9 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
     longest lengths; each tile's sequence bounds come from schedule.tile_work; a tile that runs past its sequence's
     end stores O by pointer (Out, stride_om, stride_oh; head_dim_v: out's own head dim), and V's rows past a
     sequence's keys are zeroed in shared memory before they meet P (_clear_rows_past). Grids are not paired and the
-    tail is not cut. logits: (softcap_in_scale, softcap_out_log2, AlibiSlopes, stride_alibi_b, alibi_pure_causal,
-    logit_scale_log2). SOFTCAP: the scores are softcap_out_log2 * tanh(q.k * softcap_in_scale) (_logits),
-    qk_scale_log2 1. ALiBi (AlibiSlopes given, None otherwise; stride_alibi_b 0 for (H,) slopes): the logits (q.k *
-    logit_scale_log2, or the capped ones) get kernels/common.alibi_bias_log2's bias (_logits), qk_scale_log2 1."""
+    tail is not cut. alibi_args: (AlibiSlopes, stride_alibi_b, alibi_pure_causal, logit_scale_log2); ALiBi
+    (AlibiSlopes given, None otherwise; stride_alibi_b 0 for (H,) slopes): the logits q.k * logit_scale_log2 get
+    kernels/common.alibi_bias_log2's bias (_logits), qk_scale_log2 1."""
     ROWS: gl.constexpr = CONSUMER_ROWS
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
@@ -735,13 +728,9 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
         window = (window_left, window_right)
     else:
         window = ()
-    # the softcap's factors and ALiBi's slopes, or () without them (_logits; qk_scale_log2 is then 1)
-    if SOFTCAP:
-        softcap = (logits[0], logits[1])
-    else:
-        softcap = ()
-    if logits[2] is not None:
-        alibi = (logits[2], logits[3], logits[4], logits[5])
+    # ALiBi's slopes, or () without them (_logits; qk_scale_log2 is then 1)
+    if alibi_args[0] is not None:
+        alibi = alibi_args
     else:
         alibi = ()
     # the varlen sequences and O's rows by pointer, or () for a dense call (schedule.tile_work, _store_output)
@@ -757,7 +746,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
     else:
         tail = (full_items, )
     common = (o_desc, Lse, Partial, PartialLse, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, team, fences, lag,
-              residues, stride_lse_b, stride_lse_h, tail, work, qk_scale_log2, softcap, alibi, o_in_q, rows_out)
+              residues, stride_lse_b, stride_lse_h, tail, work, qk_scale_log2, alibi, o_in_q, rows_out)
     producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, group_size, tail, work)
     first = _consumer_args(0, q_smem, o_smem, q_ready, q_empty, turns, common)
