@@ -23,7 +23,8 @@ from ..kernels import fwd as fwd_kernel_module
 from ..kernels.fwd import attn_fwd_kernel
 from ..scores import ScoreParams, score_params
 from . import checks, dropout, hopper, reference_path, sink
-from .launching import compiled_without_line_info, compiler_key_ahead, device_guard, tma_compatible, triton_cdiv
+from .launching import (compiled_without_line_info, compiler_key_ahead, device_guard, launch, tma_compatible,
+                        triton_cdiv)
 
 compiled_without_line_info(attn_fwd_kernel, attn_combine_kernel, fill_uncovered_rows_kernel, attn_bwd_preprocess_kernel,
                            attn_bwd_dkdv_kernel, attn_bwd_dq_kernel)
@@ -229,7 +230,8 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     grid = (query_tiles * batch_heads, num_splits)
     row_bounds = fwd_row_bounds(q, k, is_varlen, block_table, seqused_k, leftpad_k, cache_batch_idx)
     with device_guard(q):
-        attn_fwd_kernel[grid](
+        launch(
+            attn_fwd_kernel, grid,
             (q, k, v), (out, lse),
             (alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table, cache_batch_idx, rng_state,
              None if descales is None else tuple(d.contiguous() for d in descales)),
@@ -249,7 +251,8 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
         )
         if is_split:
             combine_grid = (triton_cdiv(seqlen_q, COMBINE_BLOCK) * batch * num_heads,)
-            attn_combine_kernel[combine_grid](
+            launch(
+                attn_combine_kernel, combine_grid,
                 out, lse, target_out, target_lse,
                 out.stride(0), out.stride(1), out.stride(2), out.stride(3),
                 lse.stride(0), lse.stride(1), lse.stride(2),
@@ -359,7 +362,8 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
         preprocess_rows = max(seqlen_q, delta_rows)
         if preprocess_rows > 0:
             preprocess_grid = (triton_cdiv(preprocess_rows, config.preprocess_block) * batch * num_heads,)
-            attn_bwd_preprocess_kernel[preprocess_grid](
+            launch(
+                attn_bwd_preprocess_kernel, preprocess_grid,
                 out, dout, delta, dq_accum, cu_seqlens_q, (seq_strides(out), seq_strides(dout)), *delta_strides,
                 seq_strides(dq_accum) if dq_accum is not None else (0, 0, 0), num_heads, seqlen_q, delta_rows,
                 row_bounds[0],
@@ -374,7 +378,8 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
                 return
         elif seqlen_k > 0:
             dkdv_grid = (triton_cdiv(seqlen_k, config.dkdv.block_n) * batch * num_heads_k,)
-            attn_bwd_dkdv_kernel[dkdv_grid](
+            launch(
+                attn_bwd_dkdv_kernel, dkdv_grid,
                 inputs, (dk, dv, dq_accum), optional, input_strides, *lse_strides, *delta_strides,
                 (seq_strides(dk), seq_strides(dv), seq_strides(dq_accum) if dq_atomic else (0, 0, 0)), alibi_stride,
                 (num_heads_k, group_size), seqlen_q, seqlen_k, dkdv_heads_per_group, *score_args,
@@ -387,7 +392,8 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
             dq_grid = (triton_cdiv(seqlen_q, config.dq.block_m) * batch * num_heads,)
             dq_heads_per_group = configs.heads_per_l2_group(_operand_bytes(k, seqlen_k, 2 / group_size),
                                                             batch * num_heads, params.causal_like)
-            attn_bwd_dq_kernel[dq_grid](
+            launch(
+                attn_bwd_dq_kernel, dq_grid,
                 inputs, dq, optional, input_strides, *lse_strides, *delta_strides, seq_strides(dq),
                 alibi_stride, (num_heads, group_size), seqlen_q, seqlen_k, dq_heads_per_group, *score_args,
                 **head_dims, BLOCK_M=config.dq.block_m, BLOCK_N=config.dq.block_n, **flags,
@@ -444,7 +450,8 @@ def _zero_uncovered_rows(tensor: torch.Tensor, cu_seqlens: torch.Tensor, fill: f
     rows, num_a, num_b = view.shape
     grid = (triton_cdiv(rows, FILL_ROWS_BLOCK), num_a)
     with device_guard(tensor):
-        fill_uncovered_rows_kernel[grid](
+        launch(
+            fill_uncovered_rows_kernel, grid,
             view, cu_seqlens, cu_seqlens.shape[0] - 1, rows, num_b, *view.stride(), float(fill),
             BLOCK_R=FILL_ROWS_BLOCK, BLOCK_B=min(128, configs.block_d(num_b)),
         )

@@ -21,7 +21,7 @@ import torch
 
 from ..kernels.dropout import dropout_mask_kernel
 from ..reference import attention_probabilities, row_slopes, sequence_slices
-from .launching import compiled_without_line_info, device_guard, triton_cdiv
+from .launching import compiled_without_line_info, device_guard, launch, triton_cdiv
 
 compiled_without_line_info(dropout_mask_kernel)
 
@@ -70,8 +70,8 @@ def keep_mask(rng_state: torch.Tensor, batch: int, heads: int, rows: int, cols: 
     if keep.numel():
         grid = (triton_cdiv(rows, MASK_BLOCK) * batch * heads,)
         with device_guard(keep):
-            dropout_mask_kernel[grid](rng_state, keep, keep.stride(0), keep.stride(1), keep.stride(2), heads, rows,
-                                      cols, kernel_dropout(dropout_p)[0], BLOCK_M=MASK_BLOCK, BLOCK_N=MASK_BLOCK)
+            launch(dropout_mask_kernel, grid, rng_state, keep, keep.stride(0), keep.stride(1), keep.stride(2), heads,
+                   rows, cols, kernel_dropout(dropout_p)[0], BLOCK_M=MASK_BLOCK, BLOCK_N=MASK_BLOCK)
     return keep.bool()
 
 

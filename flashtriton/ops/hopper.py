@@ -20,7 +20,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from .. import configs
-from .launching import compiled_without_line_info, descriptor_builder, tma_compatible, triton_cdiv
+from .launching import compiled_without_line_info, descriptor_builder, launch, tma_compatible, triton_cdiv
 
 try:
     from triton.experimental.gluon import language as gl
@@ -248,7 +248,8 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
         partial = torch.empty(rows * head_dim, dtype=torch.float32, device=q.device)
         partial_lse = torch.empty(rows, dtype=torch.float32, device=q.device)
         work = (heads_per_group, int(paired), split.full_items, split.programs, split.blocks, split.item_blocks)
-    attn_fwd_hopper_kernel[(programs,)](
+    launch(
+        attn_fwd_hopper_kernel, (programs,),
         tile_descriptor(q, CONSUMER_ROWS.value, tile_dim), tile_descriptor(k, config.block_n, tile_dim),
         tile_descriptor(v, config.block_n, tile_dim_v), tile_descriptor(out, CONSUMER_ROWS.value, tile_dim_v), lse,
         partial, partial_lse,
@@ -259,7 +260,8 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
          int(params.alibi_pure_causal), params.qk_scale_log2),
         **forward_constexprs(config, params.causal_like, local))
     if split is not None:
-        attn_tail_merge_kernel[(split.tiles * tile_rows * head_dim // TAIL_MERGE_ELEMENTS.value,)](
+        launch(
+            attn_tail_merge_kernel, (split.tiles * tile_rows * head_dim // TAIL_MERGE_ELEMENTS.value,),
             partial, partial_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), *lse_strides, batch,
             num_heads, seqlen_q, seqlen_k, *work, CAUSAL=params.causal_like, TILE_ROWS=tile_rows,
             BLOCK_N=config.block_n, HEAD_DIM=head_dim, num_warps=4)
@@ -348,7 +350,8 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
     dq_counters = (torch.zeros(batch * num_heads * triton_cdiv(seqlen_q, config.query_rows) * 2, dtype=torch.int32,
                                device=q.device) if ordered else None)
     kernel_args = {} if dq_box is None else dict(ORDERED=ordered)
-    kernel[grid](
+    launch(
+        kernel, grid,
         tile_descriptor(k, keys, tile_dim), tile_descriptor(v, keys, tile_dim),
         tile_descriptor(q, config.query_rows, qdo_features),
         tile_descriptor(dout, config.query_rows, qdo_features),

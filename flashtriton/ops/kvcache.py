@@ -16,7 +16,7 @@ from ..kernels.append import kv_append_kernel
 from ..scores import score_params
 from . import checks, reference_path, sink
 from .backend import launch_fwd, new_empty, runs_triton, splits_for
-from .launching import compiled_without_line_info, device_guard, triton_cdiv
+from .launching import compiled_without_line_info, device_guard, launch, triton_cdiv
 from .triton.rotary import apply_rotary
 
 compiled_without_line_info(kv_append_kernel)
@@ -43,7 +43,8 @@ def _append(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
     page_args = (block_table.stride(0), k_cache.shape[1]) if block_table is not None else (0, 1)
     grid = (triton_cdiv(seqlen_new, APPEND_BLOCK) * batch * num_heads_k,)
     with device_guard(k):
-        kv_append_kernel[grid](
+        launch(
+            kv_append_kernel, grid,
             k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),

@@ -147,3 +147,108 @@ def compiler_key_ahead(kernels_interpreted: bool):
     thread = threading.Thread(target=compute_quietly, name="flashtriton-triton-key", daemon=True)
     thread.start()
     return thread
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launch plans: a repeated launch skips Triton's binder
+# ----------------------------------------------------------------------------------------------------------------
+
+_I32_MIN, _I32_MAX, _U64_FROM = -(2 ** 31), 2 ** 31 - 1, 2 ** 63
+PLANS_PER_KERNEL = 1024  # past it, new argument kinds launch through Triton's binder (nothing else changes)
+PLANS_ALLOWED = os.environ.get("FLASHTRITON_LAUNCH_PLANS", "1") != "0"
+# FLASHTRITON_VERIFY_PLANS=1: every planned launch also goes through Triton's binder, which must pick the planned
+# compiled kernel (the GPU tests run so; a mismatch raises instead of launching)
+VERIFY_PLANS = os.environ.get("FLASHTRITON_VERIFY_PLANS", "0") == "1"
+
+
+def argument_kind(arg):
+    """What of a kernel argument Triton's specialization reads (triton.runtime.jit's binder: native_specialize_impl),
+    as a hashable value at least as fine as Triton's: two arguments of one kind always specialize alike (tests/
+    test_launch_plans.py checks this against Triton's own function). Integers: 1 (Triton makes it a constant),
+    divisibility by 16 and the i32 / i64 / u64 range; tensors: dtype and 16-byte alignment; host tensor descriptors:
+    dtype, block shape, layout and alignment; floats and bools: their type; tuples: their items' kinds; None,
+    dtypes and strings (constants): themselves. Anything else: None, for which `launch` takes Triton's binder."""
+    kind = type(arg)
+    if kind is int:
+        if arg == 1:
+            return 1
+        return (arg & 15 == 0) + 2 * (_I32_MIN <= arg <= _I32_MAX) + 4 * (arg >= _U64_FROM) + 8
+    if kind is torch.Tensor:
+        return arg.dtype, arg.data_ptr() & 15 == 0
+    if kind is float:
+        return float
+    if kind is bool:
+        return bool
+    if kind is tuple:
+        kinds = tuple(argument_kind(item) for item in arg)
+        return None if None in kinds else kinds
+    if arg is None:
+        return "none"
+    if hasattr(arg, "block_shape") and hasattr(arg, "base") and type(arg.base) is torch.Tensor:
+        return (kind, arg.base.dtype, tuple(arg.block_shape), getattr(arg, "layout", None),
+                arg.base.data_ptr() & 15 == 0)
+    return None
+
+
+class _Plan:
+    """A compiled kernel and how a call's keyword arguments extend its positional ones into the launcher's."""
+
+    __slots__ = ("compiled", "tail_names", "tail_defaults")
+
+    def __init__(self, compiled, tail_names, tail_defaults):
+        self.compiled = compiled
+        self.tail_names = tail_names
+        self.tail_defaults = tail_defaults
+
+
+_plans: dict = {}  # JITFunction -> {launch key: _Plan}
+plan_hits = 0  # launches that found their plan (tests read it; verified ones went through the binder as well)
+
+
+def _plannable(kernel) -> bool:
+    return PLANS_ALLOWED and hasattr(kernel, "device_caches") and hasattr(kernel, "arg_names")
+
+
+def _hooks_present() -> bool:
+    from triton import knobs
+
+    runtime = knobs.runtime
+    hooks = (runtime.launch_enter_hook, runtime.launch_exit_hook)
+    return (any(getattr(hook, "calls", hook is not None) for hook in hooks) or runtime.debug
+            or bool(knobs.compilation.instrumentation_mode))
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs), where a launch of the same kernel with arguments of the same kinds
+    (`argument_kind`, the current device, the same keyword arguments) ran before: then the compiled kernel Triton
+    picked that time is launched directly, without Triton's binder, cache key and option parsing (most of a Gluon
+    launch's host time). Kernels that are not Triton JIT functions (the interpreter's), a launch hook or debug mode
+    (profilers), or FLASHTRITON_LAUNCH_PLANS=0 take Triton's way every time."""
+    if not _plannable(kernel):
+        kernel[grid](*args, **kwargs)
+        return
+    device = torch.cuda.current_device()
+    kinds = tuple(argument_kind(arg) for arg in args)
+    key = (device, kinds, tuple(kwargs.items())) if None not in kinds else None
+    plans = _plans.setdefault(kernel, {})
+    plan = plans.get(key) if key is not None else None
+    global plan_hits
+    plan_hits += plan is not None
+    if plan is None or VERIFY_PLANS or _hooks_present():
+        compiled = kernel[grid](*args, **kwargs)
+        if plan is not None and compiled is not plan.compiled:
+            raise RuntimeError(f"launch plan of {kernel.__name__} names another compiled kernel than Triton's binder: "
+                               f"argument kinds {kinds}")
+        if plan is None and key is not None and len(plans) < PLANS_PER_KERNEL and not _hooks_present():
+            names = kernel.arg_names[len(args):]
+            defaults = {param.name: param.default for param in kernel.params}
+            plans[key] = _Plan(compiled, names, tuple(defaults[name] for name in names))
+        return
+    compiled = plan.compiled
+    tail = tuple(kwargs.get(name, default) for name, default in zip(plan.tail_names, plan.tail_defaults))
+    from triton.runtime import driver
+
+    stream = driver.active.get_current_stream(device)
+    grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
+    compiled.run(grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                 *args, *tail)

@@ -14,7 +14,7 @@ import torch
 
 from .. import configs
 from ..kernels.sink import attn_fold_sink_kernel
-from .launching import compiled_without_line_info, device_guard, triton_cdiv
+from .launching import compiled_without_line_info, device_guard, launch, triton_cdiv
 
 compiled_without_line_info(attn_fold_sink_kernel)
 
@@ -38,7 +38,8 @@ def fold_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, runs_ker
     block_m = max(1, min(128, FOLD_ELEMENTS // block_d))
     grid = (triton_cdiv(rows, block_m), batch * num_heads)
     with device_guard(out):
-        attn_fold_sink_kernel[grid](
+        launch(
+            attn_fold_sink_kernel, grid,
             out, lse, sink, rows, num_heads, out.stride(0), out.stride(1), out.stride(2), lse.stride(0),
             lse.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
         )

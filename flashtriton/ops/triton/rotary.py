@@ -15,7 +15,7 @@ import triton
 
 from ...kernels.rotary import rotary_kernel
 from ..backend import new_empty
-from ..launching import compiled_without_line_info, device_guard
+from ..launching import compiled_without_line_info, device_guard, launch
 
 compiled_without_line_info(rotary_kernel)
 
@@ -121,7 +121,8 @@ def launch_rotary(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: to
     else:
         strides = (out.stride(0), out.stride(1), out.stride(2), x.stride(0), x.stride(1), x.stride(2))
     with device_guard(x):
-        rotary_kernel[grid](
+        launch(
+            rotary_kernel, grid,
             out, x, cos, sin, cu_seqlens, seqlen_offsets.contiguous() if has_offset_tensor else None,
             *strides,
             batch, num_heads, num_s_blocks, seqlen, cos.shape[0], 0 if has_offset_tensor else int(seqlen_offsets),
