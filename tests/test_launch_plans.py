@@ -2,7 +2,7 @@
 picked then. That is sound only if two arguments of one kind (launching.argument_kind) always get the same
 specialization from Triton's binder; this checks it against Triton's own function (native_specialize_impl, which
 runs without a GPU) on the values where Triton's rules change. On a GPU, FLASHTRITON_VERIFY_PLANS=1 additionally
-makes every planned launch compare with Triton's binder (tests/test_hopper_*.py run so in tools/gpu_check.sh)."""
+makes every planned launch compare with Triton's binder (`bash tools/gpu_check.sh plans` runs the kernels' tests so)."""
 
 import itertools
 

@@ -4,8 +4,8 @@
 #
 #   bash tools/gpu_check.sh [STEPS]     STEPS: comma list of tests,reliability,sanitize,bench,triton,deterministic,
 #                                       sweep,hopper-sweep,l2-groups,decode,decode-sweep,varlen,dropout,cold,fa4,
-#                                       features,model,context-parallel,fp8,host,fuzz (default tests,reliability,
-#                                       decode)
+#                                       features,model,context-parallel,fp8,host,host-bench,plans,fuzz (default
+#                                       tests,reliability,decode)
 # Environment: FLASHTRITON_COMMIT (the commit recorded in bench metadata), OUT, FUZZ_EXAMPLES (fuzz step, default
 # 120), TESTS_LIMIT (tests step seconds, default 300; a machine with an empty Triton cache needs ~400).
 set -uo pipefail
@@ -67,6 +67,11 @@ step context-parallel 560 bash -c "python benchmarks/bench_context_parallel.py -
 step fp8 300 python benchmarks/bench_fp8.py --out "$out/fp8"
 # host time per eager call (profile of 300 warm calls)
 step host 60 python tools/profile_first_call.py --top 25 --steady 300
+# host time per call against SDPA (FA4 too where tools/fa4_wheels.sh installed it), eager decode TB/s
+step host-bench 120 python benchmarks/bench_host.py --out "$out/host"
+# every launch plan (ops/launching.py) compared with Triton's binder on the kernels' own tests
+step plans 300 env FLASHTRITON_VERIFY_PLANS=1 python -m pytest -q -n 12 -p no:cacheprovider -rfE \
+  tests/test_launch_plans.py tests/test_hopper_fwd.py tests/test_hopper_bwd.py tests/test_varlen.py tests/test_kvcache.py
 # the four fuzz tests side by side (one process each, logs fuzz-<test>.log), new random cases each run;
 # hypothesis' statistics at the end of each log count the cases that ran
 step fuzz 330 bash -c 'for t in flash_attn_func flash_attn_varlen_func flash_attn_with_kvcache hopper_forward_domain; do
