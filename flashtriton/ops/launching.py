@@ -161,33 +161,46 @@ PLANS_ALLOWED = os.environ.get("FLASHTRITON_LAUNCH_PLANS", "1") != "0"
 VERIFY_PLANS = os.environ.get("FLASHTRITON_VERIFY_PLANS", "0") == "1"
 
 
-def argument_kind(arg):
-    """What of a kernel argument Triton's specialization reads (triton.runtime.jit's binder: native_specialize_impl),
-    as a hashable value at least as fine as Triton's: two arguments of one kind always specialize alike (tests/
+def argument_kinds(args: tuple):
+    """What of each kernel argument Triton's specialization reads (triton.runtime.jit's binder: native_specialize_impl),
+    as hashable values at least as fine as Triton's: two arguments of one kind always specialize alike (tests/
     test_launch_plans.py checks this against Triton's own function). Integers: 1 (Triton makes it a constant),
     divisibility by 16 and the i32 / i64 / u64 range; tensors: dtype and 16-byte alignment; host tensor descriptors:
-    dtype, block shape, layout and alignment; floats and bools: their type; tuples: their items' kinds; None,
-    dtypes and strings (constants): themselves. Anything else: None, for which `launch` takes Triton's binder."""
-    kind = type(arg)
-    if kind is int:
-        if arg == 1:
-            return 1
-        return (arg & 15 == 0) + 2 * (_I32_MIN <= arg <= _I32_MAX) + 4 * (arg >= _U64_FROM) + 8
-    if kind is torch.Tensor:
-        return arg.dtype, arg.data_ptr() & 15 == 0
-    if kind is float:
-        return float
-    if kind is bool:
-        return bool
-    if kind is tuple:
-        kinds = tuple(argument_kind(item) for item in arg)
-        return None if None in kinds else kinds
-    if arg is None:
-        return "none"
-    if hasattr(arg, "block_shape") and hasattr(arg, "base") and type(arg.base) is torch.Tensor:
-        return (kind, arg.base.dtype, tuple(arg.block_shape), getattr(arg, "layout", None),
-                arg.base.data_ptr() & 15 == 0)
-    return None
+    dtype, block shape, layout and alignment; floats and bools: their type; tuples: their items' kinds; None:
+    "none". A tuple of kinds, or None where an argument has none (then `launch` takes Triton's binder). One loop
+    without a call per argument: it runs on every launch."""
+    kinds = []
+    append = kinds.append
+    for arg in args:
+        kind = type(arg)
+        if kind is int:
+            append(1 if arg == 1 else
+                   8 + (arg & 15 == 0) + 2 * (_I32_MIN <= arg <= _I32_MAX) + 4 * (arg >= _U64_FROM))
+        elif kind is torch.Tensor:
+            append((arg.dtype, arg.data_ptr() & 15 == 0))
+        elif arg is None:
+            append("none")
+        elif kind is float:
+            append(float)
+        elif kind is tuple:
+            items = argument_kinds(arg)
+            if items is None:
+                return None
+            append(items)
+        elif kind is bool:
+            append(bool)
+        elif hasattr(arg, "block_shape") and type(getattr(arg, "base", None)) is torch.Tensor:
+            base = arg.base
+            append((kind, base.dtype, tuple(arg.block_shape), getattr(arg, "layout", None), base.data_ptr() & 15 == 0))
+        else:
+            return None
+    return tuple(kinds)
+
+
+def argument_kind(arg):
+    """argument_kinds of one argument (None: it has none)."""
+    kinds = argument_kinds((arg, ))
+    return None if kinds is None else kinds[0]
 
 
 class _Plan:
@@ -228,8 +241,8 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
         return
     device = torch.cuda.current_device()
-    kinds = tuple(argument_kind(arg) for arg in args)
-    key = (device, kinds, tuple(kwargs.items())) if None not in kinds else None
+    kinds = argument_kinds(args)
+    key = None if kinds is None else (device, kinds, tuple(kwargs.items()))
     plans = _plans.setdefault(kernel, {})
     plan = plans.get(key) if key is not None else None
     global plan_hits
