@@ -101,8 +101,9 @@ def mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     if rotary_cos is not None:
         q = _rotate_queries(q, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved,
                             per_row_positions=causal or params.is_local)
-    # Keys past the capacity were not written, so they are never read either.
-    seqused = torch.clamp(cache_seqlens + seqlen_new if seqlen_new else cache_seqlens, max=capacity)  # int32
+    # the keys each row attends (int32); the kernel clamps them into the capacity (backend.fwd_row_bounds: the keys
+    # past it were not written, so they are never read either), so no clamp launches here
+    seqused = cache_seqlens + seqlen_new if seqlen_new else cache_seqlens
     leftpad = None if cache_leftpad is None else torch.clamp(cache_leftpad, min=0)
     out = new_empty((batch, seqlen_q, num_heads, v_cache.shape[-1]), torch.bfloat16 if fp8 else q.dtype, q.device)
     lse = new_empty((batch, num_heads, seqlen_q), torch.float32, q.device)
