@@ -137,3 +137,22 @@ def test_repeated_calls_launch_planned_kernels_with_the_same_results(monkeypatch
     assert launching.plan_hits > before
     for got, want in zip(results, expected):
         assert torch.equal(got, want)
+
+
+def test_unhashable_keyword_arguments_take_the_binder(monkeypatch):
+    """A launch whose keyword arguments cannot be a dict key goes through kernel[grid] every time, no plan kept."""
+    calls = []
+
+    class FakeJIT:
+        device_caches = {}
+        arg_names = ["x", "BLOCK"]
+        params = []
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append(kwargs)
+
+    monkeypatch.setattr(launching.torch.cuda, "current_device", lambda: 0)
+    kernel = FakeJIT()
+    launching.launch(kernel, (1,), 3, BLOCK=[16])
+    launching.launch(kernel, (1,), 3, BLOCK=[16])
+    assert calls == [{"BLOCK": [16]}] * 2 and not launching._plans.get(kernel)

@@ -244,7 +244,10 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     kinds = argument_kinds(args)
     key = None if kinds is None else (device, kinds, tuple(kwargs.items()))
     plans = _plans.setdefault(kernel, {})
-    plan = plans.get(key) if key is not None else None
+    try:
+        plan = plans.get(key) if key is not None else None
+    except TypeError:  # an unhashable keyword argument: Triton's binder decides
+        plan = key = None
     global plan_hits
     plan_hits += plan is not None
     if plan is None or VERIFY_PLANS or _hooks_present():
