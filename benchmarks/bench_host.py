@@ -32,6 +32,7 @@ SHAPE = (1, 128, 16, 128)  # batch, seqlen, heads, head dim
 DECODE_HEADS, DECODE_HEADS_K, DECODE_CACHE = 32, 8, 1024
 BANDWIDTH_ROWS = [(4, 65536), (64, 4096)]
 PROVIDERS = ("flashtriton", "sdpa-flash", "sdpa-cudnn", "fa4")
+CALLS = ("forward (no grad)", "forward + backward", "backward", "decode step, 1 token, 1k cache, GQA 32/8")
 
 
 def _inputs(requires_grad: bool):
@@ -45,15 +46,15 @@ def attention_calls(provider: str) -> dict:
     attention = bench.attention_callable(provider, causal=True)
     calls = {}
     q, k, v = bench.provider_inputs(provider, *_inputs(False), requires_grad=False)
-    calls["forward (no grad)"] = lambda: attention(q, k, v)
+    calls[CALLS[0]] = lambda: attention(q, k, v)
     qg, kg, vg = bench.provider_inputs(provider, *_inputs(False), requires_grad=True)
     dout = torch.randn_like(attention(qg, kg, vg))
-    calls["forward + backward"] = lambda: torch.autograd.grad(attention(qg, kg, vg), (qg, kg, vg), dout)
+    calls[CALLS[1]] = lambda: torch.autograd.grad(attention(qg, kg, vg), (qg, kg, vg), dout)
     graph = attention(qg, kg, vg)
-    calls["backward"] = lambda: torch.autograd.grad(graph, (qg, kg, vg), dout, retain_graph=True)
+    calls[CALLS[2]] = lambda: torch.autograd.grad(graph, (qg, kg, vg), dout, retain_graph=True)
     decode = decode_call(provider)
     if decode is not None:
-        calls["decode step, 1 token, 1k cache, GQA 32/8"] = decode
+        calls[CALLS[3]] = decode
     return calls
 
 
@@ -81,7 +82,7 @@ def decode_call(provider: str, batch: int = 1, cache: int = DECODE_CACHE):
 
 def host_table(providers, calls: int, repeat: int) -> dict:
     """{call name: {provider: µs or error text}}."""
-    table = {}
+    table = {name: {} for name in CALLS}
     for provider in providers:
         try:
             provider_calls = attention_calls(provider)
@@ -92,7 +93,7 @@ def host_table(providers, calls: int, repeat: int) -> dict:
                 table[name][provider] = bench._unavailable(error)
             continue
         for name, fn in provider_calls.items():
-            table.setdefault(name, {})[provider] = min(bench.host_us_per_call(fn, calls) for _ in range(repeat))
+            table[name][provider] = min(bench.host_us_per_call(fn, calls) for _ in range(repeat))
     return table
 
 
