@@ -255,7 +255,9 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         if plan is not None and compiled is not plan.compiled:
             raise RuntimeError(f"launch plan of {kernel.__name__} names another compiled kernel than Triton's binder: "
                                f"argument kinds {kinds}")
-        if plan is None and key is not None and len(plans) < PLANS_PER_KERNEL and not _hooks_present():
+        # a constexpr given by position specializes on its value, which its kind does not hold: no plan then
+        if (plan is None and key is not None and len(plans) < PLANS_PER_KERNEL and not _hooks_present()
+                and not any(param.is_constexpr for param in kernel.params[:len(args)])):
             names = kernel.arg_names[len(args):]
             defaults = {param.name: param.default for param in kernel.params}
             plans[key] = _Plan(compiled, names, tuple(defaults[name] for name in names))
