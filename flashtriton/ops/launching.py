@@ -233,10 +233,11 @@ def _hooks_present() -> bool:
 
 def launch(kernel, grid, *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs), where a launch of the same kernel with arguments of the same kinds
-    (`argument_kind`, the current device, the same keyword arguments) ran before: then the compiled kernel Triton
+    (`argument_kinds`, the current device, the same keyword arguments) ran before: then the compiled kernel Triton
     picked that time is launched directly, without Triton's binder, cache key and option parsing (most of a Gluon
     launch's host time). Kernels that are not Triton JIT functions (the interpreter's), a launch hook or debug mode
-    (profilers), or FLASHTRITON_LAUNCH_PLANS=0 take Triton's way every time."""
+    (profilers), arguments without a kind, constexprs given by position, unhashable keyword arguments, or
+    FLASHTRITON_LAUNCH_PLANS=0 take Triton's way every time."""
     if not _plannable(kernel):
         kernel[grid](*args, **kwargs)
         return
