@@ -82,6 +82,19 @@ def test_tensor_descriptor_kinds_determine_triton_specialization():
     assert len(by_kind) >= 4
 
 
+def test_triton_tensor_descriptor_kinds_determine_triton_specialization():
+    """The Triton kernels' host descriptors (triton.tools.tensor_descriptor: no layout), as the Triton forward's
+    TMA_HOST launches pass them."""
+    TensorDescriptor = pytest.importorskip("triton.tools.tensor_descriptor").TensorDescriptor
+    descriptors = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        tensor = torch.zeros(2, 256, 4, 128, dtype=dtype)
+        for block in ([1, 64, 1, 128], [1, 128, 1, 64]):
+            for view in (tensor, tensor[1:]):
+                descriptors.append(TensorDescriptor(view, list(view.shape), list(view.stride()), block))
+    assert len(_assert_kinds_determine_specialization(descriptors)) >= 6
+
+
 def test_kinds_are_distinct_across_types():
     """1 and True, 0 and 0.0 and False, None and a tensor: never one kind (a dict key must not merge them, equal as
     they compare)."""
