@@ -236,9 +236,9 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     (`argument_kinds`, the current device, the same keyword arguments) ran before: then the compiled kernel Triton
     picked that time is launched directly, without Triton's binder, cache key and option parsing (most of a Gluon
     launch's host time). Kernels that are not Triton JIT functions (the interpreter's), a launch hook or debug mode
-    (profilers), arguments without a kind, constexprs given by position, unhashable keyword arguments, or
-    FLASHTRITON_LAUNCH_PLANS=0 take Triton's way every time."""
-    if not _plannable(kernel):
+    (profilers), a grid given as a function, arguments without a kind, constexprs given by position, unhashable
+    keyword arguments, or FLASHTRITON_LAUNCH_PLANS=0 take Triton's way every time."""
+    if not _plannable(kernel) or type(grid) is not tuple:  # a grid function needs Triton's bound arguments
         kernel[grid](*args, **kwargs)
         return
     device = torch.cuda.current_device()
