@@ -223,11 +223,16 @@ HOPPER_FWD = {(64, False): HopperFwdConfig(128, 2, 160, persistent=True, consume
 HOPPER_FWD_HEAD_DIMS = tuple(sorted({head_dim for head_dim, _ in HOPPER_FWD}))
 
 
+def _tile_dim(head_dim: int, tile_dims) -> Optional[int]:
+    """The smallest of the sorted tile_dims that holds head_dim, None above them all."""
+    return next((tile for tile in tile_dims if head_dim <= tile), None)
+
+
 def hopper_fwd_tile_dim(head_dim: int) -> Optional[int]:
     """The head dim of the Gluon forward's tiles for head_dim: the smallest HOPPER_FWD_HEAD_DIMS entry that holds it
     (80 and 96 run on 128-wide tiles, 192 on 256-wide: the tensor descriptors read the missing columns of Q, K and V
     as zeros and never store them), None above 256."""
-    return next((tile for tile in HOPPER_FWD_HEAD_DIMS if head_dim <= tile), None)
+    return _tile_dim(head_dim, HOPPER_FWD_HEAD_DIMS)
 
 
 @dataclass(frozen=True)
@@ -242,12 +247,13 @@ class HopperBwdConfig:
 # keyed by head dim
 # flashtriton bench --modes bwd, 2026-12-01, a536212, H200
 HOPPER_BWD = {64: HopperBwdConfig(64, 2, 240), 128: HopperBwdConfig(64, 2, 248), 256: HopperBwdConfig(64, 2, 240)}
+HOPPER_BWD_HEAD_DIMS = tuple(sorted(HOPPER_BWD))
 
 
 def hopper_bwd_tile_dim(head_dim: int) -> Optional[int]:
     """The head dim of the Gluon backward's tiles for head_dim (hopper_fwd_tile_dim's rule over HOPPER_BWD): the
     descriptors read the missing columns as zeros, dK / dV are stored and dQ reduced within head_dim only."""
-    return next((tile for tile in sorted(HOPPER_BWD) if head_dim <= tile), None)
+    return _tile_dim(head_dim, HOPPER_BWD_HEAD_DIMS)
 
 
 def heads_per_l2_group(bytes_per_head: int, batch_heads: int, causal: bool) -> int:

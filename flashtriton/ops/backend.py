@@ -23,8 +23,8 @@ from ..kernels import fwd as fwd_kernel_module
 from ..kernels.fwd import attn_fwd_kernel
 from ..scores import ScoreParams, score_params
 from . import checks, dropout, hopper, reference_path, sink
-from .launching import (compiled_without_line_info, compiler_key_ahead, device_guard, launch, tma_compatible,
-                        triton_cdiv)
+from .launching import (alibi_batch_stride, compiled_without_line_info, compiler_key_ahead, device_guard, launch,
+                        tma_compatible, triton_cdiv)
 
 compiled_without_line_info(attn_fwd_kernel, attn_combine_kernel, fill_uncovered_rows_kernel, attn_bwd_preprocess_kernel,
                            attn_bwd_dkdv_kernel, attn_bwd_dq_kernel)
@@ -98,10 +98,6 @@ def _row_descriptor(tensor: torch.Tensor, rows: int, block_dim: int):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), [1, rows, 1, block_dim])
-
-
-def _alibi_batch_stride(alibi_slopes: Optional[torch.Tensor]) -> int:
-    return alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
 
 
 def fwd_tile_grid(seqlen_q: int, batch: int, num_heads: int, num_heads_k: int, block_m: int) -> Tuple[int, int]:
@@ -236,7 +232,7 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
             (alibi_slopes, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table, cache_batch_idx, rng_state,
              None if descales is None else tuple(d.contiguous() for d in descales)),
             *descriptors, (q_strides(q), kv_strides(k), kv_strides(v), q_strides(out[0] if is_split else out)),
-            *lse_strides, (_alibi_batch_stride(alibi_slopes), block_table.stride(0) if is_paged else 0), page_size,
+            *lse_strides, (alibi_batch_stride(alibi_slopes), block_table.stride(0) if is_paged else 0), page_size,
             page_strides, split_strides, (num_heads, num_heads // num_heads_k), seqlen_q, seqlen_k, heads_per_group,
             params.kernel_scores(), params.window_left, params.window_right, int(params.alibi_pure_causal),
             dropout.kernel_dropout(dropout_p), *row_bounds,
@@ -357,7 +353,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
     row_bounds = (q.shape[0], k.shape[0]) if is_varlen else (None, None)
     score_args = (params.softmax_scale, params.kernel_scores(), params.window_left, params.window_right,
                   int(params.alibi_pure_causal), dropout.kernel_dropout(dropout_p), *row_bounds)
-    alibi_stride = _alibi_batch_stride(alibi_slopes)
+    alibi_stride = alibi_batch_stride(alibi_slopes)
     with device_guard(q):
         preprocess_rows = max(seqlen_q, delta_rows)
         if preprocess_rows > 0:

@@ -20,7 +20,8 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from .. import configs
-from .launching import compiled_without_line_info, descriptor_builder, launch, tma_compatible, triton_cdiv
+from .launching import (alibi_batch_stride, compiled_without_line_info, descriptor_builder, launch, tma_compatible,
+                        triton_cdiv)
 
 try:
     from triton.experimental.gluon import language as gl
@@ -256,8 +257,7 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
         *lse_strides, batch, num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, *work,
         1.0 if alibi_slopes is not None else params.qk_scale_log2, config.rescale_threshold,
         params.window_left, params.window_right, *varlen_args,
-        (alibi_slopes, alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
-         int(params.alibi_pure_causal), params.qk_scale_log2),
+        (alibi_slopes, alibi_batch_stride(alibi_slopes), int(params.alibi_pure_causal), params.qk_scale_log2),
         **forward_constexprs(config, params.causal_like, local))
     if split is not None:
         launch(

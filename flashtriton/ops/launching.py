@@ -1,5 +1,6 @@
-"""Small helpers every launcher uses: the device guard, ceiling division, the tensor-descriptor test, host
-descriptors built without re-validation, kernels compiled without line info, Triton's compiler key computed ahead."""
+"""Small helpers every launcher uses: the device guard, ceiling division, ALiBi's batch stride, the tensor-descriptor
+test, host descriptors built without re-validation, kernels compiled without line info, Triton's compiler key
+computed ahead, and launch plans (a repeated launch without Triton's binder)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ def device_guard(tensor: torch.Tensor):
 
 def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+def alibi_batch_stride(alibi_slopes) -> int:
+    """The batch stride of ALiBi slopes: (batch, heads) slopes' first stride, 0 for (heads,) slopes or none."""
+    return alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0
 
 
 def tma_compatible(tensor: torch.Tensor) -> bool:
