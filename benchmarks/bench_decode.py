@@ -39,13 +39,6 @@ def timed(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def copy_bandwidth() -> float:
-    src = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = timed(lambda: dst.copy_(src))
-    return 2 * src.numel() / ms * 1e-9
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--paged", default="0,64,256", help="page sizes; 0 = contiguous cache")
@@ -61,7 +54,7 @@ def main():
     candidates = [None] + ([replace(base, block_m=m, block_n=n, num_warps=w, num_stages=s, use_tma=tma)
                             for m, n, w, s, tma in DECODE_CANDIDATES] if args.sweep else [])
     split_counts = [int(s) for s in args.splits.split(",")]
-    print(f"device copy: {copy_bandwidth():.2f} TB/s (bytes read + written)")
+    print(f"device copy: {bench.copy_bandwidth():.2f} TB/s (bytes read + written)")
     print("| batch, seqlen_k | layout | flashtriton TB/s | splits | sdpa-flash TB/s | sdpa-cudnn TB/s | max err |")
     print("|---|---|---|---|---|---|---|")
     for batch, seqlen in ROWS:

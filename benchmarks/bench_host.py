@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 
 import flashtriton
 from flashtriton import bench
@@ -112,10 +111,7 @@ def eager_ms(fn, calls: int = 200) -> float:
 
 def decode_bandwidth() -> list:
     """[(batch, keys, TB/s eager, TB/s copy)] of flash_attn_with_kvcache over full caches."""
-    src = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    copy = 2 * src.numel() / triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-9
-    del src, dst
+    copy = bench.copy_bandwidth()
     rows = []
     for batch, keys in BANDWIDTH_ROWS:
         call = decode_call("flashtriton", batch, keys)

@@ -263,6 +263,14 @@ def median_ms(fn: Callable, warmup: int = 25, rep: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def copy_bandwidth() -> float:
+    """The device's copy bandwidth in TB/s (bytes read + written) of a 2 GiB device-to-device copy, far past L2:
+    what a memory-bound kernel's TB/s is held against."""
+    src = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / median_ms(lambda: dst.copy_(src)) * 1e-9
+
+
 def profiled_kernels(fn: Callable, calls: int = 20):
     """torch.profiler's per-kernel averages (CUDA activity) over `calls` calls of fn, after one call outside it."""
     from torch.profiler import ProfilerActivity, profile
