@@ -152,44 +152,39 @@ def test_repeated_calls_launch_planned_kernels_with_the_same_results(monkeypatch
         assert torch.equal(got, want)
 
 
+class _Param:
+    def __init__(self, name, is_constexpr):
+        self.name, self.is_constexpr, self.default = name, is_constexpr, None
+
+
+class _StandInKernel:
+    """What launching.launch reads of a Triton JIT function (x, then the constexpr BLOCK); kernel[grid](...) records
+    its arguments and returns a stand-in compiled kernel, which has no launcher: a planned launch would fail."""
+    device_caches = {}
+    arg_names = ["x", "BLOCK"]
+    params = [_Param("x", False), _Param("BLOCK", True)]
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((args, kwargs)) or object()
+
+
 def test_unhashable_keyword_arguments_take_the_binder(monkeypatch):
     """A launch whose keyword arguments cannot be a dict key goes through kernel[grid] every time, no plan kept."""
-    calls = []
-
-    class FakeJIT:
-        device_caches = {}
-        arg_names = ["x", "BLOCK"]
-        params = []
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: calls.append(kwargs)
-
     monkeypatch.setattr(launching.torch.cuda, "current_device", lambda: 0)
-    kernel = FakeJIT()
+    kernel = _StandInKernel()
     launching.launch(kernel, (1,), 3, BLOCK=[16])
     launching.launch(kernel, (1,), 3, BLOCK=[16])
-    assert calls == [{"BLOCK": [16]}] * 2 and not launching._plans.get(kernel)
+    assert kernel.calls == [((3,), {"BLOCK": [16]})] * 2 and not launching._plans.get(kernel)
 
 
 def test_constexprs_given_by_position_are_never_planned(monkeypatch):
     """BLOCK=64 and BLOCK=128 have one kind (multiples of 16) but compile apart: a launch that passes a constexpr by
     position keeps going through the binder, so each value gets its own compiled kernel."""
-    calls = []
-
-    class Param:
-        def __init__(self, name, is_constexpr):
-            self.name, self.is_constexpr, self.default = name, is_constexpr, None
-
-    class FakeJIT:
-        device_caches = {}
-        arg_names = ["x", "BLOCK"]
-        params = [Param("x", False), Param("BLOCK", True)]
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: calls.append(args) or object()
-
     monkeypatch.setattr(launching.torch.cuda, "current_device", lambda: 0)
-    kernel = FakeJIT()
+    kernel = _StandInKernel()
     for block in (64, 128, 64):
         launching.launch(kernel, (1,), 3, block)
-    assert calls == [(3, 64), (3, 128), (3, 64)] and not launching._plans.get(kernel)
+    assert kernel.calls == [((3, block), {}) for block in (64, 128, 64)] and not launching._plans.get(kernel)
