@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -96,19 +95,6 @@ def host_table(providers, calls: int, repeat: int) -> dict:
     return table
 
 
-def eager_ms(fn, calls: int = 200) -> float:
-    """Milliseconds per call of `calls` calls back to back, synchronized once at the end: what an eager decode loop
-    gets, the host's cost included where it exceeds the GPU's (no CUDA graph, no L2 flush: each row's K and V are
-    1 GB, far past L2)."""
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e3
-
-
 def decode_bandwidth() -> list:
     """[(batch, keys, TB/s eager, TB/s copy)] of flash_attn_with_kvcache over full caches."""
     copy = bench.copy_bandwidth()
@@ -116,7 +102,8 @@ def decode_bandwidth() -> list:
     for batch, keys in BANDWIDTH_ROWS:
         call = decode_call("flashtriton", batch, keys)
         kv_bytes = 2 * batch * keys * DECODE_HEADS_K * 128 * 2
-        ms = eager_ms(call)
+        # an eager decode loop's time per call (no CUDA graph, no L2 flush: each row's K and V are 1 GB, far past L2)
+        ms = bench.host_us_per_call(call, 200, drained=True) * 1e-3
         rows.append((batch, keys, kv_bytes / ms * 1e-9, copy))
         del call
         torch.cuda.empty_cache()

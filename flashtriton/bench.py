@@ -321,9 +321,10 @@ def graphed(call: Callable) -> Callable:
     return replay
 
 
-def host_us_per_call(fn: Callable, calls: int = 100) -> float:
+def host_us_per_call(fn: Callable, calls: int = 100, drained: bool = False) -> float:
     """Host time of one call in microseconds: wall time of `calls` calls enqueued back to back after a sync
-    (the GPU's queue absorbs them, so this is the host's cost even when the GPU is slower)."""
+    (the GPU's queue absorbs them, so this is the host's cost even when the GPU is slower). drained: the time runs
+    until the GPU has finished them too, what an eager loop of these calls gets (the larger of host and GPU cost)."""
     import time
 
     fn()
@@ -331,6 +332,8 @@ def host_us_per_call(fn: Callable, calls: int = 100) -> float:
     start = time.perf_counter()
     for _ in range(calls):
         fn()
+    if drained:
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return elapsed / calls * 1e6
