@@ -126,15 +126,20 @@ class BenchResult:
 
 
 def git_commit() -> Optional[str]:
-    """$FLASHTRITON_COMMIT if set (copies without git history), else `git rev-parse --short HEAD`."""
+    """$FLASHTRITON_COMMIT if set (copies without git history), else `git rev-parse --short HEAD` of the checkout
+    this package's files belong to; None where they belong to none (an installed wheel, or a copy inside another
+    repository's tree, which that repository does not track: its HEAD says nothing of the copy)."""
     if os.environ.get("FLASHTRITON_COMMIT"):
         return os.environ["FLASHTRITON_COMMIT"]
+    here = Path(__file__).resolve()
     try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
-                              capture_output=True, text=True, timeout=10)
+        tracked = subprocess.run(["git", "ls-files", "--error-unmatch", "--", here.name], cwd=here.parent,
+                                 capture_output=True, text=True, timeout=10)
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here.parent, capture_output=True,
+                              text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    if done.returncode != 0:
+    if tracked.returncode != 0 or done.returncode != 0:
         return None
     return done.stdout.strip() or None
 

@@ -260,6 +260,31 @@ def test_write_results_round_trip(tmp_path):
     assert loaded.rows == result.rows and loaded.metadata == {"gpu": "fake"}
 
 
+def test_git_commit_is_that_of_the_checkout_holding_the_package(tmp_path, monkeypatch):
+    """bench.git_commit names the commit of the checkout whose files the package is, and none for a copy of the
+    package inside another repository's tree that the repository does not track (its HEAD is not the copy's)."""
+    monkeypatch.delenv("FLASHTRITON_COMMIT", raising=False)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(git + ["init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".gitignore").write_text("ignored/\n")
+    for folder in ("tracked", "ignored"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "bench.py").write_text("")
+    subprocess.run(git + ["add", ".gitignore", "tracked"], cwd=tmp_path, check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "x"], cwd=tmp_path, check=True)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+    def commit_of(folder):
+        monkeypatch.setattr(bench, "__file__", str(tmp_path / folder / "bench.py"))
+        return bench.git_commit()
+
+    assert commit_of("tracked") == head
+    assert commit_of("ignored") is None
+    monkeypatch.setenv("FLASHTRITON_COMMIT", "abc1234")
+    assert commit_of("ignored") == "abc1234"
+
+
 def test_provider_inputs_keep_the_bshd_memory_layout():
     """Every provider's timed inputs are leaves in (B, S, H, D) memory (the baseline shapes' layout); SDPA sees them as
     (B, H, S, D) views, so no provider pays for a layout copy the others do not."""
