@@ -69,9 +69,11 @@ step fp8 300 python benchmarks/bench_fp8.py --out "$out/fp8"
 step host 60 python tools/profile_first_call.py --top 25 --steady 300
 # host time per call against SDPA (FA4 too where tools/fa4_wheels.sh installed it), eager decode TB/s
 step host-bench 120 python benchmarks/bench_host.py --out "$out/host"
-# every launch plan (ops/launching.py) compared with Triton's binder on the kernels' own tests
+# every launch plan (ops/launching.py) compared with Triton's binder, every call plan (ops/call_plans.py) with the
+# whole forward, on the kernels' own tests
 step plans 300 env FLASHTRITON_VERIFY_PLANS=1 python -m pytest -q -n 12 -p no:cacheprovider -rfE \
-  tests/test_launch_plans.py tests/test_hopper_fwd.py tests/test_hopper_bwd.py tests/test_varlen.py tests/test_kvcache.py
+  tests/test_launch_plans.py tests/test_call_plans.py tests/test_dense.py tests/test_hopper_fwd.py \
+  tests/test_hopper_bwd.py tests/test_varlen.py tests/test_kvcache.py
 # the four fuzz tests side by side (one process each, logs fuzz-<test>.log), new random cases each run;
 # hypothesis' statistics at the end of each log count the cases that ran
 step fuzz 330 bash -c 'for t in flash_attn_func flash_attn_varlen_func flash_attn_with_kvcache hopper_forward_domain; do

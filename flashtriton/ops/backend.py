@@ -22,7 +22,7 @@ from ..kernels.fill import fill_uncovered_rows_kernel
 from ..kernels import fwd as fwd_kernel_module
 from ..kernels.fwd import attn_fwd_kernel
 from ..scores import ScoreParams, score_params
-from . import checks, dropout, hopper, reference_path, sink
+from . import call_plans, checks, dropout, hopper, reference_path, sink
 from .launching import (alibi_batch_stride, compiled_without_line_info, compiler_key_ahead, device_guard, launch,
                         tma_compatible, triton_cdiv)
 
@@ -265,6 +265,30 @@ def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, windo
     """Dense forward. Returns (out, softmax_lse (B, H, Sq), S_dmask, rng_state); see docs/api.md §7. With
     learnable_sink (H,) the LSE includes the sinks (§4.11); q/k/v_descale: FP8 inputs' (§4.12), out in bf16."""
     descales = (q_descale, k_descale, v_descale)
+    # a repeated signature runs its call plan: the launches of its first call, without their derivation (ops/call_plans)
+    signature = call_plans.forward_signature(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
+                                             window_size_right, softcap, alibi_slopes, return_softmax, learnable_sink,
+                                             descales)
+    plan = call_plans.forward_plan(signature)
+    if plan is not None:
+        return plan.run(q, k, v, new_empty)
+    if call_plans.records_forward(signature):
+        counters = call_plans.counter_values()
+        with call_plans.recording() as launches:
+            results = _mha_fwd(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                               softcap, alibi_slopes, return_softmax, learnable_sink, descales)
+        out, lse, _, rng_state = results
+        call_plans.keep_forward_plan(signature, call_plans.make_plan(launches, q, k, v, out, lse, rng_state,
+                                                                     counters))
+        return results
+    return _mha_fwd(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                    alibi_slopes, return_softmax, learnable_sink, descales)
+
+
+def _mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
+             window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor], return_softmax: bool,
+             learnable_sink: Optional[torch.Tensor], descales: tuple):
+    """mha_fwd's whole forward: checks, allocations, the launcher."""
     checks.check_fwd(q, k, v, dropout_p, softcap, alibi_slopes, return_softmax)
     checks.check_learnable_sink(learnable_sink, q, q.shape[2])
     fp8 = checks.check_fp8(q, descales, q.shape[0], k.shape[2], dropout_p)

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import os
 import threading
+from typing import Optional
 
 import torch
 
@@ -222,6 +223,14 @@ class _Plan:
 
 _plans: dict = {}  # JITFunction -> {launch key: _Plan}
 plan_hits = 0  # launches that found their plan (tests read it; verified ones went through the binder as well)
+# while ops/call_plans.py records a call: (the recording thread, [each of its launches' (_Plan or None, grid, args,
+# kwargs), None for one through Triton's way only (no compiled kernel known)])
+_recorder: Optional[tuple] = None
+
+
+def _record(entry) -> None:
+    if _recorder[0] == threading.get_ident():
+        _recorder[1].append(entry)
 
 
 def _plannable(kernel) -> bool:
@@ -246,6 +255,8 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     keyword arguments, or FLASHTRITON_LAUNCH_PLANS=0 take Triton's way every time."""
     if not _plannable(kernel) or type(grid) is not tuple:  # a grid function needs Triton's bound arguments
         kernel[grid](*args, **kwargs)
+        if _recorder is not None:
+            _record(None)
         return
     device = torch.cuda.current_device()
     kinds = argument_kinds(args)
@@ -268,7 +279,12 @@ def launch(kernel, grid, *args, **kwargs) -> None:
             names = kernel.arg_names[len(args):]
             defaults = {param.name: param.default for param in kernel.params}
             plans[key] = _Plan(compiled, names, tuple(defaults[name] for name in names))
+        if _recorder is not None:
+            kept = plans.get(key) if key is not None else None
+            _record((kept if kept is not None and kept.compiled is compiled else None, grid, args, kwargs))
         return
+    if _recorder is not None:
+        _record((plan, grid, args, kwargs))
     compiled = plan.compiled
     tail = tuple(kwargs.get(name, default) for name, default in zip(plan.tail_names, plan.tail_defaults))
     from triton.runtime import driver
