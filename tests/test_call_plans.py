@@ -69,18 +69,41 @@ def test_plan_repeats_the_launch_with_the_new_call_tensors(monkeypatch):
     assert descriptor.base is q  # the recorded descriptor is left as it was
 
 
-@pytest.mark.parametrize("record", ["unknown tensor", "unplanned launch", "no launch", "tensor keyword"])
+@pytest.mark.parametrize("record", ["unknown tensor", "unplanned launch", "no launch", "tensor keyword",
+                                    "other operation"])
 def test_no_plan_where_a_launch_cannot_be_repeated(record):
     """A launch with a tensor the call did not pass or return (scratch, a copy of an input), one that went through
-    Triton's way only, or a call without launches: no plan."""
+    Triton's way only, a call without launches, or one that did other work on tensors: no plan."""
     compiled = _Compiled()
     q, k, v, out, lse, rng_state = _call_tensors()
     launches = {"unknown tensor": [_launch_record(compiled, (q, torch.empty(4)))],
                 "unplanned launch": [_launch_record(compiled, (q, k)), None],
                 "no launch": [],
                 "tensor keyword": [_launch_record(compiled, (q, ), {"SCRATCH": torch.empty(4)}, ("SCRATCH", ),
-                                                  (None, ))]}[record]
-    assert call_plans.make_plan(launches, q, k, v, out, lse, rng_state, ()) is None
+                                                  (None, ))],
+                "other operation": [_launch_record(compiled, (q, out))]}[record]
+    other = ("copy_.default", ) if record == "other operation" else ()
+    assert call_plans.make_plan(launches, q, k, v, out, lse, rng_state, (), other) is None
+    assert call_plans.make_plan([_launch_record(compiled, (q, out))], q, k, v, out, lse, rng_state, ()) is not None
+
+
+def test_recording_notes_work_other_than_allocations_and_views():
+    """What a plan would not repeat (a copy, a reduction, an in-place update) is noted; allocations and views are
+    not, nor the NaN fill of poisoned outputs."""
+    with call_plans.recording() as (_, watch):
+        a = torch.empty(3, 4)
+        torch.zeros(2, dtype=torch.int64)
+        a.unsqueeze(0)[:, 1:].view(2, 4).t()
+    assert watch.other == []
+    with call_plans.recording(poisoned=True) as (_, watch):
+        torch.empty(3).fill_(float("nan"))
+    assert watch.other == []
+    with call_plans.recording() as (_, watch):
+        a = torch.empty(3, 4)
+        a.fill_(0.0)
+        a.t().contiguous()
+        a.sum()
+    assert watch.other == ["fill_.Scalar", "clone.default", "sum.default"]
 
 
 def test_a_signature_keeps_its_first_plan_and_verification_compares(monkeypatch):

@@ -274,12 +274,12 @@ def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, windo
         return plan.run(q, k, v, new_empty)
     if call_plans.records_forward(signature):
         counters = call_plans.counter_values()
-        with call_plans.recording() as launches:
+        with call_plans.recording(POISON_OUTPUTS) as (launches, watch):
             results = _mha_fwd(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
                                softcap, alibi_slopes, return_softmax, learnable_sink, descales)
         out, lse, _, rng_state = results
         call_plans.keep_forward_plan(signature, call_plans.make_plan(launches, q, k, v, out, lse, rng_state,
-                                                                     counters))
+                                                                     counters, tuple(watch.other)))
         return results
     return _mha_fwd(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
                     alibi_slopes, return_softmax, learnable_sink, descales)

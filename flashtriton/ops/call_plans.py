@@ -8,7 +8,8 @@ while launching.launch records its launches (`recording`). Where every launch we
 compiled kernel known) and every tensor argument is q, k, v, out, lse or rng_state, or a host tensor descriptor over
 one of them, the launches become a CallPlan: the next call allocates the outputs as the first did, puts its tensors
 into the recorded arguments and runs the compiled kernels. Anything else (scratch of a cut tail or of split-KV
-partials, a copy of an input, interpreted kernels, ALiBi, sinks, dropout, FP8) leaves the signature without a plan,
+partials, a copy of an input, any aten operation besides allocations and views (_OperationWatch), interpreted
+kernels, ALiBi, sinks, dropout, FP8) leaves the signature without a plan,
 and its calls run the whole forward every time. FLASHTRITON_CALL_PLANS=0 turns call plans off;
 FLASHTRITON_VERIFY_PLANS=1 runs the whole forward on every hit as well and raises where it launches anything else.
 """
@@ -21,6 +22,7 @@ from contextlib import contextmanager
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import launching
 
@@ -230,13 +232,40 @@ def records_forward(signature) -> bool:
     return signature is not None and (signature not in _forward_plans or launching.VERIFY_PLANS)
 
 
+# the aten operations a planned forward may do besides its launches: allocations, views, and the NaN fill of
+# outputs while tests poison them (backend.new_empty, which the plan calls as well)
+_ALLOWED_OPERATIONS = frozenset(("empty.memory_format", "empty_strided.default", "zeros.default", "unsqueeze.default",
+                                 "squeeze.dim", "slice.Tensor", "select.int", "as_strided.default", "view.default",
+                                 "_unsafe_view.default", "t.default", "transpose.int", "permute.default",
+                                 "expand.default", "alias.default", "detach.default"))
+
+
+class _OperationWatch(TorchDispatchMode):
+    """Notes whether any aten operation other than _ALLOWED_OPERATIONS (and fill_ while outputs are poisoned) runs:
+    a copy, a reduction or an in-place update that a plan made of launches would not repeat."""
+
+    def __init__(self, poisoned: bool):
+        super().__init__()
+        self.poisoned = poisoned
+        self.other = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__ if "." in func.__name__ else f"{func.__name__}.default"
+        if name not in _ALLOWED_OPERATIONS and not (self.poisoned and name.startswith("fill_.")):
+            self.other.append(name)
+        return func(*args, **(kwargs or {}))
+
+
 @contextmanager
-def recording():
-    """Collect this thread's launching.launch launches (launching._recorder) while the body runs; yields the list."""
+def recording(poisoned: bool = False):
+    """Collect this thread's launching.launch launches (launching._recorder) while the body runs, and whether it did
+    other work on tensors (_OperationWatch); yields (launches, watch)."""
     launches: list = []
+    watch = _OperationWatch(poisoned)
     previous, launching._recorder = launching._recorder, (threading.get_ident(), launches)
     try:
-        yield launches
+        with watch:
+            yield launches, watch
     finally:
         launching._recorder = previous
 
@@ -251,12 +280,14 @@ def counter_values() -> tuple:
 _COUNTERS = ("fwd_launch_count", "tail_merge_count")
 
 
-def make_plan(launches: list, q, k, v, out, lse, rng_state, counters_before: tuple) -> Optional[CallPlan]:
-    """The CallPlan of a forward that launched `launches` (launching's records) and returned out, lse and rng_state,
-    or None where a plan cannot repeat it."""
+def make_plan(launches: list, q, k, v, out, lse, rng_state, counters_before: tuple,
+              other_operations: tuple = ()) -> Optional[CallPlan]:
+    """The CallPlan of a forward that launched `launches` (launching's records), did `other_operations` (aten
+    operations outside _ALLOWED_OPERATIONS) and returned out, lse and rng_state, or None where a plan cannot repeat
+    it."""
     from . import hopper
 
-    if not launches or any(record is None or record[0] is None for record in launches):
+    if other_operations or not launches or any(record is None or record[0] is None for record in launches):
         return None
     tensors = (q, k, v, out, lse, rng_state)
     try:
