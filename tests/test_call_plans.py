@@ -1,7 +1,7 @@
-"""ops/call_plans: a dense forward's launches recorded once and run again for the same signature. On CPU the plan's
-parts run with stand-in compiled kernels; on a GPU the forward itself: a planned call gives the whole forward's
-results bitwise, on the Gluon and the Triton kernels, and FLASHTRITON_VERIFY_PLANS=1 (tools/gpu_check.sh plans)
-compares every planned forward of the kernels' tests with the whole one."""
+"""ops/call_plans: a call's operations and launches recorded once and repeated for the same signature. On CPU the
+plan's parts run with stand-in compiled kernels; on a GPU the entry points themselves: planned forwards and backwards
+give the whole call's results bitwise, on the Gluon and the Triton kernels, and FLASHTRITON_VERIFY_PLANS=1
+(tools/gpu_check.sh plans) compares every planned call of the kernels' tests with the whole one."""
 
 import dataclasses
 
@@ -35,118 +35,110 @@ class _Compiled:
         self.runs.append(args)
 
 
-def _launch_record(compiled, args, kwargs=None, tail=("NUM_WARPS",), defaults=(4,)):
-    return (launching._Plan(compiled, list(tail), defaults), (3,), args, kwargs or {})
+def _launch_plan(compiled, tail=("NUM_WARPS",), defaults=(4,)):
+    return launching._Plan(compiled, list(tail), defaults)
 
 
-def _call_tensors():
-    q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
-    out, lse, rng_state = torch.empty(1, 8, 2, 16), torch.empty(1, 2, 8), torch.zeros(2, dtype=torch.int64)
-    return q, k, v, out, lse, rng_state
+def _record(events_plan, grid, args, kwargs=None):
+    """What launching.launch reports to a recording call."""
+    launching._record((events_plan, grid, args, kwargs or {}))
 
 
-def test_plan_repeats_the_launch_with_the_new_call_tensors(monkeypatch):
-    """The planned launch gets the new call's q, k, v and fresh outputs where the recorded one had the first call's,
-    descriptors rebuilt over them with the recorded fields, scalars, tuples and the keyword tail as recorded."""
+def _call(compiled, q, k, extra=None):
+    """A call like the entry points': allocations and views, a launch with a descriptor, tuples, scalars and a
+    keyword tail, a copy after it; returns (out, stats)."""
+    out = torch.empty(q.shape, dtype=q.dtype)
+    flat = out.view(-1)
+    stats = torch.zeros(2, dtype=torch.int64)
+    descriptor = _Descriptor(q, list(q.shape), list(q.stride()), [1, 4, 1, 16], "nvmma")
+    _record(_launch_plan(compiled), (3,), (descriptor, k, (flat, None, 7), 0.5, (stats, 3)
+                                           ) + (() if extra is None else (extra, )), {"NUM_WARPS": 8})
+    copy = torch.empty(q.shape, dtype=q.dtype)
+    copy.copy_(k)
+    return out, (stats, copy)
+
+
+def test_plan_repeats_the_call_on_new_tensors(monkeypatch):
+    """The plan's launch gets the new call's tensors and fresh allocations (and views of them) where the recorded one
+    had the first call's, the descriptor rebuilt over the new tensor with the recorded fields, scalars, tuples and
+    the keyword tail as recorded; its operations (the copy) run on the new tensors; the result is the new call's."""
     monkeypatch.setattr(call_plans, "_current_stream", lambda device: "stream")
     compiled = _Compiled()
-    q, k, v, out, lse, rng_state = _call_tensors()
-    descriptor = _Descriptor(q, [1, 8, 2, 16], [256, 32, 16, 1], [1, 64, 1, 16], "nvmma")
-    args = (descriptor, k, (v, None, 7), out, lse, 0.5, (rng_state, 3))
-    plan = call_plans.make_plan([_launch_record(compiled, args, {"NUM_WARPS": 8})], q, k, v, out, lse, rng_state, ())
-    assert plan is not None
-    q2, k2, v2 = (torch.randn(1, 8, 2, 16) for _ in range(3))
-    out2, lse2, s_dmask, rng2 = plan.run(q2, k2, v2, backend.new_empty)
-    assert out2.shape == out.shape and lse2.shape == lse.shape and s_dmask.numel() == 0 and rng2.tolist() == [0, 0]
-    (grid_x, grid_y, grid_z, stream, function, metadata, *hooks, d, kk, vv, o, ll, scale, rng_tuple, warps), = \
-        compiled.runs
+    q, k = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+    with call_plans._Recorder() as recorder:
+        first = _call(compiled, q, k)
+    plan = call_plans.make_plan(recorder.events, (q, k), first, (0, 0, 0))
+    assert plan is not None and len(compiled.runs) == 0  # _record only notes the launch
+    q2, k2 = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+    out2, (stats2, copy2) = plan.run((q2, k2))
+    (grid_x, grid_y, grid_z, stream, function, metadata, *hooks, d, kk, flat, scale, stats_arg, warps), = compiled.runs
     assert (grid_x, grid_y, grid_z, stream, function, metadata, hooks) == (3, 1, 1, "stream", "function", "metadata",
                                                                            [None] * 3)
     assert type(d) is _Descriptor and d.base is q2 and (d.shape, d.strides, d.block_shape, d.layout) == (
-        descriptor.shape, descriptor.strides, descriptor.block_shape, descriptor.layout)
-    assert kk is k2 and vv[0] is v2 and vv[1:] == (None, 7) and o is out2 and ll is lse2 and scale == 0.5
-    assert rng_tuple[0] is rng2 and rng_tuple[1] == 3 and warps == 8
-    assert descriptor.base is q  # the recorded descriptor is left as it was
+        [1, 8, 2, 16], [256, 32, 16, 1], [1, 4, 1, 16], "nvmma")
+    assert kk is k2 and flat[0]._base is out2 and flat[1:] == (None, 7) and scale == 0.5 and warps == 8
+    assert stats_arg[0] is stats2 and stats_arg[1] == 3 and stats2.tolist() == [0, 0]
+    assert out2.shape == q.shape and out2 is not first[0] and torch.equal(copy2, k2)
 
 
-@pytest.mark.parametrize("record", ["unknown tensor", "unplanned launch", "no launch", "tensor keyword",
-                                    "other operation"])
-def test_no_plan_where_a_launch_cannot_be_repeated(record):
-    """A launch with a tensor the call did not pass or return (scratch, a copy of an input), one that went through
-    Triton's way only, a call without launches, or one that did other work on tensors: no plan."""
+@pytest.mark.parametrize("case", ["tensor from elsewhere", "unplanned launch", "no launch", "other operation"])
+def test_no_plan_where_the_call_cannot_be_repeated(case):
+    """A launch with a tensor that is neither the call's nor made during it, one that went through Triton's way only
+    (no compiled kernel known), a call without launches, or an operation outside the repeatable ones: no plan."""
     compiled = _Compiled()
-    q, k, v, out, lse, rng_state = _call_tensors()
-    launches = {"unknown tensor": [_launch_record(compiled, (q, torch.empty(4)))],
-                "unplanned launch": [_launch_record(compiled, (q, k)), None],
-                "no launch": [],
-                "tensor keyword": [_launch_record(compiled, (q, ), {"SCRATCH": torch.empty(4)}, ("SCRATCH", ),
-                                                  (None, ))],
-                "other operation": [_launch_record(compiled, (q, out))]}[record]
-    other = ("copy_.default", ) if record == "other operation" else ()
-    assert call_plans.make_plan(launches, q, k, v, out, lse, rng_state, (), other) is None
-    assert call_plans.make_plan([_launch_record(compiled, (q, out))], q, k, v, out, lse, rng_state, ()) is not None
-
-
-def test_recording_notes_work_other_than_allocations_and_views():
-    """What a plan would not repeat (a copy, a reduction, an in-place update) is noted; allocations and views are
-    not, nor the NaN fill of poisoned outputs."""
-    with call_plans.recording() as (_, watch):
-        a = torch.empty(3, 4)
-        torch.zeros(2, dtype=torch.int64)
-        a.unsqueeze(0)[:, 1:].view(2, 4).t()
-    assert watch.other == []
-    with call_plans.recording(poisoned=True) as (_, watch):
-        torch.empty(3).fill_(float("nan"))
-    assert watch.other == []
-    with call_plans.recording() as (_, watch):
-        a = torch.empty(3, 4)
-        a.fill_(0.0)
-        a.t().contiguous()
-        a.sum()
-    assert watch.other == ["fill_.Scalar", "clone.default", "sum.default"]
+    q, k = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+    elsewhere = torch.empty(4)
+    with call_plans._Recorder() as recorder:
+        if case == "no launch":
+            result = torch.empty(3)
+        else:
+            result = _call(compiled, q, k, extra=elsewhere if case == "tensor from elsewhere" else None)
+            if case == "unplanned launch":
+                launching._record(None)
+            if case == "other operation":
+                q.sum()
+    assert call_plans.make_plan(recorder.events, (q, k), result, (0, 0, 0)) is None
 
 
 def test_a_signature_keeps_its_first_plan_and_verification_compares(monkeypatch):
-    """keep_forward_plan keeps the first plan of a signature (or that it has none); a later, different plan for it
-    raises (what FLASHTRITON_VERIFY_PLANS=1 checks on every planned forward)."""
-    monkeypatch.setattr(call_plans, "_forward_plans", {})
+    """keep() keeps the first plan of a signature (or that it has none); a later, different plan for it raises
+    (what FLASHTRITON_VERIFY_PLANS=1 checks on every planned call)."""
+    monkeypatch.setattr(call_plans, "_plans", {})
     compiled = _Compiled()
-    q, k, v, out, lse, rng_state = _call_tensors()
-    first = call_plans.make_plan([_launch_record(compiled, (q, out, 16))], q, k, v, out, lse, rng_state, ())
-    same = call_plans.make_plan([_launch_record(compiled, (q, out, 16))], q, k, v, out, lse, rng_state, ())
-    other = call_plans.make_plan([_launch_record(compiled, (q, out, 32))], q, k, v, out, lse, rng_state, ())
-    call_plans.keep_forward_plan("signature", first)
-    call_plans.keep_forward_plan("signature", same)
-    assert call_plans._forward_plans["signature"] is first
-    with pytest.raises(RuntimeError, match="call plan"):
-        call_plans.keep_forward_plan("signature", other)
-    call_plans.keep_forward_plan("no plan", None)
+    q, k = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+    plans = []
+    for extra in (None, None, 5):
+        with call_plans._Recorder() as recorder:
+            result = _call(compiled, q, k, extra=extra)
+        plans.append(call_plans.make_plan(recorder.events, (q, k), result, (0, 0, 0)))
+    call_plans.keep(("fwd", 1), plans[0])
+    call_plans.keep(("fwd", 1), plans[1])
+    assert call_plans._plans[("fwd", 1)] is plans[0]
+    with pytest.raises(RuntimeError, match="call plan of fwd"):
+        call_plans.keep(("fwd", 1), plans[2])
+    call_plans.keep(("fwd", 2), None)
     monkeypatch.setattr(launching, "VERIFY_PLANS", False)
     monkeypatch.setattr(launching, "_hooks_present", lambda: False)
-    assert call_plans.forward_plan("signature") is first and call_plans.forward_plan("no plan") is None
-    assert not call_plans.records_forward("signature") and not call_plans.records_forward("no plan")
-    assert call_plans.records_forward("new") and not call_plans.records_forward(None)
+    assert call_plans.plan_for(("fwd", 1)) is plans[0] and call_plans.plan_for(("fwd", 2)) is None
 
 
-def test_cpu_calls_and_options_outside_plans_have_no_signature():
+def test_cpu_calls_have_no_signature():
     q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
-    options = (0.25, True, -1, 0, 0.0, None, False, None, (None, None, None))
-    assert call_plans.forward_signature(q, k, v, 0.0, *options) is None  # CPU tensors run no compiled kernel
+    assert call_plans.signature("fwd", (q, k, v), ()) is None  # CPU tensors run no compiled kernel
     if torch.cuda.is_available():
         q, k, v = (t.cuda() for t in (q, k, v))
-        assert call_plans.forward_signature(q, k, v, 0.0, *options) is not None
-        assert call_plans.forward_signature(q, k, v, 0.1, *options) is None  # dropout
-        assert call_plans.forward_signature(q, k, v, 0.0, *options[:5], torch.ones(2, device="cuda"),
-                                            *options[6:]) is None  # ALiBi
+        assert call_plans.signature("fwd", (q, k, v), ()) is not None
+        assert call_plans.signature("fwd", (q, k.cpu(), v), ()) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("gluon", [True, False], ids=["gluon-if-sm90", "triton"])
 @pytest.mark.parametrize("shape", [(2, 300, 4, 128), (1, 64, 8, 64)], ids=["2x300x4x128", "1x64x8x64"])
-def test_planned_forward_gives_the_whole_forwards_results(monkeypatch, gluon, shape):
-    """The second call of a signature runs its plan and gives the first call's out and lse bitwise (the forward is
-    deterministic); a new signature (another dtype) plans anew."""
-    monkeypatch.setattr(call_plans, "_forward_plans", {})
+def test_planned_calls_give_the_whole_calls_results(monkeypatch, gluon, shape):
+    """The second call of a signature runs its plan and gives the first call's results bitwise: the forward's out
+    and lse, and through autograd (deterministic=True) the backward's gradients; new inputs of the signature are read
+    (not the first call's); a call without plans agrees bitwise."""
+    monkeypatch.setattr(call_plans, "_plans", {})
     monkeypatch.setattr(configs, "GLUON_ALLOWED", gluon and configs.GLUON_ALLOWED)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     first = flashtriton.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
@@ -154,8 +146,16 @@ def test_planned_forward_gives_the_whole_forwards_results(monkeypatch, gluon, sh
     second = flashtriton.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     assert call_plans.call_plan_hits == hits + (not launching.VERIFY_PLANS)
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
-    # new inputs of the same signature: the planned call reads them, not the first call's
+
+    def step(inputs, dout):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = flashtriton.flash_attn_func(*leaves, causal=True, deterministic=True)
+        return (out, *torch.autograd.grad(out, leaves, dout))
+
+    dout = torch.randn_like(q)
     q2 = torch.randn_like(q)
-    planned = flashtriton.flash_attn_func(q2, k, v, causal=True)
+    results = [step((q, k, v), dout), step((q2, k, v), dout)]
     monkeypatch.setattr(call_plans, "CALL_PLANS_ALLOWED", False)
-    assert torch.equal(planned, flashtriton.flash_attn_func(q2, k, v, causal=True))
+    for inputs, planned in zip(((q, k, v), (q2, k, v)), results):
+        whole = step(inputs, dout)
+        assert all(torch.equal(a, b) for a, b in zip(planned, whole))

@@ -70,7 +70,7 @@ step host 60 python tools/profile_first_call.py --top 25 --steady 300
 # host time per call against SDPA (FA4 too where tools/fa4_wheels.sh installed it), eager decode TB/s
 step host-bench 120 python benchmarks/bench_host.py --out "$out/host"
 # every launch plan (ops/launching.py) compared with Triton's binder, every call plan (ops/call_plans.py) with the
-# whole forward, on the kernels' own tests
+# whole call, on the kernels' own tests
 step plans 300 env FLASHTRITON_VERIFY_PLANS=1 python -m pytest -q -n 12 -p no:cacheprovider -rfE \
   tests/test_launch_plans.py tests/test_call_plans.py tests/test_dense.py tests/test_hopper_fwd.py \
   tests/test_hopper_bwd.py tests/test_varlen.py tests/test_kvcache.py

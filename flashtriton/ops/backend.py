@@ -265,24 +265,15 @@ def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, windo
     """Dense forward. Returns (out, softmax_lse (B, H, Sq), S_dmask, rng_state); see docs/api.md §7. With
     learnable_sink (H,) the LSE includes the sinks (§4.11); q/k/v_descale: FP8 inputs' (§4.12), out in bf16."""
     descales = (q_descale, k_descale, v_descale)
-    # a repeated signature runs its call plan: the launches of its first call, without their derivation (ops/call_plans)
-    signature = call_plans.forward_signature(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
-                                             window_size_right, softcap, alibi_slopes, return_softmax, learnable_sink,
-                                             descales)
-    plan = call_plans.forward_plan(signature)
-    if plan is not None:
-        return plan.run(q, k, v, new_empty)
-    if call_plans.records_forward(signature):
-        counters = call_plans.counter_values()
-        with call_plans.recording(POISON_OUTPUTS) as (launches, watch):
-            results = _mha_fwd(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-                               softcap, alibi_slopes, return_softmax, learnable_sink, descales)
-        out, lse, _, rng_state = results
-        call_plans.keep_forward_plan(signature, call_plans.make_plan(launches, q, k, v, out, lse, rng_state,
-                                                                     counters, tuple(watch.other)))
-        return results
-    return _mha_fwd(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-                    alibi_slopes, return_softmax, learnable_sink, descales)
+    # a repeated signature runs its call plan: its first call's operations and launches, without their derivation
+    # (ops/call_plans; not with dropout, whose rng_state draws from the generator, ALiBi, sinks or FP8)
+    plannable = (dropout_p == 0.0 and not return_softmax and alibi_slopes is None and learnable_sink is None
+                 and descales == (None, None, None))
+    return call_plans.run_planned(
+        "fwd", _mha_fwd, (q, k, v) if plannable else None,
+        (float(softmax_scale), bool(causal), int(window_size_left), int(window_size_right), float(softcap)),
+        q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+        return_softmax, learnable_sink, descales)
 
 
 def _mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
@@ -429,6 +420,20 @@ def mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softm
     With deterministic=True nothing is added in an arbitrary order (no atomics in the Triton kernels, the Gluon
     backward's dQ reductions in a fixed order): the result is bitwise reproducible.
     """
+    # a repeated signature runs its call plan (ops/call_plans; not with dropout or ALiBi)
+    plannable = dropout_p == 0.0 and alibi_slopes is None
+    return call_plans.run_planned(
+        "bwd", _mha_bwd, (dout, q, k, v, out, softmax_lse, dq, dk, dv, rng_state) if plannable else None,
+        (float(softmax_scale), bool(causal), int(window_size_left), int(window_size_right), float(softcap),
+         bool(deterministic)),
+        dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left,
+        window_size_right, softcap, alibi_slopes, deterministic, rng_state)
+
+
+def _mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softmax_scale: float, causal: bool,
+             window_size_left: int, window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
+             deterministic: bool, rng_state: Optional[torch.Tensor]) -> torch.Tensor:
+    """mha_bwd's whole backward: checks, allocations, the launcher."""
     checks.check_bwd(dout, q, k, v, out, dq, dk, dv, dropout_p, softcap, alibi_slopes)
     dropout.require_rng_state(rng_state, dropout_p)
     batch, seqlen_q, num_heads, head_dim = q.shape
