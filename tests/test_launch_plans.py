@@ -141,6 +141,9 @@ def test_repeated_calls_launch_planned_kernels_with_the_same_results(monkeypatch
         grads = torch.autograd.grad(out, (q, k, v), dout)
         return out, *grads
 
+    from flashtriton.ops import call_plans
+
+    monkeypatch.setattr(call_plans, "CALL_PLANS_ALLOWED", False)  # the launches themselves, not a call plan's
     monkeypatch.setattr(launching, "PLANS_ALLOWED", False)
     expected = step()
     monkeypatch.setattr(launching, "PLANS_ALLOWED", True)
