@@ -159,3 +159,29 @@ def test_planned_calls_give_the_whole_calls_results(monkeypatch, gluon, shape):
     for inputs, planned in zip(((q, k, v), (q2, k, v)), results):
         whole = step(inputs, dout)
         assert all(torch.equal(a, b) for a, b in zip(planned, whole))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("new_tokens", [0, 1], ids=["decode", "append-and-decode"])
+def test_planned_kvcache_calls_give_the_whole_calls_results(monkeypatch, new_tokens):
+    """flash_attn_with_kvcache repeated with one signature runs its plan: the same out and lse bitwise as the whole
+    call, and the same appended caches."""
+    monkeypatch.setattr(call_plans, "_plans", {})
+    q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    caches = [torch.randn(2, 512, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    new = [torch.randn(2, new_tokens, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)] \
+        if new_tokens else [None, None]
+    seqlens = torch.tensor([100, 300], dtype=torch.int32, device="cuda")
+
+    def call():
+        k_cache, v_cache = (c.clone() for c in caches)
+        out, lse = flashtriton.flash_attn_with_kvcache(q, k_cache, v_cache, k=new[0], v=new[1], cache_seqlens=seqlens,
+                                                       causal=True, return_softmax_lse=True)
+        return out, lse, k_cache, v_cache
+
+    call()
+    hits = call_plans.call_plan_hits
+    planned = call()
+    assert call_plans.call_plan_hits == hits + (not launching.VERIFY_PLANS)
+    monkeypatch.setattr(call_plans, "CALL_PLANS_ALLOWED", False)
+    assert all(torch.equal(a, b) for a, b in zip(planned, call()))

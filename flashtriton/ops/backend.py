@@ -266,12 +266,11 @@ def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, windo
     learnable_sink (H,) the LSE includes the sinks (§4.11); q/k/v_descale: FP8 inputs' (§4.12), out in bf16."""
     descales = (q_descale, k_descale, v_descale)
     # a repeated signature runs its call plan: its first call's operations and launches, without their derivation
-    # (ops/call_plans; not with dropout, whose rng_state draws from the generator, ALiBi, sinks or FP8)
-    plannable = (dropout_p == 0.0 and not return_softmax and alibi_slopes is None and learnable_sink is None
-                 and descales == (None, None, None))
+    # (ops/call_plans; not with dropout, whose rng_state draws from the generator on the host)
     return call_plans.run_planned(
-        "fwd", _mha_fwd, (q, k, v) if plannable else None,
-        (float(softmax_scale), bool(causal), int(window_size_left), int(window_size_right), float(softcap)),
+        "fwd", _mha_fwd, (q, k, v, alibi_slopes, learnable_sink, *descales) if dropout_p == 0.0 else None,
+        (float(softmax_scale), bool(causal), int(window_size_left), int(window_size_right), float(softcap),
+         bool(return_softmax)),
         q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
         return_softmax, learnable_sink, descales)
 
@@ -420,10 +419,10 @@ def mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softm
     With deterministic=True nothing is added in an arbitrary order (no atomics in the Triton kernels, the Gluon
     backward's dQ reductions in a fixed order): the result is bitwise reproducible.
     """
-    # a repeated signature runs its call plan (ops/call_plans; not with dropout or ALiBi)
-    plannable = dropout_p == 0.0 and alibi_slopes is None
+    # a repeated signature runs its call plan (ops/call_plans; not with dropout)
     return call_plans.run_planned(
-        "bwd", _mha_bwd, (dout, q, k, v, out, softmax_lse, dq, dk, dv, rng_state) if plannable else None,
+        "bwd", _mha_bwd,
+        (dout, q, k, v, out, softmax_lse, dq, dk, dv, rng_state, alibi_slopes) if dropout_p == 0.0 else None,
         (float(softmax_scale), bool(causal), int(window_size_left), int(window_size_right), float(softcap),
          bool(deterministic)),
         dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left,

@@ -1,8 +1,8 @@
 """Call plans: what a call with one signature did on the host, kept so that the next call with that signature does
 the same again without re-deriving it (checks, configs, grids, tile counts, descriptors' validation, argument kinds).
 
-A signature (`signature`) is everything an entry point (backend.mha_fwd, backend.mha_bwd) reads to decide what to
-launch: the shapes, strides, dtypes, devices and 16-byte alignment of its tensors, its scalar options, and the
+A signature (`signature`) is everything an entry point (backend.mha_fwd, backend.mha_bwd, kvcache.mha_fwd_kvcache)
+reads to decide what to launch: the shapes, strides, dtypes, devices and 16-byte alignment of its tensors, its scalar options, and the
 functions and switches that tests and users may replace (`_environment`). The first call with a signature runs whole
 while a recorder (`_Recorder`) notes, in order, each launch (launching.launch reports it, with its launch plan) and
 each aten operation on tensors (a dispatch mode). Where every launch had a launch plan (its compiled kernel known),
@@ -32,13 +32,16 @@ _plans: dict = {}  # signature -> CallPlan, or _NONE for a signature that has no
 _NONE = object()
 call_plan_hits = 0  # calls that ran from their plan (tests read it)
 
-# the aten operations a plan may repeat: allocations, views (no data moves), and the copies and fills the launchers
-# do around their kernels
+# the aten operations a plan may repeat: allocations, views (no data moves), the copies and fills the launchers do
+# around their kernels, and the index arithmetic of kv-cache calls (keys each row attends, clamped pads). Each is a
+# function of its tensors on the device; an operation whose result the host reads (item, a copy to the CPU, a
+# comparison) is none of them, so a call that decides anything from tensor values gets no plan
 _REPEATABLE = frozenset((
     "empty.memory_format", "empty_strided.default", "zeros.default", "unsqueeze.default", "squeeze.dim",
     "slice.Tensor", "select.int", "as_strided.default", "view.default", "_unsafe_view.default", "t.default",
     "transpose.int", "permute.default", "expand.default", "alias.default", "copy_.default",
-    "fill_.Scalar", "zero_.default"))
+    "fill_.Scalar", "zero_.default", "full.default", "add.Tensor", "add.Scalar", "clamp.default",
+    "clamp_min.default"))
 # the launch counters of ops/hopper.py (tests read them to know which kernels ran); a plan advances them as its call did
 _COUNTERS = ("fwd_launch_count", "tail_merge_count", "bwd_launch_count")
 
@@ -304,9 +307,11 @@ def _environment() -> tuple:
     import triton
 
     from .. import configs
-    from . import backend, checks, hopper
+    from . import backend, checks, hopper, kvcache
 
-    return (backend.launch_fwd, backend.launch_bwd, backend.new_empty, backend.POISON_OUTPUTS,
+    return (kvcache.new_empty, kvcache.launch_fwd, kvcache.launch, checks._strict, checks.copy_index_tensors_to_host,
+            torch.cuda.is_current_stream_capturing, backend.launch_fwd, backend.launch_bwd, backend.new_empty,
+            backend.POISON_OUTPUTS,
             backend.KERNELS_INTERPRETED, backend.runs_triton, backend.splits_for, backend.launch, hopper.launch_fwd,
             hopper.launch_bwd, hopper.gluon_runs, hopper.is_hopper, hopper._multiprocessors, hopper.PROGRAMS_CAP,
             hopper.order_fits, hopper.launch, configs.GLUON_ALLOWED, configs.TMA_ALLOWED, configs.fwd_config,

@@ -14,7 +14,7 @@ import torch
 from .. import configs
 from ..kernels.append import kv_append_kernel
 from ..scores import score_params
-from . import checks, reference_path, sink
+from . import call_plans, checks, reference_path, sink
 from .backend import launch_fwd, new_empty, runs_triton, splits_for
 from .launching import compiled_without_line_info, device_guard, launch, triton_cdiv
 from .triton.rotary import apply_rotary
@@ -64,8 +64,23 @@ def mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     """Append k/v (rotated) into the caches in place, then attend. Returns (out (B, Sq, H, D), lse (B, H, Sq)).
 
     cache_seqlens is None (every row holds `capacity` keys) or an int32 (B,) tensor. learnable_sink (H,): sinks
-    folded into out and lse (docs/api.md §4.11).
+    folded into out and lse (docs/api.md §4.11). A repeated signature runs its call plan (ops/call_plans).
     """
+    return call_plans.run_planned(
+        "kvcache", _mha_fwd_kvcache,
+        (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+         alibi_slopes, learnable_sink, q_descale, k_descale, v_descale),
+        (float(softmax_scale), bool(causal), int(window_size_left), int(window_size_right), float(softcap),
+         bool(rotary_interleaved), int(num_splits)),
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+        softmax_scale, causal, window_size_left, window_size_right, softcap, rotary_interleaved, alibi_slopes,
+        num_splits, learnable_sink, q_descale, k_descale, v_descale)
+
+
+def _mha_fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                     block_table, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                     rotary_interleaved, alibi_slopes, num_splits, learnable_sink, q_descale, k_descale, v_descale):
+    """mha_fwd_kvcache's whole call: checks, appends, allocations, the launcher."""
     checks.check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                          cache_leftpad, block_table, softcap, alibi_slopes, num_splits)
     checks.check_learnable_sink(learnable_sink, q, q.shape[2])
