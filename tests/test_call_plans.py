@@ -129,6 +129,8 @@ def test_cpu_calls_have_no_signature():
         q, k, v = (t.cuda() for t in (q, k, v))
         assert call_plans.signature("fwd", (q, k, v), ()) is not None
         assert call_plans.signature("fwd", (q, k.cpu(), v), ()) is None
+        # one tensor passed as q and k is another signature than two tensors
+        assert call_plans.signature("fwd", (q, q, v), ()) != call_plans.signature("fwd", (q, k, v), ())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -326,15 +326,17 @@ def signature(entry: str, tensors: tuple, options: tuple) -> Optional[tuple]:
     if not CALL_PLANS_ALLOWED:
         return None
     device = torch.cuda.current_device() if tensors[0].is_cuda else None
-    described = []
-    for tensor in tensors:
+    described, first_position = [], {}
+    for position, tensor in enumerate(tensors):
         if tensor is None:
             described.append(None)
             continue
         if type(tensor) is not torch.Tensor or tensor.device.index != device or tensor.device.type != "cuda" or \
                 (tensor.requires_grad and torch.is_grad_enabled()):
             return None
-        described.append((tensor.shape, tensor.stride(), tensor.dtype, tensor.data_ptr() & 15 == 0))
+        # one tensor passed twice (q as k, say) is one slot of the plan: another call must pass one twice too
+        same_as = first_position.setdefault(id(tensor), position)
+        described.append((tensor.shape, tensor.stride(), tensor.dtype, tensor.data_ptr() & 15 == 0, same_as))
     return (entry, device, tuple(described), options, _environment())
 
 
