@@ -310,7 +310,7 @@ def _environment() -> tuple:
     from . import backend, checks, hopper, kvcache
 
     return (kvcache.new_empty, kvcache.launch_fwd, kvcache.launch, checks._strict, checks.copy_index_tensors_to_host,
-            torch.cuda.is_current_stream_capturing, backend.launch_fwd, backend.launch_bwd, backend.new_empty,
+            checks.index_tensors_to_check, configs.heads_per_l2_group, torch.cuda.is_current_stream_capturing, backend.launch_fwd, backend.launch_bwd, backend.new_empty,
             backend.POISON_OUTPUTS,
             backend.KERNELS_INTERPRETED, backend.runs_triton, backend.splits_for, backend.launch, hopper.launch_fwd,
             hopper.launch_bwd, hopper.gluon_runs, hopper.is_hopper, hopper._multiprocessors, hopper.PROGRAMS_CAP,
