@@ -301,14 +301,21 @@ def make_plan(events: list, tensors: tuple, result, counters_before: tuple) -> O
     return CallPlan(tuple(steps), result_template, counters)
 
 
+_modules: tuple = ()  # the modules _environment reads, imported on its first call (they import this one)
+
+
 def _environment() -> tuple:
     """The replaceable functions and switches the entry points' decisions go through (tests replace them; a plan made
     under other ones must not run). The objects themselves, so that a replaced one is never mistaken for another."""
-    import triton
+    global _modules
+    if not _modules:
+        import triton
 
-    from .. import configs
-    from . import backend, checks, hopper, kvcache
+        from .. import configs
+        from . import backend, checks, hopper, kvcache
 
+        _modules = (triton, configs, backend, checks, hopper, kvcache)
+    triton, configs, backend, checks, hopper, kvcache = _modules
     return (kvcache.new_empty, kvcache.launch_fwd, kvcache.launch, checks._strict, checks.copy_index_tensors_to_host,
             checks.index_tensors_to_check, configs.heads_per_l2_group, torch.cuda.is_current_stream_capturing, backend.launch_fwd, backend.launch_bwd, backend.new_empty,
             backend.POISON_OUTPUTS,
