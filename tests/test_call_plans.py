@@ -122,6 +122,38 @@ def test_a_signature_keeps_its_first_plan_and_verification_compares(monkeypatch)
     assert call_plans.plan_for(("fwd", 1)) is plans[0] and call_plans.plan_for(("fwd", 2)) is None
 
 
+def test_a_signatures_second_call_records_and_later_ones_run_the_plan(monkeypatch):
+    """run_planned: the first call of a signature runs whole without recording, the second whole while recording,
+    later ones run the plan; a call without a signature always runs whole."""
+    monkeypatch.setattr(call_plans, "_plans", {})
+    monkeypatch.setattr(call_plans, "_seen", {})
+    monkeypatch.setattr(launching, "VERIFY_PLANS", False)
+    monkeypatch.setattr(launching, "_hooks_present", lambda: False)
+    monkeypatch.setattr(call_plans, "signature", lambda entry, tensors, options: (entry, options))
+    log = []
+
+    class Plan:
+        def run(self, tensors):
+            log.append("plan")
+            return "planned"
+
+    def make_plan(events, tensors, result, counters):
+        log.append("made")
+        return Plan()
+
+    monkeypatch.setattr(call_plans, "make_plan", make_plan)
+
+    def whole(value):
+        log.append("recording" if launching._recorder is not None else "whole")
+        return value
+
+    results = [call_plans.run_planned("fwd", whole, (torch.zeros(1), ), (1, ), "whole") for _ in range(4)]
+    assert results == ["whole", "whole", "planned", "planned"]
+    assert log == ["whole", "recording", "made", "plan", "plan"]
+    log.clear()
+    assert call_plans.run_planned("fwd", whole, None, (1, ), "whole") == "whole" and log == ["whole"]
+
+
 def test_cpu_calls_have_no_signature():
     q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
     assert call_plans.signature("fwd", (q, k, v), ()) is None  # CPU tensors run no compiled kernel
@@ -137,13 +169,14 @@ def test_cpu_calls_have_no_signature():
 @pytest.mark.parametrize("gluon", [True, False], ids=["gluon-if-sm90", "triton"])
 @pytest.mark.parametrize("shape", [(2, 300, 4, 128), (1, 64, 8, 64)], ids=["2x300x4x128", "1x64x8x64"])
 def test_planned_calls_give_the_whole_calls_results(monkeypatch, gluon, shape):
-    """The second call of a signature runs its plan and gives the first call's results bitwise: the forward's out
-    and lse, and through autograd (deterministic=True) the backward's gradients; new inputs of the signature are read
-    (not the first call's); a call without plans agrees bitwise."""
+    """The third call of a signature runs its plan (the second recorded it) and gives the whole call's results
+    bitwise: the forward's out and lse, and through autograd (deterministic=True) the backward's gradients; new inputs
+    of the signature are read (not the recorded call's); a call without plans agrees bitwise."""
     monkeypatch.setattr(call_plans, "_plans", {})
     monkeypatch.setattr(configs, "GLUON_ALLOWED", gluon and configs.GLUON_ALLOWED)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    first = flashtriton.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    flashtriton.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)  # a signature's first call: whole
+    first = flashtriton.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)  # whole, recording
     hits = call_plans.call_plan_hits
     second = flashtriton.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     assert call_plans.call_plan_hits == hits + (not launching.VERIFY_PLANS)
@@ -156,6 +189,8 @@ def test_planned_calls_give_the_whole_calls_results(monkeypatch, gluon, shape):
 
     dout = torch.randn_like(q)
     q2 = torch.randn_like(q)
+    for _ in range(2):  # whole, then whole and recording
+        step((q, k, v), dout)
     results = [step((q, k, v), dout), step((q2, k, v), dout)]
     monkeypatch.setattr(call_plans, "CALL_PLANS_ALLOWED", False)
     for inputs, planned in zip(((q, k, v), (q2, k, v)), results):
@@ -182,8 +217,33 @@ def test_planned_kvcache_calls_give_the_whole_calls_results(monkeypatch, new_tok
         return out, lse, k_cache, v_cache
 
     call()
+    call()
     hits = call_plans.call_plan_hits
     planned = call()
     assert call_plans.call_plan_hits == hits + (not launching.VERIFY_PLANS)
     monkeypatch.setattr(call_plans, "CALL_PLANS_ALLOWED", False)
     assert all(torch.equal(a, b) for a, b in zip(planned, call()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_planned_varlen_calls_read_each_calls_sequences(monkeypatch):
+    """flash_attn_varlen_func's plan is made for shapes and longest lengths, not for the sequences: a planned call
+    with other cu_seqlens of the same shapes (lengths 100, 200 then 200, 100) gives what the whole call gives,
+    forward and backward (deterministic=True)."""
+    monkeypatch.setattr(call_plans, "_plans", {})
+    q, k, v = (torch.randn(300, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    dout = torch.randn_like(q)
+
+    def step(lengths):
+        cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32, device="cuda")
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flashtriton.flash_attn_varlen_func(*leaves, cu, cu, 200, 200, causal=True, deterministic=True)
+        return (out, *torch.autograd.grad(out, leaves, dout))
+
+    for _ in range(2):  # whole, then whole and recording
+        step((100, 200))
+    hits = call_plans.call_plan_hits
+    planned = step((200, 100))
+    assert call_plans.call_plan_hits >= hits + 2 * (not launching.VERIFY_PLANS)  # forward and backward
+    monkeypatch.setattr(call_plans, "CALL_PLANS_ALLOWED", False)
+    assert all(torch.equal(a, b) for a, b in zip(planned, step((200, 100))))

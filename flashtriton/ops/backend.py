@@ -492,8 +492,24 @@ def mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     Rows not covered by any sequence get out 0 and lse +inf (-inf with zero_tensors=True, as FA2; with
     learnable_sink (H,), folded in last (§4.11), learnable_sink[h] like every row without a key). The index values
     (cu_seqlens, max_seqlen, block_table, leftpad_k, seqused_k) are checked on the host for CPU tensors, and on a
-    GPU only in strict mode (checks.set_strict_checks; one host synchronization per call).
+    GPU only in strict mode (checks.set_strict_checks; one host synchronization per call). A repeated signature runs
+    its call plan (ops/call_plans; not with dropout, nor in strict mode, whose checks read the index values).
     """
+    return call_plans.run_planned(
+        "varlen_fwd", _mha_varlen_fwd,
+        (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table, leftpad_k, seqused_k, learnable_sink,
+         q_descale, k_descale, v_descale) if dropout_p == 0.0 else None,
+        (int(max_seqlen_q), int(max_seqlen_k), float(softmax_scale), bool(causal), int(window_size_left),
+         int(window_size_right), float(softcap), bool(return_softmax), bool(zero_tensors), int(num_splits)),
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_size_left, window_size_right, softcap, alibi_slopes, return_softmax, block_table, leftpad_k, seqused_k,
+        zero_tensors, num_splits, learnable_sink, q_descale, k_descale, v_descale)
+
+
+def _mha_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                    window_size_left, window_size_right, softcap, alibi_slopes, return_softmax, block_table, leftpad_k,
+                    seqused_k, zero_tensors, num_splits, learnable_sink, q_descale, k_descale, v_descale):
+    """mha_varlen_fwd's whole forward: checks, allocations, the launcher."""
     batch = checks.check_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap, alibi_slopes,
                                     return_softmax, block_table, leftpad_k, seqused_k, num_splits)
     checks.check_learnable_sink(learnable_sink, q, q.shape[1])
@@ -546,8 +562,24 @@ def mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu
                    rng_state: Optional[torch.Tensor] = None, zero_tensors: bool = False) -> torch.Tensor:
     """Varlen backward into preallocated dq, dk, dv; returns softmax_d (H, Tq + 128 * B).
 
-    Gradient rows not covered by any sequence are written as 0.
+    Gradient rows not covered by any sequence are written as 0. A repeated signature runs its call plan
+    (ops/call_plans; not with dropout).
     """
+    return call_plans.run_planned(
+        "varlen_bwd", _mha_varlen_bwd,
+        (dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state)
+        if dropout_p == 0.0 else None,
+        (int(max_seqlen_q), int(max_seqlen_k), float(softmax_scale), bool(causal), int(window_size_left),
+         int(window_size_right), float(softcap), bool(deterministic), bool(zero_tensors)),
+        dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+        softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state,
+        zero_tensors)
+
+
+def _mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                    alibi_slopes, deterministic, rng_state, zero_tensors):
+    """mha_varlen_bwd's whole backward: checks, allocations, the launcher."""
     batch = checks.check_varlen_bwd(dout, q, k, v, out, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap,
                                     alibi_slopes)
     dropout.require_rng_state(rng_state, dropout_p)

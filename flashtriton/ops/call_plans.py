@@ -1,17 +1,18 @@
-"""Call plans: what a call with one signature did on the host, kept so that the next call with that signature does
-the same again without re-deriving it (checks, configs, grids, tile counts, descriptors' validation, argument kinds).
+"""Call plans: what a call with one signature did on the host, kept so that later calls with that signature do the
+same again without re-deriving it (checks, configs, grids, tile counts, descriptors' validation, argument kinds).
 
-A signature (`signature`) is everything an entry point (backend.mha_fwd, backend.mha_bwd, kvcache.mha_fwd_kvcache)
-reads to decide what to launch: the shapes, strides, dtypes, devices and 16-byte alignment of its tensors, its scalar options, and the
-functions and switches that tests and users may replace (`_environment`). The first call with a signature runs whole
-while a recorder (`_Recorder`) notes, in order, each launch (launching.launch reports it, with its launch plan) and
-each aten operation on tensors (a dispatch mode). Where every launch had a launch plan (its compiled kernel known),
-every operation is one a plan may repeat (`_REPEATABLE`: allocations, views, and the copies and fills the launchers
-do) and every tensor is one of the call's or made by a noted operation, the events become a CallPlan: the next call
-of that signature repeats the operations on its own tensors and runs the compiled kernels with them. Anything else
-(an operation outside the list, a tensor from elsewhere, interpreted kernels) leaves the signature without a plan:
-its calls run whole every time. FLASHTRITON_CALL_PLANS=0 turns call plans off; FLASHTRITON_VERIFY_PLANS=1 runs every
-planned call whole as well and raises where it did anything else.
+A signature (`signature`) is everything an entry point (backend.mha_fwd / mha_bwd / mha_varlen_fwd / mha_varlen_bwd,
+kvcache.mha_fwd_kvcache) reads to decide what to launch: the shapes, strides, dtypes, devices, 16-byte alignment
+and identity pattern of its tensors, its scalar options, and the functions and switches that tests and users may
+replace (`_environment`). The first call with a signature runs whole; the second runs whole while a recorder
+(`_Recorder`) notes, in order, each launch (launching.launch reports it, with its launch plan) and each aten
+operation on tensors (a dispatch mode). Where every launch had a launch plan (its compiled kernel known), every
+operation is one a plan may repeat (`_REPEATABLE`) and every tensor is one of the call's or made by a noted
+operation, the events become a CallPlan: later calls of that signature repeat the operations on their own tensors
+and run the compiled kernels with them. Anything else (an operation outside the list, a tensor from elsewhere,
+interpreted kernels) leaves the signature without a plan: its calls run whole every time. FLASHTRITON_CALL_PLANS=0
+turns call plans off; FLASHTRITON_VERIFY_PLANS=1 records every call and raises where one did anything else than
+its signature's plan.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ CALL_PLANS_ALLOWED = os.environ.get("FLASHTRITON_CALL_PLANS", "1") != "0"
 MAX_CALL_PLANS = 1024  # signatures past it run whole (nothing else changes)
 
 _plans: dict = {}  # signature -> CallPlan, or _NONE for a signature that has none
+_seen: dict = {}  # signatures met once (their second call records)
 _NONE = object()
 call_plan_hits = 0  # calls that ran from their plan (tests read it)
 
@@ -360,12 +362,18 @@ def plan_for(key) -> Optional[CallPlan]:
 
 def run_planned(entry: str, whole, tensors: Optional[tuple], options: tuple, *args):
     """whole(*args), or the plan of its signature (entry, `tensors` (None: never planned), `options`): the first call
-    of a signature runs whole and records; later ones run its plan."""
+    of a signature runs whole, the second runs whole and records, later ones run its plan. (Recording costs more
+    than a whole call: a signature met once, as varlen batches of ever new longest lengths are, never pays it.)"""
     key = None if tensors is None else signature(entry, tensors, options)
     plan = plan_for(key)
     if plan is not None:
         return plan.run(tensors)
     if key is None or (key in _plans and not launching.VERIFY_PLANS):
+        return whole(*args)
+    if _seen.pop(key, None) is None and not launching.VERIFY_PLANS:
+        if len(_seen) >= MAX_CALL_PLANS:
+            _seen.clear()
+        _seen[key] = True
         return whole(*args)
     from . import hopper
 
