@@ -172,8 +172,7 @@ class _Operation:
 
     def same_as(self, other) -> bool:
         return (type(other) is _Operation and self.function is other.function and _same(self.args, other.args)
-                and _same(self.kwargs, other.kwargs) and len(self.dynamic) == len(other.dynamic)
-                and all(p == q and _same(a, b) for (p, a), (q, b) in zip(self.dynamic, other.dynamic)))
+                and _same(self.kwargs, other.kwargs) and _same(self.dynamic, other.dynamic))
 
 
 class _Launch:
@@ -201,8 +200,7 @@ class _Launch:
 
     def same_as(self, other) -> bool:
         return (type(other) is _Launch and self.compiled is other.compiled and self.grid == other.grid
-                and _same(self.static, other.static) and len(self.dynamic) == len(other.dynamic)
-                and all(p == q and _same(a, b) for (p, a), (q, b) in zip(self.dynamic, other.dynamic)))
+                and _same(self.static, other.static) and _same(self.dynamic, other.dynamic))
 
 
 class CallPlan:
