@@ -6,12 +6,17 @@ bucket, the Gluon Hopper kernels' by head dim (and causal). Two switches, read o
 FLASHTRITON_TMA=0 turns tensor descriptors off in every config (pointer loads only; the Gluon Hopper kernels,
 which need them, are off then too): for debugging, and for tools like compute-sanitizer's initcheck that may not
 see the bulk (TMA) stores as writes. FLASHTRITON_GLUON=0 keeps every forward and backward on the Triton kernels.
+
+Tables and settings may be changed at run time (tuning sweeps, tests): `changes` counts every replacement of a
+module attribute and every change to a table (ConfigTable), and ops/call_plans keeps a call's plan for one count only.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
+import types
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Optional
@@ -44,6 +49,31 @@ class BwdConfig:
     dq_atomic: bool = False  # dQ added with atomics by the dK/dV kernel, no dQ pass (not with deterministic=True)
 
 
+changes = 0  # replacements of this module's attributes and changes to its tables since import (_Settings)
+
+
+class ConfigTable(dict):
+    """A table of configs: a dict whose every change counts in `changes`."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        _count_change()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        _count_change()
+
+    def _refused(self, *args, **kwargs):
+        raise TypeError("a ConfigTable changes by item assignment and deletion only (so that the change is counted)")
+
+    update = pop = popitem = clear = setdefault = __ior__ = _refused
+
+
+def _count_change() -> None:
+    global changes
+    changes += 1
+
+
 TMA_ALLOWED = os.environ.get("FLASHTRITON_TMA", "1") != "0"
 GLUON_ALLOWED = os.environ.get("FLASHTRITON_GLUON", "1") != "0"
 
@@ -60,7 +90,7 @@ _INTERPRETER_BWD = BwdConfig(TileConfig(64, 64, 4, 1), TileConfig(64, 64, 4, 1),
 # sm80: not measured (conservative tiles)
 _NO_SKIP = 0.0
 _TMA = True
-_FWD_TABLE = {
+_FWD_TABLE = ConfigTable({
     ("sm90", False): ((64, FwdConfig(64, 64, 4, 3, _NO_SKIP, _TMA)), (128, FwdConfig(128, 128, 8, 3, _NO_SKIP, _TMA)),
                       (256, FwdConfig(128, 32, 8, 3, _NO_SKIP, _TMA)), (512, FwdConfig(64, 32, 8, 2, _NO_SKIP)),
                       (1024, FwdConfig(32, 32, 8, 1, _NO_SKIP))),
@@ -70,9 +100,9 @@ _FWD_TABLE = {
     ("sm80", False): ((64, FwdConfig(128, 64, 4, 3, _NO_SKIP)), (128, FwdConfig(128, 64, 4, 2, _NO_SKIP)),
                       (256, FwdConfig(64, 64, 4, 2, _NO_SKIP)), (512, FwdConfig(64, 32, 4, 1, _NO_SKIP)),
                       (1024, FwdConfig(32, 16, 4, 1, _NO_SKIP))),
-}
+})
 _FWD_TABLE[("sm80", True)] = _FWD_TABLE[("sm80", False)]
-_BWD_TABLE = {
+_BWD_TABLE = ConfigTable({
     "sm90": ((64, BwdConfig(TileConfig(32, 64, 4, 3), TileConfig(128, 64, 8, 3), use_tma=_TMA)),
              (128, BwdConfig(TileConfig(32, 64, 4, 3), TileConfig(128, 64, 8, 3), use_tma=_TMA)),
              (256, BwdConfig(TileConfig(32, 64, 8, 2), TileConfig(128, 32, 8, 2), use_tma=_TMA)),
@@ -81,7 +111,7 @@ _BWD_TABLE = {
              (128, BwdConfig(TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 2))),
              (256, BwdConfig(TileConfig(32, 64, 4, 1), TileConfig(32, 64, 4, 1))),
              (512, BwdConfig(TileConfig(32, 32, 4, 1), TileConfig(32, 32, 4, 1)))),
-}
+})
 
 
 @lru_cache(maxsize=None)
@@ -141,7 +171,7 @@ def pack_gqa(seqlen_q: int, group_size: int) -> bool:
 
 # Dropout's in-kernel Philox needs registers: at head dim <= 128 the sm90 forward tiles spill, 128x64 w8 s3 least.
 # python tools/offline_compile.py --dropout (sm_90, offline), 2026-11-30, 1724892
-_DROPOUT_FWD = {"sm90": FwdConfig(128, 64, 8, 3, _NO_SKIP, _TMA)}
+_DROPOUT_FWD = ConfigTable({"sm90": FwdConfig(128, 64, 8, 3, _NO_SKIP, _TMA)})
 
 
 def fwd_config(arch: str, head_dim: int, causal: bool = False, seqlen_q: int = 1 << 30,
@@ -176,7 +206,7 @@ def bwd_config(arch: str, head_dim: int) -> BwdConfig:
 # head's longest tile; 0 gives one head per group (each head's tiles in turn). Without a causal mask every tile
 # costs the same and the order only moves L2 traffic.
 # python benchmarks/sweep_l2_groups.py, 2026-11-30, fedaf69 (--graph: 61dcdf5), H200
-L2_GROUP_BYTES = {False: 0, True: 16 << 20}
+L2_GROUP_BYTES = ConfigTable({False: 0, True: 16 << 20})
 
 
 @dataclass(frozen=True)
@@ -214,12 +244,12 @@ class HopperFwdConfig:
 _HOPPER_FWD_D128 = HopperFwdConfig(128, 2, 240, persistent=True, pingpong=True, hold_schedule=True,
                                    rescale_threshold=8.0)
 _HOPPER_FWD_D256 = HopperFwdConfig(64, 2, 232, hold_schedule=True, rescale_threshold=8.0)
-HOPPER_FWD = {(64, False): HopperFwdConfig(128, 2, 160, persistent=True, consumers=3),
+HOPPER_FWD = ConfigTable({(64, False): HopperFwdConfig(128, 2, 160, persistent=True, consumers=3),
               (64, True): HopperFwdConfig(128, 2, 232, persistent=True),
               (128, False): replace(_HOPPER_FWD_D128, split_tail=True),
               (128, True): replace(_HOPPER_FWD_D128, mask_by_residues=True),
               (256, False): replace(_HOPPER_FWD_D256, persistent=True, split_tail=True),
-              (256, True): replace(_HOPPER_FWD_D256, mask_by_residues=True)}
+              (256, True): replace(_HOPPER_FWD_D256, mask_by_residues=True)})
 HOPPER_FWD_HEAD_DIMS = tuple(sorted({head_dim for head_dim, _ in HOPPER_FWD}))
 
 
@@ -246,7 +276,8 @@ class HopperBwdConfig:
 
 # keyed by head dim
 # flashtriton bench --modes bwd, 2026-12-01, a536212, H200
-HOPPER_BWD = {64: HopperBwdConfig(64, 2, 240), 128: HopperBwdConfig(64, 2, 248), 256: HopperBwdConfig(64, 2, 240)}
+HOPPER_BWD = ConfigTable({64: HopperBwdConfig(64, 2, 240), 128: HopperBwdConfig(64, 2, 248),
+                          256: HopperBwdConfig(64, 2, 240)})
 HOPPER_BWD_HEAD_DIMS = tuple(sorted(HOPPER_BWD))
 
 
@@ -301,3 +332,15 @@ def multiprocessor_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 8
+
+
+class _Settings(types.ModuleType):
+    """This module's type: a replaced attribute (a table, a switch, a function) counts in `changes`."""
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name != "changes":
+            _count_change()
+
+
+sys.modules[__name__].__class__ = _Settings

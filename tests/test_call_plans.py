@@ -114,12 +114,54 @@ def test_a_signature_keeps_its_first_plan_and_verification_compares(monkeypatch)
     call_plans.keep(("fwd", 1), plans[0])
     call_plans.keep(("fwd", 1), plans[1])
     assert call_plans._plans[("fwd", 1)] is plans[0]
-    with pytest.raises(RuntimeError, match="call plan of fwd"):
+    with pytest.raises(RuntimeError, match=r"call plan of fwd .* step 3 \(a launch\) differs"):
         call_plans.keep(("fwd", 1), plans[2])
     call_plans.keep(("fwd", 2), None)
     monkeypatch.setattr(launching, "VERIFY_PLANS", False)
     monkeypatch.setattr(launching, "_hooks_present", lambda: False)
     assert call_plans.plan_for(("fwd", 1)) is plans[0] and call_plans.plan_for(("fwd", 2)) is None
+
+
+def test_a_nan_fill_repeats_as_itself():
+    """Poisoned outputs are filled with NaN (testing.poisoned_outputs): two recordings of such a call are one plan
+    (NaN != NaN must not read as a different plan), and other fill values are another."""
+    compiled = _Compiled()
+    q, k = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+    plans = []
+    for value in (float("nan"), float("nan"), 0.0):
+        with call_plans._Recorder() as recorder:
+            out, stats = _call(compiled, q, k)
+            out.fill_(value)
+        plans.append(call_plans.make_plan(recorder.events, (q, k), (out, stats), (0, 0, 0)))
+    assert plans[0].same_as(plans[1]) and not plans[0].same_as(plans[2])
+
+
+@pytest.mark.parametrize("change", ["table entry", "table entry deleted", "attribute"])
+def test_config_changes_are_another_environment(monkeypatch, change):
+    """A config table changed in place (tests and tuning sweeps set entries) or a configs attribute replaced is
+    another environment, so no call plan made before the change runs after it; undoing the change is another one
+    again (a plan made then is recorded anew)."""
+    before = call_plans._environment()
+    key = next(iter(configs.HOPPER_FWD))
+    if change == "table entry":
+        monkeypatch.setitem(configs.HOPPER_FWD, key, dataclasses.replace(configs.HOPPER_FWD[key], stages=3))
+    elif change == "table entry deleted":
+        monkeypatch.delitem(configs.HOPPER_FWD, key)
+    else:
+        monkeypatch.setattr(configs, "L2_GROUP_BYTES", {False: 0, True: 0})
+    during = call_plans._environment()
+    monkeypatch.undo()
+    assert len({before, during, call_plans._environment()}) == 3
+    assert call_plans._environment() == call_plans._environment()  # nothing else moves it
+
+
+def test_config_tables_refuse_uncounted_changes():
+    """Bulk changes of a config table would not be counted: they raise."""
+    for change in (lambda t: t.update({}), lambda t: t.pop(next(iter(t))), lambda t: t.clear(),
+                   lambda t: t.setdefault(0, None), lambda t: t.popitem()):
+        with pytest.raises(TypeError, match="item assignment"):
+            change(configs.HOPPER_BWD)
+    assert len(configs.HOPPER_BWD) == len(configs.HOPPER_BWD_HEAD_DIMS)
 
 
 def test_a_signatures_second_call_records_and_later_ones_run_the_plan(monkeypatch):

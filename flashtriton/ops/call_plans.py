@@ -133,7 +133,7 @@ def _same(a, b) -> bool:
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if type(a) is dict:
         return a.keys() == b.keys() and all(_same(a[name], b[name]) for name in a)
-    return a == b
+    return a == b or (a != a and b != b)  # NaN (poisoned outputs' fill value) repeats as NaN
 
 
 # the torch functions that do what these aten operations do with the same arguments, without the aten operation's
@@ -306,7 +306,8 @@ _modules: tuple = ()  # the modules _environment reads, imported on its first ca
 
 def _environment() -> tuple:
     """The replaceable functions and switches the entry points' decisions go through (tests replace them; a plan made
-    under other ones must not run). The objects themselves, so that a replaced one is never mistaken for another."""
+    under other ones must not run). The objects themselves, so that a replaced one is never mistaken for another;
+    for configs (tables changed in place, too), its count of changes."""
     global _modules
     if not _modules:
         import triton
@@ -316,14 +317,13 @@ def _environment() -> tuple:
 
         _modules = (triton, configs, backend, checks, hopper, kvcache)
     triton, configs, backend, checks, hopper, kvcache = _modules
-    return (kvcache.new_empty, kvcache.launch_fwd, kvcache.launch, checks._strict, checks.copy_index_tensors_to_host,
-            checks.index_tensors_to_check, configs.heads_per_l2_group, torch.cuda.is_current_stream_capturing, backend.launch_fwd, backend.launch_bwd, backend.new_empty,
-            backend.POISON_OUTPUTS,
+    return (configs.changes, kvcache.new_empty, kvcache.launch_fwd, kvcache.launch, checks._strict,
+            checks.copy_index_tensors_to_host, checks.index_tensors_to_check, torch.cuda.is_current_stream_capturing,
+            backend.launch_fwd, backend.launch_bwd, backend.new_empty, backend.POISON_OUTPUTS,
             backend.KERNELS_INTERPRETED, backend.runs_triton, backend.splits_for, backend.launch, hopper.launch_fwd,
             hopper.launch_bwd, hopper.gluon_runs, hopper.is_hopper, hopper._multiprocessors, hopper.PROGRAMS_CAP,
-            hopper.order_fits, hopper.launch, configs.GLUON_ALLOWED, configs.TMA_ALLOWED, configs.fwd_config,
-            configs.bwd_config, configs.forward_launch_config, launching.PLANS_ALLOWED, launching.launch,
-            checks._major_capability, torch.version.cuda, triton.knobs.runtime.debug)
+            hopper.order_fits, hopper.launch, launching.PLANS_ALLOWED, launching.launch, checks._major_capability,
+            torch.version.cuda, triton.knobs.runtime.debug)
 
 
 def signature(entry: str, tensors: tuple, options: tuple) -> Optional[tuple]:
@@ -391,4 +391,15 @@ def keep(key, plan: Optional[CallPlan]) -> None:
             _plans[key] = _NONE if plan is None else plan
     elif kept is not _NONE and (plan is None or not plan.same_as(kept)):
         raise RuntimeError(f"the call plan of {key[0]} differs from what the whole call did: {len(kept.steps)} planned "
-                           f"steps, {'none' if plan is None else len(plan.steps)} now")
+                           f"steps, {'none' if plan is None else len(plan.steps)} now; {_first_difference(kept, plan)}")
+
+
+def _first_difference(kept: CallPlan, plan: Optional[CallPlan]) -> str:
+    """Where two plans of a signature part (for keep's error)."""
+    if plan is None:
+        return "the call had no plan"
+    for index, (a, b) in enumerate(zip(kept.steps, plan.steps)):
+        if not a.same_as(b):
+            what = _operation_name(a.function) if type(a) is _Operation else "a launch"
+            return f"step {index} ({what}) differs"
+    return "their results or launch counters differ" if len(kept.steps) == len(plan.steps) else "one has more steps"
