@@ -3,6 +3,7 @@ persistent grid, ping-pong) on the baseline shapes (bench.BASELINE_SHAPES), with
 same process.
 
     python benchmarks/sweep_hopper_fwd.py [--shapes 0,1] [--out DIR]
+    python benchmarks/sweep_hopper_fwd.py --head-dims 80,96,192   # B=4, S=4096, 2048 // D heads (the feature rows)
 
 Every candidate's output is compared with SDPA FLASH's before it is timed (max abs error printed); a candidate
 that fails to compile is recorded with NaN, and each row records whether the Gluon kernel ran (torch.profiler's kernel
@@ -14,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,10 @@ from flashtriton import configs
 from flashtriton.bench import attention_flops, median_ms, profiled_kernels, select_shapes
 from flashtriton.configs import HopperFwdConfig
 
+_CHUNKED_NARROW = [HopperFwdConfig(128, stages, 240, persistent=True, pingpong=pingpong, hold_schedule=hold,
+                                   rescale_threshold=8.0)
+                   for stages, pingpong, hold in ((2, True, True), (3, True, True), (2, False, True), (2, True, False))]
+_CHUNKED_NARROW.append(HopperFwdConfig(128, 2, 160, persistent=True, rescale_threshold=8.0, consumers=3))
 # shared memory: Q and O 2 x 64 rows each (O staged in Q at d256), K and V `stages` x block_n rows (227 KiB per
 # program on sm_90)
 CANDIDATES = {
@@ -34,6 +39,13 @@ CANDIDATES = {
           HopperFwdConfig(128, 2, 232, persistent=True, pingpong=True)],
     256: [HopperFwdConfig(64, 2, 232), HopperFwdConfig(64, 2, 232, pingpong=True),
           HopperFwdConfig(64, 2, 232, persistent=True, pingpong=True)],
+    # tiles of two chunks (configs.HOPPER_FWD_CHUNKS)
+    80: [*_CHUNKED_NARROW],
+    96: [*_CHUNKED_NARROW],
+    192: [HopperFwdConfig(64, stages, 232, persistent=True, pingpong=pingpong, hold_schedule=True,
+                          rescale_threshold=8.0) for stages in (2, 3) for pingpong in (False, True)]
+         + [HopperFwdConfig(64, 2, 232, hold_schedule=True, rescale_threshold=8.0),
+            HopperFwdConfig(64, 2, 240, persistent=True, pingpong=True, rescale_threshold=8.0)],
 }
 
 GLUON_FORWARD_KERNEL = "attn_fwd_hopper_kernel"
@@ -47,9 +59,13 @@ def runs_gluon_forward(fn) -> bool:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="all", help="'all' or indices into bench.BASELINE_SHAPES, e.g. 1,3")
+    parser.add_argument("--head-dims", help="instead of --shapes: comma-separated head dims, each at B=4, S=4096 and "
+                                              "2048 // D heads")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     shapes = select_shapes(args.shapes)
+    if args.head_dims:
+        shapes = [(4, 4096, 2048 // dim, dim) for dim in (int(value) for value in args.head_dims.split(","))]
     original = dict(configs.HOPPER_FWD)
     rows = []
     for batch, seqlen, heads, dim in shapes:
@@ -68,6 +84,8 @@ def main():
                     peers[name] = flops / ms * 1e-9
                     rows.append(dict(tag, provider=name, ms=ms, tflops=peers[name]))
                 for candidate in CANDIDATES[dim]:
+                    # the table's choice of causal mask code (configs.HopperFwdConfig.mask_by_residues) stays
+                    candidate = replace(candidate, mask_by_residues=original[dim, causal].mask_by_residues)
                     configs.HOPPER_FWD[dim, causal] = candidate
                     def forward():
                         return flashtriton.flash_attn_func(q, k, v, causal=causal)

@@ -219,12 +219,12 @@ class HopperFwdConfig:
     # one program per SM taking work items in turn (ops/hopper.forward_grid), else one program per tile
     persistent: bool = False
     pingpong: bool = False    # the consumers issue their wgmmas in alternation (kernels/hopper/fwd._wait_turn)
-    # a fence keeps the softmax's exp2s ahead of the P V wait (kernels/hopper/fwd._hold_schedule)
+    # a fence keeps the softmax's exp2s ahead of the P V wait (kernels/hopper/fwd_softmax.hold_schedule)
     hold_schedule: bool = False
-    # the A-1 rescale skip decided per warp (log2 units; kernels/hopper/fwd._rescale); 0: every block rescales
+    # the A-1 rescale skip decided per warp (log2 units; kernels/hopper/fwd_softmax.rescale); 0: every block rescales
     rescale_threshold: float = 0.0
     consumers: int = 2   # consumer warpgroups of 64 query rows: a tile has 64 * consumers rows
-    mask_by_residues: bool = False  # causal mask compared by column residues (kernels/hopper/fwd._mask_block)
+    mask_by_residues: bool = False  # causal mask compared by column residues (kernels/hopper/fwd_softmax.mask_block)
     # persistent grids: the last, partial wave's items cut by key blocks among all programs, at least
     # tail_min_blocks per program (ops/hopper.tail_split)
     split_tail: bool = False
@@ -244,13 +244,25 @@ class HopperFwdConfig:
 _HOPPER_FWD_D128 = HopperFwdConfig(128, 2, 240, persistent=True, pingpong=True, hold_schedule=True,
                                    rescale_threshold=8.0)
 _HOPPER_FWD_D256 = HopperFwdConfig(64, 2, 232, hold_schedule=True, rescale_threshold=8.0)
+_HOPPER_FWD_D128_CAUSAL = replace(_HOPPER_FWD_D128, mask_by_residues=True)
+# 80 and 96 take d128's entries, 192 d256's persistent ones: benchmarks/sweep_hopper_fwd.py --head-dims 80,96,192
+# candidates within 1% of the best, 2026-12-07, 6d06c78, H100
 HOPPER_FWD = ConfigTable({(64, False): HopperFwdConfig(128, 2, 160, persistent=True, consumers=3),
-              (64, True): HopperFwdConfig(128, 2, 232, persistent=True),
-              (128, False): replace(_HOPPER_FWD_D128, split_tail=True),
-              (128, True): replace(_HOPPER_FWD_D128, mask_by_residues=True),
-              (256, False): replace(_HOPPER_FWD_D256, persistent=True, split_tail=True),
-              (256, True): replace(_HOPPER_FWD_D256, mask_by_residues=True)})
+                         (64, True): HopperFwdConfig(128, 2, 232, persistent=True),
+                         (80, False): _HOPPER_FWD_D128, (80, True): _HOPPER_FWD_D128_CAUSAL,
+                         (96, False): _HOPPER_FWD_D128, (96, True): _HOPPER_FWD_D128_CAUSAL,
+                         (128, False): replace(_HOPPER_FWD_D128, split_tail=True),
+                         (128, True): _HOPPER_FWD_D128_CAUSAL,
+                         (192, False): replace(_HOPPER_FWD_D256, persistent=True),
+                         (192, True): replace(_HOPPER_FWD_D256, mask_by_residues=True),
+                         (256, False): replace(_HOPPER_FWD_D256, persistent=True, split_tail=True),
+                         (256, True): replace(_HOPPER_FWD_D256, mask_by_residues=True)})
 HOPPER_FWD_HEAD_DIMS = tuple(sorted({head_dim for head_dim, _ in HOPPER_FWD}))
+# The Gluon forward's tiles by head dim: the widths of the column chunks its shared tiles and wgmmas move (powers of
+# two, which Gluon's shared layouts need; the kernel chains one S wgmma per chunk and keeps an output accumulator
+# per chunk of V's head dim). Every HOPPER_FWD head dim has an entry.
+HOPPER_FWD_CHUNKS = ConfigTable({64: (64, ), 80: (64, 16), 96: (64, 32), 128: (128, ), 192: (128, 64),
+                                 256: (256, )})
 
 
 def _tile_dim(head_dim: int, tile_dims) -> Optional[int]:
@@ -260,8 +272,8 @@ def _tile_dim(head_dim: int, tile_dims) -> Optional[int]:
 
 def hopper_fwd_tile_dim(head_dim: int) -> Optional[int]:
     """The head dim of the Gluon forward's tiles for head_dim: the smallest HOPPER_FWD_HEAD_DIMS entry that holds it
-    (80 and 96 run on 128-wide tiles, 192 on 256-wide: the tensor descriptors read the missing columns of Q, K and V
-    as zeros and never store them), None above 256."""
+    (72 runs on 80-wide tiles, 112 on 128-wide, 160 on 192-wide: the tensor descriptors read the missing columns of
+    Q, K and V as zeros and never store them), None above 256."""
     return _tile_dim(head_dim, HOPPER_FWD_HEAD_DIMS)
 
 

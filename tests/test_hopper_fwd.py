@@ -85,8 +85,28 @@ def test_v_head_dim_of_its_own_takes_the_gluon_forward_only():
 
 
 def test_head_dims_between_tile_classes_take_the_next_wider_tiles():
-    assert [configs.hopper_fwd_tile_dim(d) for d in (8, 64, 72, 80, 96, 128, 136, 192, 256, 264)] == \
-        [64, 64, 128, 128, 128, 128, 256, 256, 256, None]
+    assert [configs.hopper_fwd_tile_dim(d) for d in (8, 64, 72, 80, 96, 112, 128, 136, 192, 200, 256, 264)] == \
+        [64, 64, 80, 80, 96, 128, 128, 192, 192, 256, 256, None]
+
+
+def test_every_tile_class_has_power_of_two_chunks_that_add_up():
+    """configs.HOPPER_FWD_CHUNKS: one or two chunks per tile class (the kernel's descriptors: q_desc, q_desc2),
+    power-of-two widths of at least 16 (Gluon's shared layouts; a bf16 wgmma's K), summing to the class's head dim,
+    the widest first (the second chunk starts at the first one's width)."""
+    assert set(configs.HOPPER_FWD_CHUNKS) == set(configs.HOPPER_FWD_HEAD_DIMS)
+    for tile_dim, widths in configs.HOPPER_FWD_CHUNKS.items():
+        assert 1 <= len(widths) <= 2 and sum(widths) == tile_dim and list(widths) == sorted(widths, reverse=True)
+        assert all(width >= 16 and width & (width - 1) == 0 for width in widths), widths
+
+
+def test_tiles_of_two_chunks_do_not_cut_tails():
+    """attn_tail_merge_kernel takes power-of-two head dims: a config that asks for a cut runs without one on tiles of
+    two chunks (no SPLIT_TAIL code either)."""
+    config = dataclasses.replace(configs.HOPPER_FWD[128, False], persistent=True, split_tail=True)
+    assert hopper.cuts_tail(config, 128) and hopper.forward_constexprs(config, False, tile_dim=128)["SPLIT_TAIL"]
+    for tile_dim in (80, 96, 192):
+        assert not hopper.cuts_tail(config, tile_dim)
+        assert not hopper.forward_constexprs(config, False, tile_dim=tile_dim)["SPLIT_TAIL"]
 
 
 def config_ids(key) -> str:
@@ -239,7 +259,7 @@ def test_varlen_without_rows_takes_the_triton_kernel(side):
     assert torch.isinf(lse).all()
 
 
-PADDED_HEAD_DIMS = [8, 40, 80, 96, 136, 192]
+PADDED_HEAD_DIMS = [8, 40, 72, 112, 136, 160, 200]
 
 
 @needs_hopper
@@ -338,7 +358,7 @@ def late_jumping_inputs(case: Case, jump: float):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", configs.HOPPER_FWD_HEAD_DIMS, ids=lambda d: f"d{d}")
 def test_gluon_forward_rows_whose_max_moves_late(monkeypatch, head_dim, causal, threshold):
-    """The A-1 rescale skip (configs.HopperFwdConfig.rescale_threshold, kernels/hopper/fwd._rescale: a warp skips
+    """The A-1 rescale skip (configs.HopperFwdConfig.rescale_threshold, kernels/hopper/fwd_softmax.rescale: a warp skips
     its output rescale when none of its 16 rows moved) on and off at every head dim, on rows whose max jumps by
     ~10 (natural units) at a key block of their own: a warp whose vote missed a moved row (e.g. the row r + 8 of a
     thread) would leave that row's earlier blocks unscaled, far outside the tolerance."""
@@ -558,7 +578,7 @@ def test_warmup_compiles_the_tail_merge(monkeypatch):
     monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
     for key, config in configs.HOPPER_FWD.items():
         heads = warmup.tail_cut_heads(*key, "cuda")
-        assert heads == (9 if config.persistent and config.split_tail else None), key
+        assert heads == (9 if hopper.cuts_tail(config, key[0]) else None), key
     monkeypatch.setattr(hopper, "is_hopper", lambda device: False)
     assert warmup.tail_cut_heads(128, False, "cuda") is None
 

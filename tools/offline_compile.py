@@ -173,17 +173,23 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     head_dim_v = configs.hopper_fwd_tile_dim(head_dim_v) if head_dim_v else head_dim
     config = config or configs.HOPPER_FWD[max(head_dim, head_dim_v), causal]
     rows = CONSUMER_ROWS.value
-    signature = {"q_desc": _gluon_tile_type(rows, head_dim, dtype),
-                 "k_desc": _gluon_tile_type(config.block_n, head_dim, dtype),
-                 "v_desc": _gluon_tile_type(config.block_n, head_dim_v, dtype),
-                 "o_desc": _gluon_tile_type(rows, head_dim_v, dtype), "Lse": "*fp32", "Partial": "*fp32",
-                 "PartialLse": "*fp32"}
+    signature = {"Lse": "*fp32", "Partial": "*fp32", "PartialLse": "*fp32"}
+    constexprs = forward_constexprs(config, causal, local, head_dim)
+    # the descriptors of each chunk of the head dims (configs.HOPPER_FWD_CHUNKS), a constexpr None for a missing
+    # second chunk
+    for name, tile_rows, tile_dim in (("q", rows, head_dim), ("k", config.block_n, head_dim),
+                                      ("v", config.block_n, head_dim_v), ("o", rows, head_dim_v)):
+        widths = configs.HOPPER_FWD_CHUNKS[tile_dim]
+        for chunk, suffix in enumerate(("_desc", "_desc2")):
+            if chunk < len(widths):
+                signature[name + suffix] = _gluon_tile_type(tile_rows, widths[chunk], dtype)
+            else:
+                constexprs[name + suffix] = None
     signature.update({name: "i32" for name in ("stride_lse_b", "stride_lse_h", "batch", "num_heads", "group_size",
                                                "seqlen_q", "seqlen_k", "heads_per_group", "paired", "full_items",
                                                "tail_programs", "tail_blocks", "item_blocks")})
     signature["qk_scale_log2"] = signature["rescale_threshold"] = "fp32"
     signature["window_left"] = signature["window_right"] = signature["q_rows"] = signature["k_rows"] = "i32"
-    constexprs = forward_constexprs(config, causal, local)
     names = list(inspect.signature(attn_fwd_hopper_kernel.fn).parameters)
     # the grouped parameters: (CuSeqlensQ, CuSeqlensK, Out, stride_om, stride_oh, head_dim_v) and (AlibiSlopes,
     # stride_alibi_b, alibi_pure_causal, logit_scale_log2); None pointers are constexprs
@@ -315,7 +321,8 @@ def sass_of(cubin: bytes) -> tuple:
 
 def exp2_before_pv_wait(cubin: bytes) -> list:
     """For each consumer loop of the Gluon forward (kernels/hopper/fwd._key_blocks), the MUFU.EX2 count between its
-    S wait (WARPGROUP.DEPBAR.LE gsb0, 0x1) and its P V wait (0x0), following the unmasked block's path (taken
+    S wait (WARPGROUP.DEPBAR.LE gsb0, 0x1; 0x2 where P V is two wgmmas, one per chunk of V's head dim) and its P V
+    wait (0x0), following the unmasked block's path (taken
     `@P BRA`s and plain `BRA`s; `@!P BRA`s are barrier-wait retries): the part of the softmax that overlaps P V.
     A block's softmax is BLOCK_N / 2 + 2 exp2s per thread, so BLOCK_N / 2 + 2 means all of it; 0, that ptxas waits
     for P V first. None for a loop whose walk did not reach a wait. The same walk on the Gluon backward
@@ -323,7 +330,7 @@ def exp2_before_pv_wait(cubin: bytes) -> list:
     instructions, labels = sass_of(cubin)
     counts = []
     for start, text in enumerate(instructions):
-        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" not in text:
+        if not re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[12]\b", text):
             continue
         index, exp2s, count = start + 1, 0, None
         for _ in range(len(instructions)):
@@ -342,7 +349,7 @@ def exp2_before_pv_wait(cubin: bytes) -> list:
 
 def warp_vote_branches(cubin: bytes) -> int:
     """How many `VOTE.ANY Pn` of the SASS are followed, within 32 instructions, by a branch on `!Pn`: in the Gluon
-    forward, the rescale skip's warp-uniform branch around the output's multiplies (kernels/hopper/fwd._rescale;
+    forward, the rescale skip's warp-uniform branch around the output's multiplies (kernels/hopper/fwd_softmax.rescale;
     ptxas schedules P's conversions between the two). 0 where the kernel has no skip."""
     instructions, _ = sass_of(cubin)
     count = 0

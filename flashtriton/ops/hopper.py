@@ -203,13 +203,27 @@ def tail_split(items: int, programs: int, paired: bool, num_tiles: int, tile_row
     return TailSplit(full_waves * programs, tail_programs, tail_blocks, item_blocks, tail_items * (2 if paired else 1))
 
 
-def forward_constexprs(config, causal: bool, local: bool = False) -> dict:
-    """attn_fwd_hopper_kernel's compile-time arguments for `config` (configs.HOPPER_FWD; tools/offline_compile builds
-    the same kernel)."""
+def cuts_tail(config, tile_dim: int) -> bool:
+    """Whether the forward's persistent grid for `config` on tiles tile_dim wide may cut its last wave
+    (config.split_tail): not on tiles of two chunks (attn_tail_merge_kernel takes power-of-two head dims)."""
+    return config.persistent and config.split_tail and len(configs.HOPPER_FWD_CHUNKS[tile_dim]) == 1
+
+
+def forward_constexprs(config, causal: bool, local: bool = False, tile_dim: int = 128) -> dict:
+    """attn_fwd_hopper_kernel's compile-time arguments for `config` (configs.HOPPER_FWD) on Q's tiles tile_dim wide
+    (tools/offline_compile builds the same kernel)."""
     return dict(CAUSAL=causal, LOCAL=local, STAGES=config.stages, CONSUMERS=config.consumers,
                 CONSUMER_REGS=config.consumer_regs, PINGPONG=config.pingpong, HOLD_SCHEDULE=config.hold_schedule,
                 RESCALE_SKIP=config.rescale_threshold > 0.0, MASK_BY_RESIDUES=config.mask_by_residues,
-                SPLIT_TAIL=config.persistent and config.split_tail, num_warps=4)
+                SPLIT_TAIL=cuts_tail(config, tile_dim), num_warps=4)
+
+
+def chunk_descriptors(tensor: torch.Tensor, rows: int, tile_dim: int) -> Tuple:
+    """The descriptors of a (B, S, H, D) tensor's [1, rows, 1, width] tiles for each chunk of its head dim's tiles
+    (configs.HOPPER_FWD_CHUNKS[tile_dim]), None for a second chunk where there is one only."""
+    widths = configs.HOPPER_FWD_CHUNKS[tile_dim]
+    descriptors = tuple(tile_descriptor(tensor, rows, width) for width in widths)
+    return descriptors + (None, ) * (2 - len(descriptors))
 
 
 def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
@@ -226,7 +240,8 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
     if varlen:  # one batch entry of all the rows to the descriptors; each tile finds its sequence's rows
         q, k, v, out = (t.unsqueeze(0) for t in (q, k, v, out))
     # head dims between the tile classes run on the next wider tiles (their missing columns read as zeros); q / k
-    # and v / out have tiles of their own widths, the config is the wider one's
+    # and v / out have tiles of their own widths (and chunks: configs.HOPPER_FWD_CHUNKS), the config is the wider
+    # one's
     tile_dim, tile_dim_v = configs.hopper_fwd_tile_dim(head_dim), configs.hopper_fwd_tile_dim(head_dim_v)
     config = configs.HOPPER_FWD[max(tile_dim, tile_dim_v), params.causal_like]
     local = local_window(params, seqlen_k)
@@ -239,7 +254,7 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
     items = ((num_tiles + 1) // 2 if paired else num_tiles) * batch * num_heads
     split = None
     # the tail merge writes whole tile rows of q's head dim: not where out is narrower than the tiles or than q
-    if config.persistent and config.split_tail and not (local or varlen) and tile_dim == head_dim == head_dim_v:
+    if cuts_tail(config, tile_dim) and not (local or varlen) and tile_dim == head_dim == head_dim_v:
         split = tail_split(items, programs, paired, num_tiles, tile_rows, config.block_n, seqlen_q, seqlen_k,
                            params.causal_like, config.tail_min_blocks)
     work = (heads_per_group, int(paired), items, 0, 0, 1)
@@ -249,16 +264,18 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
         partial = torch.empty(rows * head_dim, dtype=torch.float32, device=q.device)
         partial_lse = torch.empty(rows, dtype=torch.float32, device=q.device)
         work = (heads_per_group, int(paired), split.full_items, split.programs, split.blocks, split.item_blocks)
+    # the first chunks' descriptors of q, k, v and out, then the second chunks'
+    firsts, seconds = zip(chunk_descriptors(q, CONSUMER_ROWS.value, tile_dim),
+                          chunk_descriptors(k, config.block_n, tile_dim),
+                          chunk_descriptors(v, config.block_n, tile_dim_v),
+                          chunk_descriptors(out, CONSUMER_ROWS.value, tile_dim_v))
     launch(
-        attn_fwd_hopper_kernel, (programs,),
-        tile_descriptor(q, CONSUMER_ROWS.value, tile_dim), tile_descriptor(k, config.block_n, tile_dim),
-        tile_descriptor(v, config.block_n, tile_dim_v), tile_descriptor(out, CONSUMER_ROWS.value, tile_dim_v), lse,
-        partial, partial_lse,
+        attn_fwd_hopper_kernel, (programs,), *firsts, *seconds, lse, partial, partial_lse,
         *lse_strides, batch, num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, *work,
         1.0 if alibi_slopes is not None else params.qk_scale_log2, config.rescale_threshold,
         params.window_left, params.window_right, *varlen_args,
         (alibi_slopes, alibi_batch_stride(alibi_slopes), int(params.alibi_pure_causal), params.qk_scale_log2),
-        **forward_constexprs(config, params.causal_like, local))
+        **forward_constexprs(config, params.causal_like, local, tile_dim))
     if split is not None:
         launch(
             attn_tail_merge_kernel, (split.tiles * tile_rows * head_dim // TAIL_MERGE_ELEMENTS.value,),

@@ -4,12 +4,13 @@ rows of a 128- (192-) row tile. The consumers share the stages and run out of ph
 softmax overlaps another's wgmma (what the Triton kernel cannot schedule).
 
 Scope (ops/hopper.gluon_runs decides): dense (B, S, H, D) bf16/fp16 tensors addressed by host tensor descriptors, tiles
-64 / 128 / 256 wide (narrower head dims run on the next wider tiles: the descriptors read the missing columns as zeros
-and store only out's own; V and O may have tiles of another width than Q and K: V's own head dim), GQA, any window
+of the head dims in configs.HOPPER_FWD_CHUNKS (64, 80, 96, 128, 192, 256; tiles whose width is no power of two move
+in two chunks of columns; head dims between run on the next wider tiles: the descriptors read the missing columns as
+zeros and store only out's own; V and O may have tiles of another width than Q and K: V's own head dim), GQA, any window
 (causal, or local: LOCAL; bottom-right aligned), positive softmax scale, ALiBi (causal-like calls), no softcap or
 dropout; everything else runs kernels/fwd.py. Numerics are those of kernels/fwd.py: fp32 scores and accumulators, P
 rounded to V's dtype, natural-log LSE, +inf for rows that see no key; the A-1 rescale skip (max lagging) where
-configs.HOPPER_FWD has a rescale_threshold, decided per warp (_rescale).
+configs.HOPPER_FWD has a rescale_threshold, decided per warp (fwd_softmax.rescale).
 
 Work: the grid's programs take work items in turn, p, p + P, p + 2P, ... (ops/hopper.forward_grid sizes the grid:
 one program per item, or persistent: as many as fit the GPU at once). An item is one tile, or for persistent
@@ -32,8 +33,8 @@ check; the program's i-th tile's Q tiles are the i-th use of q_ready / q_empty.
 
 Consumer schedule (FA3's intra-warpgroup pipelining): S_j and P_{j-1} V_{j-1} are issued together, the softmax of
 block j runs while P_{j-1} V_{j-1} is on the tensor cores, and the output rescale waits for it. In the binary the
-softmax runs under P V only where configs.HOPPER_FWD holds the schedule (_hold_schedule; ptxas otherwise waits for
-P V first: tools/offline_compile.exp2_before_pv_wait). With ping-pong (config, on at head dim 128; two consumers
+softmax runs under P V only where configs.HOPPER_FWD holds the schedule (fwd_softmax.hold_schedule; ptxas otherwise
+waits for P V first: tools/offline_compile.exp2_before_pv_wait). With ping-pong (config, on at head dim 128; two consumers
 only) the two also take turns issuing those wgmmas, so that one's softmax runs while the other's products do
 (_wait_turn).
 """
@@ -44,72 +45,96 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from .common import arrive_after_wgmma
+from .fwd_softmax import hold_schedule, logits, mask_block, mask_local, operand_of, reciprocal, rescale, softmax_block
 from .schedule import first_cursor, more_work, next_piece
 
 SHARED_BYTES_FOR_TILES = gl.constexpr(220 * 1024)  # sm_90: 227 KiB per program, less barriers and the compiler's
 CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M tile); a tile has one per consumer
 
 
-def _rescale_unless_unmoved_ptx(pack: int) -> str:
-    """PTX over `pack` consecutive output elements of a thread and their rows' alphas (operands: the results, the
-    elements, the alphas). A thread's elements of the wgmma accumulator come in fours per 8 columns: rows r, r,
-    r + 8, r + 8, so the alphas at 0 and 2 are both of its rows. A warp vote asks whether any of the warp's 16
-    rows moved its max (alpha != 1); if none did, a warp-uniform branch skips the multiplies."""
-    lines = ["{", ".reg .pred %moved;", f"setp.neu.f32 %moved, ${2 * pack}, 0f3F800000;",
-             f"setp.neu.or.f32 %moved, ${2 * pack + 2}, 0f3F800000, %moved;",
-             "vote.sync.any.pred %moved, %moved, -1;"]
-    lines += [f"mov.f32 ${i}, ${pack + i};" for i in range(pack)]
-    lines += ["@!%moved bra.uni unmoved_${:uid};"]
-    lines += [f"mul.f32 ${i}, ${pack + i}, ${2 * pack + i};" for i in range(pack)]
-    return "\n".join(lines + ["unmoved_${:uid}:", "}"])
+@gluon.constexpr_function
+def _chunk_bytes(chunks):
+    """Bytes of one entry of a head dim's chunks (chunks: one [N, 1, ROWS, 1, WIDTH] shared allocation per chunk)."""
+    return sum(int(chunk.shape[2]) * int(chunk.shape[4]) * chunk.dtype.primitive_bitwidth // 8 for chunk in chunks)
 
 
-# _rescale's inline PTX for 32 and 64 elements per asm (a thread holds HEAD_DIM / 2 elements of its output)
-_RESCALE_PTX_32 = gl.constexpr(_rescale_unless_unmoved_ptx(32))
-_RESCALE_PTX_64 = gl.constexpr(_rescale_unless_unmoved_ptx(64))
-_RESCALE_CONSTRAINTS_32 = gl.constexpr(",".join(["=f"] * 32 + ["f"] * 64))
-_RESCALE_CONSTRAINTS_64 = gl.constexpr(",".join(["=f"] * 64 + ["f"] * 128))
+@gluon.constexpr_function
+def _chunks_width(chunks):
+    """The head dim a tuple of chunks covers: their widths (last dims) summed."""
+    return sum(int(chunk.shape[-1]) for chunk in chunks)
 
 
 @gluon.jit
-def _load_stage(desc, smem, ready, empty, load, batch, row0, block, head_k):
-    """The producer's load number `load` of K or V (desc, smem [STAGES, 1, BLOCK_N, 1, HEAD_DIM]): key block
-    `block` (of the sequence whose first row is row0) into stage load % STAGES once every consumer released that
-    stage's previous tile, landing on ready (TMA transaction bytes)."""
-    STAGES: gl.constexpr = smem.shape[0]
-    BLOCK_N: gl.constexpr = smem.shape[2]
-    HEAD_DIM: gl.constexpr = smem.shape[4]
-    tile_bytes: gl.constexpr = BLOCK_N * HEAD_DIM * desc.dtype.primitive_bitwidth // 8
+def _entries(chunks, index):
+    """Entry `index` of every chunk's allocation ([N, 1, ROWS, 1, WIDTH] each) as [1, ROWS, 1, WIDTH] tiles."""
+    entries = ()
+    for chunk in gl.static_range(len(chunks)):
+        entries = entries + (chunks[chunk].index(index), )
+    return entries
+
+
+@gluon.jit
+def _matrices(tiles):
+    """[1, ROWS, 1, WIDTH] tiles (one per chunk) as [ROWS, WIDTH] matrices, the wgmmas' operands."""
+    matrices = ()
+    for chunk in gl.static_range(len(tiles)):
+        matrices = matrices + (tiles[chunk].reshape([tiles[chunk].shape[1], tiles[chunk].shape[3]]), )
+    return matrices
+
+
+@gluon.jit
+def _copy_in(descs, tiles, batch, row, head, ready):
+    """TMA copies of a head dim's chunks (descs: one descriptor per chunk width, tiles: [1, ROWS, 1, WIDTH] each) at
+    (batch, row, head), chunk c from column sum(widths before c), all landing on ready."""
+    column = 0
+    for chunk in gl.static_range(len(descs)):
+        tma.async_copy_global_to_shared(descs[chunk], [batch, row, head, column], ready, tiles[chunk])
+        column = column + tiles[chunk].shape[3]
+
+
+@gluon.jit
+def _copy_out(descs, tiles, batch, row, head):
+    """TMA stores of [1, ROWS, 1, WIDTH] tiles (one per chunk, _copy_in's columns) at (batch, row, head)."""
+    column = 0
+    for chunk in gl.static_range(len(descs)):
+        tma.async_copy_shared_to_global(descs[chunk], [batch, row, head, column], tiles[chunk])
+        column = column + tiles[chunk].shape[3]
+
+
+@gluon.jit
+def _load_stage(descs, smem, ready, empty, load, batch, row0, block, head_k):
+    """The producer's load number `load` of K or V (descs, smem: per chunk of the head dim, [STAGES, 1, BLOCK_N, 1,
+    WIDTH]): key block `block` (of the sequence whose first row is row0) into stage load % STAGES once every consumer
+    released that stage's previous tile, landing on ready (TMA transaction bytes)."""
+    STAGES: gl.constexpr = smem[0].shape[0]
+    BLOCK_N: gl.constexpr = smem[0].shape[2]
     stage = load % STAGES
     mbarrier.wait(empty.index(stage), ((load // STAGES) - 1) & 1, pred=load >= STAGES)
-    mbarrier.expect(ready.index(stage), tile_bytes)
-    tma.async_copy_global_to_shared(desc, [batch, row0 + block * BLOCK_N, head_k, 0], ready.index(stage),
-                                    smem.index(stage))
+    mbarrier.expect(ready.index(stage), _chunk_bytes(smem))
+    _copy_in(descs, _entries(smem, stage), batch, row0 + block * BLOCK_N, head_k, ready.index(stage))
 
 
 @gluon.jit
-def _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch, row0, block,
+def _load_key_block(k_descs, v_descs, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch, row0, block,
                     head_k):
     """K, then V, of key block `block` as the producer's load number `load` (_load_stage)."""
-    _load_stage(k_desc, k_smem, k_ready, k_empty, load, batch, row0, block, head_k)
-    _load_stage(v_desc, v_smem, v_ready, v_empty, load, batch, row0, block, head_k)
+    _load_stage(k_descs, k_smem, k_ready, k_empty, load, batch, row0, block, head_k)
+    _load_stage(v_descs, v_smem, v_ready, v_empty, load, batch, row0, block, head_k)
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              group_size, tail, work):
+def _producer(q_descs, k_descs, v_descs, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+              v_empty, group_size, tail, work):
     """One warp, per tile of this program's work items: K of the tile's first key block, the consumers' Q tiles (q_smem
-    [CONSUMERS, 1, ROWS, 1, HEAD_DIM]) once each consumer released its previous one, then V of the first block and K
-    and V of the others; the program's load number l (counted across tiles) goes to stage l % STAGES once every
-    consumer freed that stage's K (resp. V). The first K goes ahead of Q: its stage is free once the consumers' second-
-    to-last S of the previous tile is done, Q's only after their last (loaded after Q, the first K would wait for
-    both consumers' last S, and the tile's first S for its landing). Varlen tiles past their sequence's end (no key
-    block) are skipped, by the consumers too."""
-    CONSUMERS: gl.constexpr = q_smem.shape[0]
-    ROWS: gl.constexpr = q_smem.shape[2]
-    BLOCK_N: gl.constexpr = k_smem.shape[2]
-    HEAD_DIM: gl.constexpr = k_smem.shape[4]
-    q_bytes: gl.constexpr = ROWS * HEAD_DIM * q_desc.dtype.primitive_bitwidth // 8
+    per chunk of the head dim: [CONSUMERS, 1, ROWS, 1, WIDTH]) once each consumer released its previous one, then V of
+    the first block and K and V of the others; the program's load number l (counted across tiles) goes to stage l %
+    STAGES once every consumer freed that stage's K (resp. V). The first K goes ahead of Q: its stage is free once the
+    consumers' second-to-last S of the previous tile is done, Q's only after their last (loaded after Q, the first K
+    would wait for both consumers' last S, and the tile's first S for its landing). Varlen tiles past their
+    sequence's end (no key block) are skipped, by the consumers too."""
+    CONSUMERS: gl.constexpr = q_smem[0].shape[0]
+    ROWS: gl.constexpr = q_smem[0].shape[2]
+    BLOCK_N: gl.constexpr = k_smem[0].shape[2]
     load = 0
     done = 0
     item, which, x_start, x_end = first_cursor(tail)
@@ -121,145 +146,18 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
             _, _, q_start, k_start, desc_batch = bounds
             head_k = head // group_size
             # key blocks from the piece's last to its first (_key_blocks)
-            _load_stage(k_desc, k_smem, k_ready, k_empty, load, desc_batch, k_start, top, head_k)
+            _load_stage(k_descs, k_smem, k_ready, k_empty, load, desc_batch, k_start, top, head_k)
             for consumer in gl.static_range(CONSUMERS):
                 mbarrier.wait(q_empty.index(consumer), (done - 1) & 1, pred=done > 0)
-                mbarrier.expect(q_ready.index(consumer), q_bytes)
-                tma.async_copy_global_to_shared(q_desc, [desc_batch, q_start + m_start + consumer * ROWS, head, 0],
-                                                q_ready.index(consumer), q_smem.index(consumer))
-            _load_stage(v_desc, v_smem, v_ready, v_empty, load, desc_batch, k_start, top, head_k)
+                mbarrier.expect(q_ready.index(consumer), _chunk_bytes(q_smem))
+                _copy_in(q_descs, _entries(q_smem, consumer), desc_batch, q_start + m_start + consumer * ROWS, head,
+                         q_ready.index(consumer))
+            _load_stage(v_descs, v_smem, v_ready, v_empty, load, desc_batch, k_start, top, head_k)
             for j in range(1, count):
-                _load_key_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load + j,
+                _load_key_block(k_descs, v_descs, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load + j,
                                 desc_batch, k_start, top - j, head_k)
             load += count
             done += 1
-
-
-@gluon.jit
-def _mask_local(s, j, row0, offs_m, seqlen_q, seqlen_k, window, col_s: gl.constexpr):
-    """_mask_block under a local window (window_left, window_right): s [ROWS, BLOCK_N] of key block j with keys past
-    seqlen_k and outside each row's window (bottom-right aligned: keys [i + sk - sq - left, i + sk - sq + right])
-    set to -inf; a block inside every row's window and the keys comes back untouched."""
-    ROWS: gl.constexpr = s.shape[0]
-    BLOCK_N: gl.constexpr = s.shape[1]
-    offset = seqlen_k - seqlen_q
-    n_start = j * BLOCK_N
-    # the last key the first row sees, the first key the last row sees
-    first_row_last_key = row0 + offset + window[1]
-    last_row_first_key = row0 + ROWS - 1 + offset - window[0]
-    if (n_start + BLOCK_N > seqlen_k) | (n_start + BLOCK_N - 1 > first_row_last_key) | (n_start < last_row_first_key):
-        # [ROWS] each row's first and last visible key, moved into the block; [BLOCK_N] the block's columns
-        row_last_key = gl.minimum(offs_m + offset + window[1], seqlen_k - 1) - n_start
-        row_first_key = offs_m + offset - window[0] - n_start
-        columns = gl.expand_dims(gl.arange(0, BLOCK_N, col_s), 0)
-        # [ROWS, BLOCK_N]
-        visible = (columns <= gl.expand_dims(row_last_key, 1)) & (columns >= gl.expand_dims(row_first_key, 1))
-        s = gl.where(visible, s, float("-inf"))
-    return s
-
-
-@gluon.jit
-def _mask_block(s, j, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s: gl.constexpr):
-    """s [ROWS, BLOCK_N] of key block j (query rows offs_m [ROWS] from row0) with keys past seqlen_k (and, causal,
-    past each row's last key: bottom-right aligned) set to -inf; blocks that need neither come back untouched without
-    any mask arithmetic. Causal blocks compare each key with its row's last visible key (the diagonal and seqlen_k
-    in one bound): one comparison per element.
-    residues: (0, ) or () (configs.HopperFwdConfig.mask_by_residues): column <= last key compared as column % 8 <=
-    last key - column // 8 * 8. A thread's columns are 2 (lane % 4) + 8 k + {0, 1}: two residues per thread and an
-    immediate per element, where the plain comparison keeps the thread's BLOCK_N / 4 loop-invariant columns in
-    registers across the key-block loop (LLVM hoists them; they spill at d128 causal). Same mask either way."""
-    BLOCK_N: gl.constexpr = s.shape[1]
-    n_end = (j + 1) * BLOCK_N
-    # the last key the tile's first row (row0) sees under the causal mask
-    first_row_last_key = row0 + (seqlen_k - seqlen_q)
-    if (n_end > seqlen_k) | ((causal != 0) & (n_end - 1 > first_row_last_key)):
-        if causal != 0:
-            # [ROWS] each row's last visible key, moved into the block
-            row_last_key = gl.minimum(offs_m + (seqlen_k - seqlen_q), seqlen_k - 1) - j * BLOCK_N
-            # [BLOCK_N] the block's columns
-            columns = gl.arange(0, BLOCK_N, col_s)
-            if len(residues) > 0:
-                # [ROWS, BLOCK_N]
-                visible = (gl.expand_dims(columns % 8, 0)
-                           <= gl.expand_dims(row_last_key, 1) - gl.expand_dims(columns // 8 * 8, 0))
-            else:
-                # [ROWS, BLOCK_N]
-                visible = gl.expand_dims(columns, 0) <= gl.expand_dims(row_last_key, 1)
-        else:
-            # [BLOCK_N] keys of this block
-            offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, col_s)
-            # [ROWS, BLOCK_N]
-            visible = gl.expand_dims(offs_n < seqlen_k, 0) & gl.expand_dims(offs_m >= 0, 1)
-        s = gl.where(visible, s, float("-inf"))
-    return s
-
-
-@gluon.jit
-def _softmax_block(s, m_i, l_i, qk_scale_log2, lag):
-    """Online softmax step of one masked score block s [ROWS, BLOCK_N]: probabilities (scale folded into the exp2
-    argument), the new running max (log2 units) and row sum, and alpha, the factor that rescales what was
-    accumulated before. Rows that have seen no key yet keep max -inf and get p = 0, alpha = 0. lag: () or
-    (threshold, ): the A-1 rescale skip (kernels/fwd.py's): a row's max moves only when a block raises it by more
-    than threshold (log2 units), else alpha is exactly 1 and p stays below 2^threshold; O, the row sum and the LSE
-    share the lagging base, so the result is exact."""
-    m_block = gl.max(s, 1) * qk_scale_log2
-    if len(lag) > 0:
-        m_new = gl.where(m_block > m_i + lag[0], m_block, m_i)
-    else:
-        m_new = gl.maximum(m_i, m_block)
-    pivot = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(pivot, 1))
-    alpha = gl.exp2(m_i - pivot)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    return p, m_new, l_i, alpha
-
-
-@gluon.jit
-def _rescale(acc, alpha, lag):
-    """acc [ROWS, HEAD_DIM] * alpha [ROWS] by rows. With the rescale skip (lag: (threshold, )) each warp skips the
-    multiplies when none of its rows moved its max (_rescale_unless_unmoved_ptx: a warp vote, where a
-    warpgroup-wide decision would need a reduction through shared memory)."""
-    alpha_by_row = gl.expand_dims(alpha, 1)
-    if len(lag) > 0:
-        if acc.shape[1] >= 128:
-            acc = gl.inline_asm_elementwise(_RESCALE_PTX_64, _RESCALE_CONSTRAINTS_64, [acc, alpha_by_row],
-                                            dtype=gl.float32, is_pure=True, pack=64)
-        else:
-            acc = gl.inline_asm_elementwise(_RESCALE_PTX_32, _RESCALE_CONSTRAINTS_32, [acc, alpha_by_row],
-                                            dtype=gl.float32, is_pure=True, pack=32)
-    else:
-        acc = acc * alpha_by_row
-    return acc
-
-
-@gluon.jit
-def _reciprocal(x):
-    """1 / x by the MUFU reciprocal (rcp.approx.ftz.f32: at most 1 ulp off; flushes denormals)."""
-    return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
-                                     pack=1)
-
-
-@gluon.jit
-def _operand_of(p, dtype: gl.constexpr, p_layout: gl.constexpr):
-    """P [ROWS, BLOCK_N] fp32 -> the P V wgmma's A operand in dtype, through an opaque register copy: LLVM folds a
-    loop-carried value made by the same conversion on every path into one conversion of a loop-carried fp32 P at
-    the loop's top (InstCombine), which keeps 64 fp32 registers live across the next S wgmma and makes ptxas
-    wait for P V before the softmax; the copy keeps the conversion where it is written."""
-    operand = gl.convert_layout(p.to(dtype), p_layout)
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [operand], dtype=operand.dtype, is_pure=True,
-                                    pack=2)
-
-
-@gluon.jit
-def _hold_schedule(fences):
-    """fences: (0, ) or (): a CTA memory fence (MEMBAR.ALL.CTA; a consumer has no memory operation of its own in
-    flight here but barrier arrivals) that ptxas does not move instructions across, so the softmax's exp2s before it
-    stay ahead of the P V wait after it. Without it ptxas schedules P's conversion into the exp2s and the wait with
-    it (offline SASS: no MUFU.EX2 between the S wait and the P V wait), so P V does not overlap the softmax. On where
-    configs.HOPPER_FWD says (the fence's cost exceeds the overlap's gain without ping-pong)."""
-    for _ in gl.static_range(len(fences)):
-        gl.inline_asm_elementwise("fence.acq_rel.cta;\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
 
 
 @gluon.jit
@@ -282,159 +180,205 @@ def _pass_turn(turns):
 
 @gluon.jit
 def _clear_rows_past(v_stage, valid_rows):
-    """Zero the rows from valid_rows on of a V stage v_stage [BLOCK_N, HEAD_DIM_V] (shared memory), 16 rows at a
-    time, and make the stores visible to the wgmmas (async proxy) of the whole warpgroup. A varlen sequence's last key
-    block reads past its end: the next sequence's rows, or whatever lies past the last one (garbage, NaN). Its scores
-    are masked to -inf, so P is 0 there, but 0 * NaN in P V is NaN: such rows must hold zeros. Both consumers clear
-    the stage they share; they write the same values."""
-    BLOCK_N: gl.constexpr = v_stage.shape[0]
-    HEAD_DIM_V: gl.constexpr = v_stage.shape[1]
-    CHUNK: gl.constexpr = 16
-    # 8 elements (16 bytes) per thread and row, the warpgroup's 128 threads over [CHUNK, HEAD_DIM_V]
-    THREADS_PER_ROW: gl.constexpr = HEAD_DIM_V // 8 if HEAD_DIM_V // 8 < 32 else 32
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // THREADS_PER_ROW, THREADS_PER_ROW], [4, 1], [1, 0])
-    for chunk in gl.static_range(BLOCK_N // CHUNK):
-        if (chunk + 1) * CHUNK > valid_rows:
-            rows = v_stage.slice(chunk * CHUNK, CHUNK, dim=0)
-            # [CHUNK, HEAD_DIM_V] the chunk's values, its rows from valid_rows on zeroed
-            values = rows.load(layout)
-            row = chunk * CHUNK + gl.arange(0, CHUNK, gl.SliceLayout(1, layout))
-            rows.store(gl.where(gl.expand_dims(row < valid_rows, 1), values, gl.zeros_like(values)))
+    """Zero the rows from valid_rows on of a V stage (v_stage: [BLOCK_N, WIDTH] per chunk of V's head dim, shared
+    memory) and make the stores visible to the wgmmas (async proxy) of the whole warpgroup. A varlen sequence's last
+    key block reads past its end: the next sequence's rows, or whatever lies past the last one (garbage, NaN). Its
+    scores are masked to -inf, so P is 0 there, but 0 * NaN in P V is NaN: such rows must hold zeros. Both consumers
+    clear the stage they share; they write the same values."""
+    for chunk in gl.static_range(len(v_stage)):
+        _clear_chunk_rows_past(v_stage[chunk], valid_rows)
     fence_async_shared()
     gl.thread_barrier()
 
 
 @gluon.jit
-def _logits(s, block, offs_m, seqlen_q, seqlen_k, alibi, col_s: gl.constexpr):
-    """Raw q.k scores s [ROWS, BLOCK_N] of key block `block` (query rows offs_m [ROWS]) as the log2-domain logits the
-    softmax takes at scale 1, where alibi = (slope_log2 of the tile's head, alibi_pure_causal, qk_scale_log2) asks for
-    more than the scale: s * qk_scale_log2 plus kernels/common.alibi_bias_log2's bias, -slope_log2 * |row + seqlen_k
-    - seqlen_q - key| (FA2's pure-causal configuration: -slope_log2 * -key). Without it (alibi ()), s itself (the
-    softmax folds the scale into its exponent)."""
-    if len(alibi) > 0:
-        s = s * alibi[2]
-        BLOCK_N: gl.constexpr = s.shape[1]
-        # [ROWS] each row's position on the keys, counted from the block's first key (or the negated first key in
-        # the pure-causal configuration), through an opaque copy: LLVM would otherwise hoist row - column, a loop-
-        # invariant [ROWS, BLOCK_N] tile, out of the key-block loop and spill it
-        first = block * BLOCK_N
-        row_base = gl.where(alibi[1] != 0, offs_m * 0 - first, offs_m + (seqlen_k - seqlen_q) - first)
-        row_base = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [row_base], dtype=gl.int32, is_pure=True,
-                                             pack=1)
-        # [BLOCK_N] the block's columns as column // 8 * 8 (an immediate per element) + column % 8 (two values per
-        # thread), as _mask_block's residues: the plain columns would stay live across the loop
-        columns = gl.arange(0, BLOCK_N, col_s)
-        # [ROWS, BLOCK_N] distances: |row - key|, or -key in the pure-causal configuration
-        difference = ((gl.expand_dims(row_base, 1) - gl.expand_dims(columns // 8 * 8, 0))
-                      - gl.expand_dims(columns % 8, 0))
-        distance = gl.where(alibi[1] != 0, difference, gl.abs(difference))
-        s = s - alibi[0] * distance.to(gl.float32)
+def _clear_chunk_rows_past(v_chunk, valid_rows):
+    """_clear_rows_past on one chunk v_chunk [BLOCK_N, WIDTH], 16 rows at a time."""
+    BLOCK_N: gl.constexpr = v_chunk.shape[0]
+    WIDTH: gl.constexpr = v_chunk.shape[1]
+    CHUNK_ROWS: gl.constexpr = 16
+    # 8 elements (16 bytes) per thread and row, the warpgroup's 128 threads over [CHUNK_ROWS, WIDTH] (narrow chunks
+    # hold some rows in more than one thread: they store the same values)
+    THREADS_PER_ROW: gl.constexpr = WIDTH // 8 if WIDTH // 8 < 32 else 32
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // THREADS_PER_ROW, THREADS_PER_ROW], [4, 1], [1, 0])
+    for step in gl.static_range(BLOCK_N // CHUNK_ROWS):
+        if (step + 1) * CHUNK_ROWS > valid_rows:
+            rows = v_chunk.slice(step * CHUNK_ROWS, CHUNK_ROWS, dim=0)
+            # [CHUNK_ROWS, WIDTH] the rows' values, those from valid_rows on zeroed
+            values = rows.load(layout)
+            row = step * CHUNK_ROWS + gl.arange(0, CHUNK_ROWS, gl.SliceLayout(1, layout))
+            rows.store(gl.where(gl.expand_dims(row < valid_rows, 1), values, gl.zeros_like(values)))
+
+
+@gluon.jit
+def _issue_scores(q, k, zero_s):
+    """S = Q K^T [ROWS, BLOCK_N] over the head dim's chunks (q: [ROWS, WIDTH] per chunk, k: [BLOCK_N, WIDTH] per
+    chunk), one wgmma per chunk chained on one accumulator; issued, not waited for."""
+    s = warpgroup_mma(q[0], k[0].permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    for chunk in gl.static_range(1, len(q)):
+        s = warpgroup_mma(q[chunk], k[chunk].permute((1, 0)), s, is_async=True)
     return s
+
+
+@gluon.jit
+def _issue_pv(p, v, acc):
+    """acc += P V per chunk of V's head dim (p: the A operand [ROWS, BLOCK_N] in the first chunk's operand layout, v:
+    [BLOCK_N, WIDTH] and acc: [ROWS, WIDTH] per chunk); issued, not waited for."""
+    products = ()
+    for chunk in gl.static_range(len(v)):
+        operand = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=acc[chunk].type.layout,
+                                                           k_width=2))
+        products = products + (warpgroup_mma(operand, v[chunk], acc[chunk], is_async=True), )
+    return products
+
+
+@gluon.jit
+def _wait_products(products):
+    """All wgmmas waited for; the chunks' accumulators (a tuple, also for one chunk)."""
+    if len(products) == 1:
+        return (warpgroup_mma_wait(0, deps=products), )
+    else:
+        return warpgroup_mma_wait(0, deps=products)
+
+
+@gluon.jit
+def _rescale_chunks(acc, alpha, lag):
+    """fwd_softmax.rescale on every chunk of the output."""
+    scaled = ()
+    for chunk in gl.static_range(len(acc)):
+        scaled = scaled + (rescale(acc[chunk], alpha, lag), )
+    return scaled
+
+
+@gluon.jit
+def _zero_chunks(v, ROWS: gl.constexpr):
+    """Zero accumulators [ROWS, WIDTH] of the output, one per chunk of V's head dim (v: [BLOCK_N, WIDTH] per chunk),
+    in the wgmma layout of the chunk's width."""
+    zeros = ()
+    for chunk in gl.static_range(len(v)):
+        zeros = zeros + (_zero_chunk(v[chunk], ROWS), )
+    return zeros
+
+
+@gluon.jit
+def _zero_chunk(v_chunk, ROWS: gl.constexpr):
+    WIDTH: gl.constexpr = v_chunk.shape[1]
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WIDTH, 16])
+    # [ROWS, WIDTH]
+    return gl.zeros([ROWS, WIDTH], gl.float32, layout)
 
 
 @gluon.jit
 def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, release_q, first_load, top, count,
                 row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, alibi, causal, window, turns, lead, fences, lag,
-                residues, clear_v, acc_layout: gl.constexpr):
+                residues, clear_v):
     """One consumer's pass over a work item's key blocks (the program's loads first_load, first_load + 1, ...) for its
-    Q tile q [ROWS, HEAD_DIM] (shared memory; V's rows are HEAD_DIM_V wide): `count` key blocks from block `top`
-    down (step j visits block top - j; a whole tile's top is its last block). Only blocks crossing seqlen_k or
-    (causal) the diagonal need a mask, and they come first: non-causal, the first step's block alone, so the loop
-    has no mask code (code that never runs there would still cost time); causal, the loop keeps it (a 64-row
-    consumer's diagonal can cross two blocks, and its tile's last block can lie wholly past it: the second step may
-    need one, never the third). Overlapped inside the warpgroup: step 0's softmax first, then per step j S_j and
-    P_{j-1} V_{j-1} issued together, softmax j while P_{j-1} V_{j-1} runs (where fences hold the schedule; else
-    ptxas waits for P V first), then P_j's operand and the rescale. Arrives on q_free (if release_q) once its last S
-    wgmma completed. With ping-pong the S_0 issue and each block's S_j + P_{j-1} V_{j-1} issue are steps first_load,
-    first_load + 1, ... of _wait_turn (both consumers count the same loads). lag: _softmax_block's; residues:
-    _mask_block's; alibi: _logits' (qk_scale_log2 is 1 where it is given). clear_v: (0, ) for a varlen call, else
-    (): V's rows past seqlen_k in block `top` (the only block that crosses it) are zeroed before its P V
-    (_clear_rows_past). Returns the unnormalized output [ROWS, HEAD_DIM_V], the running max (log2 units) and
-    the row sum [ROWS]."""
-    ROWS: gl.constexpr = q.shape[0]
-    STAGES: gl.constexpr = k_smem.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.shape[2]
-    HEAD_DIM: gl.constexpr = k_smem.shape[4]
-    HEAD_DIM_V: gl.constexpr = v_smem.shape[4]
+    Q tile q ([ROWS, WIDTH] per chunk of the head dim, shared memory; k_smem and v_smem [STAGES, 1, BLOCK_N, 1, WIDTH]
+    per chunk of their head dims): `count` key blocks from block `top` down (step j visits block top - j; a whole
+    tile's top is its last block). Only blocks crossing seqlen_k or (causal) the diagonal need a mask, and they come
+    first: non-causal, the first step's block alone, so the loop has no mask code (code that never runs there would
+    still cost time); causal, the loop keeps it (a 64-row consumer's diagonal can cross two blocks, and its tile's
+    last block can lie wholly past it: the second step may need one, never the third). Overlapped inside the
+    warpgroup: step 0's softmax first, then per step j S_j and P_{j-1} V_{j-1} issued together, softmax j while
+    P_{j-1} V_{j-1} runs (where fences hold the schedule; else ptxas waits for P V first), then P_j's operand and the
+    rescale. Arrives on q_free (if release_q) once its last S wgmma completed. With ping-pong the S_0 issue and each
+    block's S_j + P_{j-1} V_{j-1} issue are steps first_load, first_load + 1, ... of _wait_turn (both consumers
+    count the same loads). lag: softmax_block's; residues: mask_block's; alibi: logits' (qk_scale_log2 is 1 where it
+    is given). clear_v: (0, ) for a varlen call, else (): V's rows past seqlen_k in block `top` (the only block that
+    crosses it) are zeroed before its P V (_clear_rows_past). Returns the unnormalized output ([ROWS, WIDTH] per
+    chunk of V's head dim), the running max (log2 units) and the row sum [ROWS]."""
+    ROWS: gl.constexpr = q[0].shape[0]
+    STAGES: gl.constexpr = k_smem[0].shape[0]
+    BLOCK_N: gl.constexpr = k_smem[0].shape[2]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    # [ROWS, BLOCK_N] the zero accumulator of the S wgmmas; [ROWS, HEAD_DIM_V] the output accumulator
+    # [ROWS, BLOCK_N] the zero accumulator of the S wgmmas; [ROWS, WIDTH] per chunk: the output accumulators
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, acc_layout)
+    acc = _zero_chunks(_matrices(_entries(v_smem, 0)), ROWS)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc[0].type.layout, k_width=2)
+    # wgmma groups a P V issue leaves in flight (one per chunk of V's head dim)
+    PV_GROUPS: gl.constexpr = len(v_smem)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([ROWS], gl.float32, row_s)
     stage = first_load % STAGES
     mbarrier.wait(k_ready.index(stage), (first_load // STAGES) & 1)
     _wait_turn(turns, first_load, lead)
     # [ROWS, BLOCK_N] raw q.k of the last key block
-    s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
-                      is_async=True)
+    s = _issue_scores(q, _matrices(_entries(k_smem, stage)), zero_s)
     _pass_turn(turns)
-    s = _logits(warpgroup_mma_wait(0, deps=(s, )), top, offs_m, seqlen_q, seqlen_k, alibi, col_s)
+    s = logits(warpgroup_mma_wait(0, deps=(s, )), top, offs_m, seqlen_q, seqlen_k, alibi, col_s)
     arrive_after_wgmma(k_empty.index(stage))
     # [ROWS, BLOCK_N] probabilities of the block whose P.V is pending
     if len(window) > 0:
-        s = _mask_local(s, top, row0, offs_m, seqlen_q, seqlen_k, window, col_s)
+        s = mask_local(s, top, row0, offs_m, seqlen_q, seqlen_k, window, col_s)
     else:
-        s = _mask_block(s, top, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
-    p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)
+        s = mask_block(s, top, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
+    p, m_i, l_i, alpha = softmax_block(s, m_i, l_i, qk_scale_log2, lag)
     # [ROWS, BLOCK_N] the wgmma's A operand, made where the softmax ends: only these half-width registers stay live
     # across the next S issue (fp32 p live there pushes ptxas to wait for P V before the softmax, serializing them)
-    p = _operand_of(p, q.dtype, p_layout)
+    p = operand_of(p, q[0].dtype, p_layout)
     for j in range(1, count):
         load = first_load + j
         stage = load % STAGES
         previous = (load - 1) % STAGES
         mbarrier.wait(k_ready.index(stage), (load // STAGES) & 1)
         mbarrier.wait(v_ready.index(previous), ((load - 1) // STAGES) & 1)
+        v_previous = _matrices(_entries(v_smem, previous))
         if len(clear_v) > 0:
             if (j == 1) & ((top + 1) * BLOCK_N > seqlen_k):
-                _clear_rows_past(v_smem.index(previous).reshape([BLOCK_N, HEAD_DIM_V]), seqlen_k - top * BLOCK_N)
+                _clear_rows_past(v_previous, seqlen_k - top * BLOCK_N)
         _wait_turn(turns, load, lead)
-        s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), zero_s, use_acc=False,
-                          is_async=True)
-        acc = warpgroup_mma(p, v_smem.index(previous).reshape([BLOCK_N, HEAD_DIM_V]), acc, is_async=True)
+        s = _issue_scores(q, _matrices(_entries(k_smem, stage)), zero_s)
+        acc = _issue_pv(p, v_previous, acc)
         _pass_turn(turns)
         # S_j done (wgmma groups complete in order); P_{j-1} V_{j-1} may still run
-        s = _logits(warpgroup_mma_wait(1, deps=(s, )), top - j, offs_m, seqlen_q, seqlen_k, alibi, col_s)
+        s = logits(warpgroup_mma_wait(PV_GROUPS, deps=(s, )), top - j, offs_m, seqlen_q, seqlen_k, alibi, col_s)
         arrive_after_wgmma(k_empty.index(stage))
         if len(window) > 0:
-            s = _mask_local(s, top - j, row0, offs_m, seqlen_q, seqlen_k, window, col_s)
+            s = mask_local(s, top - j, row0, offs_m, seqlen_q, seqlen_k, window, col_s)
         elif causal != 0:
-            s = _mask_block(s, top - j, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
-        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale_log2, lag)
-        _hold_schedule(fences)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
+            s = mask_block(s, top - j, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
+        p, m_i, l_i, alpha = softmax_block(s, m_i, l_i, qk_scale_log2, lag)
+        hold_schedule(fences)
+        acc = _wait_products(acc)
         arrive_after_wgmma(v_empty.index(previous))
-        p = _operand_of(p, q.dtype, p_layout)
-        acc = _rescale(acc, gl.convert_layout(alpha, row_o), lag)
+        p = operand_of(p, q[0].dtype, p_layout)
+        acc = _rescale_chunks(acc, alpha, lag)
     arrive_after_wgmma(q_free, pred=release_q)
     last = first_load + count - 1
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+    v_last = _matrices(_entries(v_smem, last % STAGES))
     if len(clear_v) > 0:
         if (count == 1) & ((top + 1) * BLOCK_N > seqlen_k):
-            _clear_rows_past(v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM_V]), seqlen_k - top * BLOCK_N)
-    acc = warpgroup_mma(p, v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM_V]), acc)
+            _clear_rows_past(v_last, seqlen_k - top * BLOCK_N)
+    acc = _wait_products(_issue_pv(p, v_last, acc))
     arrive_after_wgmma(v_empty.index(last % STAGES))
     return acc, m_i, l_i
 
 
 @gluon.jit
 def _store_rows(out, rows_out, rows, head, row_in):
-    """out [ROWS, HEAD_DIM] (wgmma layout) into rows `rows` [ROWS] (row_in: which to store) of a varlen output by
-    pointer; rows_out: (Out, stride_om, stride_oh, head_dim_v), its columns past head_dim_v (the tile's padding)
-    left alone."""
-    HEAD_DIM: gl.constexpr = out.shape[1]
+    """out ([ROWS, WIDTH] per chunk of V's head dim, wgmma layouts) into rows `rows` [ROWS] (row_in: which to store) of
+    a varlen output by pointer; rows_out: (Out, stride_om, stride_oh, head_dim_v), its columns past head_dim_v (the
+    tile's padding) left alone."""
+    column = 0
+    for chunk in gl.static_range(len(out)):
+        _store_chunk_rows(out[chunk], column, rows_out, rows, head, row_in)
+        column = column + out[chunk].shape[1]
+
+
+@gluon.jit
+def _store_chunk_rows(out, column0, rows_out, rows, head, row_in):
+    """_store_rows of one chunk out [ROWS, WIDTH] into columns from column0."""
+    WIDTH: gl.constexpr = out.shape[1]
     Out, stride_om, stride_oh, head_dim_v = rows_out
     layout: gl.constexpr = out.type.layout
-    # [ROWS] rows, [HEAD_DIM] columns, in the accumulator's layout
+    # [ROWS] rows, [WIDTH] columns, in the accumulator's layout
     rows = gl.convert_layout(rows, gl.SliceLayout(1, layout))
     row_in = gl.convert_layout(row_in, gl.SliceLayout(1, layout))
-    columns = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, layout))
+    columns = column0 + gl.arange(0, WIDTH, gl.SliceLayout(0, layout))
     pointers = (Out + head.to(gl.int64) * stride_oh + gl.expand_dims(rows.to(gl.int64) * stride_om, 1)
                 + gl.expand_dims(columns, 0))
     gl.store(pointers, out.to(Out.dtype.element_ty),
@@ -444,13 +388,13 @@ def _store_rows(out, rows_out, rows, head, row_in):
 @gluon.jit
 def _store_output(out, lse, o_tile, o_desc, q_empty, Lse, stride_lse_b, stride_lse_h, batch, head, row0, offs_m,
                   bounds, rows_out, o_in_q):
-    """A consumer's rows of a whole tile's result: lse [ROWS] (rows offs_m below the sequence's length), out [ROWS,
-    HEAD_DIM] through o_tile by TMA (which clips rows past a dense call's seqlen_q); where O is staged in the
-    consumer's Q tile (o_in_q), Q's slot is released once the store has read it. bounds: schedule.tile_work's.
-    rows_out: () for a dense call; for a varlen one (_store_rows' argument) a tile that runs past its sequence's end
-    is stored by pointer instead, as the next sequence's rows follow in the same tensor (and the LSE's rows are
-    offset by the sequence's first row: stride_lse_b is 0)."""
-    ROWS: gl.constexpr = out.shape[0]
+    """A consumer's rows of a whole tile's result: lse [ROWS] (rows offs_m below the sequence's length), out ([ROWS,
+    WIDTH] per chunk of V's head dim) through o_tile (per chunk) by TMA (which clips rows past a dense call's
+    seqlen_q); where O is staged in the consumer's Q tile (o_in_q), Q's slot is released once the store has read it.
+    bounds: schedule.tile_work's. rows_out: () for a dense call; for a varlen one (_store_rows' argument) a tile that
+    runs past its sequence's end is stored by pointer instead, as the next sequence's rows follow in the same tensor
+    (and the LSE's rows are offset by the sequence's first row: stride_lse_b is 0)."""
+    ROWS: gl.constexpr = out[0].shape[0]
     seqlen_q, _, q_start, _, desc_batch = bounds
     lse_row_base = batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + q_start
     gl.store(Lse + lse_row_base + offs_m, lse, mask=offs_m < seqlen_q)
@@ -460,21 +404,22 @@ def _store_output(out, lse, o_tile, o_desc, q_empty, Lse, stride_lse_b, stride_l
             if o_in_q != 0:
                 mbarrier.arrive(q_empty)
         else:
-            _store_tile(out, o_tile, o_desc, q_empty, [desc_batch, q_start + row0, head, 0], o_in_q)
+            _store_tile(out, o_tile, o_desc, q_empty, desc_batch, q_start + row0, head, o_in_q)
     else:
-        _store_tile(out, o_tile, o_desc, q_empty, [desc_batch, row0, head, 0], o_in_q)
+        _store_tile(out, o_tile, o_desc, q_empty, desc_batch, row0, head, o_in_q)
 
 
 @gluon.jit
-def _store_tile(out, o_tile, o_desc, q_empty, coordinates, o_in_q):
-    """out [ROWS, HEAD_DIM] through o_tile to O's descriptor at `coordinates` by TMA; where O is staged in the
-    consumer's Q tile (o_in_q), Q's slot is released once the store has read it."""
-    ROWS: gl.constexpr = out.shape[0]
-    HEAD_DIM: gl.constexpr = out.shape[1]
+def _store_tile(out, o_tile, o_desc, q_empty, batch, row, head, o_in_q):
+    """out ([ROWS, WIDTH] per chunk) through o_tile ([1, ROWS, 1, WIDTH] per chunk) to O's descriptors at (batch,
+    row, head) by TMA; where O is staged in the consumer's Q tile (o_in_q), Q's slot is released once the store has
+    read it."""
     tma.store_wait(0)  # the previous tile's O store has read o_tile
-    o_tile.reshape([ROWS, HEAD_DIM]).store(out.to(o_tile.dtype))
+    for chunk in gl.static_range(len(out)):
+        o_chunk = o_tile[chunk]
+        o_chunk.reshape([o_chunk.shape[1], o_chunk.shape[3]]).store(out[chunk].to(o_chunk.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, coordinates, o_tile)
+    _copy_out(o_desc, o_tile, batch, row, head)
     if o_in_q != 0:
         tma.store_wait(0)
         mbarrier.arrive(q_empty)
@@ -485,7 +430,9 @@ def _store_partial(out, lse, Partial, PartialLse, slot, row_offset, TILE_ROWS: g
     """A consumer's part of a tail piece's result (out [ROWS, HEAD_DIM] normalized by the piece's own row sums, lse
     [ROWS] its natural-log LSE, -inf for rows that saw no key in it) into workspace slot `slot` (Partial
     [slots, TILE_ROWS, HEAD_DIM], PartialLse [slots, TILE_ROWS], fp32; rows past seqlen_q too: the merge skips
-    them)."""
+    them). Tail cuts run on one chunk (ops/hopper.launch_fwd): out is (out, )."""
+    gl.static_assert(len(out) == 1, "tail cuts take one chunk of head dim")
+    out = out[0]
     ROWS: gl.constexpr = out.shape[0]
     HEAD_DIM: gl.constexpr = out.shape[1]
     # [ROWS] the tile's rows of this consumer; [HEAD_DIM] the columns
@@ -502,24 +449,21 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
               k_ready, v_ready, k_empty, v_empty, team, fences, lag, residues, stride_lse_b, stride_lse_h, tail,
               work, qk_scale_log2, alibi, o_in_q, rows_out):
     """One warpgroup: query rows [m_start + row_offset, + ROWS) of every piece of work of this program (a tile, or part
-    of a tail tile's key blocks: next_piece). Per piece: wait for its Q tile (q_tile [1, ROWS, 1, HEAD_DIM],
+    of a tail tile's key blocks: next_piece). Per piece: wait for its Q tile (q_tile [1, ROWS, 1, WIDTH] per chunk,
     shared), run the key blocks, normalize, store the natural-log LSE and O (_store_output; a partial piece's to the
     workspace instead: _store_partial). q_empty tells the producer that q_tile may be refilled: after the last S
-    wgmma, or where O is staged in q_tile itself (o_in_q) once O's store has read it. Rows that saw no key: out 0,
+    wgmma, or where O is staged in q_tile itself (o_in_q) once O's store has read it. q_tile, o_tile: one entry per
+    chunk of Q's (V's) head dim. Rows that saw no key: out 0,
     lse +inf (docs/api.md §4.5). team: one entry per consumer of the program (a tile has len(team) * ROWS rows; a
     tuple's length reaches partitions where a constexpr does not). turns: the ping-pong barriers (_wait_turn), this
-    consumer's first, or (); the first consumer (row_offset 0) leads. fences: _hold_schedule's; lag:
-    _softmax_block's; residues: _mask_block's; alibi: () or (AlibiSlopes, stride_alibi_b,
-    alibi_pure_causal, qk_scale_log2 of the logits) (_run_piece loads each tile's slope for _logits); rows_out:
+    consumer's first, or (); the first consumer (row_offset 0) leads. fences: hold_schedule's; lag:
+    softmax_block's; residues: mask_block's; alibi: () or (AlibiSlopes, stride_alibi_b,
+    alibi_pure_causal, qk_scale_log2 of the logits) (_run_piece loads each tile's slope for logits); rows_out:
     _store_output's (varlen: O's pointer, strides and head dim; its length also tells _key_blocks to clear V past
     each sequence's keys)."""
-    ROWS: gl.constexpr = q_tile.shape[1]
+    ROWS: gl.constexpr = q_tile[0].shape[1]
     TILE_ROWS: gl.constexpr = len(team) * ROWS
-    BLOCK_N: gl.constexpr = k_smem.shape[2]
-    HEAD_DIM: gl.constexpr = k_smem.shape[4]
-    HEAD_DIM_V: gl.constexpr = v_smem.shape[4]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM_V, 16])
+    BLOCK_N: gl.constexpr = k_smem[0].shape[2]
     # (0, ) for varlen calls: _key_blocks clears V's rows past a sequence's keys
     if len(rows_out) > 0:
         clear_v = (0, )
@@ -527,7 +471,7 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
         clear_v = ()
     lead = (row_offset == 0).to(gl.int32)
     # _run_piece's groups
-    tiles = (q_tile.reshape([ROWS, HEAD_DIM]), o_tile, k_smem, v_smem)
+    tiles = (_matrices(q_tile), o_tile, k_smem, v_smem)
     barriers = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
     outputs = (o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, rows_out)
     options = (row_offset, turns, lead, fences, lag, residues, clear_v, work[6], work[8], qk_scale_log2, alibi,
@@ -542,17 +486,17 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
         piece = (batch, head, m_start, top, count, slot, bounds)
         if len(rows_out) > 0:
             if count > 0:  # a varlen tile past its sequence's end has no work
-                load, done = _run_piece(piece, load, done, tiles, barriers, outputs, options, acc_layout)
+                load, done = _run_piece(piece, load, done, tiles, barriers, outputs, options)
         else:
-            load, done = _run_piece(piece, load, done, tiles, barriers, outputs, options, acc_layout)
+            load, done = _run_piece(piece, load, done, tiles, barriers, outputs, options)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _run_piece(piece, load, done, tiles, barriers, outputs, options, acc_layout: gl.constexpr):
+def _run_piece(piece, load, done, tiles, barriers, outputs, options):
     """_consumer's work on one piece (schedule.next_piece's (batch, head, m_start, top, count, slot, bounds)): wait for
     its Q tile, run its key blocks, normalize, store. Returns the program's load and piece counters after it.
-    tiles: (q [ROWS, HEAD_DIM] shared, o_tile, k_smem, v_smem); barriers: (q_ready, q_empty, k_ready, v_ready,
+    tiles: (q ([ROWS, WIDTH] per chunk, shared), o_tile, k_smem, v_smem); barriers: (q_ready, q_empty, k_ready, v_ready,
     k_empty, v_empty); outputs: (o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, rows_out); options:
     (row_offset, turns, lead, fences, lag, residues, clear_v, causal, window, qk_scale_log2, alibi, o_in_q, tail,
     team)."""
@@ -562,15 +506,14 @@ def _run_piece(piece, load, done, tiles, barriers, outputs, options, acc_layout:
     o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, rows_out = outputs
     (row_offset, turns, lead, fences, lag, residues, clear_v, causal, window, qk_scale_log2, alibi, o_in_q, tail,
      team) = options
-    ROWS: gl.constexpr = q.shape[0]
+    ROWS: gl.constexpr = q[0].shape[0]
     TILE_ROWS: gl.constexpr = len(team) * ROWS
-    BLOCK_N: gl.constexpr = k_smem.shape[2]
+    BLOCK_N: gl.constexpr = k_smem[0].shape[2]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, acc_layout)
     seqlen_q, seqlen_k = bounds[0], bounds[1]
-    # _logits' ALiBi entry: the tile's head's slope in log2 units
+    # logits' ALiBi entry: the tile's head's slope in log2 units
     alibi_row = ()
     if len(alibi) > 0:
         slope_log2 = gl.load(alibi[0] + batch.to(gl.int64) * alibi[1] + head) * 1.4426950408889634
@@ -581,18 +524,17 @@ def _run_piece(piece, load, done, tiles, barriers, outputs, options, acc_layout:
     mbarrier.wait(q_ready, done & 1)
     acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,
                                 load, top, count, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, alibi_row,
-                                causal,
-                                window, turns, lead, fences, lag, residues, clear_v, acc_layout)
+                                causal, window, turns, lead, fences, lag, residues, clear_v)
     seen = l_i > 0.0
     # [ROWS] the row sums, 1 for rows that saw no key
     row_sum = gl.where(seen, l_i, 1.0)
     # [ROWS] one reciprocal per row, then a multiply per element (a division per element costs ~5
     # instructions: div.full's range fix-ups, and spills at d128); rcp.approx is within 1 ulp, and a seen
     # row's sum is >= 1 (its max's own term), so no denormal reaches it.
-    inverse_sum = gl.convert_layout(_reciprocal(row_sum), row_o)
+    inverse_sum = reciprocal(row_sum)
     # [ROWS] natural-log LSE (rows without a key: +inf in the output, -inf, no weight, in a partial result)
     lse = (m_i + gl.log2(row_sum)) * 0.6931471805599453
-    out = acc * gl.expand_dims(inverse_sum, 1)
+    out = _rescale_chunks(acc, inverse_sum, ())
     if len(tail) > 1:
         if slot < 0:
             _store_output(out, gl.where(seen, lse, float("inf")), o_tile, o_desc, q_empty, Lse,
@@ -614,15 +556,41 @@ def _run_piece(piece, load, done, tiles, barriers, outputs, options, acc_layout:
 def _consumer_args(consumer: gl.constexpr, q_smem, o_smem, q_ready, q_empty, turns, common):
     """_consumer's arguments for consumer warpgroup `consumer`: its Q and O tiles, Q barriers, ping-pong barriers
     (turns: one entry per consumer) and first row in the tile, then what every consumer gets (common)."""
-    return (q_smem.index(consumer), o_smem.index(consumer), q_ready.index(consumer), q_empty.index(consumer),
+    return (_entries(q_smem, consumer), _entries(o_smem, consumer), q_ready.index(consumer), q_empty.index(consumer),
             turns[consumer], consumer * CONSUMER_ROWS) + common
+
+
+@gluon.jit
+def _chunks(first, second):
+    """A tensor's descriptors by chunk of its head dim: (first, ), or (first, second) where a second chunk exists."""
+    if second is None:
+        return (first, )
+    else:
+        return (first, second)
+
+
+@gluon.jit
+def _allocate_chunks(descs, entries: gl.constexpr):
+    """Shared memory for `entries` tiles of every chunk's descriptor (descs): [entries, 1, ROWS, 1, WIDTH] each."""
+    chunks = ()
+    for chunk in gl.static_range(len(descs)):
+        chunks = chunks + (_allocate_chunk(descs[chunk], entries), )
+    return chunks
+
+
+@gluon.jit
+def _allocate_chunk(desc, entries: gl.constexpr):
+    ROWS: gl.constexpr = desc.block_type.shape[1]
+    WIDTH: gl.constexpr = desc.block_type.shape[3]
+    # [entries, 1, ROWS, 1, WIDTH]
+    return gl.allocate_shared_memory(desc.dtype, [entries, 1, ROWS, 1, WIDTH], desc.layout)
 
 
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "batch", "seqlen_q", "seqlen_k", "heads_per_group",
                               "paired", "full_items", "tail_programs", "tail_blocks", "item_blocks", "window_left",
                               "window_right", "q_rows", "k_rows"])
-def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, batch,
-                           num_heads, group_size, seqlen_q, seqlen_k, heads_per_group, paired, full_items,
+def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_desc2, o_desc2, Lse, Partial,
+                           PartialLse, stride_lse_b, stride_lse_h, batch, num_heads, group_size, seqlen_q, seqlen_k, heads_per_group, paired, full_items,
                            tail_programs, tail_blocks, item_blocks, qk_scale_log2, rescale_threshold, window_left,
                            window_right, varlen, q_rows, k_rows, alibi_args, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
                            STAGES: gl.constexpr,
@@ -630,7 +598,11 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
                            CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, HOLD_SCHEDULE: gl.constexpr,
                            RESCALE_SKIP: gl.constexpr, MASK_BY_RESIDUES: gl.constexpr,
                            SPLIT_TAIL: gl.constexpr, num_warps: gl.constexpr):
-    """Work items: query tiles of CONSUMERS * 64 rows of every (batch, head), longest first, in launch-order groups of
+    """q_desc, k_desc, v_desc, o_desc: the tensors' descriptors of the first chunk of their head dims (column 0 on);
+    q_desc2 ... o_desc2: those of the second chunk (from the first one's width on), or None where one chunk covers the
+    head dim (configs.HOPPER_FWD_CHUNKS: Gluon's shared tiles and wgmmas take power-of-two widths, so head dim 192 runs
+    as 128 + 64 columns, 96 as 64 + 32, 80 as 64 + 16: two chained S wgmmas, an output accumulator and a P V wgmma per
+    chunk of V's head dim; no padding). Work items: query tiles of CONSUMERS * 64 rows of every (batch, head), longest first, in launch-order groups of
     heads_per_group (batch, head) pairs like kernels/fwd.py, or with `paired` (1) pairs of tiles of equal total
     length (item_tiles); program p takes items p, p + P, p + 2P, ... of a grid of P programs (one per item, or
     persistent: one per SM, so the next tile's loads overlap this one's end) below full_items. The items from
@@ -641,9 +613,9 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
     (4) is the first consumer's; the other consumers (4 warps, CONSUMER_REGS registers each) and the producer (1
     warp) are worker partitions. PINGPONG (two consumers): they issue their wgmmas in alternation (_wait_turn).
     RESCALE_SKIP: the max lags by up to rescale_threshold (log2 units) and unmoved warps skip the output rescale
-    (_softmax_block, _rescale). MASK_BY_RESIDUES: how a causal block's mask compares columns (_mask_block). LOCAL: a
+    (fwd_softmax.softmax_block, rescale). MASK_BY_RESIDUES: how a causal block's mask compares columns (fwd_softmax.mask_block). LOCAL: a
     local window (window_left, window_right, both >= 0, normalized as kernels/common's): each tile visits the key
-    blocks its rows see (tile_work) and masks both edges (_mask_local); grids are not paired and the tail is not cut
+    blocks its rows see (tile_work) and masks both edges (fwd_softmax.mask_local); grids are not paired and the tail is not cut
     (ops/hopper.launch_fwd). Varlen (varlen: (CuSeqlensQ, CuSeqlensK, Out, stride_om, stride_oh, head_dim_v), the
     pointers None for a dense call): batch sequences packed in (T, H, D) tensors, (1, T, H, D) to the descriptors
     (q_rows / k_rows: T of q / k, unspecialized as they change every call); seqlen_q / seqlen_k are the
@@ -652,12 +624,19 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
     sequence's keys are zeroed in shared memory before they meet P (_clear_rows_past). Grids are not paired and the
     tail is not cut. alibi_args: (AlibiSlopes, stride_alibi_b, alibi_pure_causal, logit_scale_log2); ALiBi
     (AlibiSlopes given, None otherwise; stride_alibi_b 0 for (H,) slopes): the logits q.k * logit_scale_log2 get
-    kernels/common.alibi_bias_log2's bias (_logits), qk_scale_log2 1."""
+    kernels/common.alibi_bias_log2's bias (fwd_softmax.logits), qk_scale_log2 1."""
     ROWS: gl.constexpr = CONSUMER_ROWS
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
-    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
-    HEAD_DIM_V: gl.constexpr = v_desc.block_type.shape[3]
+    q_descs, k_descs = _chunks(q_desc, q_desc2), _chunks(k_desc, k_desc2)
+    v_descs, o_descs = _chunks(v_desc, v_desc2), _chunks(o_desc, o_desc2)
     dtype: gl.constexpr = q_desc.dtype
+    # per chunk of the head dims: [CONSUMERS, 1, ROWS, 1, WIDTH] the consumers' Q tiles, [STAGES, 1, BLOCK_N, 1, WIDTH]
+    # K and V
+    q_smem = _allocate_chunks(q_descs, CONSUMERS)
+    k_smem = _allocate_chunks(k_descs, STAGES)
+    v_smem = _allocate_chunks(v_descs, STAGES)
+    HEAD_DIM: gl.constexpr = _chunks_width(k_smem)
+    HEAD_DIM_V: gl.constexpr = _chunks_width(v_smem)
     # O gets tiles of its own where they fit next to Q and the K/V stages, so the next tile's Q can land while O is
     # stored; else (head dim 256) O is staged in the consumer's Q tile (of the same shape: V's head dim is q's)
     element_bytes: gl.constexpr = dtype.primitive_bitwidth // 8
@@ -666,16 +645,13 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
     O_IN_Q: gl.constexpr = tiles_bytes + STAGES * stage_bytes > SHARED_BYTES_FOR_TILES
     num_tiles = gl.cdiv(seqlen_q, CONSUMERS * ROWS)
     num_batch_heads = batch * num_heads
-    # [CONSUMERS, 1, ROWS, 1, HEAD_DIM] the consumers' Q tiles, [.., HEAD_DIM_V] their O tiles; [STAGES, 1, BLOCK_N, 1,
-    # HEAD_DIM] K, [.., HEAD_DIM_V] V
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM], q_desc.layout)
+    # per chunk of V's head dim: [CONSUMERS, 1, ROWS, 1, WIDTH] the consumers' O tiles
     if O_IN_Q:
-        gl.static_assert(HEAD_DIM == HEAD_DIM_V, "O tiles of V's head dim must fit beside the Q tiles")
+        gl.static_assert((HEAD_DIM == HEAD_DIM_V) & (len(q_descs) == len(o_descs)),
+                         "O tiles of V's head dim must fit beside the Q tiles")
         o_smem = q_smem
     else:
-        o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, ROWS, 1, HEAD_DIM_V], o_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, 1, HEAD_DIM_V], v_desc.layout)
+        o_smem = _allocate_chunks(o_descs, CONSUMERS)
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -694,7 +670,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
         turns = ((first_turn, second_turn), (second_turn, first_turn))
     else:
         turns = ((), (), ())  # one entry per consumer (three at most)
-    # _hold_schedule's fence, present or not (a tuple's length reaches the partitions where a constexpr does not)
+    # hold_schedule's fence, present or not (a tuple's length reaches the partitions where a constexpr does not)
     if HOLD_SCHEDULE:
         fences = (0, )
     else:
@@ -709,7 +685,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
         lag = (rescale_threshold, )
     else:
         lag = ()
-    # _mask_block's causal comparison by column residues, or () for the plain one
+    # mask_block's causal comparison by column residues, or () for the plain one
     if MASK_BY_RESIDUES:
         residues = (0, )
     else:
@@ -728,7 +704,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
         window = (window_left, window_right)
     else:
         window = ()
-    # ALiBi's slopes, or () without them (_logits; qk_scale_log2 is then 1)
+    # ALiBi's slopes, or () without them (logits; qk_scale_log2 is then 1)
     if alibi_args[0] is not None:
         alibi = alibi_args
     else:
@@ -745,9 +721,9 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Partial, Partial
         tail = (full_items, tail_programs, tail_blocks, item_blocks)
     else:
         tail = (full_items, )
-    common = (o_desc, Lse, Partial, PartialLse, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, team, fences, lag,
+    common = (o_descs, Lse, Partial, PartialLse, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, team, fences, lag,
               residues, stride_lse_b, stride_lse_h, tail, work, qk_scale_log2, alibi, o_in_q, rows_out)
-    producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+    producer_args = (q_descs, k_descs, v_descs, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, group_size, tail, work)
     first = _consumer_args(0, q_smem, o_smem, q_ready, q_empty, turns, common)
     second = _consumer_args(1, q_smem, o_smem, q_ready, q_empty, turns, common)
