@@ -246,7 +246,7 @@ _HOPPER_FWD_D128 = HopperFwdConfig(128, 2, 240, persistent=True, pingpong=True, 
 _HOPPER_FWD_D256 = HopperFwdConfig(64, 2, 232, hold_schedule=True, rescale_threshold=8.0)
 _HOPPER_FWD_D128_CAUSAL = replace(_HOPPER_FWD_D128, mask_by_residues=True)
 # 80 and 96 take d128's entries, 192 d256's persistent ones: benchmarks/sweep_hopper_fwd.py --head-dims 80,96,192
-# candidates within 1% of the best, 2026-12-07, 6d06c78, H100
+# candidates within 1% of the best, 2026-12-06, 6d06c78, H100
 HOPPER_FWD = ConfigTable({(64, False): HopperFwdConfig(128, 2, 160, persistent=True, consumers=3),
                          (64, True): HopperFwdConfig(128, 2, 232, persistent=True),
                          (80, False): _HOPPER_FWD_D128, (80, True): _HOPPER_FWD_D128_CAUSAL,
