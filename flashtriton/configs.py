@@ -245,6 +245,7 @@ _HOPPER_FWD_D128 = HopperFwdConfig(128, 2, 240, persistent=True, pingpong=True, 
                                    rescale_threshold=8.0)
 _HOPPER_FWD_D256 = HopperFwdConfig(64, 2, 232, hold_schedule=True, rescale_threshold=8.0)
 _HOPPER_FWD_D128_CAUSAL = replace(_HOPPER_FWD_D128, mask_by_residues=True)
+_HOPPER_FWD_D256_CAUSAL = replace(_HOPPER_FWD_D256, mask_by_residues=True)
 # 80 and 96 take d128's entries, 192 d256's persistent ones: benchmarks/sweep_hopper_fwd.py --head-dims 80,96,192
 # candidates within 1% of the best, 2026-12-06, 6d06c78, H100
 HOPPER_FWD = ConfigTable({(64, False): HopperFwdConfig(128, 2, 160, persistent=True, consumers=3),
@@ -254,9 +255,9 @@ HOPPER_FWD = ConfigTable({(64, False): HopperFwdConfig(128, 2, 160, persistent=T
                          (128, False): replace(_HOPPER_FWD_D128, split_tail=True),
                          (128, True): _HOPPER_FWD_D128_CAUSAL,
                          (192, False): replace(_HOPPER_FWD_D256, persistent=True),
-                         (192, True): replace(_HOPPER_FWD_D256, mask_by_residues=True),
+                         (192, True): _HOPPER_FWD_D256_CAUSAL,
                          (256, False): replace(_HOPPER_FWD_D256, persistent=True, split_tail=True),
-                         (256, True): replace(_HOPPER_FWD_D256, mask_by_residues=True)})
+                         (256, True): _HOPPER_FWD_D256_CAUSAL})
 HOPPER_FWD_HEAD_DIMS = tuple(sorted({head_dim for head_dim, _ in HOPPER_FWD}))
 # The Gluon forward's tiles by head dim: the widths of the column chunks its shared tiles and wgmmas move (powers of
 # two, which Gluon's shared layouts need; the kernel chains one S wgmma per chunk and keeps an output accumulator

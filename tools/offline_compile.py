@@ -322,8 +322,8 @@ def sass_of(cubin: bytes) -> tuple:
 def exp2_before_pv_wait(cubin: bytes) -> list:
     """For each consumer loop of the Gluon forward (kernels/hopper/fwd._key_blocks), the MUFU.EX2 count between its
     S wait (WARPGROUP.DEPBAR.LE gsb0, 0x1; 0x2 where P V is two wgmmas, one per chunk of V's head dim) and its P V
-    wait (0x0), following the unmasked block's path (taken
-    `@P BRA`s and plain `BRA`s; `@!P BRA`s are barrier-wait retries): the part of the softmax that overlaps P V.
+    wait (0x0), following the unmasked block's path (taken `@P BRA`s and plain `BRA`s; `@!P BRA`s are barrier-wait
+    retries): the part of the softmax that overlaps P V.
     A block's softmax is BLOCK_N / 2 + 2 exp2s per thread, so BLOCK_N / 2 + 2 means all of it; 0, that ptxas waits
     for P V first. None for a loop whose walk did not reach a wait. The same walk on the Gluon backward
     (kernels/hopper/bwd.py) counts P's exp2s between its S wait and its dP wait."""
