@@ -128,9 +128,9 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta
         window = ()
     batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations = key_block_of_program(
         num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS, CAUSAL)
-    # [1, KEYS, 1, HEAD_DIM] K, V
-    k_smem = gl.allocate_shared_memory(dtype, [1, KEYS, 1, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, KEYS, 1, HEAD_DIM], v_desc.layout)
+    # [1, 1, KEYS, 1, HEAD_DIM] K, V
+    k_smem = gl.allocate_shared_memory(dtype, [1, 1, KEYS, 1, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, 1, KEYS, 1, HEAD_DIM], v_desc.layout)
     # [STAGES, 1, ROWS, 1, FEAT] feature halves of the Q / dO stages
     q_lo = gl.allocate_shared_memory(dtype, [STAGES, 1, ROWS, 1, FEAT], q_desc.layout)
     q_hi = gl.allocate_shared_memory(dtype, [STAGES, 1, ROWS, 1, FEAT], q_desc.layout)
@@ -158,8 +158,8 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta
     # constexprs arrive in partitions as plain ints (Triton 3.6): the flag and offsets travel as tensors
     causal = gl.to_tensor(CAUSAL).to(gl.int32)
     OWN: gl.constexpr = KEYS // 2
-    k_flat = k_smem.reshape([KEYS, HEAD_DIM])
-    v_flat = v_smem.reshape([KEYS, HEAD_DIM])
+    k_flat = k_smem.index(0).reshape([KEYS, HEAD_DIM])
+    v_flat = v_smem.index(0).reshape([KEYS, HEAD_DIM])
     pointers = (DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch,
                 head_k, n_start, head_dim)
     loop = (group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
@@ -174,8 +174,8 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta
     gl.warp_specialize([
         (_consumer, first + barriers + pointers + (gl.to_tensor(0), gl.to_tensor(0)) + loop),
         (_consumer, second + barriers + pointers + (gl.to_tensor(OWN), gl.to_tensor(FEAT)) + loop),
-        (backward_producer, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, (q_lo, q_hi),
-                             (do_lo, do_hi), lse_smem, delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start,
-                             num_heads_k * group_size, group_size, m_block_lo, blocks_per_head, n_iterations,
-                             gl.to_tensor(0))),
+        (backward_producer, ((k_desc, ), (v_desc, ), (q_desc, q_desc), (do_desc, do_desc), lse_desc, delta_desc,
+                             (k_smem, ), (v_smem, ), (q_lo, q_hi), (do_lo, do_hi), lse_smem, delta_smem, kv_ready,
+                             q_ready, q_empty, batch, head_k, n_start, num_heads_k * group_size, group_size,
+                             m_block_lo, blocks_per_head, n_iterations, gl.to_tensor(0))),
     ], [4, 1], [CONSUMER_REGS, 24])
