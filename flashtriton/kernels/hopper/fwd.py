@@ -55,7 +55,7 @@ CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma
 
 @gluon.jit
 def _copy_out(descs, tiles, batch, row, head):
-    """TMA stores of [1, ROWS, 1, WIDTH] tiles (one per chunk, _copy_in's columns) at (batch, row, head)."""
+    """TMA stores of [1, ROWS, 1, WIDTH] tiles (one per chunk, common.copy_pieces' columns) at (batch, row, head)."""
     column = 0
     for chunk in gl.static_range(len(descs)):
         tma.async_copy_shared_to_global(descs[chunk], [batch, row, head, column], tiles[chunk])
