@@ -230,8 +230,8 @@ ORDERED_CASES = {
 
 
 def test_head_dims_between_tile_classes_take_the_next_wider_backward_tiles():
-    assert [configs.hopper_bwd_tile_dim(d) for d in (8, 64, 72, 80, 96, 112, 128, 192, 256, 264)] == \
-        [64, 64, 80, 80, 96, 128, 128, 256, 256, None]
+    assert [configs.hopper_bwd_tile_dim(d) for d in (8, 64, 72, 80, 96, 112, 128, 160, 192, 200, 256, 264)] == \
+        [64, 64, 80, 80, 96, 128, 128, 192, 192, 256, 256, None]
     # tiles 128 wide order dQ by features (deterministic=True takes them); 64 wide do not; 256 wide leave dQ to Triton
     assert hopper.can_order_dq(96) and not hopper.can_order_dq(40) and not hopper.computes_dq(192)
 
@@ -244,6 +244,8 @@ def test_deterministic_calls_skip_the_tiles_of_two_chunks():
         assert hopper.backward_division(head_dim, deterministic=True)[4] == 128
         assert hopper.orders_dq(head_dim, deterministic=True)
     assert hopper.backward_division(64, deterministic=True)[4] == 64
+    # the dK / dV kernel's 192-wide chunks add no dQ: deterministic calls keep them
+    assert hopper.backward_division(192, deterministic=True)[4] == 192 and not hopper.computes_dq(192)
 
 
 def test_every_backward_tile_class_has_power_of_two_chunks_that_add_up():
@@ -258,13 +260,14 @@ def test_every_backward_tile_class_has_power_of_two_chunks_that_add_up():
 @needs_hopper
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [8, 40, 72, 112, 136, 192])
+@pytest.mark.parametrize("head_dim", [8, 40, 72, 112, 160, 200])
 @pytest.mark.parametrize("layout", ["contiguous", "wider-rows"])
 def test_gluon_backward_head_dims_between_tile_classes(layout, head_dim, causal, deterministic):
     """Head dims the backward's tiles are wider than (configs.hopper_bwd_tile_dim): missing columns of K, V, Q and
     dO read as zeros, dK / dV stored and dQ reduced within the head dim only (NaN-poisoned outputs; inputs as the
     first D columns of NaN-filled wider rows, whose NaN a read past D would spread); with deterministic=True, tiles
-    128 wide order dQ (the same bits in two calls; 72 and 112 run on them, 72 on 80-wide chunked tiles otherwise)."""
+    128 wide order dQ (the same bits in two calls; 72 and 112 run on them, 72 on 80-wide chunked tiles otherwise; 160
+    on 192-wide chunked tiles, 200 on 256-wide)."""
     case = Case(batch=2, seqlen_q=333, seqlen_k=200, num_heads=4, num_heads_k=2, head_dim=head_dim,
                 dtype=torch.bfloat16, causal=causal, layout=layout)
     checks, ran = run_backward(case, deterministic=deterministic, repeats=2 if deterministic else 1)

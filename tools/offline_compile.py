@@ -219,10 +219,15 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
                  "DK": f"*{dtype}", "DV": f"*{dtype}", "softmax_scale": "fp32", "qk_scale_log2": "fp32"}
     constexprs = dict(CAUSAL=causal, LOCAL=local, STAGES=config.stages,
                       CONSUMER_REGS=config.consumer_regs, num_warps=4)
-    if dq_box is None:  # the d256 kernel: K, V whole, Q and dO in feature halves
-        signature.update(k_desc=_gluon_tile_type(keys, tile_dim, dtype), v_desc=_gluon_tile_type(keys, tile_dim, dtype),
-                         q_desc=_gluon_tile_type(config.query_rows, qdo_features, dtype),
-                         do_desc=_gluon_tile_type(config.query_rows, qdo_features, dtype))
+    if dq_box is None:  # the d256 kernel: at 256 K, V whole and Q, dO in feature halves; at 192 all in chunks
+        widths = configs.HOPPER_BWD_CHUNKS[tile_dim]
+        for chunk, suffix in enumerate(("", "2")):
+            for name, rows in (("k", keys), ("v", keys), ("q", config.query_rows), ("do", config.query_rows)):
+                if chunk < len(widths):
+                    columns = min(widths[chunk], qdo_features) if name in ("q", "do") else widths[chunk]
+                    signature[f"{name}_desc{suffix}"] = _gluon_tile_type(rows, columns, dtype)
+                else:
+                    constexprs[f"{name}_desc{suffix}"] = None
     else:  # per chunk of the head dim (configs.HOPPER_BWD_CHUNKS, ops/hopper.backward_chunk_descriptors), the dQ
         # accumulator's boxes and the counters of ordered dQ
         widths = configs.HOPPER_BWD_CHUNKS[tile_dim]

@@ -294,19 +294,22 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
 DQ_FEATURES = 64
 # Head dim 256 (kernels/hopper/bwd_d256): Q / dO move in feature halves
 D256_QDO_FEATURES = 128
+# the tiles kernels/hopper/bwd_d256 runs (dK / dV only)
+DK_DV_ONLY_TILE_DIMS = (192, 256)
 
 
 def backward_division(head_dim: int, deterministic: bool = False):
     """(kernel, keys per program, features per Q / dO box, (rows, features) per dQ reduction or None, tile head dim)
     of a head dim up to 256: its tiles are those of the next configs.HOPPER_BWD entry (configs.hopper_bwd_tile_dim;
-    their missing columns read as zeros and are never stored). deterministic=True skips tiles of two chunks (80, 96:
-    their consumers add dQ chunks of unequal widths, which the fixed order does not take) for the next class of one
-    chunk (128: dQ in a fixed order)."""
+    their missing columns read as zeros and are never stored). Tiles 192 and 256 wide run the dK / dV kernel
+    (kernels/hopper/bwd_d256.py; dQ is the Triton kernel's). deterministic=True skips the other kernel's tiles of two
+    chunks (80, 96: their consumers add dQ chunks of unequal widths, which the fixed order does not take) for its
+    next class of one chunk (128: dQ in a fixed order)."""
     tile_dim = configs.hopper_bwd_tile_dim(head_dim)
-    if deterministic and tile_dim is not None:
+    if deterministic and tile_dim is not None and tile_dim not in DK_DV_ONLY_TILE_DIMS:
         tile_dim = next(dim for dim in configs.HOPPER_BWD_HEAD_DIMS
                         if dim >= tile_dim and len(configs.HOPPER_BWD_CHUNKS[dim]) == 1)
-    if tile_dim == 256:
+    if tile_dim in DK_DV_ONLY_TILE_DIMS:
         return attn_bwd_hopper_d256_kernel, KEY_BLOCK_D256, D256_QDO_FEATURES, None, tile_dim
     return (attn_bwd_hopper_kernel, KEY_BLOCK, tile_dim, (configs.HOPPER_BWD[tile_dim].query_rows, DQ_FEATURES),
             tile_dim)
@@ -386,10 +389,14 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
     dq_counters = (torch.zeros(batch * num_heads * triton_cdiv(seqlen_q, config.query_rows) * 2, dtype=torch.int32,
                                device=q.device) if ordered else None)
     kernel_args = {} if dq_box is None else dict(ORDERED=ordered)
-    if dq_box is None:  # the d256 kernel: K, V whole, Q and dO in feature halves
-        descriptors = (tile_descriptor(k, keys, tile_dim), tile_descriptor(v, keys, tile_dim),
-                       tile_descriptor(q, config.query_rows, qdo_features),
-                       tile_descriptor(dout, config.query_rows, qdo_features))
+    if dq_box is None:  # the d256 kernel: at 256 K, V whole and Q, dO in feature halves; at 192 every tensor in chunks
+        widths = configs.HOPPER_BWD_CHUNKS[tile_dim]
+        descriptors = ()
+        for width in widths:
+            descriptors += (tile_descriptor(k, keys, width), tile_descriptor(v, keys, width),
+                            tile_descriptor(q, config.query_rows, min(width, qdo_features)),
+                            tile_descriptor(dout, config.query_rows, min(width, qdo_features)))
+        descriptors += (None, ) * (8 - len(descriptors))
     else:  # per chunk of the head dim (configs.HOPPER_BWD_CHUNKS): K, V, Q, dO and dQ's boxes, then the second's
         descriptors = backward_chunk_descriptors(k, v, q, dout, dq_accum, keys, config.query_rows, dq_box, tile_dim)
     launch(
