@@ -395,7 +395,8 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     causal = gl.to_tensor(CAUSAL).to(gl.int32)
     # dQ: by chunks where there are two, else head dim 128 split by features (64 each), head dim 64 by keys (dq_desc's
     # tile: [1, ROWS, 1, FEATURES])
-    gl.static_assert(CHUNKED | (HEAD_DIM == 64) | (HEAD_DIM == 128), "the Gluon backward takes head dim 64 or 128")
+    gl.static_assert(CHUNKED | (HEAD_DIM == 64) | (HEAD_DIM == 128),
+                     "the Gluon backward takes head dim 64 or 128 or tiles of two chunks")
     FEATURES: gl.constexpr = dq_desc.block_type.shape[3]
     SPLIT_FEATURES: gl.constexpr = FEATURES < HEAD_DIM
     # [KEYS, WIDTH] per chunk: K and V of the block
