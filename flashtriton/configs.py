@@ -288,10 +288,16 @@ class HopperBwdConfig:
 
 
 # keyed by head dim
-# flashtriton bench --modes bwd, 2026-12-01, a536212, H200
-HOPPER_BWD = ConfigTable({64: HopperBwdConfig(64, 2, 240), 128: HopperBwdConfig(64, 2, 248),
-                          256: HopperBwdConfig(64, 2, 240)})
+# flashtriton bench --modes bwd, 2026-12-01, a536212, H200; 80 and 96 take d128's entry, 192 d256's (not swept)
+HOPPER_BWD = ConfigTable({64: HopperBwdConfig(64, 2, 240), 80: HopperBwdConfig(64, 2, 248),
+                          96: HopperBwdConfig(64, 2, 248), 128: HopperBwdConfig(64, 2, 248),
+                          192: HopperBwdConfig(64, 2, 240), 256: HopperBwdConfig(64, 2, 240)})
 HOPPER_BWD_HEAD_DIMS = tuple(sorted(HOPPER_BWD))
+# The Gluon backward's tiles by head dim (HOPPER_FWD_CHUNKS' rule): K, V, Q and dO move in these column chunks, S and
+# dP chain a wgmma per chunk, dK / dV keep an accumulator per chunk, and with two chunks each consumer adds one
+# chunk's dQ features. 192 and 256 are kernels/hopper/bwd_d256.py's (dK / dV only; at 256 Q / dO move in halves).
+HOPPER_BWD_CHUNKS = ConfigTable({64: (64, ), 80: (64, 16), 96: (64, 32), 128: (128, ), 192: (128, 64),
+                                 256: (256, )})
 
 
 def hopper_bwd_tile_dim(head_dim: int) -> Optional[int]:

@@ -230,22 +230,44 @@ ORDERED_CASES = {
 
 
 def test_head_dims_between_tile_classes_take_the_next_wider_backward_tiles():
-    assert [configs.hopper_bwd_tile_dim(d) for d in (8, 64, 80, 96, 128, 192, 256, 264)] == \
-        [64, 64, 128, 128, 128, 256, 256, None]
+    assert [configs.hopper_bwd_tile_dim(d) for d in (8, 64, 72, 80, 96, 112, 128, 160, 192, 200, 256, 264)] == \
+        [64, 64, 80, 80, 96, 128, 128, 192, 192, 256, 256, None]
     # tiles 128 wide order dQ by features (deterministic=True takes them); 64 wide do not; 256 wide leave dQ to Triton
     assert hopper.can_order_dq(96) and not hopper.can_order_dq(40) and not hopper.computes_dq(192)
+
+
+def test_deterministic_calls_skip_the_tiles_of_two_chunks():
+    """Tiles of two chunks (80, 96) split dQ by chunks of unequal widths, which the fixed order does not take: a
+    deterministic call at those head dims runs on 128-wide tiles with dQ ordered; the others take the chunks."""
+    for head_dim in (72, 80, 96):
+        assert hopper.backward_division(head_dim)[4] in (80, 96)
+        assert hopper.backward_division(head_dim, deterministic=True)[4] == 128
+        assert hopper.orders_dq(head_dim, deterministic=True)
+    assert hopper.backward_division(64, deterministic=True)[4] == 64
+    # the dK / dV kernel's 192-wide chunks add no dQ: deterministic calls keep them
+    assert hopper.backward_division(192, deterministic=True)[4] == 192 and not hopper.computes_dq(192)
+
+
+def test_every_backward_tile_class_has_power_of_two_chunks_that_add_up():
+    """configs.HOPPER_BWD_CHUNKS: an entry per HOPPER_BWD head dim, one or two power-of-two chunks of at least 16
+    columns summing to it, the widest first."""
+    assert set(configs.HOPPER_BWD_CHUNKS) == set(configs.HOPPER_BWD)
+    for tile_dim, widths in configs.HOPPER_BWD_CHUNKS.items():
+        assert 1 <= len(widths) <= 2 and sum(widths) == tile_dim and list(widths) == sorted(widths, reverse=True)
+        assert all(width >= 16 and width & (width - 1) == 0 for width in widths), widths
 
 
 @needs_hopper
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [8, 40, 80, 96, 136, 192])
+@pytest.mark.parametrize("head_dim", [8, 40, 72, 112, 160, 200])
 @pytest.mark.parametrize("layout", ["contiguous", "wider-rows"])
 def test_gluon_backward_head_dims_between_tile_classes(layout, head_dim, causal, deterministic):
     """Head dims the backward's tiles are wider than (configs.hopper_bwd_tile_dim): missing columns of K, V, Q and
     dO read as zeros, dK / dV stored and dQ reduced within the head dim only (NaN-poisoned outputs; inputs as the
     first D columns of NaN-filled wider rows, whose NaN a read past D would spread); with deterministic=True, tiles
-    128 wide order dQ (the same bits in two calls)."""
+    128 wide order dQ (the same bits in two calls; 72 and 112 run on them, 72 on 80-wide chunked tiles otherwise; 160
+    on 192-wide chunked tiles, 200 on 256-wide)."""
     case = Case(batch=2, seqlen_q=333, seqlen_k=200, num_heads=4, num_heads_k=2, head_dim=head_dim,
                 dtype=torch.bfloat16, causal=causal, layout=layout)
     checks, ran = run_backward(case, deterministic=deterministic, repeats=2 if deterministic else 1)
@@ -309,7 +331,7 @@ def test_gluon_backward_modules_import():
 
 @pytest.mark.skipif(not _gluon_hopper_api() or KERNELS_INTERPRETED,
                     reason="compiles for sm_90 (needs the Gluon Hopper API and compiled, not interpreted, kernels)")
-@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128], ids=lambda d: f"d{d}")
 def test_probabilities_run_under_the_dp_product(head_dim):
     """Offline SASS (tools/offline_compile.exp2_before_pv_wait): in both consumers' loops every exp2 of P comes
     between the S wait and the dP wait, so P is computed while dP = dO V^T is on the tensor cores (ptxas moved the

@@ -56,8 +56,9 @@ SCRIPT = textwrap.dedent('''
     q, k, v = tensors((700, 4, 128), (700, 2, 128), (700, 2, 128))
     hopper.launch_fwd(q, k, v, torch.empty_like(q), torch.empty(4, 700), (0, 700),
                       score_params(0.1, True, 50, 0, 0.0, 400), 400, 400, 2, 4, cu, cu)
-    # backwards: each division (d64, d128 ordered, d256) and a window
-    for head_dim, window, deterministic in ((128, (-1, -1), True), (64, (20, 5), False), (256, (-1, -1), False)):
+    # backwards: each division (d64, d128 ordered, d256, d96 and d192 in two chunks) and a window
+    for head_dim, window, deterministic in ((128, (-1, -1), True), (64, (20, 5), False), (256, (-1, -1), False),
+                                            (96, (-1, -1), False), (192, (-1, -1), False)):
         q, k, v, dout = tensors(*[(2, 500, 2, head_dim)] * 4)
         lse, delta = torch.empty(2, 2, 512), torch.empty(2, 2, 512)
         dq_accum = torch.zeros(q.shape) if hopper.computes_dq(head_dim) else None
@@ -81,6 +82,6 @@ def test_launchers_bind_to_the_kernel_signatures():
     kernels = [line.split()[0] for line in launches]
     assert kernels.count("attn_fwd_hopper_kernel") == 7, launches
     assert kernels.count("attn_tail_merge_kernel") >= 1, launches
-    assert kernels.count("attn_bwd_hopper_kernel") == 2 and kernels.count("attn_bwd_hopper_d256_kernel") == 1, launches
+    assert kernels.count("attn_bwd_hopper_kernel") == 3 and kernels.count("attn_bwd_hopper_d256_kernel") == 2, launches
     # the grouped arguments reach the kernels whole: varlen (6 entries), ALiBi's (4)
     assert all("varlen=6" in line and "alibi_args=4" in line for line in launches if line.startswith("attn_fwd_h"))

@@ -213,17 +213,33 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     from flashtriton.ops.hopper import backward_division
 
     config = config or configs.HOPPER_BWD[head_dim]
-    kernel, keys, qdo_features, dq_box, _ = backward_division(head_dim)
-    signature = {"k_desc": _gluon_tile_type(keys, head_dim, dtype), "v_desc": _gluon_tile_type(keys, head_dim, dtype),
-                 "q_desc": _gluon_tile_type(config.query_rows, qdo_features, dtype),
-                 "do_desc": _gluon_tile_type(config.query_rows, qdo_features, dtype),
-                 "lse_desc": _gluon_descriptor_type([1, config.query_rows], "fp32"),
+    kernel, keys, qdo_features, dq_box, tile_dim = backward_division(head_dim)
+    signature = {"lse_desc": _gluon_descriptor_type([1, config.query_rows], "fp32"),
                  "delta_desc": _gluon_descriptor_type([1, config.query_rows], "fp32"),
                  "DK": f"*{dtype}", "DV": f"*{dtype}", "softmax_scale": "fp32", "qk_scale_log2": "fp32"}
     constexprs = dict(CAUSAL=causal, LOCAL=local, STAGES=config.stages,
                       CONSUMER_REGS=config.consumer_regs, num_warps=4)
-    if dq_box is not None:  # the d64 / d128 kernel's dQ accumulator and the counters of ordered dQ
-        signature["dq_desc"] = _gluon_tile_type(*dq_box, "fp32")
+    if dq_box is None:  # the d256 kernel: at 256 K, V whole and Q, dO in feature halves; at 192 all in chunks
+        widths = configs.HOPPER_BWD_CHUNKS[tile_dim]
+        for chunk, suffix in enumerate(("", "2")):
+            for name, rows in (("k", keys), ("v", keys), ("q", config.query_rows), ("do", config.query_rows)):
+                if chunk < len(widths):
+                    columns = min(widths[chunk], qdo_features) if name in ("q", "do") else widths[chunk]
+                    signature[f"{name}_desc{suffix}"] = _gluon_tile_type(rows, columns, dtype)
+                else:
+                    constexprs[f"{name}_desc{suffix}"] = None
+    else:  # per chunk of the head dim (configs.HOPPER_BWD_CHUNKS, ops/hopper.backward_chunk_descriptors), the dQ
+        # accumulator's boxes and the counters of ordered dQ
+        widths = configs.HOPPER_BWD_CHUNKS[tile_dim]
+        for chunk, suffix in enumerate(("", "2")):
+            width = widths[chunk] if chunk < len(widths) else None
+            for name, rows, kind in (("k", keys, dtype), ("v", keys, dtype), ("q", config.query_rows, dtype),
+                                     ("do", config.query_rows, dtype), ("dq", config.query_rows, "fp32")):
+                columns = dq_box[1] if name == "dq" and len(widths) == 1 else width
+                if width is None:
+                    constexprs[f"{name}_desc{suffix}"] = None
+                else:
+                    signature[f"{name}_desc{suffix}"] = _gluon_tile_type(rows, columns, kind)
         signature["dq_counters"] = "*i32"
         constexprs["ORDERED"] = ordered
     names = list(inspect.signature(kernel.fn).parameters)

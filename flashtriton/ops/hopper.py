@@ -294,14 +294,22 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
 DQ_FEATURES = 64
 # Head dim 256 (kernels/hopper/bwd_d256): Q / dO move in feature halves
 D256_QDO_FEATURES = 128
+# the tiles kernels/hopper/bwd_d256 runs (dK / dV only)
+DK_DV_ONLY_TILE_DIMS = (192, 256)
 
 
-def backward_division(head_dim: int):
+def backward_division(head_dim: int, deterministic: bool = False):
     """(kernel, keys per program, features per Q / dO box, (rows, features) per dQ reduction or None, tile head dim)
     of a head dim up to 256: its tiles are those of the next configs.HOPPER_BWD entry (configs.hopper_bwd_tile_dim;
-    their missing columns read as zeros and are never stored)."""
+    their missing columns read as zeros and are never stored). Tiles 192 and 256 wide run the dK / dV kernel
+    (kernels/hopper/bwd_d256.py; dQ is the Triton kernel's). deterministic=True skips the other kernel's tiles of two
+    chunks (80, 96: their consumers add dQ chunks of unequal widths, which the fixed order does not take) for its
+    next class of one chunk (128: dQ in a fixed order)."""
     tile_dim = configs.hopper_bwd_tile_dim(head_dim)
-    if tile_dim == 256:
+    if deterministic and tile_dim is not None and tile_dim not in DK_DV_ONLY_TILE_DIMS:
+        tile_dim = next(dim for dim in configs.HOPPER_BWD_HEAD_DIMS
+                        if dim >= tile_dim and len(configs.HOPPER_BWD_CHUNKS[dim]) == 1)
+    if tile_dim in DK_DV_ONLY_TILE_DIMS:
         return attn_bwd_hopper_d256_kernel, KEY_BLOCK_D256, D256_QDO_FEATURES, None, tile_dim
     return (attn_bwd_hopper_kernel, KEY_BLOCK, tile_dim, (configs.HOPPER_BWD[tile_dim].query_rows, DQ_FEATURES),
             tile_dim)
@@ -314,10 +322,11 @@ def computes_dq(head_dim: int) -> bool:
 
 
 def can_order_dq(head_dim: int) -> bool:
-    """Whether the kernel can add dQ in a fixed order at this head dim: where it splits dQ by features (tiles 128
-    wide), each consumer adds its own features, one reduction per (query block, feature half) and key block; on 64
-    wide tiles both consumers add into the same features and are not ordered."""
-    division = backward_division(head_dim)
+    """Whether the kernel can add dQ in a fixed order at this head dim (on the tiles a deterministic call takes:
+    backward_division): where it splits dQ by 64-feature halves (tiles 128 wide), each consumer adds its own
+    features, one reduction per (query block, feature half) and key block; on 64 wide tiles both consumers add into
+    the same features and are not ordered."""
+    division = backward_division(head_dim, deterministic=True)
     return division[3] is not None and division[3][1] < division[4]
 
 
@@ -347,6 +356,19 @@ def _row_statistic_descriptor(stat: torch.Tensor, strides: Tuple[int, int], batc
                               shared_layout((1, rows), torch.float32))
 
 
+def backward_chunk_descriptors(k, v, q, dout, dq_accum, keys: int, rows: int, dq_box, tile_dim: int) -> Tuple:
+    """attn_bwd_hopper_kernel's descriptors (k, v, q, dO, dQ's accumulator) of the first chunk of the head dim's
+    tiles, then of the second (None where one chunk covers it). One chunk: dQ moves in dq_box boxes (64-feature
+    halves at 128, whole rows at 64); two: a box per chunk (each consumer adds one chunk's features)."""
+    widths = configs.HOPPER_BWD_CHUNKS[tile_dim]
+    chunks = []
+    for width in widths:
+        dq_columns = width if len(widths) > 1 else dq_box[1]
+        chunks += [tile_descriptor(k, keys, width), tile_descriptor(v, keys, width), tile_descriptor(q, rows, width),
+                   tile_descriptor(dout, rows, width), tile_descriptor(dq_accum, rows, dq_columns)]
+    return tuple(chunks) + (None, ) * (10 - len(chunks))
+
+
 def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tuple[int, int],
                delta_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
                heads_per_group: int, deterministic: bool) -> None:
@@ -359,7 +381,7 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
     global bwd_launch_count
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k = k.shape[-2]
-    kernel, keys, qdo_features, dq_box, tile_dim = backward_division(head_dim)
+    kernel, keys, qdo_features, dq_box, tile_dim = backward_division(head_dim, deterministic)
     config = configs.HOPPER_BWD[tile_dim]
     grid = (triton_cdiv(seqlen_k, keys) * batch * num_heads_k,)
     ordered = orders_dq(head_dim, deterministic)
@@ -367,12 +389,18 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
     dq_counters = (torch.zeros(batch * num_heads * triton_cdiv(seqlen_q, config.query_rows) * 2, dtype=torch.int32,
                                device=q.device) if ordered else None)
     kernel_args = {} if dq_box is None else dict(ORDERED=ordered)
+    if dq_box is None:  # the d256 kernel: at 256 K, V whole and Q, dO in feature halves; at 192 every tensor in chunks
+        widths = configs.HOPPER_BWD_CHUNKS[tile_dim]
+        descriptors = ()
+        for width in widths:
+            descriptors += (tile_descriptor(k, keys, width), tile_descriptor(v, keys, width),
+                            tile_descriptor(q, config.query_rows, min(width, qdo_features)),
+                            tile_descriptor(dout, config.query_rows, min(width, qdo_features)))
+        descriptors += (None, ) * (8 - len(descriptors))
+    else:  # per chunk of the head dim (configs.HOPPER_BWD_CHUNKS): K, V, Q, dO and dQ's boxes, then the second's
+        descriptors = backward_chunk_descriptors(k, v, q, dout, dq_accum, keys, config.query_rows, dq_box, tile_dim)
     launch(
-        kernel, grid,
-        tile_descriptor(k, keys, tile_dim), tile_descriptor(v, keys, tile_dim),
-        tile_descriptor(q, config.query_rows, qdo_features),
-        tile_descriptor(dout, config.query_rows, qdo_features),
-        *(() if dq_box is None else (tile_descriptor(dq_accum, *dq_box), )),
+        kernel, grid, *descriptors,
         *(_row_statistic_descriptor(stat, strides, batch, num_heads, seqlen_q, config.query_rows)
           for stat, strides in ((lse, lse_strides), (delta, delta_strides))),
         dk, dv, *(() if dq_box is None else (dq_counters, )), dk.stride(0), dk.stride(1), dk.stride(2),

@@ -1,7 +1,8 @@
-"""Backward dK / dV and dQ for Hopper (sm_90) at head dims 64 and 128 in Gluon, warp-specialized, FA3's division of
-the work: one program per 128-key block, a one-warp TMA producer streaming Q / dO blocks of 64 rows, two consumer
-warpgroups that each own 64 keys of the block (their dK, dV accumulators stay in registers for the whole loop) and
-share the query blocks.
+"""Backward dK / dV and dQ for Hopper (sm_90) at head dims 64, 80, 96 and 128 in Gluon (80 and 96 in two power-of-two
+column chunks, configs.HOPPER_BWD_CHUNKS: S and dP chain a wgmma per chunk, dK / dV keep an accumulator per chunk,
+and consumer w adds chunk w's dQ features), warp-specialized, FA3's division of the work: one program per 128-key
+block, a one-warp TMA producer streaming Q / dO blocks of 64 rows, two consumer warpgroups that each own 64 keys of
+the block (their dK, dV accumulators stay in registers for the whole loop) and share the query blocks.
 
 Per query block i (64 rows), consumer w (keys [64w, 64w + 64) of the block), every product an M = 64 wgmma:
   S = Q_i K_w^T, dP = dO_i V_w^T                  [64 rows, 64 keys], both issued async, then waited
@@ -32,10 +33,10 @@ finds the one before it (a later key block) released: the later key blocks launc
 blocks must be resident together (the launcher's groups of one head, at most one key block per SM).
 
 Scope (ops/hopper.covers): the forward's (dense bf16/fp16, any window, bottom-right aligned, local ones not with
-ORDERED; no softcap, ALiBi or dropout), head dim 64 / 128 (narrower ones on these tiles). Keys past seqlen_k are masked
-out of P (their dK/dV rows are never stored; their K rows read as zeros, but P would not be 0); query rows past seqlen_q
-read Q, dO, lse and delta as zeros (TMA fills them), so P = 1 there but dS = 0 and every product they enter adds zeros
-(dQ rows past seqlen_q are clipped by the reduction).
+ORDERED; no softcap, ALiBi or dropout), head dim 64 / 80 / 96 / 128 (narrower ones on these tiles). Keys past
+seqlen_k are masked out of P (their dK/dV rows are never stored; their K rows read as zeros, but P would not be 0);
+query rows past seqlen_q read Q, dO, lse and delta as zeros (TMA fills them), so P = 1 there but dS = 0 and every
+product they enter adds zeros (dQ rows past seqlen_q are clipped by the reduction).
 
 Synchronisation: kv_ready (K and V landed), q_ready[s] (Q_i, dO_i, lse_i and delta_i of stage s landed), q_empty[s]
 (both consumers are done with stage s, count 2), with the feature split ds_ready (both consumers' dS written, count
@@ -51,8 +52,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .common import arrive_after_wgmma, backward_producer, key_block_of_program, loop_position, masked_probabilities, \
-    query_block, store_key_rows
+from .common import accumulate_products, allocate_chunks, arrive_after_wgmma, backward_producer, chained_products, \
+    chunk_descriptors, chunks_width, entries_of, key_block_of_program, key_rows, loop_position, masked_probabilities, \
+    matrices_of, query_block, store_key_rows, wait_accumulators, zero_accumulators
 
 if not hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce"):
     raise ImportError("this Triton's Gluon has no TMA reduction; the Triton backward runs instead")
@@ -218,37 +220,39 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
               feature0,
               group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
               causal, first_visit, window, order):
-    """One warpgroup: keys [n_start + key0, + OWN) of the block (k_own, v_own: their K and V rows [OWN, HEAD_DIM];
-    p_own, ds_own: its [ROWS, OWN] P and dS tiles in shared memory); dK / dV over every query block, and the dQ
-    features [feature0, + FEATURES) of each block: with the split by features dS (both halves: ds_lo, ds_hi) times
-    the K rows of each half restricted to those features (k_lo, k_hi [OWN, FEATURES]); with the split by keys this
-    consumer's dS times its K rows (k_lo [OWN, HEAD_DIM]; k_hi and ds_hi unused). Each block's dQ product goes
-    through dq_tile ([1, ROWS, 1, FEATURES] fp32, shared) into the accumulator by a TMA reduction (dq_desc); with
-    ordered dQ (`order`, see _finish_dq) in a fixed order, each reduction reported completed to this consumer's
-    releaser partition while the next block's products run (the next contributor reduces into that query block at
-    least a block later)."""
-    STAGES: gl.constexpr = q_smem.shape[0]
-    ROWS: gl.constexpr = q_smem.shape[2]
-    HEAD_DIM: gl.constexpr = q_smem.shape[4]
-    OWN: gl.constexpr = k_own.shape[0]
+    """One warpgroup: keys [n_start + key0, + OWN) of the block (k_own, v_own: their K and V rows [OWN, WIDTH] per
+    chunk of the head dim; p_own, ds_own: its [ROWS, OWN] P and dS tiles in shared memory); dK / dV over every query
+    block (an accumulator per chunk), and the dQ features [feature0, + FEATURES) of each block: with the split by
+    features dS (both halves: ds_lo, ds_hi) times the K rows of each half restricted to those features (k_lo, k_hi
+    [OWN, FEATURES]); with the split by keys this consumer's dS times its K rows (k_lo [OWN, HEAD_DIM]; k_hi and
+    ds_hi unused). q_smem, do_smem: [STAGES, 1, ROWS, 1, WIDTH] per chunk. Each block's dQ product goes through
+    dq_tile ([1, ROWS, 1, FEATURES] fp32, shared) into the accumulator by a TMA reduction (dq_desc); with ordered dQ
+    (`order`, see _finish_dq) in a fixed order, each reduction reported completed to this consumer's releaser
+    partition while the next block's products run (the next contributor reduces into that query block at least a
+    block later)."""
+    STAGES: gl.constexpr = q_smem[0].shape[0]
+    ROWS: gl.constexpr = q_smem[0].shape[2]
+    HEAD_DIM: gl.constexpr = chunks_width(q_smem)
+    OWN: gl.constexpr = k_own[0].shape[0]
     FEATURES: gl.constexpr = k_lo.shape[1]
     # dQ over every key of the block (features split between the consumers), or over this consumer's keys
     OVER_ALL_KEYS: gl.constexpr = FEATURES < HEAD_DIM
     # blocks between a block's dS and its dQ product
     LAG: gl.constexpr = 1 if OVER_ALL_KEYS else 0
-    dtype: gl.constexpr = k_own.dtype
-    # [ROWS, OWN] scores; [OWN, HEAD_DIM] dK / dV; [ROWS, FEATURES] dQ
+    dtype: gl.constexpr = k_own[0].dtype
+    # [ROWS, OWN] scores; [ROWS, FEATURES] dQ
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, OWN, 16])
-    dkv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, FEATURES, 16])
     row_of_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     zero_s = gl.zeros([ROWS, OWN], gl.float32, s_layout)
     zero_dq = gl.zeros([ROWS, FEATURES], gl.float32, dq_layout)
-    dk = gl.zeros([OWN, HEAD_DIM], gl.float32, dkv_layout)
-    dv = gl.zeros([OWN, HEAD_DIM], gl.float32, dkv_layout)
+    # [OWN, WIDTH] per chunk: dK, dV
+    dk = zero_accumulators(OWN, k_own)
+    dv = zero_accumulators(OWN, v_own)
+    # wgmma groups a dP issue leaves in flight (one per chunk)
+    DP_GROUPS: gl.constexpr = len(v_own)
     first_key = n_start + key0
     if len(order) > 0:
         gl.static_assert(OVER_ALL_KEYS, "ordered dQ takes the split by features (head dim 128)")
@@ -258,15 +262,16 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
         head, m_start = query_block(loop_position(i, first_visit, n_iterations), blocks_per_head, m_block_lo,
                                     head_k, group_size, ROWS)
         mbarrier.wait(q_ready.index(stage), (i // STAGES) & 1)
-        q_tile = q_smem.index(stage).reshape([ROWS, HEAD_DIM])
-        do_tile = do_smem.index(stage).reshape([ROWS, HEAD_DIM])
+        # [ROWS, WIDTH] per chunk: Q_i, dO_i
+        q_tile = matrices_of(entries_of(q_smem, stage))
+        do_tile = matrices_of(entries_of(do_smem, stage))
         # [ROWS] log2(e) * lse and delta of the block's rows; rows past seqlen_q read 0 for both, as their Q and dO
         # rows do, so that every product they enter (dV, dK, and dQ rows the reduction clips) adds zeros
         lse_log2 = lse_smem.index(stage).reshape([ROWS]).load(row_of_s) * 1.4426950408889634
         delta = delta_smem.index(stage).reshape([ROWS]).load(row_of_s)
-        s = warpgroup_mma(q_tile, k_own.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dp = warpgroup_mma(do_tile, v_own.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s, ))
+        s = chained_products(q_tile, k_own, zero_s)
+        dp = chained_products(do_tile, v_own, zero_s)
+        s = warpgroup_mma_wait(DP_GROUPS, deps=(s, ))
         # [ROWS, OWN] P
         p = masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window)
         # this consumer's previous dV product (the reader of p_own) completed last iteration
@@ -283,8 +288,8 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
         gl.thread_barrier()
         if OVER_ALL_KEYS:
             mbarrier.arrive(ds_ready.index(buffer))
-        dv = warpgroup_mma(p_own.permute((1, 0)), do_tile, dv, is_async=True)
-        dk = warpgroup_mma(ds_own.index(buffer).permute((1, 0)), q_tile, dk, is_async=True)
+        dv = accumulate_products(p_own.permute((1, 0)), do_tile, dv)
+        dk = accumulate_products(ds_own.index(buffer).permute((1, 0)), q_tile, dk)
         if i >= LAG:
             # block i - LAG's dQ: with the split by features one block late, as the other consumer wrote its dS a
             # block ago (not waiting for it lets the two consumers drift out of phase); its wait completes this
@@ -292,7 +297,7 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
             _finish_dq(i - LAG, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch,
                        head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, seqlen_k,
                        causal, softmax_scale, feature0, order, OVER_ALL_KEYS)
-        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        dk, dv = wait_accumulators(dk, dv)
         arrive_after_wgmma(q_empty.index(stage))
     if OVER_ALL_KEYS:
         # the last block's dQ (its ds_free arrival has no waiter)
@@ -302,20 +307,29 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
                        seqlen_q, seqlen_k, causal, softmax_scale, feature0, order, OVER_ALL_KEYS)
             if len(order) > 0:
                 _report_reduction(order[4], order[5], n_iterations - 1)
-    # [OWN, HEAD_DIM] this consumer's key rows
-    store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
-                   batch, head_k, n_start + key0, 0, seqlen_k, head_dim, softmax_scale)
+    # [OWN, WIDTH] per chunk: this consumer's key rows
+    column = 0
+    for chunk in gl.static_range(len(dk)):
+        store_key_rows(dk[chunk], dv[chunk], DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n,
+                       stride_dv_h, batch, head_k, n_start + key0, column, seqlen_k, head_dim, softmax_scale)
+        column = column + dk[chunk].shape[1]
     tma.store_wait(0)
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "head_dim", "heads_per_group", "window_left", "window_right"])
-def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, delta_desc, DK, DV, dq_counters,
+def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_desc2, q_desc2, do_desc2, dq_desc2,
+                           lse_desc, delta_desc, DK, DV, dq_counters,
                            stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                            num_heads_k, group_size, seqlen_q, seqlen_k, head_dim, heads_per_group, softmax_scale,
                            qk_scale_log2, window_left, window_right,
                            CAUSAL: gl.constexpr, LOCAL: gl.constexpr, ORDERED: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """One program per (128-key block, batch * kv head), key blocks in order (under a causal mask the blocks seen
+    """k_desc ... dq_desc: the descriptors of the first chunk of the head dim's tiles (column 0 on), k_desc2 ...
+    dq_desc2 those of the second (from the first one's width on; configs.HOPPER_BWD_CHUNKS: 80 = 64 + 16, 96 = 64 +
+    32), None where one chunk covers it: S and dP chain a wgmma per chunk, dK and dV keep an accumulator per chunk,
+    and dQ is split by chunks, consumer w adding chunk w's features (dq_desc / dq_desc2). One chunk: head dim 128
+    splits dQ by 64-feature halves (dq_desc's width), 64 by keys.
+    One program per (128-key block, batch * kv head), key blocks in order (under a causal mask the blocks seen
     by the most query rows first), in launch-order groups of heads_per_group (batch, kv head) pairs. num_warps (4)
     is the first consumer's; the second consumer (4 warps, CONSUMER_REGS registers) and the producer (1 warp) are
     worker partitions, and with ORDERED the two releasers (1 warp each). ORDERED (head dim 128): every query
@@ -328,8 +342,10 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
     and masks both edges (common.masked_probabilities); not with ORDERED."""
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
-    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     dtype: gl.constexpr = k_desc.dtype
+    k_descs, v_descs = chunk_descriptors(k_desc, k_desc2), chunk_descriptors(v_desc, v_desc2)
+    q_descs, do_descs = chunk_descriptors(q_desc, q_desc2), chunk_descriptors(do_desc, do_desc2)
+    CHUNKED: gl.constexpr = len(k_descs) > 1
     # the local window, or () without one (a tuple's length reaches the partitions where a constexpr does not)
     if LOCAL:
         gl.static_assert(not ORDERED, "ordered dQ takes no local window")
@@ -338,11 +354,12 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
         window = ()
     batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations = key_block_of_program(
         num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS, CAUSAL, ORDERED)
-    # [1, KEYS, 1, HEAD_DIM] K, V; [STAGES, 1, ROWS, 1, HEAD_DIM] Q, dO; [KEYS, ROWS] dS^T
-    k_smem = gl.allocate_shared_memory(dtype, [1, KEYS, 1, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, KEYS, 1, HEAD_DIM], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, ROWS, 1, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, ROWS, 1, HEAD_DIM], do_desc.layout)
+    # per chunk: [1, 1, KEYS, 1, WIDTH] K, V; [STAGES, 1, ROWS, 1, WIDTH] Q, dO
+    k_smem = allocate_chunks(k_descs, 1)
+    v_smem = allocate_chunks(v_descs, 1)
+    q_smem = allocate_chunks(q_descs, STAGES)
+    do_smem = allocate_chunks(do_descs, STAGES)
+    HEAD_DIM: gl.constexpr = chunks_width(k_smem)
     OWN: gl.constexpr = KEYS // 2
     # [2, ROWS, OWN] each consumer's P tile; [2, 2, ROWS, OWN] its dS tiles of two blocks in turn (a block's dQ
     # product runs during the next block)
@@ -353,8 +370,15 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
     # [STAGES, 1, ROWS] log2(e) * lse and delta of the Q / dO stages' rows
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
-    # [2, 1, ROWS, 1, FEATURES] each consumer's fp32 dQ product on its way to the accumulator
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    # [1, ROWS, 1, FEATURES] each consumer's fp32 dQ product on its way to the accumulator (chunked: consumer w's
+    # features are chunk w's)
+    if CHUNKED:
+        dq_tiles = (allocate_chunks((dq_desc, ), 1)[0].index(0), allocate_chunks((dq_desc2, ), 1)[0].index(0))
+        dq_descs = (dq_desc, dq_desc2)
+    else:
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+        dq_tiles = (dq_smem.index(0), dq_smem.index(1))
+        dq_descs = (dq_desc, dq_desc)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -369,14 +393,16 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
         mbarrier.init(ds_free.index(buffer), count=2)
     # constexprs arrive in partitions as plain ints (Triton 3.6): the flag and key offsets travel as tensors
     causal = gl.to_tensor(CAUSAL).to(gl.int32)
-    # dQ: head dim 128 split by features (64 each), head dim 64 split by keys (dq_desc's tile: [1, ROWS, 1, FEATURES])
-    gl.static_assert((HEAD_DIM == 64) | (HEAD_DIM == 128), "the Gluon backward takes head dim 64 or 128")
+    # dQ: by chunks where there are two, else head dim 128 split by features (64 each), head dim 64 by keys (dq_desc's
+    # tile: [1, ROWS, 1, FEATURES])
+    gl.static_assert(CHUNKED | (HEAD_DIM == 64) | (HEAD_DIM == 128),
+                     "the Gluon backward takes head dim 64 or 128 or tiles of two chunks")
     FEATURES: gl.constexpr = dq_desc.block_type.shape[3]
     SPLIT_FEATURES: gl.constexpr = FEATURES < HEAD_DIM
-    # [KEYS, HEAD_DIM] K and V of the block
-    k_flat = k_smem.reshape([KEYS, HEAD_DIM])
-    v_flat = v_smem.reshape([KEYS, HEAD_DIM])
-    pointers = (dq_desc, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch,
+    # [KEYS, WIDTH] per chunk: K and V of the block
+    k_flat = matrices_of(entries_of(k_smem, 0))
+    v_flat = matrices_of(entries_of(v_smem, 0))
+    pointers = (DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch,
                 head_k, n_start, head_dim)
     if ORDERED:
         n_block = n_start // KEYS
@@ -401,25 +427,33 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
     loop = (group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
             causal, first_visit, window)
     barriers = (kv_ready, q_ready, q_empty, ds_ready, ds_free)
-    k_halves = (k_flat.slice(0, OWN, dim=0), k_flat.slice(OWN, OWN, dim=0))
-    v_halves = (v_flat.slice(0, OWN, dim=0), v_flat.slice(OWN, OWN, dim=0))
-    if SPLIT_FEATURES:
+    # [OWN, WIDTH] per chunk: each consumer's key half of K and V
+    k_halves = (key_rows(k_flat, 0, OWN), key_rows(k_flat, OWN, OWN))
+    v_halves = (key_rows(v_flat, 0, OWN), key_rows(v_flat, OWN, OWN))
+    if CHUNKED:
+        # consumer w: chunk w's features of K's two key halves
+        first_dq = (k_halves[0][0], k_halves[1][0])
+        second_dq = (k_halves[0][1], k_halves[1][1])
+        second_feature = k_flat[0].shape[1]
+    elif SPLIT_FEATURES:
         # consumer w: features [64w, 64w + 64) of K's two key halves
-        first_dq = (k_halves[0].slice(0, FEATURES, dim=1), k_halves[1].slice(0, FEATURES, dim=1))
-        second_dq = (k_halves[0].slice(FEATURES, FEATURES, dim=1), k_halves[1].slice(FEATURES, FEATURES, dim=1))
+        first_dq = (k_halves[0][0].slice(0, FEATURES, dim=1), k_halves[1][0].slice(0, FEATURES, dim=1))
+        second_dq = (k_halves[0][0].slice(FEATURES, FEATURES, dim=1), k_halves[1][0].slice(FEATURES, FEATURES, dim=1))
         second_feature = FEATURES
     else:
-        first_dq = (k_halves[0], k_halves[0])
-        second_dq = (k_halves[1], k_halves[1])
+        first_dq = (k_halves[0][0], k_halves[0][0])
+        second_dq = (k_halves[1][0], k_halves[1][0])
         second_feature = 0
     staged = (q_smem, do_smem, lse_smem, delta_smem)
     first = (k_halves[0], v_halves[0]) + first_dq + staged + (p_smem.index(0), ds_smem[0]) + ds_smem + (
-        dq_smem.index(0), )
+        dq_tiles[0], )
     second = (k_halves[1], v_halves[1]) + second_dq + staged + (p_smem.index(1), ds_smem[1]) + ds_smem + (
-        dq_smem.index(1), )
-    first = first + barriers + pointers + (gl.to_tensor(0), gl.to_tensor(0)) + loop + (order_of[0], )
-    second = second + barriers + pointers + (gl.to_tensor(OWN), gl.to_tensor(second_feature)) + loop + (order_of[1], )
-    producer = (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, (q_smem, ), (do_smem, ),
+        dq_tiles[1], )
+    first = first + barriers + (dq_descs[0], ) + pointers + (gl.to_tensor(0), gl.to_tensor(0)) + loop + (
+        order_of[0], )
+    second = second + barriers + (dq_descs[1], ) + pointers + (gl.to_tensor(OWN), gl.to_tensor(second_feature)) + \
+        loop + (order_of[1], )
+    producer = (k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
                 lse_smem, delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads_k * group_size,
                 group_size, m_block_lo, blocks_per_head, n_iterations, first_visit)
     if ORDERED:

@@ -1,4 +1,4 @@
-"""Backward dK/dV for Hopper (sm_90) at head dim 256 in Gluon, warp-specialized: bwd.py's division (one program
+"""Backward dK/dV for Hopper (sm_90) at head dims 192 and 256 in Gluon, warp-specialized: bwd.py's division (one program
 per key block, a one-warp TMA producer streaming Q / dO blocks of 64 rows, two consumer warpgroups) cut to fit 256
 features into shared memory. dQ is not computed here: backend.launch_bwd runs the Triton dQ kernel (kernels/bwd.py)
 after this one, so there is no fp32 accumulator and no reduction, and the result is deterministic (TMA reductions
@@ -8,8 +8,11 @@ Per query block i (64 rows), for a block of 64 keys, consumer w:
   S_w = Q_i K_w^T, dP_w = dO_i V_w^T over its 32 keys [32w, 32w + 32)  [64 rows, 32 keys], M = 64 wgmmas over
   the two feature halves of Q_i / dO_i
   P_w, dS_w as in bwd.py, stored into its 32-key half of the [64 rows, 64 keys] P and dS tiles
-  then, once both halves are there (pds_ready), over its 128 features [128w, 128w + 128):
-  dV_w += P^T dO_i[:, feats], dK_w += dS^T Q_i[:, feats]      [64 keys, 128 features] accumulators in registers
+  then, once both halves are there (pds_ready), over its feature part (the first 128 features, or the rest):
+  dV_w += P^T dO_i[:, feats], dK_w += dS^T Q_i[:, feats]      [64 keys, 128 (or 64) features] accumulators in registers
+At head dim 256 the feature parts are two 128-wide halves of Q / dO (one descriptor) and of the whole K / V tiles; at
+192 (configs.HOPPER_BWD_CHUNKS: 128 + 64) they are the column chunks of every tensor, each with descriptors and
+allocations of its own (Gluon's shared layouts take power-of-two widths), and consumer 1 owns the 64-wide one.
 Every product needs both consumers' P / dS halves, so the consumers run in phase (pds_ready, then pds_free once
 both are done reading P and dS).
 
@@ -26,10 +29,20 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .common import arrive_after_wgmma, backward_producer, key_block_of_program, masked_probabilities, query_block, \
-    store_key_rows
+from .common import allocate_chunks, arrive_after_wgmma, backward_producer, chained_products, chunk_descriptors, \
+    entries_of, key_block_of_program, key_rows, masked_probabilities, matrices_of, query_block, store_key_rows
 
 KEYS_PER_PROGRAM = gl.constexpr(64)  # the M of the dK / dV wgmmas; each consumer's S / dP covers half of them
+
+
+@gluon.jit
+def _feature_parts(chunks, FEAT: gl.constexpr):
+    """K or V of the block ([KEYS, WIDTH] per chunk) as the two feature parts the consumers' Q / dO parts match:
+    whole 256-wide rows cut into FEAT-wide halves, or the two chunks themselves."""
+    if len(chunks) == 1:
+        return (chunks[0].slice(0, FEAT, dim=1), chunks[0].slice(FEAT, FEAT, dim=1))
+    else:
+        return chunks
 
 
 @gluon.jit
@@ -39,16 +52,16 @@ def _consumer(k_own, v_own, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse_smem, d
               feature0,
               group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
               causal, window):
-    """One warpgroup: S / dP of keys [n_start + key0, + OWN) (k_own, v_own [OWN, HEAD_DIM]; p_own, ds_own: its
-    [ROWS, OWN] halves of the P and dS tiles), dK / dV of features [feature0, + FEAT) (q_own, do_own: the staged Q /
-    dO halves holding them). q_lo / q_hi, do_lo / do_hi: both feature halves of every Q / dO stage ([STAGES, 1, ROWS,
-    1, FEAT])."""
+    """One warpgroup: S / dP of keys [n_start + key0, + OWN) (k_own, v_own: their rows [OWN, WIDTH] of each feature
+    part; p_own, ds_own: its [ROWS, OWN] halves of the P and dS tiles), dK / dV of features [feature0, + FEAT) (q_own,
+    do_own: the staged Q / dO part holding them). q_lo / q_hi, do_lo / do_hi: both feature parts of every Q / dO
+    stage ([STAGES, 1, ROWS, 1, WIDTH])."""
     STAGES: gl.constexpr = q_lo.shape[0]
     ROWS: gl.constexpr = q_lo.shape[2]
-    OWN: gl.constexpr = k_own.shape[0]          # 32 keys: this consumer's S / dP columns
+    OWN: gl.constexpr = k_own[0].shape[0]       # 32 keys: this consumer's S / dP columns
     KEYS: gl.constexpr = 2 * OWN                # 64 keys of the block
-    FEAT: gl.constexpr = q_lo.shape[4]          # 128 features: this consumer's dK / dV columns
-    dtype: gl.constexpr = k_own.dtype
+    FEAT: gl.constexpr = q_own.shape[4]         # 128 (or 64) features: this consumer's dK / dV columns
+    dtype: gl.constexpr = k_own[0].dtype
     # [ROWS, OWN] scores; [KEYS, FEAT] dK / dV
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, OWN, 16])
     dkv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -62,20 +75,14 @@ def _consumer(k_own, v_own, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse_smem, d
         stage = i % STAGES
         head, m_start = query_block(i, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
         mbarrier.wait(q_ready.index(stage), (i // STAGES) & 1)
-        # [ROWS, FEAT] feature halves of Q_i and dO_i
-        q_tile_lo = q_lo.index(stage).reshape([ROWS, FEAT])
-        q_tile_hi = q_hi.index(stage).reshape([ROWS, FEAT])
-        do_tile_lo = do_lo.index(stage).reshape([ROWS, FEAT])
-        do_tile_hi = do_hi.index(stage).reshape([ROWS, FEAT])
+        # [ROWS, WIDTH] per feature part: Q_i and dO_i
+        q_parts = matrices_of((q_lo.index(stage), q_hi.index(stage)))
+        do_parts = matrices_of((do_lo.index(stage), do_hi.index(stage)))
         # [ROWS] log2(e) * lse and delta (0 for rows past seqlen_q, like their Q and dO rows)
         lse_log2 = lse_smem.index(stage).reshape([ROWS]).load(row_of_s) * 1.4426950408889634
         delta = delta_smem.index(stage).reshape([ROWS]).load(row_of_s)
-        s = warpgroup_mma(q_tile_lo, k_own.slice(0, FEAT, dim=1).permute((1, 0)), zero_s, use_acc=False,
-                          is_async=True)
-        s = warpgroup_mma(q_tile_hi, k_own.slice(FEAT, FEAT, dim=1).permute((1, 0)), s, is_async=True)
-        dp = warpgroup_mma(do_tile_lo, v_own.slice(0, FEAT, dim=1).permute((1, 0)), zero_s, use_acc=False,
-                           is_async=True)
-        dp = warpgroup_mma(do_tile_hi, v_own.slice(FEAT, FEAT, dim=1).permute((1, 0)), dp, is_async=True)
+        s = chained_products(q_parts, k_own, zero_s)
+        dp = chained_products(do_parts, v_own, zero_s)
         s = warpgroup_mma_wait(2, deps=(s, ))
         # [ROWS, OWN] P
         p = masked_probabilities(s, lse_log2, qk_scale_log2, n_start + key0, m_start, seqlen_q, seqlen_k, causal,
@@ -107,18 +114,19 @@ def _consumer(k_own, v_own, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse_smem, d
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "head_dim", "heads_per_group", "window_left", "window_right"])
-def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, DK, DV,
+def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, k_desc2, v_desc2, q_desc2, do_desc2, lse_desc,
+                                delta_desc, DK, DV,
                                 stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                                 num_heads_k, group_size, seqlen_q, seqlen_k, head_dim, heads_per_group, softmax_scale,
                                 qk_scale_log2, window_left, window_right, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
                                 STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """One program per (64-key block, batch * kv head), in bwd.py's order and launch-order groups (LOCAL: bwd.py's).
-    q_desc / do_desc move [1, ROWS, 1, HEAD_DIM / 2] feature halves. num_warps (4) is the first consumer's; the
-    second consumer (4 warps, CONSUMER_REGS registers) and the producer (1 warp, common.backward_producer) are worker
-    partitions."""
+    Head dim 256 (k_desc2 ... do_desc2 None): k_desc / v_desc move whole [1, KEYS, 1, 256] rows, q_desc / do_desc
+    [1, ROWS, 1, 128] feature halves; 192: every descriptor pair moves the 128- and the 64-wide column chunk.
+    num_warps (4) is the first consumer's; the second consumer (4 warps, CONSUMER_REGS registers) and the producer
+    (1 warp, common.backward_producer) are worker partitions."""
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
-    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     FEAT: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = k_desc.dtype
     # the local window, or () without one (a tuple's length reaches the partitions)
@@ -128,14 +136,17 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta
         window = ()
     batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations = key_block_of_program(
         num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS, CAUSAL)
-    # [1, KEYS, 1, HEAD_DIM] K, V
-    k_smem = gl.allocate_shared_memory(dtype, [1, KEYS, 1, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, KEYS, 1, HEAD_DIM], v_desc.layout)
-    # [STAGES, 1, ROWS, 1, FEAT] feature halves of the Q / dO stages
-    q_lo = gl.allocate_shared_memory(dtype, [STAGES, 1, ROWS, 1, FEAT], q_desc.layout)
-    q_hi = gl.allocate_shared_memory(dtype, [STAGES, 1, ROWS, 1, FEAT], q_desc.layout)
-    do_lo = gl.allocate_shared_memory(dtype, [STAGES, 1, ROWS, 1, FEAT], do_desc.layout)
-    do_hi = gl.allocate_shared_memory(dtype, [STAGES, 1, ROWS, 1, FEAT], do_desc.layout)
+    # K, V: [1, 1, KEYS, 1, WIDTH] per descriptor (whole rows at 256, the two chunks at 192); Q, dO: [STAGES, 1, ROWS,
+    # 1, WIDTH] per feature part
+    k_descs, v_descs = chunk_descriptors(k_desc, k_desc2), chunk_descriptors(v_desc, v_desc2)
+    if k_desc2 is None:
+        q_descs, do_descs = (q_desc, q_desc), (do_desc, do_desc)
+    else:
+        q_descs, do_descs = (q_desc, q_desc2), (do_desc, do_desc2)
+    k_smem = allocate_chunks(k_descs, 1)
+    v_smem = allocate_chunks(v_descs, 1)
+    q_lo, q_hi = allocate_chunks(q_descs, STAGES)
+    do_lo, do_hi = allocate_chunks(do_descs, STAGES)
     # [ROWS, KEYS] P and dS, each consumer writing its OWN-key half: a 64-byte swizzle makes that half (32 keys,
     # 64 bytes) a whole swizzle atom
     pds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
@@ -158,24 +169,25 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta
     # constexprs arrive in partitions as plain ints (Triton 3.6): the flag and offsets travel as tensors
     causal = gl.to_tensor(CAUSAL).to(gl.int32)
     OWN: gl.constexpr = KEYS // 2
-    k_flat = k_smem.reshape([KEYS, HEAD_DIM])
-    v_flat = v_smem.reshape([KEYS, HEAD_DIM])
+    # [KEYS, WIDTH] per feature part: K and V of the block
+    k_parts = _feature_parts(matrices_of(entries_of(k_smem, 0)), FEAT)
+    v_parts = _feature_parts(matrices_of(entries_of(v_smem, 0)), FEAT)
     pointers = (DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch,
                 head_k, n_start, head_dim)
     loop = (group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
             causal, window)
     barriers = (kv_ready, q_ready, q_empty, pds_ready, pds_free)
     staged = (q_lo, q_hi, do_lo, do_hi, lse_smem, delta_smem, p_smem, ds_smem)
-    # consumer w: keys [OWN w, + OWN) for S / dP, features [FEAT w, + FEAT) for dK / dV
-    first = (k_flat.slice(0, OWN, dim=0), v_flat.slice(0, OWN, dim=0), q_lo, do_lo) + staged + (
+    # consumer w: keys [OWN w, + OWN) for S / dP, feature part w for dK / dV
+    first = (key_rows(k_parts, 0, OWN), key_rows(v_parts, 0, OWN), q_lo, do_lo) + staged + (
         p_smem.slice(0, OWN, dim=1), ds_smem.slice(0, OWN, dim=1))
-    second = (k_flat.slice(OWN, OWN, dim=0), v_flat.slice(OWN, OWN, dim=0), q_hi, do_hi) + staged + (
+    second = (key_rows(k_parts, OWN, OWN), key_rows(v_parts, OWN, OWN), q_hi, do_hi) + staged + (
         p_smem.slice(OWN, OWN, dim=1), ds_smem.slice(OWN, OWN, dim=1))
     gl.warp_specialize([
         (_consumer, first + barriers + pointers + (gl.to_tensor(0), gl.to_tensor(0)) + loop),
         (_consumer, second + barriers + pointers + (gl.to_tensor(OWN), gl.to_tensor(FEAT)) + loop),
-        (backward_producer, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, (q_lo, q_hi),
-                             (do_lo, do_hi), lse_smem, delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start,
-                             num_heads_k * group_size, group_size, m_block_lo, blocks_per_head, n_iterations,
-                             gl.to_tensor(0))),
+        (backward_producer, (k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc,
+                             k_smem, v_smem, (q_lo, q_hi), (do_lo, do_hi), lse_smem, delta_smem, kv_ready,
+                             q_ready, q_empty, batch, head_k, n_start, num_heads_k * group_size, group_size,
+                             m_block_lo, blocks_per_head, n_iterations, gl.to_tensor(0))),
     ], [4, 1], [CONSUMER_REGS, 24])

@@ -4,7 +4,7 @@ arrival after wgmmas, and the backward's key-block schedule, producer, probabili
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from ..common import grouped_tile_of as _triton_grouped_tile_of
 
@@ -100,35 +100,154 @@ def store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride
     gl.store(dv_ptrs, gl.convert_layout(dv.to(dtype), layout), mask=store_mask)
 
 
+@gluon.constexpr_function
+def chunks_bytes(chunks):
+    """Bytes of one entry of every chunk's shared allocation (chunks: [N, ..., WIDTH] allocations of one entry
+    shape each)."""
+    total = 0
+    for chunk in chunks:
+        elements = 1
+        for size in list(chunk.shape)[1:]:
+            elements *= int(getattr(size, "value", size))
+        total += elements * chunk.dtype.primitive_bitwidth // 8
+    return total
+
+
 @gluon.jit
-def backward_producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_pieces, do_pieces,
-                      lse_smem, delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads, group_size,
-                      m_block_lo, blocks_per_head, n_iterations, first_visit):
+def copy_pieces(descs, tiles, batch, row, head, ready):
+    """TMA copies of a head dim's pieces (descs: a descriptor per piece; tiles: [1, ROWS, 1, WIDTH] shared tiles, one
+    per piece) at (batch, row, head), piece j from column sum(widths before j), all landing on ready."""
+    column = 0
+    for piece in gl.static_range(len(descs)):
+        tma.async_copy_global_to_shared(descs[piece], [batch, row, head, column], ready, tiles[piece])
+        column = column + tiles[piece].shape[3]
+
+
+@gluon.jit
+def entries_of(pieces, index):
+    """Entry `index` of every piece's allocation ([N, ...] each)."""
+    entries = ()
+    for piece in gl.static_range(len(pieces)):
+        entries = entries + (pieces[piece].index(index), )
+    return entries
+
+
+@gluon.constexpr_function
+def chunks_width(chunks):
+    """The head dim a tuple of chunks covers (shared allocations or tensors): their last dims summed."""
+    return sum(int(getattr(chunk.shape[-1], "value", chunk.shape[-1])) for chunk in chunks)
+
+
+@gluon.jit
+def matrices_of(tiles):
+    """[1, ROWS, 1, WIDTH] tiles (one per chunk) as [ROWS, WIDTH] matrices, the wgmmas' operands."""
+    matrices = ()
+    for chunk in gl.static_range(len(tiles)):
+        matrices = matrices + (tiles[chunk].reshape([tiles[chunk].shape[1], tiles[chunk].shape[3]]), )
+    return matrices
+
+
+@gluon.jit
+def chained_products(a, b, zero):
+    """A B^T [M, N] over a head dim's chunks (a: [M, WIDTH] per chunk, b: [N, WIDTH] per chunk, shared), one wgmma
+    per chunk chained on one accumulator (zero: [M, N] in its layout); issued, not waited for."""
+    product = warpgroup_mma(a[0], b[0].permute((1, 0)), zero, use_acc=False, is_async=True)
+    for chunk in gl.static_range(1, len(a)):
+        product = warpgroup_mma(a[chunk], b[chunk].permute((1, 0)), product, is_async=True)
+    return product
+
+
+@gluon.jit
+def accumulate_products(a, b, accumulators):
+    """accumulators[c] += A B_c per chunk (a: [M, K] shared; b: [K, WIDTH] per chunk, shared; accumulators: [M, WIDTH]
+    per chunk); issued, not waited for."""
+    products = ()
+    for chunk in gl.static_range(len(b)):
+        products = products + (warpgroup_mma(a, b[chunk], accumulators[chunk], is_async=True), )
+    return products
+
+
+@gluon.jit
+def wait_accumulators(first, second):
+    """Both tuples of accumulators (one per chunk each) waited for: every wgmma of this warpgroup completed."""
+    if len(first) == 1:
+        first, second = warpgroup_mma_wait(0, deps=(first[0], second[0]))
+        return (first, ), (second, )
+    else:
+        gl.static_assert(len(first) == 2, "one or two chunks")
+        a, b, c, d = warpgroup_mma_wait(0, deps=(first[0], first[1], second[0], second[1]))
+        return (a, b), (c, d)
+
+
+@gluon.jit
+def zero_accumulators(M: gl.constexpr, widths_of):
+    """Zero fp32 accumulators [M, WIDTH] in the wgmma layout of their width, one per chunk (widths_of: a tuple of
+    tensors or shared views whose last dims are the chunks' widths)."""
+    zeros = ()
+    for chunk in gl.static_range(len(widths_of)):
+        zeros = zeros + (_zero_accumulator(M, widths_of[chunk]), )
+    return zeros
+
+
+@gluon.jit
+def _zero_accumulator(M: gl.constexpr, width_of):
+    WIDTH: gl.constexpr = width_of.shape[len(width_of.shape) - 1]
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WIDTH, 16])
+    # [M, WIDTH]
+    return gl.zeros([M, WIDTH], gl.float32, layout)
+
+
+@gluon.jit
+def chunk_descriptors(first, second):
+    """A tensor's descriptors by chunk of its head dim: (first, ), or (first, second) where a second chunk exists."""
+    if second is None:
+        return (first, )
+    else:
+        return (first, second)
+
+
+@gluon.jit
+def allocate_chunks(descs, entries: gl.constexpr):
+    """Shared memory for `entries` tiles of every chunk's descriptor (descs): [entries] + the descriptor's block
+    shape each."""
+    chunks = ()
+    for chunk in gl.static_range(len(descs)):
+        chunks = chunks + (gl.allocate_shared_memory(descs[chunk].dtype, [entries] + descs[chunk].block_type.shape,
+                                                     descs[chunk].layout), )
+    return chunks
+
+
+@gluon.jit
+def key_rows(chunks, first, count: gl.constexpr):
+    """Rows [first, + count) of every chunk ([KEYS, WIDTH] each)."""
+    rows = ()
+    for chunk in gl.static_range(len(chunks)):
+        rows = rows + (chunks[chunk].slice(first, count, dim=0), )
+    return rows
+
+
+@gluon.jit
+def backward_producer(k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc, k_pieces, v_pieces, q_pieces,
+                      do_pieces, lse_smem, delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads,
+                      group_size, m_block_lo, blocks_per_head, n_iterations, first_visit):
     """One warp: the key block's K and V once, then Q_i, dO_i and their rows' log2(e) * lse and delta of every
-    iteration (loop_position(i)) into stage i % STAGES. Q and dO are staged in feature pieces (q_pieces,
-    do_pieces: tuples of [STAGES, 1, ROWS, 1, PIECE] buffers, piece j holding features [j PIECE, + PIECE); one piece
-    at head dims 64 and 128, two at 256)."""
+    iteration (loop_position(i)) into stage i % STAGES. Every tensor moves in feature pieces (a descriptor and a
+    shared allocation per piece: k_pieces / v_pieces [1, 1, KEYS, 1, WIDTH], q_pieces / do_pieces [STAGES, 1, ROWS,
+    1, WIDTH]; piece j holds the features from the widths before it on): one piece at head dims 64 and 128, two
+    column chunks at 80 and 96 (configs.HOPPER_BWD_CHUNKS), Q / dO in two 128-wide halves at 256."""
     STAGES: gl.constexpr = q_pieces[0].shape[0]
-    KEYS: gl.constexpr = k_smem.shape[1]
     ROWS: gl.constexpr = q_pieces[0].shape[2]
-    PIECE: gl.constexpr = q_pieces[0].shape[4]
-    HEAD_DIM: gl.constexpr = k_smem.shape[3]
-    element_bytes: gl.constexpr = k_desc.dtype.primitive_bitwidth // 8
-    mbarrier.expect(kv_ready, 2 * KEYS * HEAD_DIM * element_bytes)
-    tma.async_copy_global_to_shared(k_desc, [batch, n_start, head_k, 0], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [batch, n_start, head_k, 0], kv_ready, v_smem)
+    mbarrier.expect(kv_ready, chunks_bytes(k_pieces) + chunks_bytes(v_pieces))
+    copy_pieces(k_descs, entries_of(k_pieces, 0), batch, n_start, head_k, kv_ready)
+    copy_pieces(v_descs, entries_of(v_pieces, 0), batch, n_start, head_k, kv_ready)
     for i in range(n_iterations):
         stage = i % STAGES
         mbarrier.wait(q_empty.index(stage), ((i // STAGES) - 1) & 1, pred=i >= STAGES)
         head, m_start = query_block(loop_position(i, first_visit, n_iterations), blocks_per_head, m_block_lo,
                                     head_k, group_size, ROWS)
-        mbarrier.expect(q_ready.index(stage), 2 * ROWS * HEAD_DIM * element_bytes + 2 * ROWS * 4)
-        for piece in gl.static_range(len(q_pieces)):
-            tma.async_copy_global_to_shared(q_desc, [batch, m_start, head, piece * PIECE], q_ready.index(stage),
-                                            q_pieces[piece].index(stage))
-        for piece in gl.static_range(len(do_pieces)):
-            tma.async_copy_global_to_shared(do_desc, [batch, m_start, head, piece * PIECE], q_ready.index(stage),
-                                            do_pieces[piece].index(stage))
+        mbarrier.expect(q_ready.index(stage), chunks_bytes(q_pieces) + chunks_bytes(do_pieces) + 2 * ROWS * 4)
+        copy_pieces(q_descs, entries_of(q_pieces, stage), batch, m_start, head, q_ready.index(stage))
+        copy_pieces(do_descs, entries_of(do_pieces, stage), batch, m_start, head, q_ready.index(stage))
         row = batch * num_heads + head
         tma.async_copy_global_to_shared(lse_desc, [row, m_start], q_ready.index(stage), lse_smem.index(stage))
         tma.async_copy_global_to_shared(delta_desc, [row, m_start], q_ready.index(stage), delta_smem.index(stage))

@@ -44,7 +44,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .common import arrive_after_wgmma
+from .common import allocate_chunks, arrive_after_wgmma, chained_products, chunk_descriptors, chunks_bytes, \
+    chunks_width, copy_pieces, entries_of, matrices_of, zero_accumulators
 from .fwd_softmax import hold_schedule, logits, mask_block, mask_local, operand_of, reciprocal, rescale, softmax_block
 from .schedule import first_cursor, more_work, next_piece
 
@@ -52,49 +53,9 @@ SHARED_BYTES_FOR_TILES = gl.constexpr(220 * 1024)  # sm_90: 227 KiB per program,
 CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M tile); a tile has one per consumer
 
 
-@gluon.constexpr_function
-def _chunk_bytes(chunks):
-    """Bytes of one entry of a head dim's chunks (chunks: one [N, 1, ROWS, 1, WIDTH] shared allocation per chunk)."""
-    return sum(int(chunk.shape[2]) * int(chunk.shape[4]) * chunk.dtype.primitive_bitwidth // 8 for chunk in chunks)
-
-
-@gluon.constexpr_function
-def _chunks_width(chunks):
-    """The head dim a tuple of chunks covers: their widths (last dims) summed."""
-    return sum(int(chunk.shape[-1]) for chunk in chunks)
-
-
-@gluon.jit
-def _entries(chunks, index):
-    """Entry `index` of every chunk's allocation ([N, 1, ROWS, 1, WIDTH] each) as [1, ROWS, 1, WIDTH] tiles."""
-    entries = ()
-    for chunk in gl.static_range(len(chunks)):
-        entries = entries + (chunks[chunk].index(index), )
-    return entries
-
-
-@gluon.jit
-def _matrices(tiles):
-    """[1, ROWS, 1, WIDTH] tiles (one per chunk) as [ROWS, WIDTH] matrices, the wgmmas' operands."""
-    matrices = ()
-    for chunk in gl.static_range(len(tiles)):
-        matrices = matrices + (tiles[chunk].reshape([tiles[chunk].shape[1], tiles[chunk].shape[3]]), )
-    return matrices
-
-
-@gluon.jit
-def _copy_in(descs, tiles, batch, row, head, ready):
-    """TMA copies of a head dim's chunks (descs: one descriptor per chunk width, tiles: [1, ROWS, 1, WIDTH] each) at
-    (batch, row, head), chunk c from column sum(widths before c), all landing on ready."""
-    column = 0
-    for chunk in gl.static_range(len(descs)):
-        tma.async_copy_global_to_shared(descs[chunk], [batch, row, head, column], ready, tiles[chunk])
-        column = column + tiles[chunk].shape[3]
-
-
 @gluon.jit
 def _copy_out(descs, tiles, batch, row, head):
-    """TMA stores of [1, ROWS, 1, WIDTH] tiles (one per chunk, _copy_in's columns) at (batch, row, head)."""
+    """TMA stores of [1, ROWS, 1, WIDTH] tiles (one per chunk, common.copy_pieces' columns) at (batch, row, head)."""
     column = 0
     for chunk in gl.static_range(len(descs)):
         tma.async_copy_shared_to_global(descs[chunk], [batch, row, head, column], tiles[chunk])
@@ -110,8 +71,8 @@ def _load_stage(descs, smem, ready, empty, load, batch, row0, block, head_k):
     BLOCK_N: gl.constexpr = smem[0].shape[2]
     stage = load % STAGES
     mbarrier.wait(empty.index(stage), ((load // STAGES) - 1) & 1, pred=load >= STAGES)
-    mbarrier.expect(ready.index(stage), _chunk_bytes(smem))
-    _copy_in(descs, _entries(smem, stage), batch, row0 + block * BLOCK_N, head_k, ready.index(stage))
+    mbarrier.expect(ready.index(stage), chunks_bytes(smem))
+    copy_pieces(descs, entries_of(smem, stage), batch, row0 + block * BLOCK_N, head_k, ready.index(stage))
 
 
 @gluon.jit
@@ -149,9 +110,9 @@ def _producer(q_descs, k_descs, v_descs, q_smem, k_smem, v_smem, q_ready, q_empt
             _load_stage(k_descs, k_smem, k_ready, k_empty, load, desc_batch, k_start, top, head_k)
             for consumer in gl.static_range(CONSUMERS):
                 mbarrier.wait(q_empty.index(consumer), (done - 1) & 1, pred=done > 0)
-                mbarrier.expect(q_ready.index(consumer), _chunk_bytes(q_smem))
-                _copy_in(q_descs, _entries(q_smem, consumer), desc_batch, q_start + m_start + consumer * ROWS, head,
-                         q_ready.index(consumer))
+                mbarrier.expect(q_ready.index(consumer), chunks_bytes(q_smem))
+                copy_pieces(q_descs, entries_of(q_smem, consumer), desc_batch, q_start + m_start + consumer * ROWS,
+                            head, q_ready.index(consumer))
             _load_stage(v_descs, v_smem, v_ready, v_empty, load, desc_batch, k_start, top, head_k)
             for j in range(1, count):
                 _load_key_block(k_descs, v_descs, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load + j,
@@ -211,16 +172,6 @@ def _clear_chunk_rows_past(v_chunk, valid_rows):
 
 
 @gluon.jit
-def _issue_scores(q, k, zero_s):
-    """S = Q K^T [ROWS, BLOCK_N] over the head dim's chunks (q: [ROWS, WIDTH] per chunk, k: [BLOCK_N, WIDTH] per
-    chunk), one wgmma per chunk chained on one accumulator; issued, not waited for."""
-    s = warpgroup_mma(q[0], k[0].permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    for chunk in gl.static_range(1, len(q)):
-        s = warpgroup_mma(q[chunk], k[chunk].permute((1, 0)), s, is_async=True)
-    return s
-
-
-@gluon.jit
 def _issue_pv(p, v, acc):
     """acc += P V per chunk of V's head dim (p: the A operand [ROWS, BLOCK_N] in the first chunk's operand layout, v:
     [BLOCK_N, WIDTH] and acc: [ROWS, WIDTH] per chunk); issued, not waited for."""
@@ -251,24 +202,6 @@ def _rescale_chunks(acc, alpha, lag):
 
 
 @gluon.jit
-def _zero_chunks(v, ROWS: gl.constexpr):
-    """Zero accumulators [ROWS, WIDTH] of the output, one per chunk of V's head dim (v: [BLOCK_N, WIDTH] per chunk),
-    in the wgmma layout of the chunk's width."""
-    zeros = ()
-    for chunk in gl.static_range(len(v)):
-        zeros = zeros + (_zero_chunk(v[chunk], ROWS), )
-    return zeros
-
-
-@gluon.jit
-def _zero_chunk(v_chunk, ROWS: gl.constexpr):
-    WIDTH: gl.constexpr = v_chunk.shape[1]
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WIDTH, 16])
-    # [ROWS, WIDTH]
-    return gl.zeros([ROWS, WIDTH], gl.float32, layout)
-
-
-@gluon.jit
 def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, release_q, first_load, top, count,
                 row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, alibi, causal, window, turns, lead, fences, lag,
                 residues, clear_v):
@@ -296,7 +229,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     # [ROWS, BLOCK_N] the zero accumulator of the S wgmmas; [ROWS, WIDTH] per chunk: the output accumulators
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    acc = _zero_chunks(_matrices(_entries(v_smem, 0)), ROWS)
+    acc = zero_accumulators(ROWS, v_smem)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc[0].type.layout, k_width=2)
     # wgmma groups a P V issue leaves in flight (one per chunk of V's head dim)
     PV_GROUPS: gl.constexpr = len(v_smem)
@@ -306,7 +239,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     mbarrier.wait(k_ready.index(stage), (first_load // STAGES) & 1)
     _wait_turn(turns, first_load, lead)
     # [ROWS, BLOCK_N] raw q.k of the last key block
-    s = _issue_scores(q, _matrices(_entries(k_smem, stage)), zero_s)
+    s = chained_products(q, matrices_of(entries_of(k_smem, stage)), zero_s)
     _pass_turn(turns)
     s = logits(warpgroup_mma_wait(0, deps=(s, )), top, offs_m, seqlen_q, seqlen_k, alibi, col_s)
     arrive_after_wgmma(k_empty.index(stage))
@@ -325,12 +258,12 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         previous = (load - 1) % STAGES
         mbarrier.wait(k_ready.index(stage), (load // STAGES) & 1)
         mbarrier.wait(v_ready.index(previous), ((load - 1) // STAGES) & 1)
-        v_previous = _matrices(_entries(v_smem, previous))
+        v_previous = matrices_of(entries_of(v_smem, previous))
         if len(clear_v) > 0:
             if (j == 1) & ((top + 1) * BLOCK_N > seqlen_k):
                 _clear_rows_past(v_previous, seqlen_k - top * BLOCK_N)
         _wait_turn(turns, load, lead)
-        s = _issue_scores(q, _matrices(_entries(k_smem, stage)), zero_s)
+        s = chained_products(q, matrices_of(entries_of(k_smem, stage)), zero_s)
         acc = _issue_pv(p, v_previous, acc)
         _pass_turn(turns)
         # S_j done (wgmma groups complete in order); P_{j-1} V_{j-1} may still run
@@ -349,7 +282,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     arrive_after_wgmma(q_free, pred=release_q)
     last = first_load + count - 1
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-    v_last = _matrices(_entries(v_smem, last % STAGES))
+    v_last = matrices_of(entries_of(v_smem, last % STAGES))
     if len(clear_v) > 0:
         if (count == 1) & ((top + 1) * BLOCK_N > seqlen_k):
             _clear_rows_past(v_last, seqlen_k - top * BLOCK_N)
@@ -471,7 +404,7 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
         clear_v = ()
     lead = (row_offset == 0).to(gl.int32)
     # _run_piece's groups
-    tiles = (_matrices(q_tile), o_tile, k_smem, v_smem)
+    tiles = (matrices_of(q_tile), o_tile, k_smem, v_smem)
     barriers = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
     outputs = (o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, rows_out)
     options = (row_offset, turns, lead, fences, lag, residues, clear_v, work[6], work[8], qk_scale_log2, alibi,
@@ -556,34 +489,8 @@ def _run_piece(piece, load, done, tiles, barriers, outputs, options):
 def _consumer_args(consumer: gl.constexpr, q_smem, o_smem, q_ready, q_empty, turns, common):
     """_consumer's arguments for consumer warpgroup `consumer`: its Q and O tiles, Q barriers, ping-pong barriers
     (turns: one entry per consumer) and first row in the tile, then what every consumer gets (common)."""
-    return (_entries(q_smem, consumer), _entries(o_smem, consumer), q_ready.index(consumer), q_empty.index(consumer),
-            turns[consumer], consumer * CONSUMER_ROWS) + common
-
-
-@gluon.jit
-def _chunks(first, second):
-    """A tensor's descriptors by chunk of its head dim: (first, ), or (first, second) where a second chunk exists."""
-    if second is None:
-        return (first, )
-    else:
-        return (first, second)
-
-
-@gluon.jit
-def _allocate_chunks(descs, entries: gl.constexpr):
-    """Shared memory for `entries` tiles of every chunk's descriptor (descs): [entries, 1, ROWS, 1, WIDTH] each."""
-    chunks = ()
-    for chunk in gl.static_range(len(descs)):
-        chunks = chunks + (_allocate_chunk(descs[chunk], entries), )
-    return chunks
-
-
-@gluon.jit
-def _allocate_chunk(desc, entries: gl.constexpr):
-    ROWS: gl.constexpr = desc.block_type.shape[1]
-    WIDTH: gl.constexpr = desc.block_type.shape[3]
-    # [entries, 1, ROWS, 1, WIDTH]
-    return gl.allocate_shared_memory(desc.dtype, [entries, 1, ROWS, 1, WIDTH], desc.layout)
+    return (entries_of(q_smem, consumer), entries_of(o_smem, consumer), q_ready.index(consumer),
+            q_empty.index(consumer), turns[consumer], consumer * CONSUMER_ROWS) + common
 
 
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "batch", "seqlen_q", "seqlen_k", "heads_per_group",
@@ -627,16 +534,16 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_d
     kernels/common.alibi_bias_log2's bias (fwd_softmax.logits), qk_scale_log2 1."""
     ROWS: gl.constexpr = CONSUMER_ROWS
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
-    q_descs, k_descs = _chunks(q_desc, q_desc2), _chunks(k_desc, k_desc2)
-    v_descs, o_descs = _chunks(v_desc, v_desc2), _chunks(o_desc, o_desc2)
+    q_descs, k_descs = chunk_descriptors(q_desc, q_desc2), chunk_descriptors(k_desc, k_desc2)
+    v_descs, o_descs = chunk_descriptors(v_desc, v_desc2), chunk_descriptors(o_desc, o_desc2)
     dtype: gl.constexpr = q_desc.dtype
     # per chunk of the head dims: [CONSUMERS, 1, ROWS, 1, WIDTH] the consumers' Q tiles, [STAGES, 1, BLOCK_N, 1, WIDTH]
     # K and V
-    q_smem = _allocate_chunks(q_descs, CONSUMERS)
-    k_smem = _allocate_chunks(k_descs, STAGES)
-    v_smem = _allocate_chunks(v_descs, STAGES)
-    HEAD_DIM: gl.constexpr = _chunks_width(k_smem)
-    HEAD_DIM_V: gl.constexpr = _chunks_width(v_smem)
+    q_smem = allocate_chunks(q_descs, CONSUMERS)
+    k_smem = allocate_chunks(k_descs, STAGES)
+    v_smem = allocate_chunks(v_descs, STAGES)
+    HEAD_DIM: gl.constexpr = chunks_width(k_smem)
+    HEAD_DIM_V: gl.constexpr = chunks_width(v_smem)
     # O gets tiles of its own where they fit next to Q and the K/V stages, so the next tile's Q can land while O is
     # stored; else (head dim 256) O is staged in the consumer's Q tile (of the same shape: V's head dim is q's)
     element_bytes: gl.constexpr = dtype.primitive_bitwidth // 8
@@ -651,7 +558,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_d
                          "O tiles of V's head dim must fit beside the Q tiles")
         o_smem = q_smem
     else:
-        o_smem = _allocate_chunks(o_descs, CONSUMERS)
+        o_smem = allocate_chunks(o_descs, CONSUMERS)
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
