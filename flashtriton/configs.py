@@ -245,19 +245,18 @@ _HOPPER_FWD_D128 = HopperFwdConfig(128, 2, 240, persistent=True, pingpong=True, 
                                    rescale_threshold=8.0)
 _HOPPER_FWD_D256 = HopperFwdConfig(64, 2, 232, hold_schedule=True, rescale_threshold=8.0)
 _HOPPER_FWD_D128_CAUSAL = replace(_HOPPER_FWD_D128, mask_by_residues=True)
+_HOPPER_FWD_D128_FULL = replace(_HOPPER_FWD_D128, split_tail=True)
+_HOPPER_FWD_D256_FULL = replace(_HOPPER_FWD_D256, persistent=True, split_tail=True)
 _HOPPER_FWD_D256_CAUSAL = replace(_HOPPER_FWD_D256, mask_by_residues=True)
-# 80 and 96 take d128's entries, 192 d256's persistent ones: benchmarks/sweep_hopper_fwd.py --head-dims 80,96,192
-# candidates within 1% of the best, 2026-12-06, 6d06c78, H100
+# 80 and 96 take d128's entries, 192 d256's: benchmarks/sweep_hopper_fwd.py --head-dims 80,96,192 candidates within
+# 1% of the best, 2026-12-06, 6d06c78, H100 (without tail cuts)
 HOPPER_FWD = ConfigTable({(64, False): HopperFwdConfig(128, 2, 160, persistent=True, consumers=3),
                          (64, True): HopperFwdConfig(128, 2, 232, persistent=True),
-                         (80, False): _HOPPER_FWD_D128, (80, True): _HOPPER_FWD_D128_CAUSAL,
-                         (96, False): _HOPPER_FWD_D128, (96, True): _HOPPER_FWD_D128_CAUSAL,
-                         (128, False): replace(_HOPPER_FWD_D128, split_tail=True),
-                         (128, True): _HOPPER_FWD_D128_CAUSAL,
-                         (192, False): replace(_HOPPER_FWD_D256, persistent=True),
-                         (192, True): _HOPPER_FWD_D256_CAUSAL,
-                         (256, False): replace(_HOPPER_FWD_D256, persistent=True, split_tail=True),
-                         (256, True): _HOPPER_FWD_D256_CAUSAL})
+                         (80, False): _HOPPER_FWD_D128_FULL, (80, True): _HOPPER_FWD_D128_CAUSAL,
+                         (96, False): _HOPPER_FWD_D128_FULL, (96, True): _HOPPER_FWD_D128_CAUSAL,
+                         (128, False): _HOPPER_FWD_D128_FULL, (128, True): _HOPPER_FWD_D128_CAUSAL,
+                         (192, False): _HOPPER_FWD_D256_FULL, (192, True): _HOPPER_FWD_D256_CAUSAL,
+                         (256, False): _HOPPER_FWD_D256_FULL, (256, True): _HOPPER_FWD_D256_CAUSAL})
 HOPPER_FWD_HEAD_DIMS = tuple(sorted({head_dim for head_dim, _ in HOPPER_FWD}))
 # The Gluon forward's tiles by head dim: the widths of the column chunks its shared tiles and wgmmas move (powers of
 # two, which Gluon's shared layouts need; the kernel chains one S wgmma per chunk and keeps an output accumulator

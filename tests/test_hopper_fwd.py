@@ -99,16 +99,6 @@ def test_every_tile_class_has_power_of_two_chunks_that_add_up():
         assert all(width >= 16 and width & (width - 1) == 0 for width in widths), widths
 
 
-def test_tiles_of_two_chunks_do_not_cut_tails():
-    """attn_tail_merge_kernel takes power-of-two head dims: a config that asks for a cut runs without one on tiles of
-    two chunks (no SPLIT_TAIL code either)."""
-    config = dataclasses.replace(configs.HOPPER_FWD[128, False], persistent=True, split_tail=True)
-    assert hopper.cuts_tail(config, 128) and hopper.forward_constexprs(config, False, tile_dim=128)["SPLIT_TAIL"]
-    for tile_dim in (80, 96, 192):
-        assert not hopper.cuts_tail(config, tile_dim)
-        assert not hopper.forward_constexprs(config, False, tile_dim=tile_dim)["SPLIT_TAIL"]
-
-
 def config_ids(key) -> str:
     head_dim, causal = key
     return f"d{head_dim}-{'causal' if causal else 'full'}"
@@ -578,7 +568,7 @@ def test_warmup_compiles_the_tail_merge(monkeypatch):
     monkeypatch.setattr(hopper, "is_hopper", lambda device: True)
     for key, config in configs.HOPPER_FWD.items():
         heads = warmup.tail_cut_heads(*key, "cuda")
-        assert heads == (9 if hopper.cuts_tail(config, key[0]) else None), key
+        assert heads == (9 if config.persistent and config.split_tail else None), key
     monkeypatch.setattr(hopper, "is_hopper", lambda device: False)
     assert warmup.tail_cut_heads(128, False, "cuda") is None
 
@@ -593,6 +583,9 @@ TAIL_CASES = {  # name: (head_dim, causal, seqlen_q, seqlen_k, heads, heads_k, p
     "d64-causal": (64, True, 1000, 1000, 3, 3, 5),
     "d256-full": (256, False, 1000, 1000, 3, 3, 5),
     "d256-causal-persistent": (256, True, 1000, 1000, 3, 3, 5),
+    "d96-full-two-chunks": (96, False, 1000, 1000, 3, 3, 5),
+    "d80-causal-two-chunks": (80, True, 1000, 1000, 3, 3, 5),
+    "d192-full-two-chunks": (192, False, 1000, 1000, 3, 3, 5),
     "d128-full-configured-grid": (128, False, 2048, 2048, 12, 12, None),
     "d64-causal-configured-grid": (64, True, 2048, 2048, 20, 20, None),
 }

@@ -174,7 +174,7 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     config = config or configs.HOPPER_FWD[max(head_dim, head_dim_v), causal]
     rows = CONSUMER_ROWS.value
     signature = {"Lse": "*fp32", "Partial": "*fp32", "PartialLse": "*fp32"}
-    constexprs = forward_constexprs(config, causal, local, head_dim)
+    constexprs = forward_constexprs(config, causal, local)
     # the descriptors of each chunk of the head dims (configs.HOPPER_FWD_CHUNKS), a constexpr None for a missing
     # second chunk
     for name, tile_rows, tile_dim in (("q", rows, head_dim), ("k", config.block_n, head_dim),

@@ -28,7 +28,7 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..kernels.hopper.fwd import CONSUMER_ROWS, attn_fwd_hopper_kernel
-    from ..kernels.hopper.tail_merge import TAIL_MERGE_ELEMENTS, attn_tail_merge_kernel
+    from ..kernels.hopper.tail_merge import attn_tail_merge_kernel, tail_merge_rows
     compiled_without_line_info(attn_fwd_hopper_kernel, attn_tail_merge_kernel)
     # host descriptors of tensors gluon_runs / the launchers checked (tma_compatible)
     checked_descriptor = descriptor_builder(TensorDescriptor)
@@ -203,19 +203,13 @@ def tail_split(items: int, programs: int, paired: bool, num_tiles: int, tile_row
     return TailSplit(full_waves * programs, tail_programs, tail_blocks, item_blocks, tail_items * (2 if paired else 1))
 
 
-def cuts_tail(config, tile_dim: int) -> bool:
-    """Whether the forward's persistent grid for `config` on tiles tile_dim wide may cut its last wave
-    (config.split_tail): not on tiles of two chunks (attn_tail_merge_kernel takes power-of-two head dims)."""
-    return config.persistent and config.split_tail and len(configs.HOPPER_FWD_CHUNKS[tile_dim]) == 1
-
-
-def forward_constexprs(config, causal: bool, local: bool = False, tile_dim: int = 128) -> dict:
-    """attn_fwd_hopper_kernel's compile-time arguments for `config` (configs.HOPPER_FWD) on Q's tiles tile_dim wide
-    (tools/offline_compile builds the same kernel)."""
+def forward_constexprs(config, causal: bool, local: bool = False) -> dict:
+    """attn_fwd_hopper_kernel's compile-time arguments for `config` (configs.HOPPER_FWD; tools/offline_compile builds
+    the same kernel)."""
     return dict(CAUSAL=causal, LOCAL=local, STAGES=config.stages, CONSUMERS=config.consumers,
                 CONSUMER_REGS=config.consumer_regs, PINGPONG=config.pingpong, HOLD_SCHEDULE=config.hold_schedule,
                 RESCALE_SKIP=config.rescale_threshold > 0.0, MASK_BY_RESIDUES=config.mask_by_residues,
-                SPLIT_TAIL=cuts_tail(config, tile_dim), num_warps=4)
+                SPLIT_TAIL=config.persistent and config.split_tail, num_warps=4)
 
 
 def chunk_descriptors(tensor: torch.Tensor, rows: int, tile_dim: int) -> Tuple:
@@ -254,7 +248,7 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
     items = ((num_tiles + 1) // 2 if paired else num_tiles) * batch * num_heads
     split = None
     # the tail merge writes whole tile rows of q's head dim: not where out is narrower than the tiles or than q
-    if cuts_tail(config, tile_dim) and not (local or varlen) and tile_dim == head_dim == head_dim_v:
+    if config.persistent and config.split_tail and not (local or varlen) and tile_dim == head_dim == head_dim_v:
         split = tail_split(items, programs, paired, num_tiles, tile_rows, config.block_n, seqlen_q, seqlen_k,
                            params.causal_like, config.tail_min_blocks)
     work = (heads_per_group, int(paired), items, 0, 0, 1)
@@ -275,10 +269,10 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
         1.0 if alibi_slopes is not None else params.qk_scale_log2, config.rescale_threshold,
         params.window_left, params.window_right, *varlen_args,
         (alibi_slopes, alibi_batch_stride(alibi_slopes), int(params.alibi_pure_causal), params.qk_scale_log2),
-        **forward_constexprs(config, params.causal_like, local, tile_dim))
+        **forward_constexprs(config, params.causal_like, local))
     if split is not None:
         launch(
-            attn_tail_merge_kernel, (split.tiles * tile_rows * head_dim // TAIL_MERGE_ELEMENTS.value,),
+            attn_tail_merge_kernel, (split.tiles * (tile_rows // tail_merge_rows(head_dim)),),
             partial, partial_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), *lse_strides, batch,
             num_heads, seqlen_q, seqlen_k, *work, CAUSAL=params.causal_like, TILE_ROWS=tile_rows,
             BLOCK_N=config.block_n, HEAD_DIM=head_dim, num_warps=4)

@@ -360,21 +360,30 @@ def _store_tile(out, o_tile, o_desc, q_empty, batch, row, head, o_in_q):
 
 @gluon.jit
 def _store_partial(out, lse, Partial, PartialLse, slot, row_offset, TILE_ROWS: gl.constexpr):
-    """A consumer's part of a tail piece's result (out [ROWS, HEAD_DIM] normalized by the piece's own row sums, lse
-    [ROWS] its natural-log LSE, -inf for rows that saw no key in it) into workspace slot `slot` (Partial
-    [slots, TILE_ROWS, HEAD_DIM], PartialLse [slots, TILE_ROWS], fp32; rows past seqlen_q too: the merge skips
-    them). Tail cuts run on one chunk (ops/hopper.launch_fwd): out is (out, )."""
-    gl.static_assert(len(out) == 1, "tail cuts take one chunk of head dim")
-    out = out[0]
-    ROWS: gl.constexpr = out.shape[0]
-    HEAD_DIM: gl.constexpr = out.shape[1]
-    # [ROWS] the tile's rows of this consumer; [HEAD_DIM] the columns
-    rows = row_offset + gl.arange(0, ROWS, gl.SliceLayout(1, out.type.layout))
-    columns = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, out.type.layout))
-    slot_rows = slot.to(gl.int64) * TILE_ROWS + rows
-    gl.store(Partial + gl.expand_dims(slot_rows * HEAD_DIM, 1) + gl.expand_dims(columns, 0), out)
+    """A consumer's part of a tail piece's result (out: [ROWS, WIDTH] per chunk of the head dim, normalized by the
+    piece's own row sums; lse [ROWS] its natural-log LSE, -inf for rows that saw no key in it) into workspace slot
+    `slot` (Partial [slots, TILE_ROWS, HEAD_DIM] with HEAD_DIM the chunks' widths summed, PartialLse [slots,
+    TILE_ROWS], fp32; rows past seqlen_q too: the merge skips them)."""
+    ROWS: gl.constexpr = out[0].shape[0]
+    HEAD_DIM: gl.constexpr = chunks_width(out)
+    column = 0
+    for chunk in gl.static_range(len(out)):
+        _store_partial_chunk(out[chunk], column, Partial, slot, row_offset, TILE_ROWS, HEAD_DIM)
+        column = column + out[chunk].shape[1]
     gl.store(PartialLse + slot.to(gl.int64) * TILE_ROWS + row_offset
              + gl.arange(0, ROWS, lse.type.layout), lse)
+
+
+@gluon.jit
+def _store_partial_chunk(out, column0, Partial, slot, row_offset, TILE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """_store_partial's output chunk out [ROWS, WIDTH] into the workspace's columns from column0."""
+    ROWS: gl.constexpr = out.shape[0]
+    WIDTH: gl.constexpr = out.shape[1]
+    # [ROWS] the tile's rows of this consumer; [WIDTH] the chunk's columns
+    rows = row_offset + gl.arange(0, ROWS, gl.SliceLayout(1, out.type.layout))
+    columns = column0 + gl.arange(0, WIDTH, gl.SliceLayout(0, out.type.layout))
+    slot_rows = slot.to(gl.int64) * TILE_ROWS + rows
+    gl.store(Partial + gl.expand_dims(slot_rows * HEAD_DIM, 1) + gl.expand_dims(columns, 0), out)
 
 
 @gluon.jit
