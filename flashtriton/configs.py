@@ -250,6 +250,7 @@ _HOPPER_FWD_D256_FULL = replace(_HOPPER_FWD_D256, persistent=True, split_tail=Tr
 _HOPPER_FWD_D256_CAUSAL = replace(_HOPPER_FWD_D256, mask_by_residues=True)
 # 80 and 96 take d128's entries, 192 d256's: benchmarks/sweep_hopper_fwd.py --head-dims 80,96,192 candidates within
 # 1% of the best, 2026-12-06, 6d06c78, H100 (without tail cuts)
+# their non-causal tail cuts: on against off in one process (1-6% faster), 2026-12-07, c2fae50, H100
 HOPPER_FWD = ConfigTable({(64, False): HopperFwdConfig(128, 2, 160, persistent=True, consumers=3),
                          (64, True): HopperFwdConfig(128, 2, 232, persistent=True),
                          (80, False): _HOPPER_FWD_D128_FULL, (80, True): _HOPPER_FWD_D128_CAUSAL,
