@@ -278,3 +278,30 @@ def test_unsupported_features_raise_naming_the_alternative():
                           cache_implementation="static")
         with pytest.raises(TypeError, match="float16/bfloat16.*torch.float64.*'eager'"):
             ours.double()(input_ids=input_ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+@pytest.mark.parametrize("head_dim_v", [8, 24])
+def test_value_head_dim_of_its_own_goes_through_unpadded(head_dim_v, padded):
+    """MLA-style attention (V's head dim narrower or wider than Q / K's) through the attention function, against
+    math SDPA in float64 (fp16 SDPA sets the tolerance), on the rows a valid query owns."""
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, SEQ, 16, generator=generator).to(DTYPE)
+    k = torch.randn(2, 2, SEQ, 16, generator=generator).to(DTYPE)
+    v = torch.randn(2, 2, SEQ, head_dim_v, generator=generator).to(DTYPE)
+    mask = torch.ones(2, SEQ, dtype=torch.long)
+    if padded:
+        mask[1, :5] = 0
+    module = torch.nn.Module()
+    module.is_causal = True
+    out, _ = ft_transformers.attention_forward(module, q, k, v, mask if padded else None, scaling=0.25)
+    assert out.shape == (2, SEQ, 4, head_dim_v) and out.dtype == DTYPE
+
+    def sdpa(dtype):
+        visible = torch.ones(SEQ, SEQ, dtype=torch.bool).tril() & mask.bool()[:, None, None, :]
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=visible, scale=0.25, enable_gqa=True).transpose(1, 2)
+
+    valid = mask.bool()
+    assert_checks_ok([check_error("out", out[valid], sdpa(torch.float64)[valid], sdpa(DTYPE)[valid])],
+                     f"head_dim_v {head_dim_v}")

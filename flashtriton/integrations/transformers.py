@@ -27,6 +27,7 @@ What the attention function does with what the model passes:
     softcap, scaling, dropout    softcap, softmax_scale, dropout_p (the model passes 0.0 outside training)
     s_aux (attention sinks)      learnable_sink (gpt-oss), differentiable
     GQA                          key/value with fewer heads go through unrepeated
+    value head dim               any (MLA-style models: V narrower or wider than Q/K) goes through unpadded
     dtype                        fp16/bf16 as they come; float32 q/k/v are cast to autocast's dtype when autocast
                                  is on, else to bfloat16, and the output is cast back to float32
 
@@ -169,21 +170,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             f"attention_mask must be a 2-D (batch, kv_len) padding mask or None, got {shape}: a custom 4-D mask "
             "(or any non-padding pattern) is not supported by flashtriton: " + _ALTERNATIVE
         )
-    if query.shape[-1] < value.shape[-1]:
-        raise ValueError(
-            f"value head dim {value.shape[-1]} exceeds query head dim {query.shape[-1]}: " + _ALTERNATIVE
-        )
-
     out_dtype = query.dtype
     dtype = _compute_dtype(query.dtype, query.device)
-    batch, _, seqlen_q, head_dim = query.shape
-    seqlen_k, v_head_dim = key.shape[2], value.shape[-1]
+    batch, _, seqlen_q, _ = query.shape
+    seqlen_k = key.shape[2]
     # (B, H, S, D) -> (B, S, H, D)
-    q = query.transpose(1, 2).to(dtype)
-    k = key.transpose(1, 2).to(dtype)
-    v = value.transpose(1, 2).to(dtype)
-    if v_head_dim != head_dim:
-        v = torch.nn.functional.pad(v, (0, head_dim - v_head_dim))
+    q, k, v = (t.transpose(1, 2) if t.dtype == dtype else t.transpose(1, 2).to(dtype) for t in (query, key, value))
 
     causal = bool(module.is_causal if is_causal is None else is_causal)
     window_size = (-1, -1)
@@ -228,6 +220,4 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             out = out.view(batch, seqlen_q, *out.shape[1:])
         else:
             out = flash_attn_func(q, k, v, **options)
-    if v_head_dim != head_dim:
-        out = out[..., :v_head_dim]
-    return out.to(out_dtype), None
+    return (out if out.dtype == out_dtype else out.to(out_dtype)), None
