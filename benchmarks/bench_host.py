@@ -8,7 +8,8 @@ wall time of `calls` calls enqueued back to back is the host's cost (flashtriton
 --repeat loops, the machine's noise being one-sided):
   forward (no grad); forward + backward (a training step through autograd); backward alone (one graph, kept);
   a decode step: flash_attn_with_kvcache with one new token into a 1k-token cache, GQA 32/8 (SDPA: attention of the
-  token over the cache, enable_gqa).
+  token over the cache, enable_gqa); a model's decode: flash_attn_func with one token over a cache that grows by one
+  token every 16 calls (a generate() step's layers: every step is a new call signature).
 Then eager decode bandwidth: flash_attn_with_kvcache's TB/s of K and V bytes at batch 4 x 64k and 64 x 4k keys
 (cache_seqlens full), against the device-copy bandwidth measured in the same run. FLASHTRITON_LAUNCH_PLANS=0 gives
 the same run with every launch through Triton's binder (before / after the launch plans, ops/launching.py).
@@ -30,7 +31,9 @@ SHAPE = (1, 128, 16, 128)  # batch, seqlen, heads, head dim
 DECODE_HEADS, DECODE_HEADS_K, DECODE_CACHE = 32, 8, 1024
 BANDWIDTH_ROWS = [(4, 65536), (64, 4096)]
 PROVIDERS = ("flashtriton", "sdpa-flash", "sdpa-cudnn", "fa4")
-CALLS = ("forward (no grad)", "forward + backward", "backward", "decode step, 1 token, 1k cache, GQA 32/8")
+CALLS = ("forward (no grad)", "forward + backward", "backward", "decode step, 1 token, 1k cache, GQA 32/8",
+         "model decode: flash_attn_func, 1 token, cache one longer every 16 calls")
+LAYERS = 16  # calls per cache length in the model-decode row: a model's layers in one generate() step
 
 
 def _inputs(requires_grad: bool):
@@ -53,6 +56,9 @@ def attention_calls(provider: str) -> dict:
     decode = decode_call(provider)
     if decode is not None:
         calls[CALLS[3]] = decode
+    growing = growing_decode_call(provider)
+    if growing is not None:
+        calls[CALLS[4]] = growing
     return calls
 
 
@@ -74,6 +80,38 @@ def decode_call(provider: str, batch: int = 1, cache: int = DECODE_CACHE):
         def sdpa_decode():
             with sdpa_kernel([backend]):
                 return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        return sdpa_decode
+    return None
+
+
+def growing_decode_call(provider: str, layers: int = LAYERS):
+    """What a transformers generate() step asks of each layer: one new token over a cache that grows by one token
+    every `layers` calls (a new shape, so a new call signature, each step; GQA 32/8, d128, from 1k keys):
+    flash_attn_func (causal) for flashtriton, SDPA over the cache for its backends; None for FA4."""
+    q = torch.randn(1, 1, DECODE_HEADS, 128, device="cuda", dtype=torch.bfloat16)
+    # [1, 2k, 8, 128]: a step's keys are the first `length` rows
+    k_cache, v_cache = (torch.randn(1, 2 * DECODE_CACHE, DECODE_HEADS_K, 128, device="cuda", dtype=torch.bfloat16)
+                        for _ in range(2))
+    calls = iter(range(1 << 62))
+
+    def length() -> int:
+        return DECODE_CACHE + (next(calls) // layers) % DECODE_CACHE
+
+    if provider == "flashtriton":
+        def flashtriton_decode():
+            keys = length()
+            return flashtriton.flash_attn_func(q, k_cache[:, :keys], v_cache[:, :keys], causal=True)
+        return flashtriton_decode
+    if provider.startswith("sdpa"):
+        from torch.nn.attention import sdpa_kernel
+
+        backend = bench._sdpa_backend(provider)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k_cache, v_cache))
+
+        def sdpa_decode():
+            keys = length()
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(qt, kt[:, :, :keys], vt[:, :, :keys], enable_gqa=True)
         return sdpa_decode
     return None
 
