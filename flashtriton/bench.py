@@ -276,6 +276,13 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / median_ms(lambda: dst.copy_(src)) * 1e-9
 
 
+def matmul_tflops(size: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:
+    """TF/s of a size^3 matmul in dtype (torch.matmul, cuBLAS): the device's measured tensor-core rate, what a
+    compute-bound kernel's TF/s is held against."""
+    a, b = (torch.randn(size, size, device="cuda", dtype=dtype) for _ in range(2))
+    return 2 * size ** 3 / median_ms(lambda: a @ b) * 1e-9
+
+
 def profiled_kernels(fn: Callable, calls: int = 20):
     """torch.profiler's per-kernel averages (CUDA activity) over `calls` calls of fn, after one call outside it."""
     from torch.profiler import ProfilerActivity, profile

@@ -45,7 +45,9 @@ class Feature:
     """One row family of the matrix. heads None: HIDDEN // head_dim; heads_k None: heads. window: the left size of
     a sliding window (the right one is 0 causal, the same size otherwise). varlen: mixed lengths packed into one
     (T, H, D) tensor; page_size: varlen keys read through a block table of pages this size. one_row: one query row
-    per sequence against batch x keys (decode-shaped; causal and not are the same attention, so not causal only)."""
+    per sequence against batch x keys (decode-shaped; causal and not are the same attention, so not causal only).
+    head_dim_v: V's own head dim (None: head_dim's); sinks: a learnable sink logit per query head (learnable_sink,
+    N(0, 1) in fp32)."""
 
     name: str
     head_dim: int = 128
@@ -59,6 +61,12 @@ class Feature:
     one_row: bool = False
     batch: int = 4
     keys: int = SEQLEN
+    head_dim_v: Optional[int] = None
+    sinks: bool = False
+
+    @property
+    def value_dim(self) -> int:
+        return self.head_dim_v or self.head_dim
 
     @property
     def num_heads(self) -> int:
@@ -94,6 +102,9 @@ FEATURES = (
     Feature("paged-64", varlen=True, page_size=64),
     Feature("paged-256", varlen=True, page_size=256),
     Feature("one-row", heads=32, heads_k=8, one_row=True, keys=65536),
+    Feature("sinks", sinks=True),
+    Feature("mla-192/128", head_dim=192, head_dim_v=128),
+    Feature("d512", head_dim=512),
 )
 
 
@@ -125,6 +136,7 @@ class Problem:
     cu_seqlens: Optional[torch.Tensor] = None
     block_table: Optional[torch.Tensor] = None
     seqused_k: Optional[torch.Tensor] = None
+    learnable_sink: Optional[torch.Tensor] = None
     pairs: Optional[int] = None  # visible_pairs' count
 
     @property
@@ -140,7 +152,7 @@ def make_problem(feature: Feature, causal: bool, dtype: torch.dtype, device="cud
     def randn(*shape):
         return torch.randn(shape, generator=generator, device=device, dtype=dtype)
 
-    heads, heads_k, dim = feature.num_heads, feature.num_heads_k, feature.head_dim
+    heads, heads_k, dim, dim_v = feature.num_heads, feature.num_heads_k, feature.head_dim, feature.value_dim
     window = (-1, -1)
     if feature.window is not None:
         window = (feature.window, 0 if causal else feature.window)
@@ -148,10 +160,12 @@ def make_problem(feature: Feature, causal: bool, dtype: torch.dtype, device="cud
     if feature.alibi:
         slopes = torch.exp2(-8.0 * torch.arange(1, heads + 1, device=device, dtype=torch.float32) / heads)
     problem = Problem(feature, causal, None, None, None, window, slopes)
+    if feature.sinks:
+        problem.learnable_sink = torch.randn(heads, generator=generator, device=device, dtype=torch.float32)
     if feature.one_row:
         keys = max(1, feature.keys * tokens // TOKENS)
         problem.q = randn(feature.batch, 1, heads, dim)
-        problem.k, problem.v = randn(feature.batch, keys, heads_k, dim), randn(feature.batch, keys, heads_k, dim)
+        problem.k, problem.v = randn(feature.batch, keys, heads_k, dim), randn(feature.batch, keys, heads_k, dim_v)
         problem.lengths = [keys] * feature.batch
     elif feature.varlen:
         lengths = bench.mixed_lengths(tokens, low=min(128, tokens), high=min(SEQLEN, tokens))
@@ -161,14 +175,15 @@ def make_problem(feature: Feature, causal: bool, dtype: torch.dtype, device="cud
         problem.q = randn(total, heads, dim)
         if feature.page_size:
             problem.k, problem.v, problem.block_table = _paged_cache(randn, lengths, feature.page_size, heads_k, dim,
-                                                                     generator, device)
+                                                                     dim_v, generator, device)
             problem.seqused_k = torch.tensor(lengths, dtype=torch.int32, device=device)
         else:
-            problem.k, problem.v = randn(total, heads_k, dim), randn(total, heads_k, dim)
+            problem.k, problem.v = randn(total, heads_k, dim), randn(total, heads_k, dim_v)
     else:
         seqlen = min(SEQLEN, tokens)
         batch = max(1, tokens // seqlen)
-        problem.q, problem.k, problem.v = (randn(batch, seqlen, h, dim) for h in (heads, heads_k, heads_k))
+        problem.q, problem.k, problem.v = (randn(batch, seqlen, h, d) for h, d in ((heads, dim), (heads_k, dim),
+                                                                                  (heads_k, dim_v)))
         problem.lengths = [seqlen] * batch
     return problem
 
@@ -177,7 +192,7 @@ def _cumulative(lengths: Sequence[int], device) -> torch.Tensor:
     return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=device)
 
 
-def _paged_cache(randn, lengths, page_size: int, heads_k: int, dim: int, generator, device):
+def _paged_cache(randn, lengths, page_size: int, heads_k: int, dim: int, dim_v: int, generator, device):
     """K and V caches of (num_pages, page_size, Hk, D) holding each sequence in shuffled pages, and the block
     table (B, pages of the longest) naming them (unused entries name page 0)."""
     pages_per_sequence = [-(-length // page_size) for length in lengths]
@@ -188,7 +203,7 @@ def _paged_cache(randn, lengths, page_size: int, heads_k: int, dim: int, generat
     for row, count in enumerate(pages_per_sequence):
         table[row, :count] = order[start:start + count]
         start += count
-    return randn(num_pages, page_size, heads_k, dim), randn(num_pages, page_size, heads_k, dim), table
+    return randn(num_pages, page_size, heads_k, dim), randn(num_pages, page_size, heads_k, dim_v), table
 
 
 def visible_pairs(problem: Problem) -> int:
@@ -207,10 +222,11 @@ def visible_pairs(problem: Problem) -> int:
 
 
 def throughput(problem: Problem, mode: str, ms: float) -> tuple:
-    """(value, unit) of a time: TB/s of K and V for one-row rows, else TF/s of the visible pairs."""
+    """(value, unit) of a time: TB/s of K and V for one-row rows, else TF/s of the visible pairs (2 (D + Dv) each
+    forward: the Q K and P V products)."""
     if problem.feature.one_row:
         return (problem.k.numel() + problem.v.numel()) * problem.k.element_size() / (ms * 1e-3) / 1e12, "TB/s"
-    flops = 4.0 * problem.feature.head_dim * visible_pairs(problem)
+    flops = 2.0 * (problem.feature.head_dim + problem.feature.value_dim) * visible_pairs(problem)
     if mode == "bwd":
         flops *= bench.BWD_FLOP_FACTOR
     return flops / (ms * 1e-3) / 1e12, "TF/s"
@@ -258,7 +274,7 @@ def _flashtriton_call(problem: Problem) -> Callable:
     from .interface import flash_attn_func, flash_attn_varlen_func
 
     options = dict(causal=problem.causal, window_size=problem.window, softcap=problem.feature.softcap,
-                   alibi_slopes=problem.alibi_slopes)
+                   alibi_slopes=problem.alibi_slopes, learnable_sink=problem.learnable_sink)
     if not problem.feature.varlen:
         return lambda q, k, v: flash_attn_func(q, k, v, **options)
     cu, max_seqlen = problem.cu_seqlens, problem.max_seqlen
@@ -279,6 +295,8 @@ def _fa4_call(problem: Problem) -> Callable:
     left, right = problem.window
     options = dict(causal=problem.causal, window_size=(None if left < 0 else left, None if right < 0 else right),
                    softcap=problem.feature.softcap)
+    if problem.learnable_sink is not None:
+        options["learnable_sink"] = problem.learnable_sink
 
     def first(result):
         return result[0] if isinstance(result, tuple) else result
@@ -300,6 +318,8 @@ def _sdpa_call(provider: str, problem: Problem) -> Callable:
         raise Unsupported("SDPA takes no packed varlen sequences or paged caches")
     if problem.window != (-1, -1) or feature.softcap or feature.alibi:
         raise Unsupported("SDPA expresses windows, softcap and ALiBi only through explicit masks or biases")
+    if feature.sinks:
+        raise Unsupported("SDPA has no learnable sinks")
     from torch.nn.attention import sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention
 
@@ -341,8 +361,9 @@ def reference_check(problem: Problem, out: torch.Tensor) -> tuple:
 
     group = problem.feature.num_heads // problem.feature.num_heads_k
     slopes = None if problem.alibi_slopes is None else problem.alibi_slopes[:group]
+    sinks = None if problem.learnable_sink is None else problem.learnable_sink[:group]
     options = dict(causal=problem.causal, window_size=problem.window, softcap=problem.feature.softcap,
-                   alibi_slopes=slopes, compute_dtype=torch.float32)
+                   alibi_slopes=slopes, compute_dtype=torch.float32, learnable_sink=sinks)
     q, k, v = problem.q[..., :group, :], problem.k[..., :1, :], problem.v[..., :1, :]
     if not problem.feature.varlen:
         ref = attention_reference(q, k, v, **options)[0]
@@ -419,7 +440,11 @@ def run_features(features: Sequence[Feature], providers: Sequence[str], modes: S
             rows.append(row)
         del problem
         torch.cuda.empty_cache()
-    return bench.BenchResult(rows, {**bench.run_metadata(), "timing": timing})
+    metadata = {**bench.run_metadata(), "timing": timing}
+    if any(feature.head_dim > 256 for feature in features) and str(device).startswith("cuda"):
+        # rows past head dim 256 are held against the matmul rate (their bar: a share of it)
+        metadata["bf16 matmul TF/s"] = round(bench.matmul_tflops(), 1)
+    return bench.BenchResult(rows, metadata)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -105,8 +105,31 @@ def test_visible_pairs_count_what_each_row_computes():
     assert bench_features.visible_pairs(varlen) == 16 * sum(n * n for n in varlen.lengths)
     value, unit = bench_features.throughput(varlen, "bwd", 1.0)
     assert unit == "TF/s" and value == pytest.approx(2.5 * 4 * 128 * 16 * sum(n * n for n in varlen.lengths) / 1e9)
-    one_row = make_problem(FEATURES[-1], False, torch.float16, "cpu", tokens=TOKENS)
+    one_row = make_problem(bench_features.select_features(["one-row"])[0], False, torch.float16, "cpu",
+                           tokens=TOKENS)
     assert bench_features.throughput(one_row, "fwd", 1.0)[1] == "TB/s"
+    # V's own head dim: 2 (D + Dv) flops per pair forward
+    mla = make_problem(bench_features.select_features(["mla-192/128"])[0], False, torch.float16, "cpu", tokens=TOKENS)
+    assert mla.q.shape[-1] == mla.k.shape[-1] == 192 and mla.v.shape[-1] == 128
+    assert bench_features.throughput(mla, "fwd", 1.0)[0] == pytest.approx(
+        2 * (192 + 128) * 10 * TOKENS * TOKENS / 1e9)
+
+
+def test_sinks_row_passes_its_sinks_and_checks_them():
+    """The sinks row hands its learnable_sink to flashtriton and to the reference: an output computed without the
+    sinks fails the row's check; SDPA, which has none, refuses the row."""
+    from flashtriton import flash_attn_func
+
+    problem = make_problem(bench_features.select_features(["sinks"])[0], True, torch.float16, "cpu", tokens=TOKENS)
+    assert problem.learnable_sink.shape == (problem.feature.num_heads,)
+    with torch.no_grad():
+        out = bench_features.attention_call("flashtriton", problem)(problem.q, problem.k, problem.v)
+        without = flash_attn_func(problem.q, problem.k, problem.v, causal=True)
+    assert bench_features.reference_check(problem, out)[1]
+    assert not bench_features.reference_check(problem, without)[1]
+    for provider in ("sdpa-cudnn", "sdpa-flash"):
+        with pytest.raises(bench_features.Unsupported):
+            bench_features.attention_call(provider, problem)
 
 
 def test_markdown_puts_peers_over_ours():
