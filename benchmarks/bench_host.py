@@ -18,6 +18,7 @@ the same run with every launch through Triton's binder (before / after the launc
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
@@ -92,7 +93,7 @@ def growing_decode_call(provider: str, layers: int = LAYERS):
     # [1, 2k, 8, 128]: a step's keys are the first `length` rows
     k_cache, v_cache = (torch.randn(1, 2 * DECODE_CACHE, DECODE_HEADS_K, 128, device="cuda", dtype=torch.bfloat16)
                         for _ in range(2))
-    calls = iter(range(1 << 62))
+    calls = itertools.count()
 
     def length() -> int:
         return DECODE_CACHE + (next(calls) // layers) % DECODE_CACHE

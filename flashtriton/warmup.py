@@ -69,7 +69,7 @@ def tail_cut_heads(head_dim: int, causal: bool, device, seqlen: int = TAIL_SEQLE
     from .ops import hopper
 
     config = configs.HOPPER_FWD.get((head_dim, causal))
-    if config is None or not (config.persistent and config.split_tail) or not hopper.is_hopper(device):
+    if config is None or not hopper.cuts_tail(config) or not hopper.is_hopper(device):
         return None
     tile_rows = config.consumers * 64
     num_tiles = -(-seqlen // tile_rows)

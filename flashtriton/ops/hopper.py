@@ -203,13 +203,19 @@ def tail_split(items: int, programs: int, paired: bool, num_tiles: int, tile_row
     return TailSplit(full_waves * programs, tail_programs, tail_blocks, item_blocks, tail_items * (2 if paired else 1))
 
 
+def cuts_tail(config) -> bool:
+    """Whether the forward's grid for `config` (configs.HOPPER_FWD) may cut its last wave: a persistent grid whose
+    config says so (split_tail); launch_fwd adds the call's own conditions."""
+    return config.persistent and config.split_tail
+
+
 def forward_constexprs(config, causal: bool, local: bool = False) -> dict:
     """attn_fwd_hopper_kernel's compile-time arguments for `config` (configs.HOPPER_FWD; tools/offline_compile builds
     the same kernel)."""
     return dict(CAUSAL=causal, LOCAL=local, STAGES=config.stages, CONSUMERS=config.consumers,
                 CONSUMER_REGS=config.consumer_regs, PINGPONG=config.pingpong, HOLD_SCHEDULE=config.hold_schedule,
                 RESCALE_SKIP=config.rescale_threshold > 0.0, MASK_BY_RESIDUES=config.mask_by_residues,
-                SPLIT_TAIL=config.persistent and config.split_tail, num_warps=4)
+                SPLIT_TAIL=cuts_tail(config), num_warps=4)
 
 
 def chunk_descriptors(tensor: torch.Tensor, rows: int, tile_dim: int) -> Tuple:
@@ -248,7 +254,7 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
     items = ((num_tiles + 1) // 2 if paired else num_tiles) * batch * num_heads
     split = None
     # the tail merge writes whole tile rows of q's head dim: not where out is narrower than the tiles or than q
-    if config.persistent and config.split_tail and not (local or varlen) and tile_dim == head_dim == head_dim_v:
+    if cuts_tail(config) and not (local or varlen) and tile_dim == head_dim == head_dim_v:
         split = tail_split(items, programs, paired, num_tiles, tile_rows, config.block_n, seqlen_q, seqlen_k,
                            params.causal_like, config.tail_min_blocks)
     work = (heads_per_group, int(paired), items, 0, 0, 1)
