@@ -300,6 +300,21 @@ HOPPER_BWD_CHUNKS = ConfigTable({64: (64, ), 80: (64, 16), 96: (64, 32), 128: (1
                                  256: (256, )})
 
 
+@dataclass(frozen=True)
+class HopperBwdDqConfig:
+    """A config of the Gluon Hopper dQ kernel (kernels/hopper/bwd_dq.py): two consumer warpgroups of 64 query rows
+    and a TMA producer warp streaming K / V blocks."""
+    keys: int            # keys per K / V block (the N of the S and dP wgmmas)
+    stages: int          # K / V stages in shared memory
+    consumer_regs: int   # registers per thread of the second consumer warpgroup
+
+
+# keyed by the tiles' head dim: where the Gluon dQ kernel follows the dK / dV kernel (kernels/hopper/bwd_d256.py);
+# elsewhere that kernel leaves dQ to the Triton dQ kernel. Not swept: python tools/offline_compile.py --kernel
+# bwd-dq-hopper --head-dim 192 (2026-12-07, sm_90 offline: fits shared memory, no spills)
+HOPPER_BWD_DQ = ConfigTable({192: HopperBwdDqConfig(64, 2, 240)})
+
+
 def hopper_bwd_tile_dim(head_dim: int) -> Optional[int]:
     """The head dim of the Gluon backward's tiles for head_dim (hopper_fwd_tile_dim's rule over HOPPER_BWD): the
     descriptors read the missing columns as zeros, dK / dV are stored and dQ reduced within head_dim only."""

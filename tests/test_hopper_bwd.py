@@ -234,6 +234,9 @@ def test_head_dims_between_tile_classes_take_the_next_wider_backward_tiles():
         [64, 64, 80, 80, 96, 128, 128, 192, 192, 256, 256, None]
     # tiles 128 wide order dQ by features (deterministic=True takes them); 64 wide do not; 256 wide leave dQ to Triton
     assert hopper.can_order_dq(96) and not hopper.can_order_dq(40) and not hopper.computes_dq(192)
+    # dQ after the dK / dV only kernel: the Gluon dQ kernel on 192-wide tiles, the Triton one on 256-wide
+    assert [hopper.dq_kernel_runs(d) for d in (64, 128, 160, 192, 200, 256)] == [False, False, True, True, False,
+                                                                                 False]
 
 
 def test_deterministic_calls_skip_the_tiles_of_two_chunks():
@@ -303,6 +306,31 @@ FEATURES = {
 }
 
 
+DQ_CASES = {
+    "sq17-sk17": (dict(seqlen_q=17, seqlen_k=17), False),
+    "sq333-sk200-causal": (dict(seqlen_q=333, seqlen_k=200, causal=True), False),
+    "sq200-sk333": (dict(seqlen_q=200, seqlen_k=333), False),
+    "sq1000-gqa-causal": (dict(seqlen_q=1000, seqlen_k=1000, num_heads=6, num_heads_k=2, causal=True), False),
+    "causal-window": (dict(causal=True, window_size=(100, 0), seqlen_q=700, seqlen_k=900), False),
+    "two-sided-window": (dict(window_size=(40, 200), seqlen_q=900, seqlen_k=700), False),
+    "window-misses-keys": (dict(window_size=(3, 0), seqlen_q=200, seqlen_k=1000), False),
+    "deterministic-causal": (dict(seqlen_q=700, seqlen_k=700, causal=True), True),
+}
+
+
+@needs_hopper
+@pytest.mark.parametrize("name", list(DQ_CASES))
+def test_gluon_dq_kernel_at_head_dim_192(name):
+    """Head dim 192: the dK / dV kernel, then the Gluon dQ kernel (kernels/hopper/bwd_dq.py): partial query tiles
+    and key blocks, rows that see no key, GQA, windows on both sides, deterministic=True (the same bits twice)."""
+    options, deterministic = DQ_CASES[name]
+    case = Case(**{**dict(batch=2, num_heads=3, num_heads_k=3, head_dim=192, dtype=torch.bfloat16), **options})
+    before = hopper.bwd_dq_launch_count
+    checks, ran = run_backward(case, deterministic=deterministic, repeats=2 if deterministic else 1)
+    assert ran and hopper.bwd_dq_launch_count > before, "the Gluon dQ kernel did not run"
+    assert_checks_ok(checks)
+
+
 @needs_hopper
 @pytest.mark.parametrize("feature", list(FEATURES), ids=list(FEATURES))
 def test_gluon_backward_features(feature):
@@ -327,6 +355,7 @@ def test_gluon_backward_modules_import():
     the API); where the API is there, the kernel modules must import, or a broken kernel file would only show as a
     slower backward on the GPU. Runs on CPU."""
     assert hopper.attn_bwd_hopper_kernel is not None and hopper.attn_bwd_hopper_d256_kernel is not None
+    assert hopper.attn_bwd_hopper_dq_kernel is not None
 
 
 @pytest.mark.skipif(not _gluon_hopper_api() or KERNELS_INTERPRETED,

@@ -11,6 +11,9 @@
     python tools/offline_compile.py --kernel bwd-hopper [--head-dim 128] [--causal] [--ordered] [--local]
                                     [--hopper-config ROWS,STAGES,REGS]
                                                        # the Gluon backward; default: its configs.HOPPER_BWD entry
+    python tools/offline_compile.py --kernel bwd-dq-hopper [--head-dim 192] [--causal] [--local]
+                                    [--hopper-config KEYS,STAGES,REGS]
+                                                       # the Gluon dQ kernel; default: its configs.HOPPER_BWD_DQ entry
     (fwd-hopper also prints exp2_before_pv_wait: how much of each consumer loop's softmax runs under its P V product,
     and rescale_skip_branches: the warp votes that skip the output's rescale, warp_vote_branches)
 
@@ -250,12 +253,41 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     return _compile_gluon(kernel, signature, constexprs)
 
 
+def compile_hopper_bwd_dq(head_dim: int, causal: bool, config=None, dtype: str = "bf16", local: bool = False):
+    """The Gluon Hopper dQ kernel (kernels/hopper/bwd_dq.py) with `config` (default configs.HOPPER_BWD_DQ[the head
+    dim's tiles]); `local`: a local window (LOCAL)."""
+    from flashtriton import configs
+    from flashtriton.kernels.hopper.bwd_dq import CONSUMER_ROWS, attn_bwd_hopper_dq_kernel
+
+    tile_dim = configs.hopper_bwd_tile_dim(head_dim)
+    config = config or configs.HOPPER_BWD_DQ[tile_dim]
+    rows = CONSUMER_ROWS.value
+    signature = {"lse_desc": _gluon_descriptor_type([1, rows], "fp32"),
+                 "delta_desc": _gluon_descriptor_type([1, rows], "fp32"),
+                 "DQ": f"*{dtype}", "softmax_scale": "fp32", "qk_scale_log2": "fp32"}
+    constexprs = dict(CAUSAL=causal, LOCAL=local, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs,
+                      num_warps=4)
+    widths = configs.HOPPER_BWD_CHUNKS[tile_dim]
+    for chunk, suffix in enumerate(("", "2")):
+        for name, tile_rows in (("q", rows), ("do", rows), ("k", config.keys), ("v", config.keys)):
+            if chunk < len(widths):
+                signature[f"{name}_desc{suffix}"] = _gluon_tile_type(tile_rows, widths[chunk], dtype)
+            else:
+                constexprs[f"{name}_desc{suffix}"] = None
+    names = list(inspect.signature(attn_bwd_hopper_dq_kernel.fn).parameters)
+    signature.update({name: "i32" for name in names if name.startswith("stride") or name in (
+        "num_heads", "group_size", "seqlen_q", "seqlen_k", "head_dim", "heads_per_group", "window_left",
+        "window_right")})
+    signature = {name: signature[name] for name in names if name in signature}  # in the kernel's order
+    return _compile_gluon(attn_bwd_hopper_dq_kernel, signature, constexprs)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--head-dim-v", type=int, help="V's head dim (default: --head-dim)")
     parser.add_argument("--local", action="store_true")
-    parser.add_argument("--kernel", default="fwd", choices=[*KERNELS, "fwd-hopper", "bwd-hopper"])
+    parser.add_argument("--kernel", default="fwd", choices=[*KERNELS, "fwd-hopper", "bwd-hopper", "bwd-dq-hopper"])
     parser.add_argument("--causal", action="store_true", help="fwd-hopper only: the causal variant")
     parser.add_argument("--hopper-config", help="fwd-hopper: BLOCK_N,STAGES,REGS[,PERSISTENT,PINGPONG,HOLD,THRESHOLD"
                                                 "[,CONSUMERS]], "
@@ -275,6 +307,17 @@ def main():
     parser.add_argument("--dq-atomic", action="store_true", help="dkdv only: dQ added with atomics (DQ_ATOMIC)")
     parser.add_argument("--ordered", action="store_true", help="bwd-hopper d128: dQ reductions in a fixed order")
     args = parser.parse_args()
+    if args.kernel == "bwd-dq-hopper":
+        config = None
+        if args.hopper_config:
+            from flashtriton.configs import HopperBwdDqConfig
+
+            config = HopperBwdDqConfig(*(int(x) for x in args.hopper_config.split(",")))
+        compiled = compile_hopper_bwd_dq(args.head_dim, args.causal, config, local=args.local)
+        print(f"bwd-dq-hopper d{args.head_dim} causal={args.causal} local={args.local} "
+              f"{args.hopper_config or 'table'}: {resource_usage(compiled)} shared {compiled.metadata.shared} "
+              f"wgmma {compiled.asm['ptx'].count('wgmma.mma_async')}")
+        return
     if args.kernel == "bwd-hopper":
         config = None
         if args.hopper_config:

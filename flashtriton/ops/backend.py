@@ -335,8 +335,8 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
     [seqlen_q, delta_rows) (a dense softmax_d's padding). dQ is added into an fp32 accumulator, which the
     preprocess zeroes, by the Gluon Hopper backward (TMA reductions; with deterministic=True in a fixed order,
     hopper.orders_dq) or, with configs that have dq_atomic and not deterministic=True, by atomics in the dK/dV
-    kernel, then converted into dq. Otherwise the Triton dQ kernel computes dq (also after a Gluon backward that
-    computes dK and dV only, hopper.computes_dq).
+    kernel, then converted into dq. After a Gluon backward that computes dK and dV only (hopper.computes_dq), the
+    Gluon dQ kernel computes dq where hopper.dq_kernel_runs; otherwise the Triton dQ kernel does.
     """
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k, head_dim_v = k.shape[-2], v.shape[-1]
@@ -386,6 +386,11 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
                               seqlen_q, seqlen_k, batch, dkdv_heads_per_group, deterministic)
             if gluon_dq:
                 return
+            if hopper.dq_kernel_runs(head_dim):
+                hopper.launch_bwd_dq(q, k, v, dout, lse, delta, dq, lse_strides, delta_strides, params, seqlen_q,
+                                     seqlen_k, batch, _dq_heads_per_group(k, seqlen_k, group_size, batch * num_heads,
+                                                                          params.causal_like))
+                return
         elif seqlen_k > 0:
             dkdv_grid = (triton_cdiv(seqlen_k, config.dkdv.block_n) * batch * num_heads_k,)
             launch(
@@ -400,8 +405,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
             torch.mul(dq_accum, params.softmax_scale, out=dq)
         elif seqlen_q > 0:
             dq_grid = (triton_cdiv(seqlen_q, config.dq.block_m) * batch * num_heads,)
-            dq_heads_per_group = configs.heads_per_l2_group(_operand_bytes(k, seqlen_k, 2 / group_size),
-                                                            batch * num_heads, params.causal_like)
+            dq_heads_per_group = _dq_heads_per_group(k, seqlen_k, group_size, batch * num_heads, params.causal_like)
             launch(
                 attn_bwd_dq_kernel, dq_grid,
                 inputs, dq, optional, input_strides, *lse_strides, *delta_strides, seq_strides(dq),
@@ -409,6 +413,12 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
                 **head_dims, BLOCK_M=config.dq.block_m, BLOCK_N=config.dq.block_n, **flags,
                 num_warps=config.dq.num_warps, num_stages=config.dq.num_stages,
             )
+
+
+def _dq_heads_per_group(k, seqlen_k: int, group_size: int, batch_heads: int, causal: bool) -> int:
+    """(batch, head) pairs per launch-order group of a dQ pass: K and V are what its programs share (a query
+    head's share of its KV head's)."""
+    return configs.heads_per_l2_group(_operand_bytes(k, seqlen_k, 2 / group_size), batch_heads, causal)
 
 
 def mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p: float, softmax_scale: float, causal: bool,

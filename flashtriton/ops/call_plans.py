@@ -45,7 +45,7 @@ _REPEATABLE = frozenset((
     "fill_.Scalar", "zero_.default", "full.default", "add.Tensor", "add.Scalar", "clamp.default",
     "clamp_min.default"))
 # the launch counters of ops/hopper.py (tests read them to know which kernels ran); a plan advances them as its call did
-_COUNTERS = ("fwd_launch_count", "tail_merge_count", "bwd_launch_count")
+_COUNTERS = ("fwd_launch_count", "tail_merge_count", "bwd_launch_count", "bwd_dq_launch_count")
 
 
 class _NoPlan(Exception):

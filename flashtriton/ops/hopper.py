@@ -4,8 +4,9 @@ backend.launch_fwd and backend.launch_bwd ask `gluon_runs` first and fall back t
 kernels/bwd.py) for everything the Gluon kernels do not take. The forward is kernels/hopper/fwd.py; the backward is
 kernels/hopper/bwd.py at head dims 64 and 128 (dK, dV and dQ in one kernel, dQ by TMA reductions: at 128 they can come
 in a fixed order, `orders_dq`, which deterministic=True takes; at 64 never, so deterministic=True does not take it
-there) and kernels/hopper/bwd_d256.py at 256 (dK and dV only: backend.launch_bwd runs the Triton dQ kernel after it,
-deterministic); head dims between those run on the next wider tiles. FLASHTRITON_GLUON=0 (configs.GLUON_ALLOWED) keeps
+there) and kernels/hopper/bwd_d256.py at 192 and 256 (dK and dV only: backend.launch_bwd runs a dQ kernel after it,
+deterministic: at 192 the Gluon one, kernels/hopper/bwd_dq.py, at 256 the Triton one); head dims between those run on
+the next wider tiles. FLASHTRITON_GLUON=0 (configs.GLUON_ALLOWED) keeps
 every call on the Triton kernels. Gluon has no interpreter: CPU tensors never get here, and the GPU tests
 (tests/test_hopper_fwd.py, tests/test_hopper_bwd.py, plus every dense test whose case is eligible) are what check
 these kernels.
@@ -40,18 +41,21 @@ try:
         raise ImportError("no Gluon Hopper API")
     from ..kernels.hopper.bwd import KEYS_PER_CONSUMER, attn_bwd_hopper_kernel
     from ..kernels.hopper.bwd_d256 import KEYS_PER_PROGRAM, attn_bwd_hopper_d256_kernel
+    from ..kernels.hopper.bwd_dq import CONSUMER_ROWS as DQ_CONSUMER_ROWS, attn_bwd_hopper_dq_kernel
     KEY_BLOCK = 2 * KEYS_PER_CONSUMER.value
     KEY_BLOCK_D256 = KEYS_PER_PROGRAM.value
-    compiled_without_line_info(attn_bwd_hopper_kernel, attn_bwd_hopper_d256_kernel)
+    DQ_TILE_ROWS = 2 * DQ_CONSUMER_ROWS.value
+    compiled_without_line_info(attn_bwd_hopper_kernel, attn_bwd_hopper_d256_kernel, attn_bwd_hopper_dq_kernel)
 except Exception:  # no Gluon Hopper API, or no TMA reduction in it: the Triton backward runs everything
-    attn_bwd_hopper_kernel = attn_bwd_hopper_d256_kernel = None
-    KEY_BLOCK, KEY_BLOCK_D256 = 128, 64
+    attn_bwd_hopper_kernel = attn_bwd_hopper_d256_kernel = attn_bwd_hopper_dq_kernel = None
+    KEY_BLOCK, KEY_BLOCK_D256, DQ_TILE_ROWS = 128, 64, 128
 
-# Launches since import of the forward, of the tail's merge (a cut last wave) and of the backward's dK / dV (and
-# dQ) kernel; tests read them to know that the path they check ran.
+# Launches since import of the forward, of the tail's merge (a cut last wave), of the backward's dK / dV (and dQ)
+# kernel and of the dQ kernel that follows a dK / dV only one; tests read them to know that the path they check ran.
 fwd_launch_count = 0
 tail_merge_count = 0
 bwd_launch_count = 0
+bwd_dq_launch_count = 0
 
 DIRECTIONS = ("fwd", "bwd")
 
@@ -302,7 +306,7 @@ def backward_division(head_dim: int, deterministic: bool = False):
     """(kernel, keys per program, features per Q / dO box, (rows, features) per dQ reduction or None, tile head dim)
     of a head dim up to 256: its tiles are those of the next configs.HOPPER_BWD entry (configs.hopper_bwd_tile_dim;
     their missing columns read as zeros and are never stored). Tiles 192 and 256 wide run the dK / dV kernel
-    (kernels/hopper/bwd_d256.py; dQ is the Triton kernel's). deterministic=True skips the other kernel's tiles of two
+    (kernels/hopper/bwd_d256.py; dQ is a kernel of its own: dq_kernel_runs). deterministic=True skips the other kernel's tiles of two
     chunks (80, 96: their consumers add dQ chunks of unequal widths, which the fixed order does not take) for its
     next class of one chunk (128: dQ in a fixed order)."""
     tile_dim = configs.hopper_bwd_tile_dim(head_dim)
@@ -316,9 +320,16 @@ def backward_division(head_dim: int, deterministic: bool = False):
 
 
 def computes_dq(head_dim: int) -> bool:
-    """Whether the Gluon backward adds dQ itself (into the fp32 accumulator: tiles 64 and 128 wide), or computes dK
-    and dV only and leaves dQ to the Triton dQ kernel (tiles 256 wide). head_dim at most 256."""
+    """Whether the Gluon backward adds dQ itself (into the fp32 accumulator: tiles up to 128 wide), or computes dK
+    and dV only and leaves dQ to a dQ kernel of its own (tiles 192 and 256 wide: dq_kernel_runs). head_dim at most
+    256."""
     return backward_division(head_dim)[3] is not None
+
+
+def dq_kernel_runs(head_dim: int) -> bool:
+    """Whether the Gluon dQ kernel (kernels/hopper/bwd_dq.py) computes dQ after the dK / dV only kernel (where
+    computes_dq is False): tiles with a configs.HOPPER_BWD_DQ entry; elsewhere the Triton dQ kernel does."""
+    return not computes_dq(head_dim) and configs.hopper_bwd_tile_dim(head_dim) in configs.HOPPER_BWD_DQ
 
 
 def can_order_dq(head_dim: int) -> bool:
@@ -411,3 +422,30 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
     if dq_accum is not None:
         dq.copy_(dq_accum)
     bwd_launch_count += 1
+
+
+def launch_bwd_dq(q, k, v, dout, lse, delta, dq, lse_strides: Tuple[int, int], delta_strides: Tuple[int, int], params,
+                  seqlen_q: int, seqlen_k: int, batch: int, heads_per_group: int) -> None:
+    """dQ into dq (B, S, H, D) by the Gluon dQ kernel (where dq_kernel_runs; after launch_bwd's dK / dV), from lse
+    and delta (fp32, rows contiguous, (batch, head) strides lse_strides / delta_strides): one program per query tile
+    of DQ_TILE_ROWS rows and (batch, head), launch-order groups of heads_per_group."""
+    global bwd_dq_launch_count
+    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    tile_dim = configs.hopper_bwd_tile_dim(head_dim)
+    config = configs.HOPPER_BWD_DQ[tile_dim]
+    rows = DQ_TILE_ROWS // 2
+    descriptors = ()
+    for width in configs.HOPPER_BWD_CHUNKS[tile_dim]:
+        descriptors += (tile_descriptor(q, rows, width), tile_descriptor(dout, rows, width),
+                        tile_descriptor(k, config.keys, width), tile_descriptor(v, config.keys, width))
+    descriptors += (None, ) * (8 - len(descriptors))
+    grid = (triton_cdiv(seqlen_q, DQ_TILE_ROWS) * batch * num_heads,)
+    launch(
+        attn_bwd_hopper_dq_kernel, grid, *descriptors,
+        *(_row_statistic_descriptor(stat, strides, batch, num_heads, seqlen_q, rows)
+          for stat, strides in ((lse, lse_strides), (delta, delta_strides))),
+        dq, dq.stride(0), dq.stride(1), dq.stride(2), num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k,
+        head_dim, heads_per_group, params.softmax_scale, params.qk_scale_log2, params.window_left,
+        params.window_right, CAUSAL=params.causal_like, LOCAL=local_window(params, seqlen_k), STAGES=config.stages,
+        CONSUMER_REGS=config.consumer_regs, num_warps=4)
+    bwd_dq_launch_count += 1

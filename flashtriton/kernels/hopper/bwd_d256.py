@@ -1,8 +1,9 @@
 """Backward dK/dV for Hopper (sm_90) at head dims 192 and 256 in Gluon, warp-specialized: bwd.py's division (one program
 per key block, a one-warp TMA producer streaming Q / dO blocks of 64 rows, two consumer warpgroups) cut to fit 256
-features into shared memory. dQ is not computed here: backend.launch_bwd runs the Triton dQ kernel (kernels/bwd.py)
-after this one, so there is no fp32 accumulator and no reduction, and the result is deterministic (TMA reductions
-of dQ in this kernel cost it more than the separate dQ kernel does).
+features into shared memory. dQ is not computed here: backend.launch_bwd runs a dQ kernel after this one (at 192
+the Gluon one, bwd_dq.py; at 256 the Triton one, kernels/bwd.py), so there is no fp32 accumulator and no reduction,
+and the result is deterministic (TMA reductions of dQ in this kernel cost it more than the separate Triton dQ kernel
+does).
 
 Per query block i (64 rows), for a block of 64 keys, consumer w:
   S_w = Q_i K_w^T, dP_w = dO_i V_w^T over its 32 keys [32w, 32w + 32)  [64 rows, 32 keys], M = 64 wgmmas over

@@ -1,6 +1,6 @@
-"""Gluon helpers shared by the Hopper kernels (fwd.py, bwd.py, bwd_d256.py): launch-order scheduling, the barrier
-arrival after wgmmas, and the backward's key-block schedule, producer, probabilities and dK / dV stores, which the d64
-/ d128 kernel (bwd.py) and the d256 kernel (bwd_d256.py) share."""
+"""Gluon helpers shared by the Hopper kernels (fwd.py, bwd.py, bwd_d256.py, bwd_dq.py): launch-order scheduling, the
+barrier arrival after wgmmas, and the backward's key-block schedule, producer, probabilities and row stores, which the
+backward kernels share."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -77,27 +77,32 @@ def key_block_of_program(num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_
 def store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                    batch, head_k, first_row, feature0, seqlen_k, head_dim, softmax_scale):
     """Store dk * softmax_scale and dv ([KEY_ROWS, FEATURES] fp32 accumulators) into key rows [first_row, +
-    KEY_ROWS) below seqlen_k and features [feature0, + FEATURES) below head_dim (DK's and DV's own, where the tiles
-    are wider) of DK and DV, in their dtype. The rows go out in
-    16-byte pieces (a blocked layout, converted through shared memory): stored straight from the wgmma layout, every
-    32-byte sector would be written in two halves."""
-    KEY_ROWS: gl.constexpr = dk.shape[0]
-    FEATURES: gl.constexpr = dk.shape[1]
-    dtype: gl.constexpr = DK.dtype.element_ty
+    KEY_ROWS) below seqlen_k and features [feature0, + FEATURES) below head_dim of DK and DV (store_rows)."""
+    store_rows(dk * softmax_scale, DK, stride_dk_b, stride_dk_n, stride_dk_h, batch, head_k, first_row, feature0,
+               seqlen_k, head_dim)
+    store_rows(dv, DV, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, first_row, feature0, seqlen_k, head_dim)
+
+
+@gluon.jit
+def store_rows(values, Out, stride_b, stride_n, stride_h, batch, head, first_row, feature0, seqlen, head_dim):
+    """Store values ([ROWS, FEATURES] fp32, any layout) into rows [first_row, + ROWS) below seqlen and features
+    [feature0, + FEATURES) below head_dim (Out's own, where the tiles are wider) of Out (B, S, H, D) at (batch,
+    head), in Out's dtype. The rows go out in 16-byte pieces (a blocked layout, converted through shared memory):
+    stored straight from the wgmma layout, every 32-byte sector would be written in two halves."""
+    ROWS: gl.constexpr = values.shape[0]
+    FEATURES: gl.constexpr = values.shape[1]
+    dtype: gl.constexpr = Out.dtype.element_ty
     VECTOR: gl.constexpr = 16 // (dtype.primitive_bitwidth // 8)
     ROW_THREADS: gl.constexpr = 32 // (FEATURES // VECTOR)
     layout: gl.constexpr = gl.BlockedLayout([1, VECTOR], [ROW_THREADS, FEATURES // VECTOR], [gl.num_warps(), 1],
                                             [1, 0])
-    # [KEY_ROWS] key rows, [FEATURES] features
-    rows = first_row + gl.arange(0, KEY_ROWS, gl.SliceLayout(1, layout))
+    # [ROWS] rows, [FEATURES] features
+    rows = first_row + gl.arange(0, ROWS, gl.SliceLayout(1, layout))
     features = feature0 + gl.arange(0, FEATURES, gl.SliceLayout(0, layout))
-    store_mask = gl.expand_dims(rows < seqlen_k, 1) & gl.expand_dims(features < head_dim, 0)
-    dk_ptrs = (DK + batch.to(gl.int64) * stride_dk_b + head_k.to(gl.int64) * stride_dk_h
-               + gl.expand_dims(rows.to(gl.int64) * stride_dk_n, 1) + gl.expand_dims(features, 0))
-    dv_ptrs = (DV + batch.to(gl.int64) * stride_dv_b + head_k.to(gl.int64) * stride_dv_h
-               + gl.expand_dims(rows.to(gl.int64) * stride_dv_n, 1) + gl.expand_dims(features, 0))
-    gl.store(dk_ptrs, gl.convert_layout((dk * softmax_scale).to(dtype), layout), mask=store_mask)
-    gl.store(dv_ptrs, gl.convert_layout(dv.to(dtype), layout), mask=store_mask)
+    store_mask = gl.expand_dims(rows < seqlen, 1) & gl.expand_dims(features < head_dim, 0)
+    ptrs = (Out + batch.to(gl.int64) * stride_b + head.to(gl.int64) * stride_h
+            + gl.expand_dims(rows.to(gl.int64) * stride_n, 1) + gl.expand_dims(features, 0))
+    gl.store(ptrs, gl.convert_layout(values.to(dtype), layout), mask=store_mask)
 
 
 @gluon.constexpr_function
