@@ -148,8 +148,9 @@ def _qkv(head_dim: int, head_dim_v: int):
                                                  (256, 512)])
 def test_long_sequences_gpu(head_dim, head_dim_v, causal):
     """GPU tiles (wgmma, descriptors up to 256 wide, pointer loads above). On sm_90 the Gluon forward takes V's own
-    head dim up to 256 (q / k and v / out tiles of their own widths); the Gluon backward needs equal head dims and
-    leaves these calls to the Triton kernels."""
+    head dim up to 256 (q / k and v / out tiles of their own widths); the Gluon backward takes it where q / k run the
+    dK / dV only tiles (192, 256) and V's are 128 wide ((192, 128), (256, 128): MLA-style), and leaves the others
+    to the Triton kernels."""
     launches = hopper.fwd_launch_count, hopper.bwd_launch_count
     run_dense(Case(batch=2, seqlen_q=700, seqlen_k=900, num_heads=4, num_heads_k=2, head_dim=head_dim,
                    dtype=torch.bfloat16, causal=causal), head_dim_v)
@@ -159,5 +160,23 @@ def test_long_sequences_gpu(head_dim, head_dim_v, causal):
     assert gluon_forward == (hopper.is_hopper(torch.device(DEVICE)) and max(head_dim, head_dim_v) <= 256
                              and hopper.attn_fwd_hopper_kernel is not None and configs.GLUON_ALLOWED)
     assert hopper.fwd_launch_count == launches[0] + int(gluon_forward)
-    if head_dim != head_dim_v:
-        assert hopper.bwd_launch_count == launches[1]
+    gluon_backward = hopper.gluon_runs("bwd", torch.empty(1, 1, 1, head_dim, device=DEVICE, dtype=torch.bfloat16),
+                                       score_params(head_dim ** -0.5, causal, -1, -1, 0.0, 900), 700, 900, True, True,
+                                       head_dim_v=head_dim_v)
+    assert gluon_backward == (hopper.is_hopper(torch.device(DEVICE)) and (head_dim, head_dim_v) in ((192, 128),
+                                                                                                  (256, 128))
+                              and hopper.attn_bwd_hopper_kernel is not None and configs.GLUON_ALLOWED)
+    assert hopper.bwd_launch_count == launches[1] + int(gluon_backward)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="the Hopper kernels run on a GPU")
+@pytest.mark.parametrize("options", [dict(window_size=(100, 0), causal=True), dict(window_size=(40, 200)),
+                                     dict(seqlen_q=17, seqlen_k=333), dict(num_heads=4, num_heads_k=1, causal=True)],
+                         ids=["causal-window", "two-sided-window", "sq17-sk333", "mqa-causal"])
+def test_mla_backward_features_gpu(options):
+    """(192, 128) through the dK / dV only kernel's own V tiles on sm_90 (the Triton kernels elsewhere): windows on
+    both sides, few query rows, MQA."""
+    case = Case(**{**dict(batch=2, seqlen_q=300, seqlen_k=500, num_heads=4, num_heads_k=2, head_dim=192,
+                          dtype=torch.bfloat16), **options})
+    run_dense(case, 128)

@@ -234,6 +234,11 @@ def test_head_dims_between_tile_classes_take_the_next_wider_backward_tiles():
         [64, 64, 80, 80, 96, 128, 128, 192, 192, 256, 256, None]
     # tiles 128 wide order dQ by features (deterministic=True takes them); 64 wide do not; 256 wide leave dQ to Triton
     assert hopper.can_order_dq(96) and not hopper.can_order_dq(40) and not hopper.computes_dq(192)
+    # V's own head dim: on 128-wide tiles beside the dK / dV only kernel's (192, 256) only
+    assert [hopper.backward_takes_head_dims(d, dv) for d, dv in ((192, 128), (256, 128), (160, 100), (192, 64),
+                                                                 (128, 64), (192, 256), (96, 96))] == \
+        [True, True, True, False, False, False, True]
+    assert not hopper.dq_kernel_runs(192, 128) and hopper.dq_kernel_runs(192, 192)
     # dQ after the dK / dV only kernel: the Gluon dQ kernel on 192-wide tiles, the Triton one on 256-wide
     assert [hopper.dq_kernel_runs(d) for d in (64, 128, 160, 192, 200, 256)] == [False, False, True, True, False,
                                                                                  False]
@@ -243,12 +248,12 @@ def test_deterministic_calls_skip_the_tiles_of_two_chunks():
     """Tiles of two chunks (80, 96) split dQ by chunks of unequal widths, which the fixed order does not take: a
     deterministic call at those head dims runs on 128-wide tiles with dQ ordered; the others take the chunks."""
     for head_dim in (72, 80, 96):
-        assert hopper.backward_division(head_dim)[4] in (80, 96)
-        assert hopper.backward_division(head_dim, deterministic=True)[4] == 128
+        assert hopper.backward_division(head_dim)[3] in (80, 96)
+        assert hopper.backward_division(head_dim, deterministic=True)[3] == 128
         assert hopper.orders_dq(head_dim, deterministic=True)
-    assert hopper.backward_division(64, deterministic=True)[4] == 64
+    assert hopper.backward_division(64, deterministic=True)[3] == 64
     # the dK / dV kernel's 192-wide chunks add no dQ: deterministic calls keep them
-    assert hopper.backward_division(192, deterministic=True)[4] == 192 and not hopper.computes_dq(192)
+    assert hopper.backward_division(192, deterministic=True)[3] == 192 and not hopper.computes_dq(192)
 
 
 def test_every_backward_tile_class_has_power_of_two_chunks_that_add_up():

@@ -8,7 +8,7 @@
                                                        # the Gluon forward; default: its configs.HOPPER_FWD entry
                                                        # (P, PP, H: persistent, ping-pong, hold_schedule, 0 or 1;
                                                        # T: the rescale skip's threshold, 0: none; C: consumers)
-    python tools/offline_compile.py --kernel bwd-hopper [--head-dim 128] [--causal] [--ordered] [--local]
+    python tools/offline_compile.py --kernel bwd-hopper [--head-dim 128] [--head-dim-v DV] [--causal] [--ordered] [--local]
                                     [--hopper-config ROWS,STAGES,REGS]
                                                        # the Gluon backward; default: its configs.HOPPER_BWD entry
     python tools/offline_compile.py --kernel bwd-dq-hopper [--head-dim 192] [--causal] [--local]
@@ -208,29 +208,28 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
 
 
 def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", ordered: bool = False,
-                       local: bool = False):
-    """The Gluon Hopper backward (kernels/hopper/bwd.py; kernels/hopper/bwd_d256.py at head dim 256) with `config`
-    (default configs.HOPPER_BWD[head_dim]); `ordered`: dQ reductions in a fixed order (head dim 128); `local`: a
-    local window (LOCAL)."""
+                       local: bool = False, head_dim_v: int = 0):
+    """The Gluon Hopper backward (kernels/hopper/bwd.py; kernels/hopper/bwd_d256.py at head dims 192 and 256) with
+    `config` (default configs.HOPPER_BWD[head_dim]); `ordered`: dQ reductions in a fixed order (head dim 128);
+    `local`: a local window (LOCAL); head_dim_v: V's own head dim (0: head_dim's; the dK / dV only kernel)."""
     from flashtriton import configs
-    from flashtriton.ops.hopper import backward_division
+    from flashtriton.ops.hopper import backward_division, dk_dv_only_boxes
 
     config = config or configs.HOPPER_BWD[head_dim]
-    kernel, keys, qdo_features, dq_box, tile_dim = backward_division(head_dim)
+    kernel, keys, dq_box, tile_dim = backward_division(head_dim)
     signature = {"lse_desc": _gluon_descriptor_type([1, config.query_rows], "fp32"),
                  "delta_desc": _gluon_descriptor_type([1, config.query_rows], "fp32"),
                  "DK": f"*{dtype}", "DV": f"*{dtype}", "softmax_scale": "fp32", "qk_scale_log2": "fp32"}
     constexprs = dict(CAUSAL=causal, LOCAL=local, STAGES=config.stages,
                       CONSUMER_REGS=config.consumer_regs, num_warps=4)
-    if dq_box is None:  # the d256 kernel: at 256 K, V whole and Q, dO in feature halves; at 192 all in chunks
-        widths = configs.HOPPER_BWD_CHUNKS[tile_dim]
-        for chunk, suffix in enumerate(("", "2")):
-            for name, rows in (("k", keys), ("v", keys), ("q", config.query_rows), ("do", config.query_rows)):
-                if chunk < len(widths):
-                    columns = min(widths[chunk], qdo_features) if name in ("q", "do") else widths[chunk]
-                    signature[f"{name}_desc{suffix}"] = _gluon_tile_type(rows, columns, dtype)
-                else:
-                    constexprs[f"{name}_desc{suffix}"] = None
+    if dq_box is None:  # the dK / dV only kernel: each side whole rows and halves, or two chunks (dk_dv_only_boxes)
+        boxes = dk_dv_only_boxes(tile_dim, configs.hopper_bwd_tile_dim(head_dim_v or head_dim))
+        for position, box in enumerate(boxes):
+            name = ("k", "v", "q", "do")[position % 4] + ("_desc" if position < 4 else "_desc2")
+            if box is None:
+                constexprs[name] = None
+            else:
+                signature[name] = _gluon_tile_type(keys if box[1] == "keys" else config.query_rows, box[2], dtype)
     else:  # per chunk of the head dim (configs.HOPPER_BWD_CHUNKS, ops/hopper.backward_chunk_descriptors), the dQ
         # accumulator's boxes and the counters of ordered dQ
         widths = configs.HOPPER_BWD_CHUNKS[tile_dim]
@@ -247,8 +246,8 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
         constexprs["ORDERED"] = ordered
     names = list(inspect.signature(kernel.fn).parameters)
     signature.update({name: "i32" for name in names if name.startswith("stride") or name in (
-        "num_heads_k", "group_size", "seqlen_q", "seqlen_k", "head_dim", "heads_per_group", "window_left",
-        "window_right")})
+        "num_heads_k", "group_size", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "heads_per_group",
+        "window_left", "window_right")})
     signature = {name: signature[name] for name in names if name in signature}  # in the kernel's order
     return _compile_gluon(kernel, signature, constexprs)
 
@@ -324,9 +323,11 @@ def main():
             from flashtriton.configs import HopperBwdConfig
 
             config = HopperBwdConfig(*(int(x) for x in args.hopper_config.split(",")))
-        compiled = compile_hopper_bwd(args.head_dim, args.causal, config, ordered=args.ordered, local=args.local)
+        compiled = compile_hopper_bwd(args.head_dim, args.causal, config, ordered=args.ordered, local=args.local,
+                                      head_dim_v=args.head_dim_v or 0)
         ptx = compiled.asm["ptx"]
-        print(f"bwd-hopper d{args.head_dim} causal={args.causal} local={args.local} "
+        print(f"bwd-hopper d{args.head_dim} dv{args.head_dim_v or args.head_dim} causal={args.causal} "
+              f"local={args.local} "
               f"ordered={args.ordered} "
               f"{args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} shared {compiled.metadata.shared} wgmma {ptx.count('wgmma.mma_async')} "

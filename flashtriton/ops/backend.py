@@ -353,8 +353,9 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
         _ensure_scratch_allocator()
     flags = dict(IS_LOCAL=params.is_local, HAS_SOFTCAP=params.has_softcap, HAS_DROPOUT=dropout_p > 0.0,
                  USE_TMA=use_tma)
-    plain = not (is_varlen or dropout_p > 0.0 or alibi_slopes is not None or head_dim_v != head_dim)
-    gluon = hopper.gluon_runs("bwd", q, params, seqlen_q, seqlen_k, plain, descriptors_ok, deterministic)
+    plain = not (is_varlen or dropout_p > 0.0 or alibi_slopes is not None)
+    gluon = hopper.gluon_runs("bwd", q, params, seqlen_q, seqlen_k, plain, descriptors_ok, deterministic,
+                              head_dim_v=head_dim_v)
     gluon_dq = gluon and hopper.computes_dq(head_dim)
     dq_atomic = not gluon and config.dq_atomic and not deterministic and seqlen_q > 0
     # fp32 dQ accumulator in q's (B, S, H, D) / (T, H, D) shape, contiguous, zeroed by the preprocess
@@ -386,7 +387,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
                               seqlen_q, seqlen_k, batch, dkdv_heads_per_group, deterministic)
             if gluon_dq:
                 return
-            if hopper.dq_kernel_runs(head_dim):
+            if hopper.dq_kernel_runs(head_dim, head_dim_v):
                 hopper.launch_bwd_dq(q, k, v, dout, lse, delta, dq, lse_strides, delta_strides, params, seqlen_q,
                                      seqlen_k, batch, _dq_heads_per_group(k, seqlen_k, group_size, batch * num_heads,
                                                                           params.causal_like))

@@ -79,15 +79,16 @@ def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seq
     deterministic=True with dQ in a fixed order (`orders_dq`) takes no local window in the backward (its order
     assumes each key block's rows run to the last). Head dims up to 256 run on the next wider tiles of their
     direction (configs.hopper_fwd_tile_dim / hopper_bwd_tile_dim); the forward takes V's own head dim (head_dim_v,
-    default head_dim), the backward equal ones only; with deterministic=True the backward needs tiles where dQ is
-    not added in an arbitrary order (`can_order_dq`)."""
+    default head_dim), the backward equal ones or, on the dK / dV only tiles (192, 256), V's own on 128-wide tiles
+    (`backward_takes_head_dims`); with deterministic=True the backward needs tiles where dQ is not added in an
+    arbitrary order (`can_order_dq`)."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if direction == "fwd":
         tile_dims_exist = configs.hopper_fwd_tile_dim(max(head_dim, head_dim_v)) is not None
-    else:  # the Gluon backward takes equal head dims only
-        tile_dims_exist = head_dim_v == head_dim and configs.hopper_bwd_tile_dim(head_dim) is not None
+    else:
+        tile_dims_exist = backward_takes_head_dims(head_dim, head_dim_v)
     if not tile_dims_exist or (direction == "bwd" and deterministic and computes_dq(head_dim)
                                and (not can_order_dq(head_dim) or local_window(params, seqlen_k))):
         return False
@@ -296,40 +297,50 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
 
 # dQ columns per consumer warpgroup and TMA reduction: half of head dim 128, all of head dim 64 (kernels/hopper/bwd)
 DQ_FEATURES = 64
-# Head dim 256 (kernels/hopper/bwd_d256): Q / dO move in feature halves
-D256_QDO_FEATURES = 128
-# the tiles kernels/hopper/bwd_d256 runs (dK / dV only)
+# the tiles kernels/hopper/bwd_d256 runs (dK / dV only), and V's tiles of their own there
 DK_DV_ONLY_TILE_DIMS = (192, 256)
+V_TILE_OF_ITS_OWN = 128
 
 
 def backward_division(head_dim: int, deterministic: bool = False):
-    """(kernel, keys per program, features per Q / dO box, (rows, features) per dQ reduction or None, tile head dim)
-    of a head dim up to 256: its tiles are those of the next configs.HOPPER_BWD entry (configs.hopper_bwd_tile_dim;
-    their missing columns read as zeros and are never stored). Tiles 192 and 256 wide run the dK / dV kernel
-    (kernels/hopper/bwd_d256.py; dQ is a kernel of its own: dq_kernel_runs). deterministic=True skips the other kernel's tiles of two
-    chunks (80, 96: their consumers add dQ chunks of unequal widths, which the fixed order does not take) for its
+    """(kernel, keys per program, (rows, features) per dQ reduction or None, tile head dim) of a head dim up to 256:
+    its tiles are those of the next configs.HOPPER_BWD entry (configs.hopper_bwd_tile_dim; their missing columns read
+    as zeros and are never stored). Tiles 192 and 256 wide run the dK / dV kernel (kernels/hopper/bwd_d256.py, its
+    boxes: dk_dv_only_boxes; dQ is a kernel of its own: dq_kernel_runs). deterministic=True skips the other kernel's
+    tiles of two chunks (80, 96: their consumers add dQ chunks of unequal widths, which the fixed order does not take) for its
     next class of one chunk (128: dQ in a fixed order)."""
     tile_dim = configs.hopper_bwd_tile_dim(head_dim)
     if deterministic and tile_dim is not None and tile_dim not in DK_DV_ONLY_TILE_DIMS:
         tile_dim = next(dim for dim in configs.HOPPER_BWD_HEAD_DIMS
                         if dim >= tile_dim and len(configs.HOPPER_BWD_CHUNKS[dim]) == 1)
     if tile_dim in DK_DV_ONLY_TILE_DIMS:
-        return attn_bwd_hopper_d256_kernel, KEY_BLOCK_D256, D256_QDO_FEATURES, None, tile_dim
-    return (attn_bwd_hopper_kernel, KEY_BLOCK, tile_dim, (configs.HOPPER_BWD[tile_dim].query_rows, DQ_FEATURES),
-            tile_dim)
+        return attn_bwd_hopper_d256_kernel, KEY_BLOCK_D256, None, tile_dim
+    return attn_bwd_hopper_kernel, KEY_BLOCK, (configs.HOPPER_BWD[tile_dim].query_rows, DQ_FEATURES), tile_dim
 
 
 def computes_dq(head_dim: int) -> bool:
     """Whether the Gluon backward adds dQ itself (into the fp32 accumulator: tiles up to 128 wide), or computes dK
     and dV only and leaves dQ to a dQ kernel of its own (tiles 192 and 256 wide: dq_kernel_runs). head_dim at most
     256."""
-    return backward_division(head_dim)[3] is not None
+    return backward_division(head_dim)[2] is not None
 
 
-def dq_kernel_runs(head_dim: int) -> bool:
+def backward_takes_head_dims(head_dim: int, head_dim_v: int) -> bool:
+    """Whether the Gluon backward has tiles for q / k's and v's head dims: equal ones up to 256, or V's own on
+    128-wide tiles where q / k's run the dK / dV only kernel (192 or 256 wide: MLA-style (192, 128); its dV parts
+    are halves of V's tile, as 256's Q / dO parts are of theirs)."""
+    tile_dim = configs.hopper_bwd_tile_dim(head_dim)
+    if head_dim_v == head_dim:
+        return tile_dim is not None
+    return tile_dim in DK_DV_ONLY_TILE_DIMS and configs.hopper_bwd_tile_dim(head_dim_v) == V_TILE_OF_ITS_OWN
+
+
+def dq_kernel_runs(head_dim: int, head_dim_v: Optional[int] = None) -> bool:
     """Whether the Gluon dQ kernel (kernels/hopper/bwd_dq.py) computes dQ after the dK / dV only kernel (where
-    computes_dq is False): tiles with a configs.HOPPER_BWD_DQ entry; elsewhere the Triton dQ kernel does."""
-    return not computes_dq(head_dim) and configs.hopper_bwd_tile_dim(head_dim) in configs.HOPPER_BWD_DQ
+    computes_dq is False): tiles with a configs.HOPPER_BWD_DQ entry and V's head dim q's; elsewhere the Triton dQ
+    kernel does."""
+    return (not computes_dq(head_dim) and head_dim_v in (None, head_dim)
+            and configs.hopper_bwd_tile_dim(head_dim) in configs.HOPPER_BWD_DQ)
 
 
 def can_order_dq(head_dim: int) -> bool:
@@ -337,8 +348,8 @@ def can_order_dq(head_dim: int) -> bool:
     backward_division): where it splits dQ by 64-feature halves (tiles 128 wide), each consumer adds its own
     features, one reduction per (query block, feature half) and key block; on 64 wide tiles both consumers add into
     the same features and are not ordered."""
-    division = backward_division(head_dim, deterministic=True)
-    return division[3] is not None and division[3][1] < division[4]
+    _, _, dq_box, tile_dim = backward_division(head_dim, deterministic=True)
+    return dq_box is not None and dq_box[1] < tile_dim
 
 
 def orders_dq(head_dim: int, deterministic: bool) -> bool:
@@ -367,6 +378,24 @@ def _row_statistic_descriptor(stat: torch.Tensor, strides: Tuple[int, int], batc
                               shared_layout((1, rows), torch.float32))
 
 
+def dk_dv_only_boxes(tile_dim: int, tile_dim_v: int) -> tuple:
+    """attn_bwd_hopper_d256_kernel's descriptor boxes in its argument order (k, v, q, do, then k2, v2, q2, do2): each
+    (tensor, "keys" or "rows", columns) or None. Per side (Q / K on tile_dim, dO / V on tile_dim_v) by its chunks
+    (configs.HOPPER_BWD_CHUNKS): two chunks, a box of each for every tensor; one, K (V) in whole rows and Q (dO) in
+    halves, the two consumers' feature parts."""
+    sides = []
+    for keyed, rowed, dim in (("k", "q", tile_dim), ("v", "do", tile_dim_v)):
+        widths = configs.HOPPER_BWD_CHUNKS[dim]
+        chunks = [(widths[0], widths[0] // 2), None] if len(widths) == 1 else [(width, width) for width in widths]
+        sides.append([None if chunk is None else ((keyed, "keys", chunk[0]), (rowed, "rows", chunk[1]))
+                      for chunk in chunks])
+    boxes = ()
+    for chunk in range(2):
+        (k_box, q_box), (v_box, do_box) = (side[chunk] or (None, None) for side in sides)
+        boxes += (k_box, v_box, q_box, do_box)
+    return boxes
+
+
 def backward_chunk_descriptors(k, v, q, dout, dq_accum, keys: int, rows: int, dq_box, tile_dim: int) -> Tuple:
     """attn_bwd_hopper_kernel's descriptors (k, v, q, dO, dQ's accumulator) of the first chunk of the head dim's
     tiles, then of the second (None where one chunk covers it). One chunk: dQ moves in dq_box boxes (64-feature
@@ -390,9 +419,9 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
     and dq is left to the caller. With ordered dQ (`orders_dq`) the reductions take turns on zeroed counters, and
     each (batch, kv head)'s key blocks launch together."""
     global bwd_launch_count
-    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    num_heads, head_dim, head_dim_v = q.shape[-2], q.shape[-1], v.shape[-1]
     num_heads_k = k.shape[-2]
-    kernel, keys, qdo_features, dq_box, tile_dim = backward_division(head_dim, deterministic)
+    kernel, keys, dq_box, tile_dim = backward_division(head_dim, deterministic)
     config = configs.HOPPER_BWD[tile_dim]
     grid = (triton_cdiv(seqlen_k, keys) * batch * num_heads_k,)
     ordered = orders_dq(head_dim, deterministic)
@@ -400,14 +429,11 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
     dq_counters = (torch.zeros(batch * num_heads * triton_cdiv(seqlen_q, config.query_rows) * 2, dtype=torch.int32,
                                device=q.device) if ordered else None)
     kernel_args = {} if dq_box is None else dict(ORDERED=ordered)
-    if dq_box is None:  # the d256 kernel: at 256 K, V whole and Q, dO in feature halves; at 192 every tensor in chunks
-        widths = configs.HOPPER_BWD_CHUNKS[tile_dim]
-        descriptors = ()
-        for width in widths:
-            descriptors += (tile_descriptor(k, keys, width), tile_descriptor(v, keys, width),
-                            tile_descriptor(q, config.query_rows, min(width, qdo_features)),
-                            tile_descriptor(dout, config.query_rows, min(width, qdo_features)))
-        descriptors += (None, ) * (8 - len(descriptors))
+    if dq_box is None:  # the dK / dV only kernel: each side (Q / K, dO / V) whole rows and halves, or two chunks
+        tensors = dict(k=k, v=v, q=q, do=dout)
+        descriptors = tuple(None if box is None else
+                            tile_descriptor(tensors[box[0]], keys if box[1] == "keys" else config.query_rows, box[2])
+                            for box in dk_dv_only_boxes(tile_dim, configs.hopper_bwd_tile_dim(head_dim_v)))
     else:  # per chunk of the head dim (configs.HOPPER_BWD_CHUNKS): K, V, Q, dO and dQ's boxes, then the second's
         descriptors = backward_chunk_descriptors(k, v, q, dout, dq_accum, keys, config.query_rows, dq_box, tile_dim)
     launch(
@@ -416,9 +442,10 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
           for stat, strides in ((lse, lse_strides), (delta, delta_strides))),
         dk, dv, *(() if dq_box is None else (dq_counters, )), dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), num_heads_k, num_heads // num_heads_k, seqlen_q, seqlen_k, head_dim,
-        1 if ordered else heads_per_group, params.softmax_scale, params.qk_scale_log2, params.window_left,
-        params.window_right, CAUSAL=params.causal_like, LOCAL=local_window(params, seqlen_k), STAGES=config.stages,
-        CONSUMER_REGS=config.consumer_regs, num_warps=4, **kernel_args)
+        *((head_dim_v, ) if dq_box is None else ()), 1 if ordered else heads_per_group, params.softmax_scale,
+        params.qk_scale_log2, params.window_left, params.window_right, CAUSAL=params.causal_like,
+        LOCAL=local_window(params, seqlen_k), STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4,
+        **kernel_args)
     if dq_accum is not None:
         dq.copy_(dq_accum)
     bwd_launch_count += 1

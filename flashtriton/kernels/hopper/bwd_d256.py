@@ -13,7 +13,9 @@ Per query block i (64 rows), for a block of 64 keys, consumer w:
   dV_w += P^T dO_i[:, feats], dK_w += dS^T Q_i[:, feats]      [64 keys, 128 (or 64) features] accumulators in registers
 At head dim 256 the feature parts are two 128-wide halves of Q / dO (one descriptor) and of the whole K / V tiles; at
 192 (configs.HOPPER_BWD_CHUNKS: 128 + 64) they are the column chunks of every tensor, each with descriptors and
-allocations of its own (Gluon's shared layouts take power-of-two widths), and consumer 1 owns the 64-wide one.
+allocations of its own (Gluon's shared layouts take power-of-two widths), and consumer 1 owns the 64-wide one. V's
+head dim takes its own form (MLA-style (192, 128) or (256, 128): V whole, dO in halves of 64), so a consumer's dK and
+dV parts may differ in width.
 Every product needs both consumers' P / dS halves, so the consumers run in phase (pds_ready, then pds_free once
 both are done reading P and dS).
 
@@ -31,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from .common import allocate_chunks, arrive_after_wgmma, backward_producer, chained_products, chunk_descriptors, \
-    entries_of, key_block_of_program, key_rows, masked_probabilities, matrices_of, query_block, store_key_rows
+    entries_of, key_block_of_program, key_rows, masked_probabilities, matrices_of, query_block, store_rows
 
 KEYS_PER_PROGRAM = gl.constexpr(64)  # the M of the dK / dV wgmmas; each consumer's S / dP covers half of them
 
@@ -39,7 +41,7 @@ KEYS_PER_PROGRAM = gl.constexpr(64)  # the M of the dK / dV wgmmas; each consume
 @gluon.jit
 def _feature_parts(chunks, FEAT: gl.constexpr):
     """K or V of the block ([KEYS, WIDTH] per chunk) as the two feature parts the consumers' Q / dO parts match:
-    whole 256-wide rows cut into FEAT-wide halves, or the two chunks themselves."""
+    whole rows (256 wide, or V's 128) cut into FEAT-wide halves, or the two chunks themselves."""
     if len(chunks) == 1:
         return (chunks[0].slice(0, FEAT, dim=1), chunks[0].slice(FEAT, FEAT, dim=1))
     else:
@@ -47,30 +49,42 @@ def _feature_parts(chunks, FEAT: gl.constexpr):
 
 
 @gluon.jit
+def _feature_descriptors(first, second):
+    """The two feature parts' descriptors of Q or dO: the two column chunks', or (second None) the one descriptor
+    whose box is half of the row, twice."""
+    if second is None:
+        return (first, first)
+    else:
+        return (first, second)
+
+
+@gluon.jit
 def _consumer(k_own, v_own, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse_smem, delta_smem, p_smem, ds_smem,
               p_own, ds_own, kv_ready, q_ready, q_empty, pds_ready, pds_free, DK, DV, stride_dk_b,
-              stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim, key0,
-              feature0,
-              group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
+              stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim,
+              head_dim_v, key0, feature_k0, feature_v0, group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
               causal, window):
     """One warpgroup: S / dP of keys [n_start + key0, + OWN) (k_own, v_own: their rows [OWN, WIDTH] of each feature
-    part; p_own, ds_own: its [ROWS, OWN] halves of the P and dS tiles), dK / dV of features [feature0, + FEAT) (q_own,
-    do_own: the staged Q / dO part holding them). q_lo / q_hi, do_lo / do_hi: both feature parts of every Q / dO
+    part; p_own, ds_own: its [ROWS, OWN] halves of the P and dS tiles), dK of features [feature_k0, + FEAT_K) and dV
+    of features [feature_v0, + FEAT_V) (q_own, do_own: the staged Q / dO part holding them). q_lo / q_hi, do_lo / do_hi: both feature parts of every Q / dO
     stage ([STAGES, 1, ROWS, 1, WIDTH])."""
     STAGES: gl.constexpr = q_lo.shape[0]
     ROWS: gl.constexpr = q_lo.shape[2]
     OWN: gl.constexpr = k_own[0].shape[0]       # 32 keys: this consumer's S / dP columns
     KEYS: gl.constexpr = 2 * OWN                # 64 keys of the block
-    FEAT: gl.constexpr = q_own.shape[4]         # 128 (or 64) features: this consumer's dK / dV columns
+    FEAT_K: gl.constexpr = q_own.shape[4]       # 128 or 64 features: this consumer's dK columns
+    FEAT_V: gl.constexpr = do_own.shape[4]      # 128 or 64 features: its dV columns (V's head dim may differ)
     dtype: gl.constexpr = k_own[0].dtype
-    # [ROWS, OWN] scores; [KEYS, FEAT] dK / dV
+    # [ROWS, OWN] scores; [KEYS, FEAT_K] dK, [KEYS, FEAT_V] dV
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, OWN, 16])
-    dkv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, FEAT, 16])
+    dk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, FEAT_K, 16])
+    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, FEAT_V, 16])
     row_of_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     zero_s = gl.zeros([ROWS, OWN], gl.float32, s_layout)
-    dk = gl.zeros([KEYS, FEAT], gl.float32, dkv_layout)
-    dv = gl.zeros([KEYS, FEAT], gl.float32, dkv_layout)
+    dk = gl.zeros([KEYS, FEAT_K], gl.float32, dk_layout)
+    dv = gl.zeros([KEYS, FEAT_V], gl.float32, dv_layout)
     mbarrier.wait(kv_ready, 0)
     for i in range(n_iterations):
         stage = i % STAGES
@@ -100,35 +114,43 @@ def _consumer(k_own, v_own, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse_smem, d
         mbarrier.arrive(pds_ready)
         # both halves of P and dS are there
         mbarrier.wait(pds_ready, i & 1)
-        # [ROWS, FEAT] this consumer's features of Q_i and dO_i
-        q_half = q_own.index(stage).reshape([ROWS, FEAT])
-        do_half = do_own.index(stage).reshape([ROWS, FEAT])
+        # [ROWS, FEAT_K] and [ROWS, FEAT_V]: this consumer's features of Q_i and dO_i
+        q_half = q_own.index(stage).reshape([ROWS, FEAT_K])
+        do_half = do_own.index(stage).reshape([ROWS, FEAT_V])
         dv = warpgroup_mma(p_smem.permute((1, 0)), do_half, dv, is_async=True)
         dk = warpgroup_mma(ds_smem.permute((1, 0)), q_half, dk, is_async=True)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         # every read of P and dS (both consumers' dV and dK products) completed
         arrive_after_wgmma(pds_free)
         arrive_after_wgmma(q_empty.index(stage))
-    # [KEYS, FEAT] this consumer's features of the key rows
-    store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
-                   batch, head_k, n_start, feature0, seqlen_k, head_dim, softmax_scale)
+    # [KEYS, FEAT_K] and [KEYS, FEAT_V]: this consumer's features of the key rows
+    store_rows(dk * softmax_scale, DK, stride_dk_b, stride_dk_n, stride_dk_h, batch, head_k, n_start, feature_k0,
+               seqlen_k, head_dim)
+    store_rows(dv, DV, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, feature_v0, seqlen_k,
+               head_dim_v)
 
 
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "head_dim", "heads_per_group", "window_left", "window_right"])
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "heads_per_group", "window_left",
+                               "window_right"])
 def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, k_desc2, v_desc2, q_desc2, do_desc2, lse_desc,
                                 delta_desc, DK, DV,
                                 stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
-                                num_heads_k, group_size, seqlen_q, seqlen_k, head_dim, heads_per_group, softmax_scale,
-                                qk_scale_log2, window_left, window_right, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
-                                STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                                num_heads_k, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v, heads_per_group,
+                                softmax_scale, qk_scale_log2, window_left, window_right, CAUSAL: gl.constexpr,
+                                LOCAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                num_warps: gl.constexpr):
     """One program per (64-key block, batch * kv head), in bwd.py's order and launch-order groups (LOCAL: bwd.py's).
-    Head dim 256 (k_desc2 ... do_desc2 None): k_desc / v_desc move whole [1, KEYS, 1, 256] rows, q_desc / do_desc
-    [1, ROWS, 1, 128] feature halves; 192: every descriptor pair moves the 128- and the 64-wide column chunk.
+    Q / K and dO / V each take one of two forms by their tiles' head dim: one chunk (k_desc2 / q_desc2, or v_desc2 /
+    do_desc2, None), whose K (V) descriptor moves whole [1, KEYS, 1, WIDTH] rows and whose Q (dO) descriptor
+    [1, ROWS, 1, WIDTH / 2] feature halves (256: halves of 128; V's own 128: halves of 64), or two column chunks
+    (192: 128 + 64), every descriptor pair moving one each. head_dim and head_dim_v bound the dK and dV stores.
     num_warps (4) is the first consumer's; the second consumer (4 warps, CONSUMER_REGS registers) and the producer
     (1 warp, common.backward_producer) are worker partitions."""
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
-    FEAT: gl.constexpr = q_desc.block_type.shape[3]
+    # the first consumer's dK and dV features (the second's start there)
+    FEAT_K: gl.constexpr = q_desc.block_type.shape[3]
+    FEAT_V: gl.constexpr = do_desc.block_type.shape[3]
     dtype: gl.constexpr = k_desc.dtype
     # the local window, or () without one (a tuple's length reaches the partitions)
     if LOCAL:
@@ -137,13 +159,10 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, k_desc2, v_desc
         window = ()
     batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations = key_block_of_program(
         num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS, CAUSAL)
-    # K, V: [1, 1, KEYS, 1, WIDTH] per descriptor (whole rows at 256, the two chunks at 192); Q, dO: [STAGES, 1, ROWS,
-    # 1, WIDTH] per feature part
+    # K, V: [1, 1, KEYS, 1, WIDTH] per descriptor (whole rows, or the two chunks); Q, dO: [STAGES, 1, ROWS, 1, WIDTH]
+    # per feature part
     k_descs, v_descs = chunk_descriptors(k_desc, k_desc2), chunk_descriptors(v_desc, v_desc2)
-    if k_desc2 is None:
-        q_descs, do_descs = (q_desc, q_desc), (do_desc, do_desc)
-    else:
-        q_descs, do_descs = (q_desc, q_desc2), (do_desc, do_desc2)
+    q_descs, do_descs = _feature_descriptors(q_desc, q_desc2), _feature_descriptors(do_desc, do_desc2)
     k_smem = allocate_chunks(k_descs, 1)
     v_smem = allocate_chunks(v_descs, 1)
     q_lo, q_hi = allocate_chunks(q_descs, STAGES)
@@ -171,10 +190,10 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, k_desc2, v_desc
     causal = gl.to_tensor(CAUSAL).to(gl.int32)
     OWN: gl.constexpr = KEYS // 2
     # [KEYS, WIDTH] per feature part: K and V of the block
-    k_parts = _feature_parts(matrices_of(entries_of(k_smem, 0)), FEAT)
-    v_parts = _feature_parts(matrices_of(entries_of(v_smem, 0)), FEAT)
+    k_parts = _feature_parts(matrices_of(entries_of(k_smem, 0)), FEAT_K)
+    v_parts = _feature_parts(matrices_of(entries_of(v_smem, 0)), FEAT_V)
     pointers = (DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch,
-                head_k, n_start, head_dim)
+                head_k, n_start, head_dim, head_dim_v)
     loop = (group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
             causal, window)
     barriers = (kv_ready, q_ready, q_empty, pds_ready, pds_free)
@@ -185,8 +204,9 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, k_desc2, v_desc
     second = (key_rows(k_parts, OWN, OWN), key_rows(v_parts, OWN, OWN), q_hi, do_hi) + staged + (
         p_smem.slice(OWN, OWN, dim=1), ds_smem.slice(OWN, OWN, dim=1))
     gl.warp_specialize([
-        (_consumer, first + barriers + pointers + (gl.to_tensor(0), gl.to_tensor(0)) + loop),
-        (_consumer, second + barriers + pointers + (gl.to_tensor(OWN), gl.to_tensor(FEAT)) + loop),
+        (_consumer, first + barriers + pointers + (gl.to_tensor(0), gl.to_tensor(0), gl.to_tensor(0)) + loop),
+        (_consumer, second + barriers + pointers + (gl.to_tensor(OWN), gl.to_tensor(FEAT_K), gl.to_tensor(FEAT_V))
+         + loop),
         (backward_producer, (k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc,
                              k_smem, v_smem, (q_lo, q_hi), (do_lo, do_hi), lse_smem, delta_smem, kv_ready,
                              q_ready, q_empty, batch, head_k, n_start, num_heads_k * group_size, group_size,
