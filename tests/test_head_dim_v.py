@@ -175,8 +175,12 @@ def test_long_sequences_gpu(head_dim, head_dim_v, causal):
                                      dict(seqlen_q=17, seqlen_k=333), dict(num_heads=4, num_heads_k=1, causal=True)],
                          ids=["causal-window", "two-sided-window", "sq17-sk333", "mqa-causal"])
 def test_mla_backward_features_gpu(options):
-    """(192, 128) through the dK / dV only kernel's own V tiles on sm_90 (the Triton kernels elsewhere): windows on
-    both sides, few query rows, MQA."""
+    """(192, 128) through the dK / dV only kernel's own V tiles and the Gluon dQ kernel on sm_90 (the Triton kernels
+    elsewhere): windows on both sides, few query rows, MQA."""
     case = Case(**{**dict(batch=2, seqlen_q=300, seqlen_k=500, num_heads=4, num_heads_k=2, head_dim=192,
                           dtype=torch.bfloat16), **options})
+    launches = hopper.bwd_launch_count, hopper.bwd_dq_launch_count
     run_dense(case, 128)
+    on_hopper = (hopper.is_hopper(torch.device(DEVICE)) and hopper.attn_bwd_hopper_kernel is not None
+                 and configs.GLUON_ALLOWED)
+    assert (hopper.bwd_launch_count > launches[0], hopper.bwd_dq_launch_count > launches[1]) == (on_hopper, on_hopper)

@@ -238,7 +238,7 @@ def test_head_dims_between_tile_classes_take_the_next_wider_backward_tiles():
     assert [hopper.backward_takes_head_dims(d, dv) for d, dv in ((192, 128), (256, 128), (160, 100), (192, 64),
                                                                  (128, 64), (192, 256), (96, 96))] == \
         [True, True, True, False, False, False, True]
-    assert not hopper.dq_kernel_runs(192, 128) and hopper.dq_kernel_runs(192, 192)
+    assert hopper.dq_kernel_runs(192, 128) and hopper.dq_kernel_runs(192, 192) and not hopper.dq_kernel_runs(256, 128)
     # dQ after the dK / dV only kernel: the Gluon dQ kernel on 192-wide tiles, the Triton one on 256-wide
     assert [hopper.dq_kernel_runs(d) for d in (64, 128, 160, 192, 200, 256)] == [False, False, True, True, False,
                                                                                  False]

@@ -11,7 +11,7 @@
     python tools/offline_compile.py --kernel bwd-hopper [--head-dim 128] [--head-dim-v DV] [--causal] [--ordered] [--local]
                                     [--hopper-config ROWS,STAGES,REGS]
                                                        # the Gluon backward; default: its configs.HOPPER_BWD entry
-    python tools/offline_compile.py --kernel bwd-dq-hopper [--head-dim 192] [--causal] [--local]
+    python tools/offline_compile.py --kernel bwd-dq-hopper [--head-dim 192] [--head-dim-v DV] [--causal] [--local]
                                     [--hopper-config KEYS,STAGES,REGS]
                                                        # the Gluon dQ kernel; default: its configs.HOPPER_BWD_DQ entry
     (fwd-hopper also prints exp2_before_pv_wait: how much of each consumer loop's softmax runs under its P V product,
@@ -252,9 +252,10 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     return _compile_gluon(kernel, signature, constexprs)
 
 
-def compile_hopper_bwd_dq(head_dim: int, causal: bool, config=None, dtype: str = "bf16", local: bool = False):
+def compile_hopper_bwd_dq(head_dim: int, causal: bool, config=None, dtype: str = "bf16", local: bool = False,
+                          head_dim_v: int = 0):
     """The Gluon Hopper dQ kernel (kernels/hopper/bwd_dq.py) with `config` (default configs.HOPPER_BWD_DQ[the head
-    dim's tiles]); `local`: a local window (LOCAL)."""
+    dim's tiles]); `local`: a local window (LOCAL); head_dim_v: V's own head dim (0: head_dim's)."""
     from flashtriton import configs
     from flashtriton.kernels.hopper.bwd_dq import CONSUMER_ROWS, attn_bwd_hopper_dq_kernel
 
@@ -267,10 +268,12 @@ def compile_hopper_bwd_dq(head_dim: int, causal: bool, config=None, dtype: str =
     constexprs = dict(CAUSAL=causal, LOCAL=local, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs,
                       num_warps=4)
     widths = configs.HOPPER_BWD_CHUNKS[tile_dim]
+    widths_v = configs.HOPPER_BWD_CHUNKS[configs.hopper_bwd_tile_dim(head_dim_v or head_dim)]
     for chunk, suffix in enumerate(("", "2")):
-        for name, tile_rows in (("q", rows), ("do", rows), ("k", config.keys), ("v", config.keys)):
-            if chunk < len(widths):
-                signature[f"{name}_desc{suffix}"] = _gluon_tile_type(tile_rows, widths[chunk], dtype)
+        for name, tile_rows, side in (("q", rows, widths), ("do", rows, widths_v), ("k", config.keys, widths),
+                                      ("v", config.keys, widths_v)):
+            if chunk < len(side):
+                signature[f"{name}_desc{suffix}"] = _gluon_tile_type(tile_rows, side[chunk], dtype)
             else:
                 constexprs[f"{name}_desc{suffix}"] = None
     names = list(inspect.signature(attn_bwd_hopper_dq_kernel.fn).parameters)
@@ -312,8 +315,10 @@ def main():
             from flashtriton.configs import HopperBwdDqConfig
 
             config = HopperBwdDqConfig(*(int(x) for x in args.hopper_config.split(",")))
-        compiled = compile_hopper_bwd_dq(args.head_dim, args.causal, config, local=args.local)
-        print(f"bwd-dq-hopper d{args.head_dim} causal={args.causal} local={args.local} "
+        compiled = compile_hopper_bwd_dq(args.head_dim, args.causal, config, local=args.local,
+                                         head_dim_v=args.head_dim_v or 0)
+        print(f"bwd-dq-hopper d{args.head_dim} dv{args.head_dim_v or args.head_dim} causal={args.causal} "
+              f"local={args.local} "
               f"{args.hopper_config or 'table'}: {resource_usage(compiled)} shared {compiled.metadata.shared} "
               f"wgmma {compiled.asm['ptx'].count('wgmma.mma_async')}")
         return

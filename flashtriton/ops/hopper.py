@@ -337,9 +337,10 @@ def backward_takes_head_dims(head_dim: int, head_dim_v: int) -> bool:
 
 def dq_kernel_runs(head_dim: int, head_dim_v: Optional[int] = None) -> bool:
     """Whether the Gluon dQ kernel (kernels/hopper/bwd_dq.py) computes dQ after the dK / dV only kernel (where
-    computes_dq is False): tiles with a configs.HOPPER_BWD_DQ entry and V's head dim q's; elsewhere the Triton dQ
-    kernel does."""
-    return (not computes_dq(head_dim) and head_dim_v in (None, head_dim)
+    computes_dq is False): tiles with a configs.HOPPER_BWD_DQ entry (V's head dim on its own tiles too, as
+    backward_takes_head_dims allows); elsewhere the Triton dQ kernel does."""
+    return (not computes_dq(head_dim) and backward_takes_head_dims(head_dim, head_dim if head_dim_v is None
+                                                                   else head_dim_v)
             and configs.hopper_bwd_tile_dim(head_dim) in configs.HOPPER_BWD_DQ)
 
 
@@ -461,11 +462,16 @@ def launch_bwd_dq(q, k, v, dout, lse, delta, dq, lse_strides: Tuple[int, int], d
     tile_dim = configs.hopper_bwd_tile_dim(head_dim)
     config = configs.HOPPER_BWD_DQ[tile_dim]
     rows = DQ_TILE_ROWS // 2
+    # per chunk: Q, dO, K, V (Q / K on q's chunks, dO / V on v's), None past a side's chunks
+    widths, widths_v = configs.HOPPER_BWD_CHUNKS[tile_dim], configs.HOPPER_BWD_CHUNKS[
+        configs.hopper_bwd_tile_dim(v.shape[-1])]
     descriptors = ()
-    for width in configs.HOPPER_BWD_CHUNKS[tile_dim]:
-        descriptors += (tile_descriptor(q, rows, width), tile_descriptor(dout, rows, width),
-                        tile_descriptor(k, config.keys, width), tile_descriptor(v, config.keys, width))
-    descriptors += (None, ) * (8 - len(descriptors))
+    for chunk in range(2):
+        width = widths[chunk] if chunk < len(widths) else None
+        width_v = widths_v[chunk] if chunk < len(widths_v) else None
+        descriptors += tuple(None if columns is None else tile_descriptor(tensor, tile_rows, columns)
+                             for tensor, tile_rows, columns in ((q, rows, width), (dout, rows, width_v),
+                                                                (k, config.keys, width), (v, config.keys, width_v)))
     grid = (triton_cdiv(seqlen_q, DQ_TILE_ROWS) * batch * num_heads,)
     launch(
         attn_bwd_hopper_dq_kernel, grid, *descriptors,

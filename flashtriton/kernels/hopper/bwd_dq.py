@@ -5,7 +5,8 @@ producer loading the tile's Q, dO, lse and delta once and streaming K / V blocks
 no reductions: each program owns its rows, so the result is deterministic.
 
 Per key block j (KEYS keys, visited from the last down), consumer w, rows [64 w, 64 w + 64) of the tile:
-  S = Q_w K_j^T, dP = dO_w V_j^T     [64 rows, KEYS] one wgmma per column chunk of the head dim (128 + 64), chained
+  S = Q_w K_j^T, dP = dO_w V_j^T     [64 rows, KEYS] one wgmma per column chunk of the head dim (128 + 64; V's
+                                     own, 128, for dP), chained
   P = exp2(S log2(e) scale - lse log2(e)) masked (common.masked_probabilities), dS = P (dP - delta)
   dQ_w += dS K_j                     [64 rows, WIDTH] per chunk, dS from registers as the A operand
 K_j's stage goes back to the producer once the next block's S wgmma completed (wgmmas complete in order, so the dQ
@@ -66,6 +67,7 @@ def _consumer(q_own, do_own, lse_own, delta_own, k_pieces, v_pieces, q_ready, kv
     STAGES: gl.constexpr = k_pieces[0].shape[0]
     KEYS: gl.constexpr = k_pieces[0].shape[2]
     CHUNKS: gl.constexpr = len(k_pieces)
+    V_CHUNKS: gl.constexpr = len(v_pieces)
     dtype: gl.constexpr = q_own[0].dtype
     # [ROWS, KEYS] scores
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KEYS, 16])
@@ -90,7 +92,7 @@ def _consumer(q_own, do_own, lse_own, delta_own, k_pieces, v_pieces, q_ready, kv
         s = chained_products(q_parts, k_parts, zero_s)
         dp = chained_products(do_parts, v_parts, zero_s)
         # in flight: the previous block's dQ products, then S, then dP: S waited for, the dQ products before it too
-        s = warpgroup_mma_wait(CHUNKS, deps=(s, ))
+        s = warpgroup_mma_wait(V_CHUNKS, deps=(s, ))
         arrive_after_wgmma(kv_empty.index((j + STAGES - 1) % STAGES), pred=j >= 1)
         # [ROWS, KEYS] P
         p = masked_probabilities(s, lse_log2, qk_scale_log2, n_start, m_start, seqlen_q, seqlen_k, causal, window)
@@ -135,9 +137,9 @@ def attn_bwd_hopper_dq_kernel(q_desc, do_desc, k_desc, v_desc, q_desc2, do_desc2
                               CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """One program per (query tile of 2 x 64 rows, batch * head), tiles numbered longest first in launch-order
     groups of heads_per_group (batch, head) pairs (kernels/common.grouped_tile_of). Every descriptor pair moves the
-    first and the second column chunk of the head dim (configs.HOPPER_BWD_CHUNKS; the second None for one chunk):
-    Q / dO [1, 64, 1, WIDTH], K / V [1, KEYS, 1, WIDTH]; lse_desc / delta_desc the (B * H, Sq) statistics in [1, 64]
-    blocks. num_warps (4) is the first consumer's; the second consumer (4 warps, CONSUMER_REGS registers) and the
+    first and the second column chunk of its head dim (configs.HOPPER_BWD_CHUNKS; the second None for one chunk), Q /
+    K by q's, dO / V by v's (V's own head dim: MLA-style (192, 128)): Q / dO [1, 64, 1, WIDTH], K / V [1, KEYS, 1,
+    WIDTH]; lse_desc / delta_desc the (B * H, Sq) statistics in [1, 64] blocks. num_warps (4) is the first consumer's; the second consumer (4 warps, CONSUMER_REGS registers) and the
     producer (1 warp) are worker partitions."""
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
