@@ -21,10 +21,11 @@ Scope, masking and rows past seqlen_q: as bwd_d256.py (ops/hopper.covers decides
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma_wait
 
-from .common import allocate_chunks, arrive_after_wgmma, chained_products, chunk_descriptors, chunks_bytes, \
-    copy_pieces, entries_of, grouped_tile_of, masked_probabilities, matrices_of, store_rows, zero_accumulators
+from .common import accumulate_register_products, allocate_chunks, arrive_after_wgmma, chained_products, \
+    chunk_descriptors, chunks_bytes, copy_pieces, entries_of, grouped_tile_of, masked_probabilities, matrices_of, \
+    store_rows, wait_products, zero_accumulators
 from .schedule import tile_work
 
 CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: the M of every wgmma
@@ -99,34 +100,13 @@ def _consumer(q_own, do_own, lse_own, delta_own, k_pieces, v_pieces, q_ready, kv
         dp = warpgroup_mma_wait(0, deps=(dp, ))
         # [ROWS, KEYS] dS
         ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
-        dq = _accumulate_dq(ds, k_parts, dq)
-    dq = _wait_dq(dq)
+        dq = accumulate_register_products(ds, k_parts, dq)
+    dq = wait_products(dq)
     column = 0
     for chunk in gl.static_range(CHUNKS):
         store_rows(dq[chunk] * softmax_scale, DQ, stride_dq_b, stride_dq_m, stride_dq_h, batch, head, m_start,
                    column, seqlen_q, head_dim)
         column = column + k_pieces[chunk].shape[4]
-
-
-@gluon.jit
-def _accumulate_dq(ds, k_parts, dq):
-    """dq[c] += dS K_c per chunk c (ds: [ROWS, KEYS] in registers; k_parts: [KEYS, WIDTH] per chunk, shared; dq:
-    [ROWS, WIDTH] per chunk); issued, not waited for."""
-    products = ()
-    for chunk in gl.static_range(len(k_parts)):
-        operand = gl.convert_layout(ds, gl.DotOperandLayout(operand_index=0, parent=dq[chunk].type.layout,
-                                                            k_width=2))
-        products = products + (warpgroup_mma(operand, k_parts[chunk], dq[chunk], is_async=True), )
-    return products
-
-
-@gluon.jit
-def _wait_dq(dq):
-    """Every dQ product waited for; the chunks' accumulators (a tuple, also for one chunk)."""
-    if len(dq) == 1:
-        return (warpgroup_mma_wait(0, deps=dq), )
-    else:
-        return warpgroup_mma_wait(0, deps=dq)
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "head_dim", "heads_per_group", "window_left", "window_right"])

@@ -173,6 +173,27 @@ def accumulate_products(a, b, accumulators):
 
 
 @gluon.jit
+def accumulate_register_products(a, b, accumulators):
+    """accumulators[c] += A B_c per chunk (a: [M, K] in registers, made the A operand of each chunk's wgmma; b:
+    [K, WIDTH] per chunk, shared; accumulators: [M, WIDTH] per chunk); issued, not waited for."""
+    products = ()
+    for chunk in gl.static_range(len(b)):
+        operand = gl.convert_layout(a, gl.DotOperandLayout(operand_index=0, parent=accumulators[chunk].type.layout,
+                                                           k_width=2))
+        products = products + (warpgroup_mma(operand, b[chunk], accumulators[chunk], is_async=True), )
+    return products
+
+
+@gluon.jit
+def wait_products(products):
+    """Every wgmma of the warpgroup waited for; the chunks' accumulators (a tuple, also for one chunk)."""
+    if len(products) == 1:
+        return (warpgroup_mma_wait(0, deps=products), )
+    else:
+        return warpgroup_mma_wait(0, deps=products)
+
+
+@gluon.jit
 def wait_accumulators(first, second):
     """Both tuples of accumulators (one per chunk each) waited for: every wgmma of this warpgroup completed."""
     if len(first) == 1:

@@ -41,11 +41,11 @@ only) the two also take turns issuing those wgmmas, so that one's softmax runs w
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
-    warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 
-from .common import allocate_chunks, arrive_after_wgmma, chained_products, chunk_descriptors, chunks_bytes, \
-    chunks_width, copy_pieces, entries_of, matrices_of, zero_accumulators
+from .common import accumulate_register_products, allocate_chunks, arrive_after_wgmma, chained_products, \
+    chunk_descriptors, chunks_bytes, chunks_width, copy_pieces, entries_of, matrices_of, wait_products, \
+    zero_accumulators
 from .fwd_softmax import hold_schedule, logits, mask_block, mask_local, operand_of, reciprocal, rescale, softmax_block
 from .schedule import first_cursor, more_work, next_piece
 
@@ -172,27 +172,6 @@ def _clear_chunk_rows_past(v_chunk, valid_rows):
 
 
 @gluon.jit
-def _issue_pv(p, v, acc):
-    """acc += P V per chunk of V's head dim (p: the A operand [ROWS, BLOCK_N] in the first chunk's operand layout, v:
-    [BLOCK_N, WIDTH] and acc: [ROWS, WIDTH] per chunk); issued, not waited for."""
-    products = ()
-    for chunk in gl.static_range(len(v)):
-        operand = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=acc[chunk].type.layout,
-                                                           k_width=2))
-        products = products + (warpgroup_mma(operand, v[chunk], acc[chunk], is_async=True), )
-    return products
-
-
-@gluon.jit
-def _wait_products(products):
-    """All wgmmas waited for; the chunks' accumulators (a tuple, also for one chunk)."""
-    if len(products) == 1:
-        return (warpgroup_mma_wait(0, deps=products), )
-    else:
-        return warpgroup_mma_wait(0, deps=products)
-
-
-@gluon.jit
 def _rescale_chunks(acc, alpha, lag):
     """fwd_softmax.rescale on every chunk of the output."""
     scaled = ()
@@ -264,7 +243,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
                 _clear_rows_past(v_previous, seqlen_k - top * BLOCK_N)
         _wait_turn(turns, load, lead)
         s = chained_products(q, matrices_of(entries_of(k_smem, stage)), zero_s)
-        acc = _issue_pv(p, v_previous, acc)
+        acc = accumulate_register_products(p, v_previous, acc)
         _pass_turn(turns)
         # S_j done (wgmma groups complete in order); P_{j-1} V_{j-1} may still run
         s = logits(warpgroup_mma_wait(PV_GROUPS, deps=(s, )), top - j, offs_m, seqlen_q, seqlen_k, alibi, col_s)
@@ -275,7 +254,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
             s = mask_block(s, top - j, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
         p, m_i, l_i, alpha = softmax_block(s, m_i, l_i, qk_scale_log2, lag)
         hold_schedule(fences)
-        acc = _wait_products(acc)
+        acc = wait_products(acc)
         arrive_after_wgmma(v_empty.index(previous))
         p = operand_of(p, q[0].dtype, p_layout)
         acc = _rescale_chunks(acc, alpha, lag)
@@ -286,7 +265,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     if len(clear_v) > 0:
         if (count == 1) & ((top + 1) * BLOCK_N > seqlen_k):
             _clear_rows_past(v_last, seqlen_k - top * BLOCK_N)
-    acc = _wait_products(_issue_pv(p, v_last, acc))
+    acc = wait_products(accumulate_register_products(p, v_last, acc))
     arrive_after_wgmma(v_empty.index(last % STAGES))
     return acc, m_i, l_i
 
