@@ -73,15 +73,17 @@ def test_gluon_forward_coverage_rule(name):
         assert not hopper.covers("bwd", head_dim, dtype, seqlen_q, seqlen_k, params, plain)
 
 
-def test_v_head_dim_of_its_own_takes_the_gluon_forward_only():
+def test_v_head_dim_of_its_own_takes_the_gluon_forward_and_the_mla_backward():
     """The forward takes V's own head dim (q / k and v / out tiles of their own widths, both up to 256); the backward
-    equal head dims only."""
+    only where q / k run the dK / dV only tiles (192, 256) and V's are 128 wide (MLA-style)."""
     params = score_params(0.1, True, -1, -1, 0.0, 1000)
-    for head_dim, head_dim_v, covered in ((192, 128, True), (128, 64, True), (64, 256, True), (256, 320, False),
-                                          (320, 128, False)):
+    for head_dim, head_dim_v, covered, backward in ((192, 128, True, True), (256, 128, True, True),
+                                                    (128, 64, True, False), (64, 256, True, False),
+                                                    (256, 320, False, False), (320, 128, False, False)):
         assert hopper.covers("fwd", head_dim, torch.bfloat16, 1000, 1000, params, True,
                              head_dim_v=head_dim_v) == covered
-        assert not hopper.covers("bwd", head_dim, torch.bfloat16, 1000, 1000, params, True, head_dim_v=head_dim_v)
+        assert hopper.covers("bwd", head_dim, torch.bfloat16, 1000, 1000, params, True,
+                             head_dim_v=head_dim_v) == backward
 
 
 def test_head_dims_between_tile_classes_take_the_next_wider_tiles():
