@@ -244,6 +244,19 @@ def test_head_dims_between_tile_classes_take_the_next_wider_backward_tiles():
                                                                                  False]
 
 
+def test_dk_dv_only_boxes_by_side():
+    """The dK / dV only kernel's boxes (k, v, q, do, then the second chunk's): a side of one chunk moves K (V) in
+    whole rows and Q (dO) in halves, a side of two chunks a box per chunk each; V's side follows V's own tiles."""
+    keys, rows = "keys", "rows"
+    assert hopper.dk_dv_only_boxes(256, 256) == (("k", keys, 256), ("v", keys, 256), ("q", rows, 128),
+                                                 ("do", rows, 128), None, None, None, None)
+    assert hopper.dk_dv_only_boxes(192, 192) == (("k", keys, 128), ("v", keys, 128), ("q", rows, 128),
+                                                 ("do", rows, 128), ("k", keys, 64), ("v", keys, 64),
+                                                 ("q", rows, 64), ("do", rows, 64))
+    assert hopper.dk_dv_only_boxes(192, 128) == (("k", keys, 128), ("v", keys, 128), ("q", rows, 128),
+                                                 ("do", rows, 64), ("k", keys, 64), None, ("q", rows, 64), None)
+
+
 def test_deterministic_calls_skip_the_tiles_of_two_chunks():
     """Tiles of two chunks (80, 96) split dQ by chunks of unequal widths, which the fixed order does not take: a
     deterministic call at those head dims runs on 128-wide tiles with dQ ordered; the others take the chunks."""
