@@ -246,7 +246,10 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
     # and v / out have tiles of their own widths (and chunks: configs.HOPPER_FWD_CHUNKS), the config is the wider
     # one's
     tile_dim, tile_dim_v = configs.hopper_fwd_tile_dim(head_dim), configs.hopper_fwd_tile_dim(head_dim_v)
-    config = configs.HOPPER_FWD[max(tile_dim, tile_dim_v), params.causal_like]
+    config_key = (max(tile_dim, tile_dim_v), params.causal_like)
+    config = configs.HOPPER_FWD[config_key]
+    if dropout_p > 0.0:
+        config = configs.HOPPER_FWD_DROPOUT.get(config_key, config)
     local = local_window(params, seqlen_k)
     tile_rows = config.consumers * CONSUMER_ROWS.value
     num_tiles = triton_cdiv(seqlen_q, tile_rows)
