@@ -150,6 +150,18 @@ def test_dropped_fraction_over_a_large_mask(p):
     assert abs(dropped - (1 - dropout.keep_probability(p))) < 5 * (p * (1 - p) / keep.numel()) ** 0.5
 
 
+def test_dropped_fraction_under_a_window():
+    """Under a local window the visible elements' dropped fraction stays within 0.025 of p (S_dmask's signs)."""
+    q, k, v = make_qkv(batch=2, seqlen_q=256, seqlen_k=256, heads=4, heads_k=4)
+    p = 0.1
+    _, _, s_dmask = flashtriton.flash_attn_func(q, k, v, p, window_size=(40, 8), return_attn_probs=True)
+    rows, cols = torch.arange(256, device=DEVICE)[:, None], torch.arange(256, device=DEVICE)[None, :]
+    visible = (cols >= rows - 40) & (cols <= rows + 8)
+    kept = keep_mask_of(s_dmask, 256, 256)
+    assert abs(1.0 - kept[..., visible].float().mean().item() - p) < 0.025
+    assert torch.all(s_dmask[..., :256, :256][..., ~visible] == 0)
+
+
 def test_manual_seed_reproduces_and_calls_differ():
     q, k, v = make_qkv()
     torch.manual_seed(1234)
