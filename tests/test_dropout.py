@@ -8,8 +8,7 @@ import flashtriton
 from flashtriton.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
 from flashtriton.ops import backend, dropout, hopper
 from flashtriton.reference import attention_reference_varlen
-from flashtriton.testing import Case, assert_checks_ok, check_error, compare_with_reference, forced_gluon, \
-    poisoned_outputs
+from flashtriton.testing import Case, assert_checks_ok, check_error, compare_with_reference, poisoned_outputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -82,8 +81,7 @@ def test_drop_rate_lse_and_s_dmask_contents():
     q, k, v = make_qkv(batch=2, seqlen_q=128, seqlen_k=128, heads=4, heads_k=4)
     p = 0.3
     out, lse, s_dmask = flashtriton.flash_attn_func(q, k, v, p, causal=True, return_attn_probs=True)
-    with forced_gluon(False):  # the kernel dropout runs on (a Hopper GPU would take the Gluon one without dropout)
-        _, lse_no_dropout, _ = flashtriton.flash_attn_func(q, k, v, 0.0, causal=True, return_attn_probs=True)
+    _, lse_no_dropout, _ = flashtriton.flash_attn_func(q, k, v, 0.0, causal=True, return_attn_probs=True)
     assert torch.equal(lse, lse_no_dropout), "the LSE does not depend on dropout"
     visible = torch.ones(128, 128, dtype=torch.bool, device=DEVICE).tril()
     kept = keep_mask_of(s_dmask, 128, 128)
