@@ -1,14 +1,14 @@
 """Dropout (docs/api.md §4.7): Bernoulli keep mask from torch's RNG, read back through S_dmask and checked exactly."""
 
+import numpy as np
 import pytest
 import torch
 
 import flashtriton
 from flashtriton.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
-from flashtriton.ops import backend, dropout
+from flashtriton.ops import backend, dropout, hopper
 from flashtriton.reference import attention_reference_varlen
-from flashtriton.testing import Case, assert_checks_ok, check_error, compare_with_reference, forced_gluon, \
-    poisoned_outputs
+from flashtriton.testing import Case, assert_checks_ok, check_error, compare_with_reference, poisoned_outputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -44,6 +44,32 @@ def test_output_and_gradients_match_reference_with_the_kernels_mask(options):
     assert_checks_ok(checks)
 
 
+GLUON_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not GLUON_GPU, reason="the Gluon kernels run on sm_90 GPUs")
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192])
+@pytest.mark.parametrize("causal,window_size", [(False, (-1, -1)), (True, (-1, -1)), (False, (70, 20))],
+                         ids=["full", "causal", "local"])
+def test_gluon_dropout_forward_and_backward_match_reference(head_dim, causal, window_size):
+    """The Gluon forward drops P by the mask S_dmask shows (the Triton mask kernel's), the Gluon backward (head dims
+    on kernels/hopper/bwd.py's tiles) by the same mask; gradients against float64 with that mask."""
+    q, k, v = make_qkv(batch=2, seqlen_q=300, seqlen_k=333, heads=4, heads_k=2, dim=head_dim, dtype=torch.bfloat16)
+    p = 0.17
+    forwards, backwards = hopper.fwd_launch_count, hopper.bwd_launch_count
+    with poisoned_outputs():
+        out, lse, s_dmask = flashtriton.flash_attn_func(q, k, v, p, causal=causal, window_size=window_size,
+                                                        return_attn_probs=True)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert hopper.fwd_launch_count == forwards + 1, "the Gluon forward takes dropout"
+    assert hopper.bwd_launch_count - backwards == int(hopper.backward_takes_dropout(head_dim))
+    keep = keep_mask_of(s_dmask, 300, 333)
+    case = Case(causal=causal, window_size=window_size, head_dim=head_dim, dtype=torch.bfloat16)
+    checks = compare_with_reference(case, out, lse, q, k, v, None, grads, dout, dropout_p=p, dropout_mask=keep)
+    assert_checks_ok(checks)
+
+
 @pytest.mark.parametrize("options", [dict(causal=True), dict(window_size=(20, 5), alibi=True)],
                          ids=["causal", "local-alibi"])
 def test_gradients_with_atomic_dq_match_reference(force_dq_atomic, options):
@@ -55,8 +81,7 @@ def test_drop_rate_lse_and_s_dmask_contents():
     q, k, v = make_qkv(batch=2, seqlen_q=128, seqlen_k=128, heads=4, heads_k=4)
     p = 0.3
     out, lse, s_dmask = flashtriton.flash_attn_func(q, k, v, p, causal=True, return_attn_probs=True)
-    with forced_gluon(False):  # the kernel dropout runs on (a Hopper GPU would take the Gluon one without dropout)
-        _, lse_no_dropout, _ = flashtriton.flash_attn_func(q, k, v, 0.0, causal=True, return_attn_probs=True)
+    _, lse_no_dropout, _ = flashtriton.flash_attn_func(q, k, v, 0.0, causal=True, return_attn_probs=True)
     assert torch.equal(lse, lse_no_dropout), "the LSE does not depend on dropout"
     visible = torch.ones(128, 128, dtype=torch.bool, device=DEVICE).tril()
     kept = keep_mask_of(s_dmask, 128, 128)
@@ -76,6 +101,42 @@ def test_keep_threshold_is_fa2s_byte(p, threshold):
     assert dropout.kernel_dropout(p) == (float(threshold), float(torch.tensor(1.0) / (1 - torch.tensor(p))))
 
 
+def _philox4x32_10(counters, key):
+    """Philox4x32-10 (Salmon et al. 2011) on uint64 numpy arrays holding 32-bit values: counters (c0, c1, c2, c3),
+    key (k0, k1); returns the four output words."""
+    mask = np.uint64(0xFFFFFFFF)
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) & mask for c in counters)
+    k0, k1 = (np.uint64(k) & mask for k in key)
+    for _ in range(10):
+        product0, product1 = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2
+        c0, c1, c2, c3 = ((product1 >> np.uint64(32)) ^ c1 ^ k0, product1 & mask,
+                          (product0 >> np.uint64(32)) ^ c3 ^ k1, product0 & mask)
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & mask, (k1 + np.uint64(0xBB67AE85)) & mask
+    return c0, c1, c2, c3
+
+
+@pytest.mark.skipif(not backend.runs_triton(torch.empty(0, device=DEVICE)), reason="the kernels' mask (interpreter or "
+                    "GPU); the CPU reference path draws its own")
+@pytest.mark.parametrize("cols", [96, 200])
+def test_kernel_mask_is_the_documented_philox_mapping(cols):
+    """docs/api.md §4.7's mapping, bit for bit: key j of row i in stream s keeps byte 2 ((i / 8) % 2) + j % 2 of
+    word (j / 8) % 4 of Philox4x32-10 (4 (j / 32) + (j / 2) % 4, 8 (i / 16) + i % 8, s, offset) keyed by the seed."""
+    batch, heads, rows, p = 2, 3, 80, 0.3
+    rng_state = dropout.new_rng_state(DEVICE)
+    keep = dropout.keep_mask(rng_state, batch, heads, rows, cols, p, True).cpu().numpy()
+    seed, offset = (int(x) for x in rng_state.tolist())
+    i = np.arange(rows, dtype=np.uint64)[:, None]
+    j = np.arange(cols, dtype=np.uint64)[None, :]
+    for stream in range(batch * heads):
+        words = _philox4x32_10((4 * (j // 32) + (j // 2) % 4, 8 * (i // 16) + i % 8, np.full_like(i, stream),
+                                np.full_like(i, offset & 0x7FFFFFFF)), (seed & 0xFFFFFFFF, seed >> 32))
+        word = np.choose(((j // 8) % 4).astype(np.int64) + np.zeros_like(i, dtype=np.int64), words)
+        byte = (word >> (np.uint64(8) * (2 * ((i // 8) % 2) + j % 2))) & np.uint64(0xFF)
+        expected = byte <= dropout.keep_threshold(p)
+        got = keep[stream // heads, stream % heads]
+        assert (got == expected).all(), f"stream {stream}: {(got != expected).sum()} of {got.size} elements differ"
+
+
 @pytest.mark.parametrize("p", [0.1, 0.17])
 def test_dropped_fraction_over_a_large_mask(p):
     """The kernels' mask (the CPU reference path's draws) drops a fraction within 0.01 of p, and within sampling
@@ -85,6 +146,18 @@ def test_dropped_fraction_over_a_large_mask(p):
     dropped = 1.0 - keep.float().mean().item()
     assert abs(dropped - p) < 0.01
     assert abs(dropped - (1 - dropout.keep_probability(p))) < 5 * (p * (1 - p) / keep.numel()) ** 0.5
+
+
+def test_dropped_fraction_under_a_window():
+    """Under a local window the visible elements' dropped fraction stays within 0.025 of p (S_dmask's signs)."""
+    q, k, v = make_qkv(batch=2, seqlen_q=256, seqlen_k=256, heads=4, heads_k=4)
+    p = 0.1
+    _, _, s_dmask = flashtriton.flash_attn_func(q, k, v, p, window_size=(40, 8), return_attn_probs=True)
+    rows, cols = torch.arange(256, device=DEVICE)[:, None], torch.arange(256, device=DEVICE)[None, :]
+    visible = (cols >= rows - 40) & (cols <= rows + 8)
+    kept = keep_mask_of(s_dmask, 256, 256)
+    assert abs(1.0 - kept[..., visible].float().mean().item() - p) < 0.025
+    assert torch.all(s_dmask[..., :256, :256][..., ~visible] == 0)
 
 
 def test_manual_seed_reproduces_and_calls_differ():

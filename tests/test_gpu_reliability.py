@@ -640,6 +640,26 @@ def test_repeated_dense_fwd_bwd_is_bitwise_identical(causal, heads_k):
 
 @pytest.mark.gpu
 @gpu_only
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_repeated_dropout_fwd_bwd_is_bitwise_identical(causal):
+    """Dropout 0.1 (B=2, S=1024, H=8, GQA 8/2, d128, bf16, deterministic=True, the same seed each call): out, lse,
+    dq, dk and dv equal over 100 repeats (the backward regenerates the forward's mask every time)."""
+    q = torch.randn(2, RACE_SEQLEN, 8, 128, device=GPU, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, RACE_SEQLEN, 2, 128, device=GPU, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(2, RACE_SEQLEN, 2, 128, device=GPU, dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn_like(q)
+
+    def run():
+        torch.manual_seed(2024)
+        out, lse, _ = flashtriton.flash_attn_func(q, k, v, 0.1, causal=causal, deterministic=True,
+                                                  return_attn_probs=True)
+        return (out, lse, *torch.autograd.grad(out, (q, k, v), dout))
+
+    assert_repeats_equal(run, ("out", "lse", "dq", "dk", "dv"))
+
+
+@pytest.mark.gpu
+@gpu_only
 def test_repeated_varlen_fwd_bwd_is_bitwise_identical():
     """Varlen (lengths 1024, 77, 513, 0, 300, 1; causal; GQA 8/2; d128; bf16; deterministic): 100 equal repeats."""
     lens = [RACE_SEQLEN, 77, 513, 0, 300, 1]

@@ -43,20 +43,22 @@ SCRIPT = textwrap.dedent('''
         return [torch.randn(*shape, dtype=torch.bfloat16) for shape in shapes]
 
     # dense forwards: causal, full, full at d256 (a cut tail at 132 programs: the tail merge), ALiBi, a head dim on
-    # wider tiles, V's own head dim
+    # wider tiles, V's own head dim; the causal ones with dropout
     for head_dim, head_dim_v, causal, alibi in ((128, 128, True, False), (128, 128, False, False),
                                                 (256, 256, False, False), (64, 64, True, True), (96, 96, True, False),
                                                 (192, 128, False, False)):
         q, k, v = tensors((1, 8192, 4, head_dim), (1, 8192, 2, head_dim), (1, 8192, 2, head_dim_v))
         out, lse = torch.empty(1, 8192, 4, head_dim_v, dtype=q.dtype), torch.empty(1, 4, 8192)
         hopper.launch_fwd(q, k, v, out, lse, (lse.stride(0), lse.stride(1)), score_params(0.1, causal, -1, -1, 0.0,
-                          8192), 8192, 8192, 1, 4, alibi_slopes=torch.rand(4) if alibi else None)
+                          8192), 8192, 8192, 1, 4, alibi_slopes=torch.rand(4) if alibi else None,
+                          dropout_p=0.1 if causal else 0.0, rng_state=torch.zeros(2, dtype=torch.int64))
     # a varlen forward with a local window
     cu = torch.tensor([0, 300, 700], dtype=torch.int32)
     q, k, v = tensors((700, 4, 128), (700, 2, 128), (700, 2, 128))
     hopper.launch_fwd(q, k, v, torch.empty_like(q), torch.empty(4, 700), (0, 700),
                       score_params(0.1, True, 50, 0, 0.0, 400), 400, 400, 2, 4, cu, cu)
-    # backwards: each division (d64, d128 ordered, d256, d96 and d192 in two chunks) and a window
+    # backwards: each division (d64, d128 ordered, d256, d96 and d192 in two chunks) and a window; dropout where the
+    # kernel takes it
     for head_dim, window, deterministic in ((128, (-1, -1), True), (64, (20, 5), False), (256, (-1, -1), False),
                                             (96, (-1, -1), False), (192, (-1, -1), False)):
         q, k, v, dout = tensors(*[(2, 500, 2, head_dim)] * 4)
@@ -64,7 +66,8 @@ SCRIPT = textwrap.dedent('''
         dq_accum = torch.zeros(q.shape) if hopper.computes_dq(head_dim) else None
         hopper.launch_bwd(q, k, v, dout, lse, delta, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
                           dq_accum, (lse.stride(0), lse.stride(1)), (delta.stride(0), delta.stride(1)),
-                          score_params(0.1, False, *window, 0.0, 500), 500, 500, 2, 1, deterministic)
+                          score_params(0.1, False, *window, 0.0, 500), 500, 500, 2, 1, deterministic,
+                          0.1 if hopper.backward_takes_dropout(head_dim) else 0.0, torch.zeros(2, dtype=torch.int64))
     # the dK / dV only kernel with V's own head dim (MLA-style): (192, 128) causal, (256, 100) on 128-wide V tiles
     for head_dim, head_dim_v in ((192, 128), (256, 100)):
         q, k, dout = tensors((2, 500, 4, head_dim), (2, 500, 2, head_dim), (2, 500, 4, head_dim_v))

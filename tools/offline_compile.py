@@ -162,12 +162,12 @@ def _compile_gluon(kernel, signature: dict, constexprs: dict):
 
 
 def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", local: bool = False,
-                       head_dim_v: int = 0, varlen: bool = False, alibi: bool = False):
+                       head_dim_v: int = 0, varlen: bool = False, alibi: bool = False, dropout: bool = False):
     """The Gluon Hopper forward (kernels/hopper/fwd.py) with `config` (default configs.HOPPER_FWD[the wider tile
     dim, causal]), as a dense launch (`varlen`: a varlen one) on the tiles of head_dim for Q / K and of head_dim_v
     for V / O (0: head_dim's; head dims between the tile classes run on the next wider tiles,
     configs.hopper_fwd_tile_dim, as ops/hopper.launch_fwd does); `local`: a local window (LOCAL); `alibi`: ALiBi
-    slopes."""
+    slopes; `dropout`: dropout's rng_state."""
     from flashtriton import configs
     from flashtriton.kernels.hopper.fwd import CONSUMER_ROWS, attn_fwd_hopper_kernel
     from flashtriton.ops.hopper import forward_constexprs
@@ -203,15 +203,19 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     signature["alibi_args"] = ("*fp32" if alibi else "constexpr", "i32", "i32", "fp32")
     if not alibi:
         constexprs[(names.index("alibi_args"), 0)] = None
+    signature["dropout_args"] = ("*i64" if dropout else "constexpr", "fp32", "fp32")
+    if not dropout:
+        constexprs[(names.index("dropout_args"), 0)] = None
     signature = {name: signature[name] for name in names if name in signature}  # in the kernel's order
     return _compile_gluon(attn_fwd_hopper_kernel, signature, constexprs)
 
 
 def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", ordered: bool = False,
-                       local: bool = False, head_dim_v: int = 0):
+                       local: bool = False, head_dim_v: int = 0, dropout: bool = False):
     """The Gluon Hopper backward (kernels/hopper/bwd.py; kernels/hopper/bwd_d256.py at head dims 192 and 256) with
     `config` (default configs.HOPPER_BWD[head_dim]); `ordered`: dQ reductions in a fixed order (head dim 128);
-    `local`: a local window (LOCAL); head_dim_v: V's own head dim (0: head_dim's; the dK / dV only kernel)."""
+    `local`: a local window (LOCAL); head_dim_v: V's own head dim (0: head_dim's; the dK / dV only kernel);
+    `dropout`: dropout's rng_state (kernels/hopper/bwd.py's tiles)."""
     from flashtriton import configs
     from flashtriton.ops.hopper import backward_division, dk_dv_only_boxes
 
@@ -245,6 +249,10 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
         signature["dq_counters"] = "*i32"
         constexprs["ORDERED"] = ordered
     names = list(inspect.signature(kernel.fn).parameters)
+    if "dropout_args" in names:
+        signature["dropout_args"] = ("*i64" if dropout else "constexpr", "fp32", "fp32")
+        if not dropout:
+            constexprs[(names.index("dropout_args"), 0)] = None
     signature.update({name: "i32" for name in names if name.startswith("stride") or name in (
         "num_heads_k", "group_size", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "heads_per_group",
         "window_left", "window_right")})
@@ -329,11 +337,11 @@ def main():
 
             config = HopperBwdConfig(*(int(x) for x in args.hopper_config.split(",")))
         compiled = compile_hopper_bwd(args.head_dim, args.causal, config, ordered=args.ordered, local=args.local,
-                                      head_dim_v=args.head_dim_v or 0)
+                                      head_dim_v=args.head_dim_v or 0, dropout=args.dropout)
         ptx = compiled.asm["ptx"]
         print(f"bwd-hopper d{args.head_dim} dv{args.head_dim_v or args.head_dim} causal={args.causal} "
               f"local={args.local} "
-              f"ordered={args.ordered} "
+              f"ordered={args.ordered} dropout={args.dropout} "
               f"{args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} shared {compiled.metadata.shared} wgmma {ptx.count('wgmma.mma_async')} "
               f"atomics {ptx.count('atom.global')} reductions {ptx.count('cp.reduce.async.bulk')}")
@@ -349,9 +357,9 @@ def main():
             config = HopperFwdConfig(int(block_n), int(stages), int(regs), *flags, *threshold, *consumers)
         compiled = compile_hopper_fwd(args.head_dim, args.causal, config, local=args.local,
                                       head_dim_v=args.head_dim_v or 0, varlen=args.packed,
-                                      alibi=args.alibi)
+                                      alibi=args.alibi, dropout=args.dropout)
         print(f"fwd-hopper d{args.head_dim} dv{args.head_dim_v or args.head_dim} causal={args.causal} "
-              f"local={args.local} varlen={args.packed} alibi={args.alibi} "
+              f"local={args.local} varlen={args.packed} alibi={args.alibi} dropout={args.dropout} "
               f"{args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} "
               f"shared {compiled.metadata.shared} wgmma {compiled.asm['ptx'].count('wgmma.mma_async')} "

@@ -346,45 +346,95 @@ def pages_in_pool(block_table_row, key_start, key_end, page_size, num_pages, BLO
 
 
 @triton.jit
-def _interleave4(a, b, c, d):
-    """[..., 2, 2] whose row-major flattening of the last two axes is a, b, c, d."""
-    return tl.join(tl.join(a, c), tl.join(b, d))
+def _keep_bytes(words, shift, threshold):
+    """[..., 2] int8: whether bytes shift / 8 and shift / 8 + 1 of words (uint32) are <= threshold."""
+    low = ((words >> shift) & 0xFF) <= threshold
+    high = ((words >> (shift + 8)) & 0xFF) <= threshold
+    return tl.join(low.to(tl.int8), high.to(tl.int8))
+
+
+@triton.jit
+def _keep_rows(words, threshold):
+    """[..., 2 (key parity e), 2 (row half h)] int8: whether byte 2 h + e of words (uint32) is <= threshold."""
+    return tl.join(_keep_bytes(words, 0, threshold), _keep_bytes(words, 16, threshold))
+
+
+@triton.jit
+def _row_pair_keep(seed, offset, threshold, stream, offs_m, n_start, BLOCK_N: tl.constexpr):
+    """dropout_keep [BLOCK_M, GROUPS * 32] of rows offs_m that run on from a multiple of 16 (stream a scalar): one
+    Philox call per (row pair, 32-key group, key pair), as a wgmma thread draws them."""
+    BLOCK_M: tl.constexpr = offs_m.shape[0]
+    GROUPS: tl.constexpr = (BLOCK_N + 31) // 32
+    # [BLOCK_M / 16, 8]: the first row of each pair (rows i and i + 8 of a 16-row group)
+    rows = tl.reshape(offs_m, [BLOCK_M // 16, 2, 8])
+    first_rows = tl.sum(tl.where((tl.arange(0, 2) == 0)[None, :, None], rows, 0), 1)
+    # [BLOCK_M / 16, 8, 1, 1] the second Philox counter; [1, 1, GROUPS, 4] the first
+    row_pair = ((first_rows // 16) * 8 + first_rows % 8)[:, :, None, None]
+    first_counter = ((n_start // 32 + tl.arange(0, GROUPS)) * 4)[None, None, :, None] + \
+        tl.arange(0, 4)[None, None, None, :]
+    zeros = tl.zeros_like(row_pair + first_counter)
+    word0, word1, word2, word3 = tl.random.philox(seed, first_counter + zeros, row_pair + zeros, stream + zeros,
+                                                  offset + zeros)
+    # [BLOCK_M / 16, 8 (g), GROUPS, 4 (t), 2 (e), 2 (h), 2 (k // 2), 2 (k % 2)]
+    keep = tl.join(tl.join(_keep_rows(word0, threshold), _keep_rows(word2, threshold)),
+                   tl.join(_keep_rows(word1, threshold), _keep_rows(word3, threshold)))
+    # [BLOCK_M / 16, 2 (h), 8 (g), GROUPS, 2, 2, 4 (t), 2 (e)]: row 16 a + 8 h + g, key 32 group + 8 k + 2 t + e
+    keep = tl.permute(keep, (0, 5, 1, 2, 6, 7, 3, 4))
+    return tl.reshape(keep, [BLOCK_M, GROUPS * 32])
+
+
+@triton.jit
+def _row_keep(seed, offset, threshold, stream, offs_m, n_start, BLOCK_N: tl.constexpr):
+    """dropout_keep [BLOCK_M, GROUPS * 32] of any rows offs_m (stream a scalar or per row [BLOCK_M, 1]): each row
+    draws its own Philox calls and keeps its half of each."""
+    BLOCK_M: tl.constexpr = offs_m.shape[0]
+    GROUPS: tl.constexpr = (BLOCK_N + 31) // 32
+    # [BLOCK_M, GROUPS, 4]: the first Philox counter of each (32-key group, key pair t); [BLOCK_M, 1, 1] the second
+    first_counter = (((n_start // 32 + tl.arange(0, GROUPS)) * 4)[None, :, None] + tl.arange(0, 4)[None, None, :])
+    row_pair = ((offs_m // 16) * 8 + offs_m % 8)[:, None, None]
+    zeros = tl.zeros_like(row_pair + first_counter)
+    streams = stream
+    if len(stream.shape) == 2:
+        streams = stream[:, :, None]
+    word0, word1, word2, word3 = tl.random.philox(seed, first_counter + zeros, row_pair + zeros, streams + zeros,
+                                                  offset + zeros)
+    # [BLOCK_M, 1, 1]: bit offset of the row's two bytes in each word
+    shift = (16 * ((offs_m // 8) % 2))[:, None, None].to(tl.uint32)
+    # [BLOCK_M, GROUPS, 4 (t), 2 (e), 2 (k // 2), 2 (k % 2)]: word k's byte 2 h + e
+    keep = tl.join(tl.join(_keep_bytes(word0, shift, threshold), _keep_bytes(word2, shift, threshold)),
+                   tl.join(_keep_bytes(word1, shift, threshold), _keep_bytes(word3, shift, threshold)))
+    # [BLOCK_M, GROUPS, 2, 2, 4, 2]: key 32 group + 8 k + 2 t + e
+    keep = tl.permute(keep, (0, 1, 4, 5, 2, 3))
+    return tl.reshape(keep, [BLOCK_M, GROUPS * 32])
 
 
 @triton.jit
 def dropout_keep(rng_state, stream, offs_m, n_start, keep_threshold, BLOCK_N: tl.constexpr):
     """[BLOCK_M, BLOCK_N] bool keep mask of flash-attention dropout for query rows offs_m [BLOCK_M] and keys
-    n_start + [0, BLOCK_N) (n_start a multiple of 16; BLOCK_N of 16 or more).
+    n_start + [0, BLOCK_N) (n_start a multiple of BLOCK_N and of 32 where BLOCK_N is 32 or more).
 
     FA2's convention (docs/api.md §4.7): one random byte per element, kept where byte <= keep_threshold =
     floor((1 - dropout_p) * 255) (ops/dropout.keep_threshold), so the keep probability is (keep_threshold + 1) / 256.
-    Counter-based (Philox): one call yields four 32-bit words, sixteen bytes; key j of query row i in stream
-    (batch * heads + head) takes byte j % 4 of word (j // 4) % 4 of philox(seed, j // 16, i, stream, offset), with
-    (seed, offset) = rng_state[0:2]. The mask never depends on tile sizes, launch order or splits.
-    stream is a scalar or a [BLOCK_M, 1] tensor (one stream per row).
+    Counter-based (Philox4x32-10 keyed by the seed): key j of query row i in stream (batch * heads + head) takes byte
+    2 ((i / 8) % 2) + j % 2 of word (j / 8) % 4 of philox(4 (j / 32) + (j / 2) % 4, 8 (i / 16) + i % 8, stream,
+    offset), with (seed, offset) = rng_state[0:2]. One Philox call covers rows i, i + 8 and keys 2 t + {0, 1} of four
+    8-key groups: the sixteen elements one thread holds of a wgmma accumulator (kernels/hopper/dropout.py draws them
+    that way). The mask never depends on tile sizes, launch order or splits. stream: a scalar, where offs_m runs on
+    from a multiple of 16 (BLOCK_M a multiple of 16: each Philox call is drawn once for its two rows), or a
+    [BLOCK_M, 1] tensor (one stream per row, any rows: each row draws its calls).
     """
+    BLOCK_M: tl.constexpr = offs_m.shape[0]
     seed = tl.load(rng_state)
     offset = (tl.load(rng_state + 1) & 0x7FFFFFFF).to(tl.int32)
     threshold = (tl.zeros([], tl.float32) + keep_threshold).to(tl.uint32)
-    # [BLOCK_M, BLOCK_N // 16]: the Philox counter of each group of sixteen keys
-    groups = (n_start // 16 + tl.arange(0, BLOCK_N // 16))[None, :]
-    zeros = tl.zeros_like(offs_m[:, None] + groups)
-    word0, word1, word2, word3 = tl.random.philox(seed, groups + zeros, offs_m[:, None] + zeros, stream + zeros,
-                                                  offset + zeros)
-    # [BLOCK_M, BLOCK_N // 16, 2, 2] per byte position b: key 4 w + b of the group, for words w = 0..3
-    by_byte0 = _interleave4(((word0 & 0xFF) <= threshold).to(tl.int8), ((word1 & 0xFF) <= threshold).to(tl.int8),
-                            ((word2 & 0xFF) <= threshold).to(tl.int8), ((word3 & 0xFF) <= threshold).to(tl.int8))
-    by_byte1 = _interleave4((((word0 >> 8) & 0xFF) <= threshold).to(tl.int8),
-                            (((word1 >> 8) & 0xFF) <= threshold).to(tl.int8),
-                            (((word2 >> 8) & 0xFF) <= threshold).to(tl.int8),
-                            (((word3 >> 8) & 0xFF) <= threshold).to(tl.int8))
-    by_byte2 = _interleave4((((word0 >> 16) & 0xFF) <= threshold).to(tl.int8),
-                            (((word1 >> 16) & 0xFF) <= threshold).to(tl.int8),
-                            (((word2 >> 16) & 0xFF) <= threshold).to(tl.int8),
-                            (((word3 >> 16) & 0xFF) <= threshold).to(tl.int8))
-    by_byte3 = _interleave4(((word0 >> 24) <= threshold).to(tl.int8), ((word1 >> 24) <= threshold).to(tl.int8),
-                            ((word2 >> 24) <= threshold).to(tl.int8), ((word3 >> 24) <= threshold).to(tl.int8))
-    # [BLOCK_M, BLOCK_N // 16, 2, 2, 2, 2] -> [BLOCK_M, BLOCK_N]: flattened, element 4 w + b of a group is byte b of
-    # word w, key 16 c + 4 w + b
-    keep = _interleave4(by_byte0, by_byte1, by_byte2, by_byte3)
-    return tl.reshape(keep, [offs_m.shape[0], BLOCK_N]) != 0
+    if len(stream.shape) == 0 and BLOCK_M % 16 == 0:
+        keep = _row_pair_keep(seed, offset, threshold, stream, offs_m, n_start, BLOCK_N)
+    else:
+        keep = _row_keep(seed, offset, threshold, stream, offs_m, n_start, BLOCK_N)
+    if BLOCK_N < 32:
+        # [BLOCK_M, 32 / BLOCK_N, BLOCK_N]: the block's part of its 32-key group
+        parts = tl.reshape(keep, [BLOCK_M, 32 // BLOCK_N, BLOCK_N])
+        part = (n_start % 32) // BLOCK_N
+        chosen = (tl.arange(0, 32 // BLOCK_N) == part)[None, :, None]
+        keep = tl.sum(tl.where(chosen, parts, 0), 1)
+    return keep != 0

@@ -309,11 +309,15 @@ def attn_fwd_kernel(
     else:
         q = tl.load(q_base + q_row_offs[:, None] + offs_d[None, :], mask=row_in[:, None] & d_in[None, :], other=0.0)
 
-    # [BLOCK_M, 1] ALiBi slope of each row's head (log2 units); [BLOCK_M, 1] dropout stream batch * heads + head
+    # [BLOCK_M, 1] ALiBi slope of each row's head (log2 units); dropout's stream batch * heads + head (per row,
+    # [BLOCK_M, 1], where heads are packed)
     slope_log2 = tl.zeros([BLOCK_M, 1], tl.float32)
     if HAS_ALIBI:
         slope_log2 = tl.load(AlibiSlopes + batch * stride_alibi_b + heads)[:, None] * 1.4426950408889634
-    stream = (batch * num_heads + heads)[:, None]
+    if PACK_GQA:
+        stream = (batch * num_heads + heads)[:, None]
+    else:  # one head: rows from a tile's first (dropout_keep draws each Philox call once for two rows)
+        stream = batch * num_heads + batch_head % num_heads
 
     if Descales is not None:
         # FP8: q and k dequantize into the scores' scale (softcap's input scale too), v's into the output's (below)

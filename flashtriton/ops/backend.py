@@ -181,13 +181,13 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     # ALiBi: causal calls only (hopper.covers' rule does not see the slopes): non-causal, its distances spill the
     # Gluon forward's registers (sm_90 offline compiles). Varlen calls without a query or key row: no tensor
     # descriptor has zero rows
-    plain = not (is_paged or num_splits > 1 or dropout_p > 0.0 or seqused_k is not None or leftpad_k is not None
+    plain = not (is_paged or num_splits > 1 or seqused_k is not None or leftpad_k is not None
                  or cache_batch_idx is not None or (alibi_slopes is not None and not params.causal_like)
                  or (is_varlen and (q.shape[0] == 0 or k.shape[0] == 0)))
     if hopper.gluon_runs("fwd", q, params, seqlen_q, seqlen_k, plain, (q, k, v, out), head_dim_v=head_dim_v):
         with device_guard(q):
             hopper.launch_fwd(q, k, v, out, lse, lse_strides, params, seqlen_q, seqlen_k, batch, heads_per_group,
-                              cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+                              cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_p, rng_state)
         return
     q_strides = _varlen_strides if is_varlen else _bsh_strides
     kv_strides = _paged_strides if is_paged else q_strides
@@ -353,7 +353,8 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
         _ensure_scratch_allocator()
     flags = dict(IS_LOCAL=params.is_local, HAS_SOFTCAP=params.has_softcap, HAS_DROPOUT=dropout_p > 0.0,
                  USE_TMA=use_tma)
-    plain = not (is_varlen or dropout_p > 0.0 or alibi_slopes is not None)
+    plain = not (is_varlen or alibi_slopes is not None
+                 or (dropout_p > 0.0 and not hopper.backward_takes_dropout(head_dim)))
     gluon = hopper.gluon_runs("bwd", q, params, seqlen_q, seqlen_k, plain, descriptors_ok, deterministic,
                               head_dim_v=head_dim_v)
     gluon_dq = gluon and hopper.computes_dq(head_dim)
@@ -384,7 +385,7 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
                                                           batch * num_heads_k, params.causal_like)
         if gluon:
             hopper.launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides, delta_strides, params,
-                              seqlen_q, seqlen_k, batch, dkdv_heads_per_group, deterministic)
+                              seqlen_q, seqlen_k, batch, dkdv_heads_per_group, deterministic, dropout_p, rng_state)
             if gluon_dq:
                 return
             if hopper.dq_kernel_runs(head_dim, head_dim_v):

@@ -3,7 +3,8 @@
 rng_state is a (2,) int64 tensor (seed, offset) drawn from PyTorch's default generator of q's device with
 torch.randint, on that device: no host synchronization, CUDA-graph capturable, reproducible under
 torch.manual_seed, different on every call. The kernels key Philox by (seed, offset, batch * heads + head,
-query row, key column); the backward regenerates the same mask from the saved rng_state.
+query row, key column) (kernels/common.dropout_keep, kernels/hopper/dropout.py); the backward regenerates the same
+mask from the saved rng_state.
 FA2's convention: one random byte per element, kept where byte <= keep_threshold(dropout_p), so an element is kept
 with probability keep_probability(dropout_p) = (floor((1 - p) * 255) + 1) / 256 (0.8984 for p = 0.1), and kept
 values are scaled by 1 / (1 - p) in fp32 (kernels/common.dropout_keep).

@@ -21,6 +21,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from .. import configs
+from .dropout import kernel_dropout
 from .launching import (alibi_batch_stride, compiled_without_line_info, descriptor_builder, launch, tma_compatible,
                         triton_cdiv)
 
@@ -232,10 +233,12 @@ def chunk_descriptors(tensor: torch.Tensor, rows: int, tile_dim: int) -> Tuple:
 
 
 def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
-               heads_per_group: int, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None) -> None:
+               heads_per_group: int, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None, dropout_p: float = 0.0,
+               rng_state=None) -> None:
     """Run the Gluon forward into out (B, Sq, H, Dv) and lse (fp32, rows contiguous, strides lse_strides). Varlen
     (cu_seqlens given): q, k, v and out (T, H, D), batch sequences, seqlen_q / seqlen_k the longest lengths, lse
-    (H, T) with lse_strides (0, T). alibi_slopes: fp32 (H,) or (B, H)."""
+    (H, T) with lse_strides (0, T). alibi_slopes: fp32 (H,) or (B, H). dropout_p > 0: attention probabilities
+    dropped by the mask of rng_state ((2,) int64: seed, offset; docs/api.md §4.7)."""
     global fwd_launch_count, tail_merge_count
     num_heads, head_dim, head_dim_v = q.shape[-2], q.shape[-1], v.shape[-1]
     varlen = cu_seqlens_q is not None
@@ -248,7 +251,10 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
     # and v / out have tiles of their own widths (and chunks: configs.HOPPER_FWD_CHUNKS), the config is the wider
     # one's
     tile_dim, tile_dim_v = configs.hopper_fwd_tile_dim(head_dim), configs.hopper_fwd_tile_dim(head_dim_v)
-    config = configs.HOPPER_FWD[max(tile_dim, tile_dim_v), params.causal_like]
+    config_key = (max(tile_dim, tile_dim_v), params.causal_like)
+    config = configs.HOPPER_FWD[config_key]
+    if dropout_p > 0.0:
+        config = configs.HOPPER_FWD_DROPOUT.get(config_key, config)
     local = local_window(params, seqlen_k)
     tile_rows = config.consumers * CONSUMER_ROWS.value
     num_tiles = triton_cdiv(seqlen_q, tile_rows)
@@ -280,6 +286,7 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
         1.0 if alibi_slopes is not None else params.qk_scale_log2, config.rescale_threshold,
         params.window_left, params.window_right, *varlen_args,
         (alibi_slopes, alibi_batch_stride(alibi_slopes), int(params.alibi_pure_causal), params.qk_scale_log2),
+        (rng_state if dropout_p > 0.0 else None, *kernel_dropout(dropout_p)),
         **forward_constexprs(config, params.causal_like, local))
     if split is not None:
         launch(
@@ -342,6 +349,12 @@ def dq_kernel_runs(head_dim: int, head_dim_v: Optional[int] = None) -> bool:
     return (not computes_dq(head_dim) and backward_takes_head_dims(head_dim, head_dim if head_dim_v is None
                                                                    else head_dim_v)
             and configs.hopper_bwd_tile_dim(head_dim) in configs.HOPPER_BWD_DQ)
+
+
+def backward_takes_dropout(head_dim: int) -> bool:
+    """Whether the Gluon backward draws dropout's mask at this head dim: on the tiles of kernels/hopper/bwd.py (up to
+    128 wide); the dK / dV only kernel (192 and 256) has no dropout, its calls run the Triton backward."""
+    return configs.hopper_bwd_tile_dim(head_dim) is not None and computes_dq(head_dim)
 
 
 def can_order_dq(head_dim: int) -> bool:
@@ -412,13 +425,14 @@ def backward_chunk_descriptors(k, v, q, dout, dq_accum, keys: int, rows: int, dq
 
 def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tuple[int, int],
                delta_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
-               heads_per_group: int, deterministic: bool) -> None:
+               heads_per_group: int, deterministic: bool, dropout_p: float = 0.0, rng_state=None) -> None:
     """dK, dV into dk, dv and dQ into dq (B, S, H, D each) from lse and delta (fp32, rows contiguous, (batch,
     head) strides lse_strides / delta_strides), which the kernel loads by TMA with each Q / dO block. The kernel
     adds its scaled dQ products into dq_accum (fp32, q's shape, contiguous, zeroed) by TMA reductions (which clip
     rows past seqlen_q), copied into dq at the end; where it does not compute dQ (`computes_dq`) dq_accum is None
     and dq is left to the caller. With ordered dQ (`orders_dq`) the reductions take turns on zeroed counters, and
-    each (batch, kv head)'s key blocks launch together."""
+    each (batch, kv head)'s key blocks launch together. dropout_p > 0 (`backward_takes_dropout` head dims): the
+    forward's mask, from the rng_state it returned."""
     global bwd_launch_count
     num_heads, head_dim, head_dim_v = q.shape[-2], q.shape[-1], v.shape[-1]
     num_heads_k = k.shape[-2]
@@ -430,6 +444,8 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
     dq_counters = (torch.zeros(batch * num_heads * triton_cdiv(seqlen_q, config.query_rows) * 2, dtype=torch.int32,
                                device=q.device) if ordered else None)
     kernel_args = {} if dq_box is None else dict(ORDERED=ordered)
+    # the kernel's dropout_args (not the dK / dV only kernel's: it has none)
+    dropout_args = () if dq_box is None else ((rng_state if dropout_p > 0.0 else None, *kernel_dropout(dropout_p)), )
     if dq_box is None:  # the dK / dV only kernel: each side (Q / K, dO / V) whole rows and halves, or two chunks
         tensors = dict(k=k, v=v, q=q, do=dout)
         descriptors = tuple(None if box is None else
@@ -444,7 +460,7 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
         dk, dv, *(() if dq_box is None else (dq_counters, )), dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), num_heads_k, num_heads // num_heads_k, seqlen_q, seqlen_k, head_dim,
         *((head_dim_v, ) if dq_box is None else ()), 1 if ordered else heads_per_group, params.softmax_scale,
-        params.qk_scale_log2, params.window_left, params.window_right, CAUSAL=params.causal_like,
+        params.qk_scale_log2, params.window_left, params.window_right, *dropout_args, CAUSAL=params.causal_like,
         LOCAL=local_window(params, seqlen_k), STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4,
         **kernel_args)
     if dq_accum is not None:

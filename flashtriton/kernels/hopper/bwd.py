@@ -52,6 +52,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
+from .dropout import dropout_key, dropped, row_draws
 from .common import accumulate_products, allocate_chunks, arrive_after_wgmma, backward_producer, chained_products, \
     chunk_descriptors, chunks_width, entries_of, key_block_of_program, key_rows, loop_position, masked_probabilities, \
     matrices_of, query_block, store_key_rows, wait_accumulators, zero_accumulators
@@ -219,7 +220,7 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
               stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim, key0,
               feature0,
               group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
-              causal, first_visit, window, order):
+              causal, first_visit, window, order, dropout):
     """One warpgroup: keys [n_start + key0, + OWN) of the block (k_own, v_own: their K and V rows [OWN, WIDTH] per
     chunk of the head dim; p_own, ds_own: its [ROWS, OWN] P and dS tiles in shared memory); dK / dV over every query
     block (an accumulator per chunk), and the dQ features [feature0, + FEATURES) of each block: with the split by
@@ -229,7 +230,8 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     dq_tile ([1, ROWS, 1, FEATURES] fp32, shared) into the accumulator by a TMA reduction (dq_desc); with ordered dQ
     (`order`, see _finish_dq) in a fixed order, each reduction reported completed to this consumer's releaser
     partition while the next block's products run (the next contributor reduces into that query block at least a
-    block later)."""
+    block later). dropout: () or (RngState, keep_threshold, dropout_scale, query heads): the forward's mask
+    (dropout.dropped) scales P for dV and dP for dS."""
     STAGES: gl.constexpr = q_smem[0].shape[0]
     ROWS: gl.constexpr = q_smem[0].shape[2]
     HEAD_DIM: gl.constexpr = chunks_width(q_smem)
@@ -254,6 +256,10 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     # wgmma groups a dP issue leaves in flight (one per chunk)
     DP_GROUPS: gl.constexpr = len(v_own)
     first_key = n_start + key0
+    if len(dropout) > 0:
+        key = dropout_key(dropout[0], dropout[1])
+        # [ROWS, OWN] the kept elements' factor 1 / (1 - p) before the mask
+        kept_scale = zero_s + dropout[2]
     if len(order) > 0:
         gl.static_assert(OVER_ALL_KEYS, "ordered dQ takes the split by features (head dim 128)")
     mbarrier.wait(kv_ready, 0)
@@ -274,11 +280,20 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
         s = warpgroup_mma_wait(DP_GROUPS, deps=(s, ))
         # [ROWS, OWN] P
         p = masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window)
-        # this consumer's previous dV product (the reader of p_own) completed last iteration
-        p_own.store(p.to(dtype))
-        dp = warpgroup_mma_wait(0, deps=(dp, ))
-        # [ROWS, OWN] dS
-        ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
+        if len(dropout) > 0:
+            # [ROWS, OWN] 1 / (1 - p) where the forward kept P, 0 where it dropped it
+            factor = dropped(kept_scale, first_key // OWN, row_draws(key, batch * dropout[3] + head,
+                                                                     m_start + gl.arange(0, ROWS, row_of_s)),
+                             gl.SliceLayout(0, s_layout))
+            # this consumer's previous dV product (the reader of p_own) completed last iteration
+            p_own.store((p * factor).to(dtype))
+            dp = warpgroup_mma_wait(0, deps=(dp, ))
+            # [ROWS, OWN] dS
+            ds = (p * (dp * factor - gl.expand_dims(delta, 1))).to(dtype)
+        else:
+            p_own.store(p.to(dtype))
+            dp = warpgroup_mma_wait(0, deps=(dp, ))
+            ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
         # dS buffer i % 2; its previous use (block i - 2) is free once the dQ products of that block completed
         buffer = i % 2
         if OVER_ALL_KEYS:
@@ -321,7 +336,7 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
                            lse_desc, delta_desc, DK, DV, dq_counters,
                            stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                            num_heads_k, group_size, seqlen_q, seqlen_k, head_dim, heads_per_group, softmax_scale,
-                           qk_scale_log2, window_left, window_right,
+                           qk_scale_log2, window_left, window_right, dropout_args,
                            CAUSAL: gl.constexpr, LOCAL: gl.constexpr, ORDERED: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """k_desc ... dq_desc: the descriptors of the first chunk of the head dim's tiles (column 0 on), k_desc2 ...
@@ -339,7 +354,8 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     the last's (the loops are a rotation), so the launcher gives it launch-order groups of one head and at most one
     key block per SM (all of a head's key blocks resident together). LOCAL: a local window (window_left,
     window_right, normalized as kernels/common's): each key block loops over the query blocks whose windows meet it
-    and masks both edges (common.masked_probabilities); not with ORDERED."""
+    and masks both edges (common.masked_probabilities); not with ORDERED. dropout_args: (RngState, keep_threshold,
+    dropout_scale), RngState None without dropout: the forward's mask (kernels/hopper/dropout.py) drops P and dP."""
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
@@ -426,6 +442,11 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
         order_of = ((), ())
     loop = (group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
             causal, first_visit, window)
+    # dropout's (RngState, keep_threshold, dropout_scale, query heads), or ()
+    if dropout_args[0] is not None:
+        dropout = dropout_args + (num_heads_k * group_size, )
+    else:
+        dropout = ()
     barriers = (kv_ready, q_ready, q_empty, ds_ready, ds_free)
     # [OWN, WIDTH] per chunk: each consumer's key half of K and V
     k_halves = (key_rows(k_flat, 0, OWN), key_rows(k_flat, OWN, OWN))
@@ -450,9 +471,9 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     second = (k_halves[1], v_halves[1]) + second_dq + staged + (p_smem.index(1), ds_smem[1]) + ds_smem + (
         dq_tiles[1], )
     first = first + barriers + (dq_descs[0], ) + pointers + (gl.to_tensor(0), gl.to_tensor(0)) + loop + (
-        order_of[0], )
+        order_of[0], dropout)
     second = second + barriers + (dq_descs[1], ) + pointers + (gl.to_tensor(OWN), gl.to_tensor(second_feature)) + \
-        loop + (order_of[1], )
+        loop + (order_of[1], dropout)
     producer = (k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
                 lse_smem, delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads_k * group_size,
                 group_size, m_block_lo, blocks_per_head, n_iterations, first_visit)

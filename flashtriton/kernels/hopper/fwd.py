@@ -46,6 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .common import accumulate_register_products, allocate_chunks, arrive_after_wgmma, chained_products, \
     chunk_descriptors, chunks_bytes, chunks_width, copy_pieces, entries_of, matrices_of, wait_products, \
     zero_accumulators
+from .dropout import dropout_key, dropped, row_draws
 from .fwd_softmax import hold_schedule, logits, mask_block, mask_local, operand_of, reciprocal, rescale, softmax_block
 from .schedule import first_cursor, more_work, next_piece
 
@@ -183,7 +184,7 @@ def _rescale_chunks(acc, alpha, lag):
 @gluon.jit
 def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, release_q, first_load, top, count,
                 row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, alibi, causal, window, turns, lead, fences, lag,
-                residues, clear_v):
+                residues, clear_v, draws):
     """One consumer's pass over a work item's key blocks (the program's loads first_load, first_load + 1, ...) for its
     Q tile q ([ROWS, WIDTH] per chunk of the head dim, shared memory; k_smem and v_smem [STAGES, 1, BLOCK_N, 1, WIDTH]
     per chunk of their head dims): `count` key blocks from block `top` down (step j visits block top - j; a whole
@@ -197,7 +198,9 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     block's S_j + P_{j-1} V_{j-1} issue are steps first_load, first_load + 1, ... of _wait_turn (both consumers
     count the same loads). lag: softmax_block's; residues: mask_block's; alibi: logits' (qk_scale_log2 is 1 where it
     is given). clear_v: (0, ) for a varlen call, else (): V's rows past seqlen_k in block `top` (the only block that
-    crosses it) are zeroed before its P V (_clear_rows_past). Returns the unnormalized output ([ROWS, WIDTH] per
+    crosses it) are zeroed before its P V (_clear_rows_past). draws: () or (dropout.row_draws' of the rows, ):
+    dropped elements of P are zeroed after the row sum took them (the LSE ignores dropout). Returns the unnormalized
+    output ([ROWS, WIDTH] per
     chunk of V's head dim), the running max (log2 units) and the row sum [ROWS]."""
     ROWS: gl.constexpr = q[0].shape[0]
     STAGES: gl.constexpr = k_smem[0].shape[0]
@@ -228,6 +231,8 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     else:
         s = mask_block(s, top, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
     p, m_i, l_i, alpha = softmax_block(s, m_i, l_i, qk_scale_log2, lag)
+    if len(draws) > 0:
+        p = dropped(p, top, draws[0], col_s)
     # [ROWS, BLOCK_N] the wgmma's A operand, made where the softmax ends: only these half-width registers stay live
     # across the next S issue (fp32 p live there pushes ptxas to wait for P V before the softmax, serializing them)
     p = operand_of(p, q[0].dtype, p_layout)
@@ -253,6 +258,8 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         elif causal != 0:
             s = mask_block(s, top - j, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
         p, m_i, l_i, alpha = softmax_block(s, m_i, l_i, qk_scale_log2, lag)
+        if len(draws) > 0:
+            p = dropped(p, top - j, draws[0], col_s)
         hold_schedule(fences)
         acc = wait_products(acc)
         arrive_after_wgmma(v_empty.index(previous))
@@ -368,7 +375,7 @@ def _store_partial_chunk(out, column0, Partial, slot, row_offset, TILE_ROWS: gl.
 @gluon.jit
 def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, Partial, PartialLse, k_smem, v_smem,
               k_ready, v_ready, k_empty, v_empty, team, fences, lag, residues, stride_lse_b, stride_lse_h, tail,
-              work, qk_scale_log2, alibi, o_in_q, rows_out):
+              work, qk_scale_log2, alibi, o_in_q, rows_out, dropout):
     """One warpgroup: query rows [m_start + row_offset, + ROWS) of every piece of work of this program (a tile, or part
     of a tail tile's key blocks: next_piece). Per piece: wait for its Q tile (q_tile [1, ROWS, 1, WIDTH] per chunk,
     shared), run the key blocks, normalize, store the natural-log LSE and O (_store_output; a partial piece's to the
@@ -381,7 +388,7 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
     softmax_block's; residues: mask_block's; alibi: () or (AlibiSlopes, stride_alibi_b,
     alibi_pure_causal, qk_scale_log2 of the logits) (_run_piece loads each tile's slope for logits); rows_out:
     _store_output's (varlen: O's pointer, strides and head dim; its length also tells _key_blocks to clear V past
-    each sequence's keys)."""
+    each sequence's keys); dropout: () or (RngState, keep_threshold, dropout_scale) (_run_piece)."""
     ROWS: gl.constexpr = q_tile[0].shape[1]
     TILE_ROWS: gl.constexpr = len(team) * ROWS
     BLOCK_N: gl.constexpr = k_smem[0].shape[2]
@@ -396,7 +403,7 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
     barriers = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
     outputs = (o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, rows_out)
     options = (row_offset, turns, lead, fences, lag, residues, clear_v, work[6], work[8], qk_scale_log2, alibi,
-               o_in_q, tail, team)
+               o_in_q, tail, team, dropout, work[3])
     load = 0
     done = 0
     item, which, x_start, x_end = first_cursor(tail)
@@ -420,13 +427,13 @@ def _run_piece(piece, load, done, tiles, barriers, outputs, options):
     tiles: (q ([ROWS, WIDTH] per chunk, shared), o_tile, k_smem, v_smem); barriers: (q_ready, q_empty, k_ready, v_ready,
     k_empty, v_empty); outputs: (o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, rows_out); options:
     (row_offset, turns, lead, fences, lag, residues, clear_v, causal, window, qk_scale_log2, alibi, o_in_q, tail,
-    team)."""
+    team, dropout, num_heads); dropout: () or (RngState, keep_threshold, dropout_scale)."""
     batch, head, m_start, top, count, slot, bounds = piece
     q, o_tile, k_smem, v_smem = tiles
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = barriers
     o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, rows_out = outputs
     (row_offset, turns, lead, fences, lag, residues, clear_v, causal, window, qk_scale_log2, alibi, o_in_q, tail,
-     team) = options
+     team, dropout, num_heads) = options
     ROWS: gl.constexpr = q[0].shape[0]
     TILE_ROWS: gl.constexpr = len(team) * ROWS
     BLOCK_N: gl.constexpr = k_smem[0].shape[2]
@@ -442,10 +449,14 @@ def _run_piece(piece, load, done, tiles, barriers, outputs, options):
     row0 = m_start + row_offset
     # [ROWS] this consumer's query rows (of the sequence)
     offs_m = row0 + gl.arange(0, ROWS, row_s)
+    # the rows' dropout draws in the (batch, head) stream, or ()
+    draws = ()
+    if len(dropout) > 0:
+        draws = (row_draws(dropout_key(dropout[0], dropout[1]), batch * num_heads + head, offs_m), )
     mbarrier.wait(q_ready, done & 1)
     acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,
                                 load, top, count, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, alibi_row,
-                                causal, window, turns, lead, fences, lag, residues, clear_v)
+                                causal, window, turns, lead, fences, lag, residues, clear_v, draws)
     seen = l_i > 0.0
     # [ROWS] the row sums, 1 for rows that saw no key
     row_sum = gl.where(seen, l_i, 1.0)
@@ -453,6 +464,8 @@ def _run_piece(piece, load, done, tiles, barriers, outputs, options):
     # instructions: div.full's range fix-ups, and spills at d128); rcp.approx is within 1 ulp, and a seen
     # row's sum is >= 1 (its max's own term), so no denormal reaches it.
     inverse_sum = reciprocal(row_sum)
+    if len(dropout) > 0:
+        inverse_sum = inverse_sum * dropout[2]  # kept probabilities count 1 / (1 - p) times
     # [ROWS] natural-log LSE (rows without a key: +inf in the output, -inf, no weight, in a partial result)
     lse = (m_i + gl.log2(row_sum)) * 0.6931471805599453
     out = _rescale_chunks(acc, inverse_sum, ())
@@ -487,7 +500,7 @@ def _consumer_args(consumer: gl.constexpr, q_smem, o_smem, q_ready, q_empty, tur
 def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_desc2, o_desc2, Lse, Partial,
                            PartialLse, stride_lse_b, stride_lse_h, batch, num_heads, group_size, seqlen_q, seqlen_k, heads_per_group, paired, full_items,
                            tail_programs, tail_blocks, item_blocks, qk_scale_log2, rescale_threshold, window_left,
-                           window_right, varlen, q_rows, k_rows, alibi_args, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
+                           window_right, varlen, q_rows, k_rows, alibi_args, dropout_args, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
                            STAGES: gl.constexpr,
                            CONSUMERS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, HOLD_SCHEDULE: gl.constexpr,
@@ -519,7 +532,9 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_d
     sequence's keys are zeroed in shared memory before they meet P (_clear_rows_past). Grids are not paired and the
     tail is not cut. alibi_args: (AlibiSlopes, stride_alibi_b, alibi_pure_causal, logit_scale_log2); ALiBi
     (AlibiSlopes given, None otherwise; stride_alibi_b 0 for (H,) slopes): the logits q.k * logit_scale_log2 get
-    kernels/common.alibi_bias_log2's bias (fwd_softmax.logits), qk_scale_log2 1."""
+    kernels/common.alibi_bias_log2's bias (fwd_softmax.logits), qk_scale_log2 1. dropout_args: (RngState,
+    keep_threshold, dropout_scale), RngState None without dropout: P's elements are dropped by kernels/common.dropout_keep's
+    mask (kernels/hopper/dropout.py) after the row sums, and the output scaled by dropout_scale."""
     ROWS: gl.constexpr = CONSUMER_ROWS
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     q_descs, k_descs = chunk_descriptors(q_desc, q_desc2), chunk_descriptors(k_desc, k_desc2)
@@ -612,12 +627,17 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_d
         seqs = ()
         rows_out = ()
     work = (num_tiles, num_batch_heads, heads_per_group, num_heads, seqlen_q, seqlen_k, causal, paired, window, seqs)
+    # dropout's (RngState, keep_threshold, dropout_scale), or () without it
+    if dropout_args[0] is not None:
+        dropout = dropout_args
+    else:
+        dropout = ()
     if SPLIT_TAIL:
         tail = (full_items, tail_programs, tail_blocks, item_blocks)
     else:
         tail = (full_items, )
     common = (o_descs, Lse, Partial, PartialLse, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, team, fences, lag,
-              residues, stride_lse_b, stride_lse_h, tail, work, qk_scale_log2, alibi, o_in_q, rows_out)
+              residues, stride_lse_b, stride_lse_h, tail, work, qk_scale_log2, alibi, o_in_q, rows_out, dropout)
     producer_args = (q_descs, k_descs, v_descs, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, group_size, tail, work)
     first = _consumer_args(0, q_smem, o_smem, q_ready, q_empty, turns, common)
