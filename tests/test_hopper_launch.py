@@ -43,7 +43,7 @@ SCRIPT = textwrap.dedent('''
         return [torch.randn(*shape, dtype=torch.bfloat16) for shape in shapes]
 
     # dense forwards: causal, full, full at d256 (a cut tail at 132 programs: the tail merge), ALiBi, a head dim on
-    # wider tiles, V's own head dim; the causal ones with dropout
+    # wider tiles, V's own head dim; the causal ones with dropout, V's own head dim with sinks
     for head_dim, head_dim_v, causal, alibi in ((128, 128, True, False), (128, 128, False, False),
                                                 (256, 256, False, False), (64, 64, True, True), (96, 96, True, False),
                                                 (192, 128, False, False)):
@@ -51,7 +51,8 @@ SCRIPT = textwrap.dedent('''
         out, lse = torch.empty(1, 8192, 4, head_dim_v, dtype=q.dtype), torch.empty(1, 4, 8192)
         hopper.launch_fwd(q, k, v, out, lse, (lse.stride(0), lse.stride(1)), score_params(0.1, causal, -1, -1, 0.0,
                           8192), 8192, 8192, 1, 4, alibi_slopes=torch.rand(4) if alibi else None,
-                          dropout_p=0.1 if causal else 0.0, rng_state=torch.zeros(2, dtype=torch.int64))
+                          dropout_p=0.1 if causal else 0.0, rng_state=torch.zeros(2, dtype=torch.int64),
+                          learnable_sink=torch.randn(4) if head_dim_v != head_dim else None)
     # a varlen forward with a local window
     cu = torch.tensor([0, 300, 700], dtype=torch.int32)
     q, k, v = tensors((700, 4, 128), (700, 2, 128), (700, 2, 128))

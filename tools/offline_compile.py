@@ -162,12 +162,13 @@ def _compile_gluon(kernel, signature: dict, constexprs: dict):
 
 
 def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", local: bool = False,
-                       head_dim_v: int = 0, varlen: bool = False, alibi: bool = False, dropout: bool = False):
+                       head_dim_v: int = 0, varlen: bool = False, alibi: bool = False, dropout: bool = False,
+                       sinks: bool = False):
     """The Gluon Hopper forward (kernels/hopper/fwd.py) with `config` (default configs.HOPPER_FWD[the wider tile
     dim, causal]), as a dense launch (`varlen`: a varlen one) on the tiles of head_dim for Q / K and of head_dim_v
     for V / O (0: head_dim's; head dims between the tile classes run on the next wider tiles,
     configs.hopper_fwd_tile_dim, as ops/hopper.launch_fwd does); `local`: a local window (LOCAL); `alibi`: ALiBi
-    slopes; `dropout`: dropout's rng_state."""
+    slopes; `dropout`: dropout's rng_state; `sinks`: learnable sinks."""
     from flashtriton import configs
     from flashtriton.kernels.hopper.fwd import CONSUMER_ROWS, attn_fwd_hopper_kernel
     from flashtriton.ops.hopper import forward_constexprs
@@ -206,6 +207,10 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     signature["dropout_args"] = ("*i64" if dropout else "constexpr", "fp32", "fp32")
     if not dropout:
         constexprs[(names.index("dropout_args"), 0)] = None
+    if sinks:
+        signature["LearnableSink"] = "*fp32"
+    else:
+        constexprs["LearnableSink"] = None
     signature = {name: signature[name] for name in names if name in signature}  # in the kernel's order
     return _compile_gluon(attn_fwd_hopper_kernel, signature, constexprs)
 
@@ -306,6 +311,7 @@ def main():
     parser.add_argument("--config", default="128,128,8,3")
     parser.add_argument("--dropout", action="store_true")
     parser.add_argument("--alibi", action="store_true", help="fwd-hopper: ALiBi slopes")
+    parser.add_argument("--sinks", action="store_true", help="fwd-hopper: learnable sinks")
     parser.add_argument("--fp8", action="store_true", help="forward only: e4m3 q, k, v with descales (bf16 out)")
     parser.add_argument("--pack-gqa", action="store_true", help="forward only: packed GQA decode tiles")
     parser.add_argument("--paged", action="store_true", help="forward only: paged K/V, one page per key tile")
@@ -357,9 +363,9 @@ def main():
             config = HopperFwdConfig(int(block_n), int(stages), int(regs), *flags, *threshold, *consumers)
         compiled = compile_hopper_fwd(args.head_dim, args.causal, config, local=args.local,
                                       head_dim_v=args.head_dim_v or 0, varlen=args.packed,
-                                      alibi=args.alibi, dropout=args.dropout)
+                                      alibi=args.alibi, dropout=args.dropout, sinks=args.sinks)
         print(f"fwd-hopper d{args.head_dim} dv{args.head_dim_v or args.head_dim} causal={args.causal} "
-              f"local={args.local} varlen={args.packed} alibi={args.alibi} dropout={args.dropout} "
+              f"local={args.local} varlen={args.packed} alibi={args.alibi} dropout={args.dropout} sinks={args.sinks} "
               f"{args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} "
               f"shared {compiled.metadata.shared} wgmma {compiled.asm['ptx'].count('wgmma.mma_async')} "

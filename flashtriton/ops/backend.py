@@ -153,7 +153,7 @@ def fwd_row_bounds(q, k, is_varlen: bool, block_table, seqused_k, leftpad_k, cac
 def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides: Tuple[int, int],
                seqlen_q: int, seqlen_k: int, batch: int, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
                leftpad_k=None, block_table=None, cache_batch_idx=None, num_splits: int = 1, dropout_p: float = 0.0,
-               rng_state=None, descales=None) -> None:
+               rng_state=None, descales=None, learnable_sink=None) -> None:
     """Run the forward kernel into preallocated out (q's layout) and lse (fp32, rows contiguous).
 
     Dense: q/k/v (B, S, H, D) (v and out: V's head dim Dv, any of 1..MAX_HEAD_DIM). Varlen (cu_seqlens given):
@@ -162,7 +162,8 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     to K/V rows; seqused_k / leftpad_k bound each row's keys. num_splits > 1 (dense layout only) splits
     each row's keys, writes fp32 partials and merges them with the combine kernel. dropout_p > 0 drops
     attention probabilities with the Philox stream seeded by rng_state ((2,) int64: seed, offset). descales: FP8
-    q, k, v's (q_descale, k_descale, v_descale), (B, Hk) fp32 each (out is bf16 then).
+    q, k, v's (q_descale, k_descale, v_descale), (B, Hk) fp32 each (out is bf16 then). learnable_sink (H,), dense
+    calls: folded into out and lse, by the Gluon forward itself or by sink.fold_sink after the Triton kernel.
     """
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k, head_dim_v = k.shape[-2], v.shape[-1]
@@ -187,7 +188,7 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     if hopper.gluon_runs("fwd", q, params, seqlen_q, seqlen_k, plain, (q, k, v, out), head_dim_v=head_dim_v):
         with device_guard(q):
             hopper.launch_fwd(q, k, v, out, lse, lse_strides, params, seqlen_q, seqlen_k, batch, heads_per_group,
-                              cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_p, rng_state)
+                              cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_p, rng_state, learnable_sink)
         return
     q_strides = _varlen_strides if is_varlen else _bsh_strides
     kv_strides = _paged_strides if is_paged else q_strides
@@ -257,6 +258,9 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
                 num_heads, seqlen_q, num_splits,
                 HEAD_DIM=head_dim_v, BLOCK_D=block_dim_v, BLOCK_M=COMBINE_BLOCK,
             )
+    if learnable_sink is not None:
+        sink.fold_sink(target_out if is_split else out, target_lse if is_split else lse, learnable_sink,
+                       runs_kernels=True)
 
 
 def mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
@@ -315,9 +319,8 @@ def _mha_fwd(q, k, v, dropout_p: float, softmax_scale: float, causal: bool, wind
     if seqlen_q <= configs.DECODE_MAX_ROWS and dropout_p == 0.0:
         num_splits = splits_for(q, k.shape[2], seqlen_q, seqlen_k, 0, params.causal_like, head_dim_v=head_dim_v)
     launch_fwd(q, k, v, out, lse, params, alibi_slopes, (lse.stride(0), lse.stride(1)), seqlen_q, seqlen_k, batch,
-               num_splits=num_splits, dropout_p=dropout_p, rng_state=rng_state, descales=descales if fp8 else None)
-    if learnable_sink is not None:
-        sink.fold_sink(out, lse, learnable_sink, runs_kernels=True)
+               num_splits=num_splits, dropout_p=dropout_p, rng_state=rng_state, descales=descales if fp8 else None,
+               learnable_sink=learnable_sink)
     return out, lse, s_dmask, rng_state
 
 

@@ -234,11 +234,12 @@ def chunk_descriptors(tensor: torch.Tensor, rows: int, tile_dim: int) -> Tuple:
 
 def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
                heads_per_group: int, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None, dropout_p: float = 0.0,
-               rng_state=None) -> None:
+               rng_state=None, learnable_sink=None) -> None:
     """Run the Gluon forward into out (B, Sq, H, Dv) and lse (fp32, rows contiguous, strides lse_strides). Varlen
     (cu_seqlens given): q, k, v and out (T, H, D), batch sequences, seqlen_q / seqlen_k the longest lengths, lse
     (H, T) with lse_strides (0, T). alibi_slopes: fp32 (H,) or (B, H). dropout_p > 0: attention probabilities
-    dropped by the mask of rng_state ((2,) int64: seed, offset; docs/api.md §4.7)."""
+    dropped by the mask of rng_state ((2,) int64: seed, offset; docs/api.md §4.7). learnable_sink (H,): folded into
+    out and lse by the kernel (docs/api.md §4.11)."""
     global fwd_launch_count, tail_merge_count
     num_heads, head_dim, head_dim_v = q.shape[-2], q.shape[-1], v.shape[-1]
     varlen = cu_seqlens_q is not None
@@ -265,7 +266,8 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
     items = ((num_tiles + 1) // 2 if paired else num_tiles) * batch * num_heads
     split = None
     # the tail merge writes whole tile rows of q's head dim: not where out is narrower than the tiles or than q
-    if cuts_tail(config) and not (local or varlen) and tile_dim == head_dim == head_dim_v:
+    # (nor with sinks: a partial piece would fold its sink, and the merge add it again)
+    if cuts_tail(config) and not (local or varlen) and tile_dim == head_dim == head_dim_v and learnable_sink is None:
         split = tail_split(items, programs, paired, num_tiles, tile_rows, config.block_n, seqlen_q, seqlen_k,
                            params.causal_like, config.tail_min_blocks)
     work = (heads_per_group, int(paired), items, 0, 0, 1)
@@ -286,7 +288,7 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
         1.0 if alibi_slopes is not None else params.qk_scale_log2, config.rescale_threshold,
         params.window_left, params.window_right, *varlen_args,
         (alibi_slopes, alibi_batch_stride(alibi_slopes), int(params.alibi_pure_causal), params.qk_scale_log2),
-        (rng_state if dropout_p > 0.0 else None, *kernel_dropout(dropout_p)),
+        (rng_state if dropout_p > 0.0 else None, *kernel_dropout(dropout_p)), learnable_sink,
         **forward_constexprs(config, params.causal_like, local))
     if split is not None:
         launch(

@@ -375,7 +375,7 @@ def _store_partial_chunk(out, column0, Partial, slot, row_offset, TILE_ROWS: gl.
 @gluon.jit
 def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, Partial, PartialLse, k_smem, v_smem,
               k_ready, v_ready, k_empty, v_empty, team, fences, lag, residues, stride_lse_b, stride_lse_h, tail,
-              work, qk_scale_log2, alibi, o_in_q, rows_out, dropout):
+              work, qk_scale_log2, alibi, o_in_q, rows_out, dropout, sinks):
     """One warpgroup: query rows [m_start + row_offset, + ROWS) of every piece of work of this program (a tile, or part
     of a tail tile's key blocks: next_piece). Per piece: wait for its Q tile (q_tile [1, ROWS, 1, WIDTH] per chunk,
     shared), run the key blocks, normalize, store the natural-log LSE and O (_store_output; a partial piece's to the
@@ -388,7 +388,8 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
     softmax_block's; residues: mask_block's; alibi: () or (AlibiSlopes, stride_alibi_b,
     alibi_pure_causal, qk_scale_log2 of the logits) (_run_piece loads each tile's slope for logits); rows_out:
     _store_output's (varlen: O's pointer, strides and head dim; its length also tells _key_blocks to clear V past
-    each sequence's keys); dropout: () or (RngState, keep_threshold, dropout_scale) (_run_piece)."""
+    each sequence's keys); dropout: () or (RngState, keep_threshold, dropout_scale), sinks: () or (LearnableSink, )
+    (_run_piece)."""
     ROWS: gl.constexpr = q_tile[0].shape[1]
     TILE_ROWS: gl.constexpr = len(team) * ROWS
     BLOCK_N: gl.constexpr = k_smem[0].shape[2]
@@ -403,7 +404,7 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
     barriers = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
     outputs = (o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, rows_out)
     options = (row_offset, turns, lead, fences, lag, residues, clear_v, work[6], work[8], qk_scale_log2, alibi,
-               o_in_q, tail, team, dropout, work[3])
+               o_in_q, tail, team, dropout, work[3], sinks)
     load = 0
     done = 0
     item, which, x_start, x_end = first_cursor(tail)
@@ -427,13 +428,14 @@ def _run_piece(piece, load, done, tiles, barriers, outputs, options):
     tiles: (q ([ROWS, WIDTH] per chunk, shared), o_tile, k_smem, v_smem); barriers: (q_ready, q_empty, k_ready, v_ready,
     k_empty, v_empty); outputs: (o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, rows_out); options:
     (row_offset, turns, lead, fences, lag, residues, clear_v, causal, window, qk_scale_log2, alibi, o_in_q, tail,
-    team, dropout, num_heads); dropout: () or (RngState, keep_threshold, dropout_scale)."""
+    team, dropout, num_heads, sinks); dropout: () or (RngState, keep_threshold, dropout_scale); sinks: () or
+    (LearnableSink, ): folded into the output and LSE (not into a partial piece's: launch_fwd cuts no tail then)."""
     batch, head, m_start, top, count, slot, bounds = piece
     q, o_tile, k_smem, v_smem = tiles
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = barriers
     o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, rows_out = outputs
     (row_offset, turns, lead, fences, lag, residues, clear_v, causal, window, qk_scale_log2, alibi, o_in_q, tail,
-     team, dropout, num_heads) = options
+     team, dropout, num_heads, sinks) = options
     ROWS: gl.constexpr = q[0].shape[0]
     TILE_ROWS: gl.constexpr = len(team) * ROWS
     BLOCK_N: gl.constexpr = k_smem[0].shape[2]
@@ -458,20 +460,34 @@ def _run_piece(piece, load, done, tiles, barriers, outputs, options):
                                 load, top, count, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, alibi_row,
                                 causal, window, turns, lead, fences, lag, residues, clear_v, draws)
     seen = l_i > 0.0
-    # [ROWS] the row sums, 1 for rows that saw no key
-    row_sum = gl.where(seen, l_i, 1.0)
-    # [ROWS] one reciprocal per row, then a multiply per element (a division per element costs ~5
-    # instructions: div.full's range fix-ups, and spills at d128); rcp.approx is within 1 ulp, and a seen
-    # row's sum is >= 1 (its max's own term), so no denormal reaches it.
-    inverse_sum = reciprocal(row_sum)
+    if len(sinks) > 0:
+        # the head's sink logit (log2 units) joins every row's sum; [ROWS] what the keys keep of it (0 for rows
+        # that saw no key: their output is 0 and their LSE the sink's)
+        sink = gl.load(sinks[0] + head).to(gl.float32)
+        sink_log2 = sink * 1.4426950408889634
+        top = gl.maximum(m_i, sink_log2)
+        keys_share = gl.exp2(m_i - top)
+        # [ROWS] the sums with the sink, >= 1 (the larger of the row's max and the sink contributes 1)
+        row_sum = l_i * keys_share + gl.exp2(sink_log2 - top)
+        inverse_sum = reciprocal(row_sum) * keys_share
+        lse = (top + gl.log2(row_sum)) * 0.6931471805599453
+        stored_lse = gl.where(seen, lse, sink)
+    else:
+        # [ROWS] the row sums, 1 for rows that saw no key
+        row_sum = gl.where(seen, l_i, 1.0)
+        # [ROWS] one reciprocal per row, then a multiply per element (a division per element costs ~5
+        # instructions: div.full's range fix-ups, and spills at d128); rcp.approx is within 1 ulp, and a seen
+        # row's sum is >= 1 (its max's own term), so no denormal reaches it.
+        inverse_sum = reciprocal(row_sum)
+        # [ROWS] natural-log LSE (rows without a key: +inf in the output, -inf, no weight, in a partial result)
+        lse = (m_i + gl.log2(row_sum)) * 0.6931471805599453
+        stored_lse = gl.where(seen, lse, float("inf"))
     if len(dropout) > 0:
         inverse_sum = inverse_sum * dropout[2]  # kept probabilities count 1 / (1 - p) times
-    # [ROWS] natural-log LSE (rows without a key: +inf in the output, -inf, no weight, in a partial result)
-    lse = (m_i + gl.log2(row_sum)) * 0.6931471805599453
     out = _rescale_chunks(acc, inverse_sum, ())
     if len(tail) > 1:
         if slot < 0:
-            _store_output(out, gl.where(seen, lse, float("inf")), o_tile, o_desc, q_empty, Lse,
+            _store_output(out, stored_lse, o_tile, o_desc, q_empty, Lse,
                           stride_lse_b, stride_lse_h, batch, head, row0, offs_m, bounds, rows_out, o_in_q)
         else:
             _store_partial(out, gl.where(seen, lse, float("-inf")), Partial, PartialLse, slot, row_offset,
@@ -479,7 +495,7 @@ def _run_piece(piece, load, done, tiles, barriers, outputs, options):
             if o_in_q != 0:
                 mbarrier.arrive(q_empty)
     else:
-        _store_output(out, gl.where(seen, lse, float("inf")), o_tile, o_desc, q_empty, Lse, stride_lse_b,
+        _store_output(out, stored_lse, o_tile, o_desc, q_empty, Lse, stride_lse_b,
                       stride_lse_h, batch, head, row0, offs_m, bounds, rows_out, o_in_q)
     load += count
     done += 1
@@ -500,7 +516,8 @@ def _consumer_args(consumer: gl.constexpr, q_smem, o_smem, q_ready, q_empty, tur
 def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_desc2, o_desc2, Lse, Partial,
                            PartialLse, stride_lse_b, stride_lse_h, batch, num_heads, group_size, seqlen_q, seqlen_k, heads_per_group, paired, full_items,
                            tail_programs, tail_blocks, item_blocks, qk_scale_log2, rescale_threshold, window_left,
-                           window_right, varlen, q_rows, k_rows, alibi_args, dropout_args, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
+                           window_right, varlen, q_rows, k_rows, alibi_args, dropout_args, LearnableSink,
+                           CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
                            STAGES: gl.constexpr,
                            CONSUMERS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, HOLD_SCHEDULE: gl.constexpr,
@@ -534,7 +551,9 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_d
     (AlibiSlopes given, None otherwise; stride_alibi_b 0 for (H,) slopes): the logits q.k * logit_scale_log2 get
     kernels/common.alibi_bias_log2's bias (fwd_softmax.logits), qk_scale_log2 1. dropout_args: (RngState,
     keep_threshold, dropout_scale), RngState None without dropout: P's elements are dropped by kernels/common.dropout_keep's
-    mask (kernels/hopper/dropout.py) after the row sums, and the output scaled by dropout_scale."""
+    mask (kernels/hopper/dropout.py) after the row sums, and the output scaled by dropout_scale. LearnableSink ((H,)
+    logits, or None): each head's sink joins its rows' softmax sums (docs/api.md §4.11: out and the LSE include it;
+    rows without a key: out 0, LSE the sink); the launcher cuts no tail with sinks (a partial piece has none)."""
     ROWS: gl.constexpr = CONSUMER_ROWS
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     q_descs, k_descs = chunk_descriptors(q_desc, q_desc2), chunk_descriptors(k_desc, k_desc2)
@@ -632,12 +651,17 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_d
         dropout = dropout_args
     else:
         dropout = ()
+    # the sinks, or () without them
+    if LearnableSink is not None:
+        sinks = (LearnableSink, )
+    else:
+        sinks = ()
     if SPLIT_TAIL:
         tail = (full_items, tail_programs, tail_blocks, item_blocks)
     else:
         tail = (full_items, )
     common = (o_descs, Lse, Partial, PartialLse, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, team, fences, lag,
-              residues, stride_lse_b, stride_lse_h, tail, work, qk_scale_log2, alibi, o_in_q, rows_out, dropout)
+              residues, stride_lse_b, stride_lse_h, tail, work, qk_scale_log2, alibi, o_in_q, rows_out, dropout, sinks)
     producer_args = (q_descs, k_descs, v_descs, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, group_size, tail, work)
     first = _consumer_args(0, q_smem, o_smem, q_ready, q_empty, turns, common)
