@@ -258,8 +258,6 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     first_key = n_start + key0
     if len(dropout) > 0:
         key = dropout_key(dropout[0], dropout[1])
-        # [ROWS, OWN] the kept elements' factor 1 / (1 - p) before the mask
-        kept_scale = zero_s + dropout[2]
     if len(order) > 0:
         gl.static_assert(OVER_ALL_KEYS, "ordered dQ takes the split by features (head dim 128)")
     mbarrier.wait(kv_ready, 0)
@@ -281,15 +279,17 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
         # [ROWS, OWN] P
         p = masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window)
         if len(dropout) > 0:
-            # [ROWS, OWN] 1 / (1 - p) where the forward kept P, 0 where it dropped it
-            factor = dropped(kept_scale, first_key // OWN, row_draws(key, batch * dropout[3] + head,
-                                                                     m_start + gl.arange(0, ROWS, row_of_s)),
-                             gl.SliceLayout(0, s_layout))
+            # [ROWS, OWN] P where the forward kept it times 1 / (1 - p), 0 where it dropped it
+            kept = dropped(p, first_key // OWN, row_draws(key, batch * dropout[3] + head,
+                                                          m_start + gl.arange(0, ROWS, row_of_s)),
+                           gl.SliceLayout(0, s_layout)) * dropout[2]
             # this consumer's previous dV product (the reader of p_own) completed last iteration
-            p_own.store((p * factor).to(dtype))
+            p_own.store(kept.to(dtype))
+            # [ROWS, OWN] P delta, so that only the kept P stays live across the wait
+            p = p * gl.expand_dims(delta, 1)
             dp = warpgroup_mma_wait(0, deps=(dp, ))
-            # [ROWS, OWN] dS
-            ds = (p * (dp * factor - gl.expand_dims(delta, 1))).to(dtype)
+            # [ROWS, OWN] dS = P (dP kept / (1 - p) - delta)
+            ds = (kept * dp - p).to(dtype)
         else:
             p_own.store(p.to(dtype))
             dp = warpgroup_mma_wait(0, deps=(dp, ))
