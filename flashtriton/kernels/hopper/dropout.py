@@ -6,7 +6,8 @@ A thread of a [64 rows, BLOCK_N] accumulator (warp w of the warpgroup, lane 4 g 
 half, key group). The mapping's Philox call (4 (j / 32) + t, 8 (i / 16) + i % 8, stream, offset) covers exactly a
 thread's sixteen consecutive registers of one 32-key group: byte 2 h + e of word k is the element of row half h,
 key parity e in group k. So one Philox4x32-10 per sixteen elements, no draw wasted, in inline PTX over packs of
-sixteen elements (_drop_ptx); the Triton kernels draw the same bits their own way.
+sixteen elements (_philox_ptx draws a pack's four words, _select_ptx keeps or zeroes its elements by them); the
+Triton kernels draw the same bits their own way.
 """
 
 from triton.experimental import gluon
@@ -19,15 +20,14 @@ _PHILOX_KEY_B = 0xBB67AE85
 _PACK = 16  # elements per Philox call and asm instance
 
 
-def _drop_ptx() -> str:
-    """PTX over a pack of sixteen fp32 probabilities (operands: 16 results; then 16 each of the probabilities, the
-    pack's 32-key group number, its row pair number, seed low and high words, stream, offset and byte threshold; of
-    each group of 16 only the first is read: they are equal across a pack). The pack's key pair t is the lane's
-    lane % 4. Results: the probability where its byte <= threshold, else 0."""
-    first = {name: _PACK * (index + 2) for index, name in
-             enumerate(("group", "pair", "seed_lo", "seed_hi", "stream", "offset", "threshold"))}
-    lines = ["{", ".reg .u32 %c0, %c1, %c2, %c3, %k0, %k1, %lo0, %hi0, %lo1, %hi1, %t, %byte;",
-             ".reg .pred %keep;",
+def _philox_ptx() -> str:
+    """PTX of one Philox4x32-10 call per pack of sixteen elements (operands: 16 int32 results; then 16 each of the
+    pack's 32-key group number, its row pair number, seed low and high words, stream and offset; of each group of 16
+    only the first is read: they are equal across a pack). The pack's key pair t is the lane's lane % 4. Results 0-3
+    are the four words, the others 0 (unused: ptxas drops their moves)."""
+    first = {name: _PACK * (index + 1) for index, name in
+             enumerate(("group", "pair", "seed_lo", "seed_hi", "stream", "offset"))}
+    lines = ["{", ".reg .u32 %c0, %c1, %c2, %c3, %k0, %k1, %lo0, %hi0, %lo1, %hi1, %t;",
              "mov.u32 %t, %laneid;", "and.b32 %t, %t, 3;",
              f"shl.b32 %c0, ${first['group']}, 2;", "add.u32 %c0, %c0, %t;",
              f"mov.b32 %c1, ${first['pair']};", f"mov.b32 %c2, ${first['stream']};",
@@ -39,17 +39,29 @@ def _drop_ptx() -> str:
                   "xor.b32 %c0, %hi1, %c1;", "xor.b32 %c0, %c0, %k0;", "mov.b32 %c1, %lo1;",
                   "xor.b32 %c2, %hi0, %c3;", "xor.b32 %c2, %c2, %k1;", "mov.b32 %c3, %lo0;",
                   f"add.u32 %k0, %k0, {_PHILOX_KEY_A};", f"add.u32 %k1, %k1, {_PHILOX_KEY_B};"]
+    lines += [f"mov.b32 ${word}, %c{word};" for word in range(4)]
+    lines += [f"mov.b32 ${element}, 0;" for element in range(4, _PACK)]
+    return "\n".join(lines + ["}"])
+
+
+def _select_ptx() -> str:
+    """PTX over a pack of sixteen fp32 values and the pack's Philox words (operands: 16 results; 16 values; 16 words,
+    of which the first four are read; 16 thresholds, of which the first): element 4 k + b keeps its value where byte
+    b of word k is <= the threshold, else 0."""
+    lines = ["{", ".reg .u32 %byte;", ".reg .pred %keep;"]
     for element in range(_PACK):
         word, byte = divmod(element, 4)
-        lines += [f"bfe.u32 %byte, %c{word}, {8 * byte}, 8;",
-                  f"setp.le.u32 %keep, %byte, ${first['threshold']};",
+        lines += [f"bfe.u32 %byte, ${2 * _PACK + word}, {8 * byte}, 8;",
+                  f"setp.le.u32 %keep, %byte, ${3 * _PACK};",
                   f"selp.f32 ${element}, ${_PACK + element}, 0f00000000, %keep;"]
     return "\n".join(lines + ["}"])
 
 
-_DROP_PTX = gl.constexpr(_drop_ptx())
+_PHILOX_PTX = gl.constexpr(_philox_ptx())
+_PHILOX_CONSTRAINTS = gl.constexpr(",".join(["=r"] * _PACK + ["r"] * (6 * _PACK)))
+_SELECT_PTX = gl.constexpr(_select_ptx())
+_SELECT_CONSTRAINTS = gl.constexpr(",".join(["=f"] * _PACK + ["f"] * _PACK + ["r"] * (2 * _PACK)))
 _DROP_PACK = gl.constexpr(_PACK)
-_DROP_CONSTRAINTS = gl.constexpr(",".join(["=f"] * _PACK + ["f"] * _PACK + ["r"] * (7 * _PACK)))
 
 
 @gluon.jit
@@ -71,19 +83,36 @@ def row_draws(key, stream, offs_m):
 
 
 @gluon.jit
-def dropped(p, block, draws, col_s: gl.constexpr):
-    """p [ROWS, BLOCK_N] (fp32, the wgmma accumulator layout of 64-row warpgroup tiles; BLOCK_N a multiple of 32) of
-    key block `block` (keys from block * BLOCK_N) with the dropped elements set to 0 (draws: row_draws' of p's
-    rows). A p of one value everywhere gives the mask times that value."""
-    BLOCK_N: gl.constexpr = p.shape[1]
+def draw_words(like, block, draws, col_s: gl.constexpr):
+    """[ROWS, BLOCK_N] int32 in the layout of `like` (the wgmma accumulator layout of 64-row warpgroup tiles; BLOCK_N
+    a multiple of 32): the Philox words of key block `block` (keys from block * BLOCK_N), four per sixteen-element
+    pack of a thread (draws: row_draws' of the tile's rows). They depend on no score: the forward draws them while
+    the block's S wgmma runs (`kept` applies them)."""
+    BLOCK_N: gl.constexpr = like.shape[1]
     gl.static_assert(BLOCK_N % 32 == 0, "dropout draws 32-key groups")
     seed_lo, seed_hi, offset, threshold, stream, pairs = draws
     # [ROWS, BLOCK_N] int32 zeros to broadcast scalars over the tile
-    zeros = gl.zeros_like(p).to(gl.int32)
+    zeros = gl.zeros_like(like).to(gl.int32)
     # [ROWS, BLOCK_N] each element's 32-key group (equal across an asm pack) and row pair
     groups = zeros + block * (BLOCK_N // 32) + gl.expand_dims(gl.arange(0, BLOCK_N, col_s) // 32, 0)
-    row_pairs = zeros + gl.expand_dims(gl.convert_layout(pairs, gl.SliceLayout(1, p.type.layout)), 1)
-    return gl.inline_asm_elementwise(_DROP_PTX, _DROP_CONSTRAINTS,
-                                     [p, groups, row_pairs, zeros + seed_lo, zeros + seed_hi, zeros + stream,
-                                      zeros + offset, zeros + threshold],
-                                     dtype=gl.float32, is_pure=True, pack=_DROP_PACK)
+    row_pairs = zeros + gl.expand_dims(gl.convert_layout(pairs, gl.SliceLayout(1, like.type.layout)), 1)
+    return gl.inline_asm_elementwise(_PHILOX_PTX, _PHILOX_CONSTRAINTS,
+                                     [groups, row_pairs, zeros + seed_lo, zeros + seed_hi, zeros + stream,
+                                      zeros + offset],
+                                     dtype=gl.int32, is_pure=True, pack=_DROP_PACK)
+
+
+@gluon.jit
+def kept(p, words, draws):
+    """p [ROWS, BLOCK_N] (fp32) with the elements its Philox words (draw_words') drop set to 0."""
+    threshold = gl.zeros_like(words) + draws[3]
+    return gl.inline_asm_elementwise(_SELECT_PTX, _SELECT_CONSTRAINTS, [p, words, threshold], dtype=gl.float32,
+                                     is_pure=True, pack=_DROP_PACK)
+
+
+@gluon.jit
+def dropped(p, block, draws, col_s: gl.constexpr):
+    """p [ROWS, BLOCK_N] (fp32, the wgmma accumulator layout of 64-row warpgroup tiles; BLOCK_N a multiple of 32) of
+    key block `block` (keys from block * BLOCK_N) with the dropped elements set to 0 (draws: row_draws' of p's
+    rows)."""
+    return kept(p, draw_words(p, block, draws, col_s), draws)

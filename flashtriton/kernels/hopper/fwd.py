@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .common import accumulate_register_products, allocate_chunks, arrive_after_wgmma, chained_products, \
     chunk_descriptors, chunks_bytes, chunks_width, copy_pieces, entries_of, matrices_of, wait_products, \
     zero_accumulators
-from .dropout import dropout_key, dropped, row_draws
+from .dropout import draw_words, dropout_key, kept, row_draws
 from .fwd_softmax import hold_schedule, logits, mask_block, mask_local, operand_of, reciprocal, rescale, softmax_block
 from .schedule import first_cursor, more_work, next_piece
 
@@ -199,7 +199,8 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     count the same loads). lag: softmax_block's; residues: mask_block's; alibi: logits' (qk_scale_log2 is 1 where it
     is given). clear_v: (0, ) for a varlen call, else (): V's rows past seqlen_k in block `top` (the only block that
     crosses it) are zeroed before its P V (_clear_rows_past). draws: () or (dropout.row_draws' of the rows, ):
-    dropped elements of P are zeroed after the row sum took them (the LSE ignores dropout). Returns the unnormalized
+    each block's Philox words are drawn while its S wgmma runs, and the dropped elements of P zeroed after the row
+    sum took them (the LSE ignores dropout). Returns the unnormalized
     output ([ROWS, WIDTH] per
     chunk of V's head dim), the running max (log2 units) and the row sum [ROWS]."""
     ROWS: gl.constexpr = q[0].shape[0]
@@ -223,6 +224,9 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     # [ROWS, BLOCK_N] raw q.k of the last key block
     s = chained_products(q, matrices_of(entries_of(k_smem, stage)), zero_s)
     _pass_turn(turns)
+    if len(draws) > 0:
+        # [ROWS, BLOCK_N] the block's dropout draws, while its S wgmma runs
+        words = draw_words(zero_s, top, draws[0], col_s)
     s = logits(warpgroup_mma_wait(0, deps=(s, )), top, offs_m, seqlen_q, seqlen_k, alibi, col_s)
     arrive_after_wgmma(k_empty.index(stage))
     # [ROWS, BLOCK_N] probabilities of the block whose P.V is pending
@@ -232,7 +236,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         s = mask_block(s, top, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
     p, m_i, l_i, alpha = softmax_block(s, m_i, l_i, qk_scale_log2, lag)
     if len(draws) > 0:
-        p = dropped(p, top, draws[0], col_s)
+        p = kept(p, words, draws[0])
     # [ROWS, BLOCK_N] the wgmma's A operand, made where the softmax ends: only these half-width registers stay live
     # across the next S issue (fp32 p live there pushes ptxas to wait for P V before the softmax, serializing them)
     p = operand_of(p, q[0].dtype, p_layout)
@@ -250,6 +254,8 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         s = chained_products(q, matrices_of(entries_of(k_smem, stage)), zero_s)
         acc = accumulate_register_products(p, v_previous, acc)
         _pass_turn(turns)
+        if len(draws) > 0:
+            words = draw_words(zero_s, top - j, draws[0], col_s)
         # S_j done (wgmma groups complete in order); P_{j-1} V_{j-1} may still run
         s = logits(warpgroup_mma_wait(PV_GROUPS, deps=(s, )), top - j, offs_m, seqlen_q, seqlen_k, alibi, col_s)
         arrive_after_wgmma(k_empty.index(stage))
@@ -259,7 +265,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
             s = mask_block(s, top - j, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
         p, m_i, l_i, alpha = softmax_block(s, m_i, l_i, qk_scale_log2, lag)
         if len(draws) > 0:
-            p = dropped(p, top - j, draws[0], col_s)
+            p = kept(p, words, draws[0])
         hold_schedule(fences)
         acc = wait_products(acc)
         arrive_after_wgmma(v_empty.index(previous))
