@@ -79,6 +79,15 @@ def test_rows_without_keys_give_zero_and_the_sink():
     assert torch.equal(lse[0, :, empty], sink[:, None].expand(2, 12))
 
 
+def test_strided_sink_is_read_by_head():
+    """A strided view as learnable_sink (every other entry of a parameter) gives what its contiguous copy gives."""
+    q, k, v = (torch.randn(1, 40, 2, 32, device=DEVICE, dtype=torch.float16) for _ in range(3))
+    every_other = (torch.randn(4, device=DEVICE) * 2.0)[::2]
+    strided = flashtriton.flash_attn_func(q, k, v, causal=True, learnable_sink=every_other)
+    contiguous = flashtriton.flash_attn_func(q, k, v, causal=True, learnable_sink=every_other.contiguous())
+    assert torch.equal(strided, contiguous)
+
+
 def test_varlen_matches_reference_with_dsink():
     lengths_q, lengths_k = [5, 0, 17, 33], [9, 4, 17, 20]
     cu_q, cu_k = cu_seqlens(lengths_q, DEVICE), cu_seqlens(lengths_k, DEVICE)

@@ -34,6 +34,7 @@ def fold_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor, runs_ker
         out.copy_((out.float() * kept.transpose(1, 2)[..., None]).to(out.dtype))
         lse.copy_(total)
         return
+    sink = sink.contiguous()  # the kernel reads sink[h] at h (a strided view would give other heads' values)
     block_d = configs.block_d(head_dim)
     block_m = max(1, min(128, FOLD_ELEMENTS // block_d))
     grid = (triton_cdiv(rows, block_m), batch * num_heads)
