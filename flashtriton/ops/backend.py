@@ -186,6 +186,8 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
                  or cache_batch_idx is not None or (alibi_slopes is not None and not params.causal_like)
                  or (is_varlen and (q.shape[0] == 0 or k.shape[0] == 0)))
     if hopper.gluon_runs("fwd", q, params, seqlen_q, seqlen_k, plain, (q, k, v, out), head_dim_v=head_dim_v):
+        if learnable_sink is not None:
+            learnable_sink = learnable_sink.contiguous()  # the kernel reads sink[h] at h
         with device_guard(q):
             hopper.launch_fwd(q, k, v, out, lse, lse_strides, params, seqlen_q, seqlen_k, batch, heads_per_group,
                               cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_p, rng_state, learnable_sink)
