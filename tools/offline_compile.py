@@ -204,15 +204,21 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     signature["alibi_args"] = ("*fp32" if alibi else "constexpr", "i32", "i32", "fp32")
     if not alibi:
         constexprs[(names.index("alibi_args"), 0)] = None
-    signature["dropout_args"] = ("*i64" if dropout else "constexpr", "fp32", "fp32")
-    if not dropout:
-        constexprs[(names.index("dropout_args"), 0)] = None
+    _dropout_group(signature, constexprs, names, dropout)
     if sinks:
         signature["LearnableSink"] = "*fp32"
     else:
         constexprs["LearnableSink"] = None
     signature = {name: signature[name] for name in names if name in signature}  # in the kernel's order
     return _compile_gluon(attn_fwd_hopper_kernel, signature, constexprs)
+
+
+def _dropout_group(signature: dict, constexprs: dict, names: list, dropout: bool) -> None:
+    """A Gluon kernel's dropout_args (RngState, keep_threshold, dropout_scale): the pointer a constexpr None without
+    dropout."""
+    signature["dropout_args"] = ("*i64" if dropout else "constexpr", "fp32", "fp32")
+    if not dropout:
+        constexprs[(names.index("dropout_args"), 0)] = None
 
 
 def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", ordered: bool = False,
@@ -255,9 +261,7 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
         constexprs["ORDERED"] = ordered
     names = list(inspect.signature(kernel.fn).parameters)
     if "dropout_args" in names:
-        signature["dropout_args"] = ("*i64" if dropout else "constexpr", "fp32", "fp32")
-        if not dropout:
-            constexprs[(names.index("dropout_args"), 0)] = None
+        _dropout_group(signature, constexprs, names, dropout)
     signature.update({name: "i32" for name in names if name.startswith("stride") or name in (
         "num_heads_k", "group_size", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "heads_per_group",
         "window_left", "window_right")})

@@ -360,6 +360,18 @@ def _keep_rows(words, threshold):
 
 
 @triton.jit
+def _key_pair_counters(n_start, GROUPS: tl.constexpr):
+    """[GROUPS, 4] the first Philox counter of each (32-key group, key pair t) from key n_start: 4 (j / 32) + t."""
+    return (n_start // 32 + tl.arange(0, GROUPS))[:, None] * 4 + tl.arange(0, 4)[None, :]
+
+
+@triton.jit
+def _row_pair_counter(rows):
+    """The second Philox counter of query rows `rows` (any shape): 8 (i / 16) + i % 8, one for rows i and i + 8."""
+    return (rows // 16) * 8 + rows % 8
+
+
+@triton.jit
 def _row_pair_keep(seed, offset, threshold, stream, offs_m, n_start, BLOCK_N: tl.constexpr):
     """dropout_keep [BLOCK_M, GROUPS * 32] of rows offs_m that run on from a multiple of 16 (stream a scalar): one
     Philox call per (row pair, 32-key group, key pair), as a wgmma thread draws them."""
@@ -369,9 +381,8 @@ def _row_pair_keep(seed, offset, threshold, stream, offs_m, n_start, BLOCK_N: tl
     rows = tl.reshape(offs_m, [BLOCK_M // 16, 2, 8])
     first_rows = tl.sum(tl.where((tl.arange(0, 2) == 0)[None, :, None], rows, 0), 1)
     # [BLOCK_M / 16, 8, 1, 1] the second Philox counter; [1, 1, GROUPS, 4] the first
-    row_pair = ((first_rows // 16) * 8 + first_rows % 8)[:, :, None, None]
-    first_counter = ((n_start // 32 + tl.arange(0, GROUPS)) * 4)[None, None, :, None] + \
-        tl.arange(0, 4)[None, None, None, :]
+    row_pair = _row_pair_counter(first_rows)[:, :, None, None]
+    first_counter = _key_pair_counters(n_start, GROUPS)[None, None, :, :]
     zeros = tl.zeros_like(row_pair + first_counter)
     word0, word1, word2, word3 = tl.random.philox(seed, first_counter + zeros, row_pair + zeros, stream + zeros,
                                                   offset + zeros)
@@ -390,8 +401,8 @@ def _row_keep(seed, offset, threshold, stream, offs_m, n_start, BLOCK_N: tl.cons
     BLOCK_M: tl.constexpr = offs_m.shape[0]
     GROUPS: tl.constexpr = (BLOCK_N + 31) // 32
     # [BLOCK_M, GROUPS, 4]: the first Philox counter of each (32-key group, key pair t); [BLOCK_M, 1, 1] the second
-    first_counter = (((n_start // 32 + tl.arange(0, GROUPS)) * 4)[None, :, None] + tl.arange(0, 4)[None, None, :])
-    row_pair = ((offs_m // 16) * 8 + offs_m % 8)[:, None, None]
+    first_counter = _key_pair_counters(n_start, GROUPS)[None, :, :]
+    row_pair = _row_pair_counter(offs_m)[:, None, None]
     zeros = tl.zeros_like(row_pair + first_counter)
     streams = stream
     if len(stream.shape) == 2:
