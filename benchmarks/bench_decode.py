@@ -1,11 +1,13 @@
 """Decode benchmark (GPU): one query token, GQA 32/8 heads, hdim 128, bf16; TB/s of K+V bytes read.
 
-    python benchmarks/bench_decode.py [--paged 0,64,256] [--sweep]
+    python benchmarks/bench_decode.py [--paged 0,64,256] [--sweep] [--fp8]
 
 Rows: (batch, seqlen_k) in (64, 4096), (16, 16384), (4, 65536), (1, 131072), contiguous and
 paged. The device-copy bandwidth and SDPA (FLASH / CUDNN, GQA through enable_gqa) are measured in the
 same run. Every flashtriton row is checked against SDPA's output. --sweep times every candidate decode
-tile config of DECODE_CANDIDATES too (the table in flashtriton/configs.py cites the run that chose it).
+tile config of DECODE_CANDIDATES too (the table in flashtriton/configs.py cites the run that chose it). --fp8:
+q and the cache in e4m3 with per-(batch, kv head) descales (benchmarks/bench_fp8.py's quantization), TB/s of the
+e4m3 bytes, SDPA run on the dequantized values.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtriton
+from bench_fp8 import fp8_inputs
 from flashtriton import bench, configs
 from flashtriton.ops.backend import splits_for
 
@@ -35,6 +38,12 @@ DECODE_CANDIDATES = [(16, 128, 4, 3, False), (16, 128, 4, 2, False), (16, 64, 4,
                      (16, 128, 4, 3, True), (16, 128, 4, 4, True), (16, 64, 4, 4, True), (16, 256, 8, 2, True)]
 
 
+def dequantized(tensor, descale):
+    """An e4m3 (B, S, H, D) tensor times its (B, kv heads) descale, in bf16 (each kv head's descale on its group)."""
+    group = tensor.shape[2] // descale.shape[1]
+    return (tensor.float() * descale.repeat_interleave(group, 1)[:, None, :, None]).to(torch.bfloat16)
+
+
 def timed(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
@@ -46,6 +55,7 @@ def main():
     parser.add_argument("--splits", default="0", help="num_splits values to time (0 = the heuristic)")
     parser.add_argument("--graph", action="store_true",
                         help="time the calls replayed from a CUDA graph (no Python launch overhead), as servers run them")
+    parser.add_argument("--fp8", action="store_true", help="q and the cache in e4m3 with descales")
     parser.add_argument("--repeat", type=int, default=1,
                         help="time each row this many times; print the median and the range of the TB/s")
     args = parser.parse_args()
@@ -62,9 +72,16 @@ def main():
         k = torch.randn(batch, seqlen, HEADS_K, DIM, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
         lengths = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+        descales = {}
+        if args.fp8:  # the call gets e4m3 q, k, v; SDPA the values they stand for
+            q8, k, v, descales = fp8_inputs(q.float(), k.float(), v.float())
+            q = q8
+            qt, kt, vt = (dequantized(t, descales[name]).transpose(1, 2)
+                          for t, name in ((q8, "q_descale"), (k, "k_descale"), (v, "v_descale")))
+        else:
+            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         kv_bytes = 2 * k.numel() * k.element_size()
         peers = {}
-        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         expected = None
         for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
             try:
@@ -81,10 +98,12 @@ def main():
                 k_cache = k.reshape(batch * pages, page, HEADS_K, DIM)
                 v_cache = v.reshape(batch * pages, page, HEADS_K, DIM)
                 calls = {s: lambda s=s: flashtriton.flash_attn_with_kvcache(
-                    q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, num_splits=s) for s in split_counts}
+                    q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, num_splits=s, **descales)
+                    for s in split_counts}
             else:
                 calls = {s: lambda s=s: flashtriton.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths,
-                                                                          num_splits=s) for s in split_counts}
+                                                                          num_splits=s, **descales)
+                         for s in split_counts}
             layout = f"paged {page}" if page else "contiguous"
             for candidate, (num_splits, call) in ((c, sc) for c in candidates for sc in calls.items()):
                 configs.fwd_config = default_config if candidate is None else (lambda *_, c=candidate: c)
