@@ -74,10 +74,9 @@ def main():
         lengths = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
         descales = {}
         if args.fp8:  # the call gets e4m3 q, k, v; SDPA the values they stand for
-            q8, k, v, descales = fp8_inputs(q.float(), k.float(), v.float())
-            q = q8
+            q, k, v, descales = fp8_inputs(q.float(), k.float(), v.float())
             qt, kt, vt = (dequantized(t, descales[name]).transpose(1, 2)
-                          for t, name in ((q8, "q_descale"), (k, "k_descale"), (v, "v_descale")))
+                          for t, name in ((q, "q_descale"), (k, "k_descale"), (v, "v_descale")))
         else:
             qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         kv_bytes = 2 * k.numel() * k.element_size()
