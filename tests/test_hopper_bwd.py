@@ -381,11 +381,15 @@ def test_gluon_backward_modules_import():
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128], ids=lambda d: f"d{d}")
 def test_probabilities_run_under_the_dp_product(head_dim):
     """Offline SASS (tools/offline_compile.exp2_before_pv_wait): in both consumers' loops every exp2 of P comes
-    between the S wait and the dP wait, so P is computed while dP = dO V^T is on the tensor cores (ptxas moved the
-    forward's equivalent wait ahead of its exp2s without a fence; this guards the backward against the same)."""
+    between the S wait and the dP wait (key-major tiles: the dV product P^T dO issued before that wait), so P is
+    computed while dP = dO V^T is on the tensor cores (ptxas moved the forward's equivalent wait ahead of its exp2s
+    without a fence; this guards the backward against the same)."""
     import offline_compile
 
-    per_block = configs.HOPPER_BWD[head_dim].query_rows * 64 // 128  # a thread's share of P [rows, 64 keys]
+    config = configs.HOPPER_BWD[head_dim]
+    per_block = config.query_rows * 64 // 128  # a thread's share of P [rows, 64 keys]
     for causal in (False, True):
         cubin = offline_compile.compile_hopper_bwd(head_dim, causal).asm["cubin"]
-        assert offline_compile.exp2_before_pv_wait(cubin) == [per_block, per_block], causal
+        counts = offline_compile.exp2_before_pv_wait(cubin, until_product=config.key_major)
+        # key-major: the dP wait (the dV product in flight) starts a walk of its own, to the dK product, with no exp2
+        assert counts == ([per_block, 0] * 2 if config.key_major else [per_block, per_block]), causal

@@ -259,6 +259,7 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
                     signature[f"{name}_desc{suffix}"] = _gluon_tile_type(rows, columns, kind)
         signature["dq_counters"] = "*i32"
         constexprs["ORDERED"] = ordered
+        constexprs["KEY_MAJOR"] = config.key_major and not dropout
     names = list(inspect.signature(kernel.fn).parameters)
     if "dropout_args" in names:
         _dropout_group(signature, constexprs, names, dropout)
@@ -402,14 +403,15 @@ def sass_of(cubin: bytes) -> tuple:
     return [text for _, text in instructions], {name: index[address] for name, address in labels.items()}
 
 
-def exp2_before_pv_wait(cubin: bytes) -> list:
+def exp2_before_pv_wait(cubin: bytes, until_product: bool = False) -> list:
     """For each consumer loop of the Gluon forward (kernels/hopper/fwd._key_blocks), the MUFU.EX2 count between its
     S wait (WARPGROUP.DEPBAR.LE gsb0, 0x1; 0x2 where P V is two wgmmas, one per chunk of V's head dim) and its P V
     wait (0x0), following the unmasked block's path (taken `@P BRA`s and plain `BRA`s; `@!P BRA`s are barrier-wait
     retries): the part of the softmax that overlaps P V.
     A block's softmax is BLOCK_N / 2 + 2 exp2s per thread, so BLOCK_N / 2 + 2 means all of it; 0, that ptxas waits
     for P V first. None for a loop whose walk did not reach a wait. The same walk on the Gluon backward
-    (kernels/hopper/bwd.py) counts P's exp2s between its S wait and its dP wait."""
+    (kernels/hopper/bwd.py) counts P's exp2s between its S wait and its dP wait; with `until_product`, up to the
+    wait or the next wgmma issued (its key-major tiles issue dV from P^T in registers before they wait for dP)."""
     instructions, labels = sass_of(cubin)
     counts = []
     for start, text in enumerate(instructions):
@@ -417,7 +419,10 @@ def exp2_before_pv_wait(cubin: bytes) -> list:
             continue
         index, exp2s, count = start + 1, 0, None
         for _ in range(len(instructions)):
-            if index >= len(instructions) or "HGMMA" in instructions[index]:
+            if index >= len(instructions):
+                break
+            if "HGMMA" in instructions[index]:
+                count = exp2s if until_product else None
                 break
             line = instructions[index]
             if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:

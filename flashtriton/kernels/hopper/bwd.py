@@ -53,9 +53,10 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from .dropout import dropout_key, dropped, row_draws
-from .common import accumulate_products, allocate_chunks, arrive_after_wgmma, backward_producer, chained_products, \
-    chunk_descriptors, chunks_width, entries_of, key_block_of_program, key_rows, loop_position, masked_probabilities, \
-    matrices_of, query_block, store_key_rows, wait_accumulators, zero_accumulators
+from .common import accumulate_products, accumulate_register_products, allocate_chunks, arrive_after_wgmma, \
+    backward_producer, chained_products, chunk_descriptors, chunks_width, entries_of, key_block_of_program, key_rows, \
+    loop_position, masked_probabilities, matrices_of, query_block, store_key_rows, wait_accumulators, \
+    zero_accumulators
 
 if not hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce"):
     raise ImportError("this Triton's Gluon has no TMA reduction; the Triton backward runs instead")
@@ -151,24 +152,130 @@ def _wait_turn(counter, rank, seen):
 
 
 @gluon.jit
-def _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, buffer, use, zero_dq, OVER_ALL_KEYS: gl.constexpr):
+def _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, buffer, use, zero_dq, OVER_ALL_KEYS: gl.constexpr,
+                KEY_MAJOR: gl.constexpr):
     """The unscaled dQ product [ROWS, FEATURES] (issued async) of the block whose dS tiles are in buffer `buffer` of
-    the [2, ROWS, OWN] dS tiles, their `use`-th use: with the split by features (OVER_ALL_KEYS), once both consumers'
-    dS are there, dS_0 K_0 + dS_1 K_1 (ds_lo, ds_hi) restricted to this consumer's features (k_lo, k_hi); with the
-    split by keys, this consumer's dS (ds_own) times its K rows (k_lo)."""
+    the [2, ROWS, OWN] dS tiles ([2, OWN, ROWS] dS^T with KEY_MAJOR: read transposed), their `use`-th use: with the
+    split by features (OVER_ALL_KEYS), once both consumers' dS are there, dS_0 K_0 + dS_1 K_1 (ds_lo, ds_hi)
+    restricted to this consumer's features (k_lo, k_hi); with the split by keys, this consumer's dS (ds_own) times
+    its K rows (k_lo)."""
     if OVER_ALL_KEYS:
         mbarrier.wait(ds_ready.index(buffer), use & 1)
-        dq = warpgroup_mma(ds_lo.index(buffer), k_lo, zero_dq, use_acc=False, is_async=True)
-        dq = warpgroup_mma(ds_hi.index(buffer), k_hi, dq, is_async=True)
+        dq = warpgroup_mma(_ds_operand(ds_lo.index(buffer), KEY_MAJOR), k_lo, zero_dq, use_acc=False, is_async=True)
+        dq = warpgroup_mma(_ds_operand(ds_hi.index(buffer), KEY_MAJOR), k_hi, dq, is_async=True)
     else:
-        dq = warpgroup_mma(ds_own.index(buffer), k_lo, zero_dq, use_acc=False, is_async=True)
+        dq = warpgroup_mma(_ds_operand(ds_own.index(buffer), KEY_MAJOR), k_lo, zero_dq, use_acc=False,
+                           is_async=True)
     return dq
+
+
+@gluon.jit
+def _ds_operand(ds_tile, KEY_MAJOR: gl.constexpr):
+    """dS [ROWS, OWN] as a wgmma's A operand: the tile itself, or the transposed view of a dS^T tile."""
+    if KEY_MAJOR:
+        return ds_tile.permute((1, 0))
+    else:
+        return ds_tile
+
+
+@gluon.jit
+def _publish_ds(ds, ds_tile, ds_sync):
+    """Store this consumer's dS (or dS^T) into its shared tile for the dQ products: after the tile's previous
+    block's dQ products completed and, with ds_sync ((ds_free barrier, phase, whether to wait, ds_ready barrier);
+    () with the split by keys), announced to the other consumer once every thread's store is visible to wgmma."""
+    if len(ds_sync) > 0:
+        mbarrier.wait(ds_sync[0], ds_sync[1], pred=ds_sync[2])
+    ds_tile.store(ds)
+    fence_async_shared()
+    gl.thread_barrier()
+    if len(ds_sync) > 0:
+        mbarrier.arrive(ds_sync[3])
+
+
+@gluon.jit
+def _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_tile, ds_tile, ds_sync, dk, dv, first_key, m_start,
+                     seqlen_q, seqlen_k, qk_scale_log2, causal, window, draws):
+    """One query block's dK / dV products (issued, not waited for) from row-major scores: S = Q K^T and dP = dO V^T
+    [ROWS, OWN], P and dS through shared memory (p_tile [ROWS, OWN]; ds_tile, published by _publish_ds) as the
+    transposed A operands of dV += P^T dO and dK += dS^T Q. statistics: the rows' ([1, ROWS] shared) lse and delta.
+    draws: () or dropout's (key, stream, 1 / (1 - p)): the forward's mask (dropout.dropped) scales P for dV and dP
+    for dS."""
+    ROWS: gl.constexpr = q_tile[0].shape[0]
+    OWN: gl.constexpr = k_own[0].shape[0]
+    dtype: gl.constexpr = k_own[0].dtype
+    # [ROWS, OWN]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, OWN, 16])
+    row_of_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    zero_s = gl.zeros([ROWS, OWN], gl.float32, s_layout)
+    s = chained_products(q_tile, k_own, zero_s)
+    dp = chained_products(do_tile, v_own, zero_s)
+    # the dP wgmmas (one per chunk) stay in flight
+    s = warpgroup_mma_wait(len(v_own), deps=(s, ))
+    # [ROWS] log2(e) * lse
+    lse_log2 = statistics[0].reshape([ROWS]).load(row_of_s) * 1.4426950408889634
+    # [ROWS, OWN] P
+    p = masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window)
+    delta = statistics[1].reshape([ROWS]).load(row_of_s)
+    if len(draws) > 0:
+        # [ROWS, OWN] P where the forward kept it times 1 / (1 - p), 0 where it dropped it
+        kept = dropped(p, first_key // OWN, row_draws(draws[0], draws[1], m_start + gl.arange(0, ROWS, row_of_s)),
+                       gl.SliceLayout(0, s_layout)) * draws[2]
+        # this consumer's previous dV product (the reader of p_tile) completed last iteration
+        p_tile.store(kept.to(dtype))
+        # [ROWS, OWN] P delta, so that only the kept P stays live across the wait
+        p = p * gl.expand_dims(delta, 1)
+        dp = warpgroup_mma_wait(0, deps=(dp, ))
+        # [ROWS, OWN] dS = P (dP kept / (1 - p) - delta)
+        ds = (kept * dp - p).to(dtype)
+    else:
+        p_tile.store(p.to(dtype))
+        dp = warpgroup_mma_wait(0, deps=(dp, ))
+        ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
+    _publish_ds(ds, ds_tile, ds_sync)
+    dv = accumulate_products(p_tile.permute((1, 0)), do_tile, dv)
+    dk = accumulate_products(ds_tile.permute((1, 0)), q_tile, dk)
+    return dk, dv
+
+
+@gluon.jit
+def _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_tile, ds_sync, dk, dv, first_key, m_start,
+                     seqlen_q, seqlen_k, qk_scale_log2, causal, window):
+    """One query block's dK / dV products (issued, not waited for) from key-major scores: S^T = K Q^T and dP^T =
+    V dO^T [OWN, ROWS], so that P^T and dS^T are in registers as the A operands of dV += P^T dO and dK += dS^T Q
+    (no P tile; the dV product is issued before dP is waited for); dS^T goes to ds_tile [OWN, ROWS] for the dQ
+    products (_publish_ds). statistics: the rows' ([1, ROWS] shared) lse and delta, read per column."""
+    ROWS: gl.constexpr = q_tile[0].shape[0]
+    OWN: gl.constexpr = k_own[0].shape[0]
+    dtype: gl.constexpr = k_own[0].dtype
+    # [OWN, ROWS]
+    t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, ROWS, 16])
+    column_of_t: gl.constexpr = gl.SliceLayout(0, t_layout)
+    zero_t = gl.zeros([OWN, ROWS], gl.float32, t_layout)
+    s_t = chained_products(k_own, q_tile, zero_t)
+    dp_t = chained_products(v_own, do_tile, zero_t)
+    s_t = warpgroup_mma_wait(len(v_own), deps=(s_t, ))
+    # [ROWS] log2(e) * lse
+    lse_log2 = statistics[0].reshape([ROWS]).load(column_of_t) * 1.4426950408889634
+    # [OWN, ROWS] P^T
+    p_t = masked_probabilities(s_t, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window,
+                               KEY_AXIS=0)
+    dv = accumulate_register_products(p_t.to(dtype), do_tile, dv)
+    # the dV wgmmas (one per chunk) stay in flight
+    dp_t = warpgroup_mma_wait(len(dv), deps=(dp_t, ))
+    delta = statistics[1].reshape([ROWS]).load(column_of_t)
+    # [OWN, ROWS] dS^T
+    ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+    dk = accumulate_register_products(ds_t, q_tile, dk)
+    _publish_ds(ds_t, ds_tile, ds_sync)
+    return dk, dv
 
 
 @gluon.jit
 def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch, head_k,
                group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, seqlen_k, causal,
-               softmax_scale, feature0, order, OVER_ALL_KEYS: gl.constexpr):
+               softmax_scale, feature0, order, OVER_ALL_KEYS: gl.constexpr, KEY_MAJOR: gl.constexpr):
     """Loop iteration `block`'s dQ: its product (_dq_product; waiting for it also completes every wgmma this
     consumer issued before it, as wgmma groups complete in order), then, with the split by features, its dS buffer
     released for block + 2 (ds_free), and the scaled product added to the accumulator (_add_dq). With ordered dQ
@@ -179,7 +286,8 @@ def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_
     ROWS: gl.constexpr = zero_dq.shape[0]
     FEATURES: gl.constexpr = zero_dq.shape[1]
     KEYS: gl.constexpr = 2 * k_lo.shape[0]
-    dq = _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, block % 2, block // 2, zero_dq, OVER_ALL_KEYS)
+    dq = _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, block % 2, block // 2, zero_dq, OVER_ALL_KEYS,
+                     KEY_MAJOR)
     visit = loop_position(block, first_visit, n_iterations)
     head, m_start = query_block(visit, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
     turn = ()
@@ -242,22 +350,23 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     # blocks between a block's dS and its dQ product
     LAG: gl.constexpr = 1 if OVER_ALL_KEYS else 0
     dtype: gl.constexpr = k_own[0].dtype
-    # [ROWS, OWN] scores; [ROWS, FEATURES] dQ
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, OWN, 16])
+    # scores K Q^T [OWN, ROWS] (P^T and dS^T feed dV and dK from registers), or Q K^T [ROWS, OWN] (P and dS go
+    # through shared memory): p_own is () or the [ROWS, OWN] P tile
+    KEY_MAJOR: gl.constexpr = len(p_own) == 0
+    # [ROWS, FEATURES] dQ
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, FEATURES, 16])
-    row_of_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    zero_s = gl.zeros([ROWS, OWN], gl.float32, s_layout)
     zero_dq = gl.zeros([ROWS, FEATURES], gl.float32, dq_layout)
     # [OWN, WIDTH] per chunk: dK, dV
     dk = zero_accumulators(OWN, k_own)
     dv = zero_accumulators(OWN, v_own)
-    # wgmma groups a dP issue leaves in flight (one per chunk)
-    DP_GROUPS: gl.constexpr = len(v_own)
     first_key = n_start + key0
     if len(dropout) > 0:
-        key = dropout_key(dropout[0], dropout[1])
+        gl.static_assert(not KEY_MAJOR, "the forward's dropout mask follows the row-major score tiles")
+        # the key of the forward's mask, the stream of this program's (batch, query head), its scale
+        dropout_draws = (dropout_key(dropout[0], dropout[1]), batch * dropout[3], dropout[2])
+    else:
+        dropout_draws = ()
     if len(order) > 0:
         gl.static_assert(OVER_ALL_KEYS, "ordered dQ takes the split by features (head dim 128)")
     mbarrier.wait(kv_ready, 0)
@@ -269,49 +378,34 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
         # [ROWS, WIDTH] per chunk: Q_i, dO_i
         q_tile = matrices_of(entries_of(q_smem, stage))
         do_tile = matrices_of(entries_of(do_smem, stage))
-        # [ROWS] log2(e) * lse and delta of the block's rows; rows past seqlen_q read 0 for both, as their Q and dO
-        # rows do, so that every product they enter (dV, dK, and dQ rows the reduction clips) adds zeros
-        lse_log2 = lse_smem.index(stage).reshape([ROWS]).load(row_of_s) * 1.4426950408889634
-        delta = delta_smem.index(stage).reshape([ROWS]).load(row_of_s)
-        s = chained_products(q_tile, k_own, zero_s)
-        dp = chained_products(do_tile, v_own, zero_s)
-        s = warpgroup_mma_wait(DP_GROUPS, deps=(s, ))
-        # [ROWS, OWN] P
-        p = masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window)
-        if len(dropout) > 0:
-            # [ROWS, OWN] P where the forward kept it times 1 / (1 - p), 0 where it dropped it
-            kept = dropped(p, first_key // OWN, row_draws(key, batch * dropout[3] + head,
-                                                          m_start + gl.arange(0, ROWS, row_of_s)),
-                           gl.SliceLayout(0, s_layout)) * dropout[2]
-            # this consumer's previous dV product (the reader of p_own) completed last iteration
-            p_own.store(kept.to(dtype))
-            # [ROWS, OWN] P delta, so that only the kept P stays live across the wait
-            p = p * gl.expand_dims(delta, 1)
-            dp = warpgroup_mma_wait(0, deps=(dp, ))
-            # [ROWS, OWN] dS = P (dP kept / (1 - p) - delta)
-            ds = (kept * dp - p).to(dtype)
-        else:
-            p_own.store(p.to(dtype))
-            dp = warpgroup_mma_wait(0, deps=(dp, ))
-            ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
-        # dS buffer i % 2; its previous use (block i - 2) is free once the dQ products of that block completed
+        # [1, ROWS] the rows' lse and delta; rows past seqlen_q read 0 for both, as their Q and dO rows do, so that
+        # every product they enter (dV, dK, and dQ rows the reduction clips) adds zeros
+        statistics = (lse_smem.index(stage), delta_smem.index(stage))
+        # dS buffer i % 2; its previous use (block i - 2) is free once the dQ products of that block completed;
+        # with the split by features the other consumer waits for both dS of a block (ds_ready)
         buffer = i % 2
         if OVER_ALL_KEYS:
-            mbarrier.wait(ds_free.index(buffer), ((i // 2) - 1) & 1, pred=i >= 2)
-        ds_own.index(buffer).store(ds)
-        fence_async_shared()
-        gl.thread_barrier()
-        if OVER_ALL_KEYS:
-            mbarrier.arrive(ds_ready.index(buffer))
-        dv = accumulate_products(p_own.permute((1, 0)), do_tile, dv)
-        dk = accumulate_products(ds_own.index(buffer).permute((1, 0)), q_tile, dk)
+            ds_sync = (ds_free.index(buffer), ((i // 2) - 1) & 1, i >= 2, ds_ready.index(buffer))
+        else:
+            ds_sync = ()
+        if KEY_MAJOR:
+            dk, dv = _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_own.index(buffer), ds_sync, dk,
+                                      dv, first_key, m_start, seqlen_q, seqlen_k, qk_scale_log2, causal, window)
+        else:
+            if len(dropout) > 0:
+                draws = (dropout_draws[0], dropout_draws[1] + head, dropout_draws[2])
+            else:
+                draws = ()
+            dk, dv = _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_own[0], ds_own.index(buffer),
+                                      ds_sync, dk, dv, first_key, m_start, seqlen_q, seqlen_k, qk_scale_log2, causal,
+                                      window, draws)
         if i >= LAG:
             # block i - LAG's dQ: with the split by features one block late, as the other consumer wrote its dS a
             # block ago (not waiting for it lets the two consumers drift out of phase); its wait completes this
             # block's dV and dK products too
             _finish_dq(i - LAG, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch,
                        head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, seqlen_k,
-                       causal, softmax_scale, feature0, order, OVER_ALL_KEYS)
+                       causal, softmax_scale, feature0, order, OVER_ALL_KEYS, KEY_MAJOR)
         dk, dv = wait_accumulators(dk, dv)
         arrive_after_wgmma(q_empty.index(stage))
     if OVER_ALL_KEYS:
@@ -319,7 +413,7 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
         if n_iterations > 0:
             _finish_dq(n_iterations - 1, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc,
                        dq_tile, batch, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit,
-                       seqlen_q, seqlen_k, causal, softmax_scale, feature0, order, OVER_ALL_KEYS)
+                       seqlen_q, seqlen_k, causal, softmax_scale, feature0, order, OVER_ALL_KEYS, KEY_MAJOR)
             if len(order) > 0:
                 _report_reduction(order[4], order[5], n_iterations - 1)
     # [OWN, WIDTH] per chunk: this consumer's key rows
@@ -337,8 +431,8 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
                            stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                            num_heads_k, group_size, seqlen_q, seqlen_k, head_dim, heads_per_group, softmax_scale,
                            qk_scale_log2, window_left, window_right, dropout_args,
-                           CAUSAL: gl.constexpr, LOCAL: gl.constexpr, ORDERED: gl.constexpr, STAGES: gl.constexpr,
-                           CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                           CAUSAL: gl.constexpr, LOCAL: gl.constexpr, ORDERED: gl.constexpr, KEY_MAJOR: gl.constexpr,
+                           STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """k_desc ... dq_desc: the descriptors of the first chunk of the head dim's tiles (column 0 on), k_desc2 ...
     dq_desc2 those of the second (from the first one's width on; configs.HOPPER_BWD_CHUNKS: 80 = 64 + 16, 96 = 64 +
     32), None where one chunk covers it: S and dP chain a wgmma per chunk, dK and dV keep an accumulator per chunk,
@@ -377,12 +471,17 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     do_smem = allocate_chunks(do_descs, STAGES)
     HEAD_DIM: gl.constexpr = chunks_width(k_smem)
     OWN: gl.constexpr = KEYS // 2
-    # [2, ROWS, OWN] each consumer's P tile; [2, 2, ROWS, OWN] its dS tiles of two blocks in turn (a block's dQ
-    # product runs during the next block)
-    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, OWN], dtype)
-    p_smem = gl.allocate_shared_memory(dtype, [2, ROWS, OWN], pds_layout)
-    ds_smem = (gl.allocate_shared_memory(dtype, [2, ROWS, OWN], pds_layout),
-               gl.allocate_shared_memory(dtype, [2, ROWS, OWN], pds_layout))
+    # [2, 2, ROWS, OWN] each consumer's dS tiles of two blocks in turn (a block's dQ product runs during the next
+    # block), [2, 2, OWN, ROWS] dS^T with KEY_MAJOR; without it [2, ROWS, OWN] each consumer's P tile
+    ds_shape: gl.constexpr = [OWN, ROWS] if KEY_MAJOR else [ROWS, OWN]
+    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(ds_shape, dtype)
+    ds_smem = (gl.allocate_shared_memory(dtype, [2] + ds_shape, pds_layout),
+               gl.allocate_shared_memory(dtype, [2] + ds_shape, pds_layout))
+    if KEY_MAJOR:
+        p_tiles = ((), ())
+    else:
+        p_smem = gl.allocate_shared_memory(dtype, [2, ROWS, OWN], pds_layout)
+        p_tiles = ((p_smem.index(0), ), (p_smem.index(1), ))
     # [STAGES, 1, ROWS] log2(e) * lse and delta of the Q / dO stages' rows
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
@@ -466,9 +565,9 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
         second_dq = (k_halves[1][0], k_halves[1][0])
         second_feature = 0
     staged = (q_smem, do_smem, lse_smem, delta_smem)
-    first = (k_halves[0], v_halves[0]) + first_dq + staged + (p_smem.index(0), ds_smem[0]) + ds_smem + (
+    first = (k_halves[0], v_halves[0]) + first_dq + staged + (p_tiles[0], ds_smem[0]) + ds_smem + (
         dq_tiles[0], )
-    second = (k_halves[1], v_halves[1]) + second_dq + staged + (p_smem.index(1), ds_smem[1]) + ds_smem + (
+    second = (k_halves[1], v_halves[1]) + second_dq + staged + (p_tiles[1], ds_smem[1]) + ds_smem + (
         dq_tiles[1], )
     first = first + barriers + (dq_descs[0], ) + pointers + (gl.to_tensor(0), gl.to_tensor(0)) + loop + (
         order_of[0], dropout)

@@ -280,19 +280,24 @@ def backward_producer(k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc,
 
 
 @gluon.jit
-def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window):
-    """P = exp2(s * qk_scale_log2 - lse_log2) of scores s [ROWS, KEYS] (query rows from m_start, keys from first_key),
-    0 where a key is past seqlen_k or, causal (bottom-right aligned), after the row's last key, or outside the row's
-    local window (window: (window_left, window_right), or ()); blocks that need none of it come back without mask
-    arithmetic. One comparison per element against each row's last visible key,
-    and nothing kept live across the caller's loop (key vectors held across it would spill ~40 registers of the
-    d128 causal consumers). Query rows past seqlen_q are not masked: their Q, dO, lse and delta read as zeros, so
-    P = 1 there but dS = 0 and dO = 0, and every product they enter adds zeros. Keys past seqlen_k are (their K
-    rows are zeros, so P would be exp2(-lse_log2), which may overflow)."""
-    ROWS: gl.constexpr = s.shape[0]
-    KEYS: gl.constexpr = s.shape[1]
-    row_layout: gl.constexpr = gl.SliceLayout(1, s.type.layout)
-    p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(lse_log2, 1))
+def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window,
+                         KEY_AXIS: gl.constexpr = 1):
+    """P = exp2(s * qk_scale_log2 - lse_log2) of scores s (query rows from m_start, keys from first_key; [ROWS, KEYS],
+    or [KEYS, ROWS] with KEY_AXIS 0: the transposed scores K Q^T), 0 where a key is past seqlen_k or, causal
+    (bottom-right aligned), after the row's last key, or outside the row's local window (window: (window_left,
+    window_right), or ()); blocks that need none of it come back without mask arithmetic. lse_log2: [ROWS] along
+    s's row axis. One comparison per element against each row's last visible key, and nothing kept live across the
+    caller's loop (key vectors held across it would spill ~40 registers of the d128 causal consumers). Query rows
+    past seqlen_q are not masked: their Q, dO, lse and delta read as zeros, so P = 1 there but dS = 0 and dO = 0,
+    and every product they enter adds zeros. Keys past seqlen_k are (their K rows are zeros, so P would be
+    exp2(-lse_log2), which may overflow)."""
+    ROW_AXIS: gl.constexpr = 1 - KEY_AXIS
+    ROWS: gl.constexpr = s.shape[ROW_AXIS]
+    KEYS: gl.constexpr = s.shape[KEY_AXIS]
+    # [ROWS] a value per query row; [KEYS] a value per key
+    row_layout: gl.constexpr = gl.SliceLayout(KEY_AXIS, s.type.layout)
+    key_layout: gl.constexpr = gl.SliceLayout(ROW_AXIS, s.type.layout)
+    p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(lse_log2, KEY_AXIS))
     last_key = first_key + KEYS - 1
     if len(window) > 0:
         offset = seqlen_k - seqlen_q
@@ -302,9 +307,10 @@ def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_
             # [ROWS] each row's position on the keys, counted from first_key
             aligned = m_start + gl.arange(0, ROWS, row_layout) + offset - first_key
             row_last = gl.minimum(aligned + window[1], seqlen_k - 1 - first_key)
-            # [ROWS, KEYS]
-            columns = gl.expand_dims(gl.arange(0, KEYS, gl.SliceLayout(0, s.type.layout)), 0)
-            visible = (columns <= gl.expand_dims(row_last, 1)) & (columns >= gl.expand_dims(aligned - window[0], 1))
+            # like s: each key's position in the block
+            keys = gl.expand_dims(gl.arange(0, KEYS, key_layout), ROW_AXIS)
+            visible = (keys <= gl.expand_dims(row_last, KEY_AXIS)) & (
+                keys >= gl.expand_dims(aligned - window[0], KEY_AXIS))
             p = gl.where(visible, p, 0.0)
     elif (last_key >= seqlen_k) | ((causal != 0) & (last_key > m_start + (seqlen_k - seqlen_q))):
         # [ROWS] each row's last visible key, counted from first_key
@@ -312,8 +318,7 @@ def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_
         if causal != 0:
             diagonal = m_start + gl.arange(0, ROWS, row_layout) + (seqlen_k - seqlen_q) - first_key
             row_last = gl.minimum(row_last, diagonal)
-        # [ROWS, KEYS]
-        visible = (gl.expand_dims(gl.arange(0, KEYS, gl.SliceLayout(0, s.type.layout)), 0)
-                   <= gl.expand_dims(row_last, 1))
+        # like s
+        visible = gl.expand_dims(gl.arange(0, KEYS, key_layout), ROW_AXIS) <= gl.expand_dims(row_last, KEY_AXIS)
         p = gl.where(visible, p, 0.0)
     return p
