@@ -4,12 +4,18 @@ and consumer w adds chunk w's dQ features), warp-specialized, FA3's division of 
 block, a one-warp TMA producer streaming Q / dO blocks of 64 rows, two consumer warpgroups that each own 64 keys of
 the block (their dK, dV accumulators stay in registers for the whole loop) and share the query blocks.
 
-Per query block i (64 rows), consumer w (keys [64w, 64w + 64) of the block), every product an M = 64 wgmma:
-  S = Q_i K_w^T, dP = dO_i V_w^T                  [64 rows, 64 keys], both issued async, then waited
+Per query block i (64 rows), consumer w (keys [64w, 64w + 64) of the block), every product an M = 64 wgmma, with
+key-major score tiles (configs.HopperBwdConfig.key_major; FA3's SdP_swapAB with its dK / dV from registers):
+  S^T = K_w Q_i^T, dP^T = V_w dO_i^T              [64 keys, 64 rows], both issued async, then S^T waited
   (Q_i, dO_i and their rows' lse and delta arrive by TMA in one stage of the producer's pipeline)
+  P^T = exp2(S^T * scale * log2 e - lse_i * log2 e) (lse per column); dV_w += P^T dO_i issued with P^T in registers
+  as the A operand; then dP^T waited, dS^T = P^T (dP^T - delta_i), dK_w += dS^T Q_i the same way, and dS^T stored
+  to shared memory for the dQ products (which read it transposed).
+With row-major tiles (calls with dropout: the forward's mask follows the [rows, keys] accumulators):
+  S = Q_i K_w^T, dP = dO_i V_w^T                  [64 rows, 64 keys]
   P = exp2(S * scale * log2 e - lse_i * log2 e), dS = P (dP - delta_i); P and dS go to shared memory
   dV_w += P^T dO_i, dK_w += dS^T Q_i              (P^T, dS^T: transposed views of the shared tiles)
-  dQ_i is split one of two ways:
+Either way dQ_i is split one of two ways:
   - head dim 128, by features: once both consumers' dS are there (ds_ready), consumer w computes
     dQ_i[:, 64w:64w+64] = dS_0 K_0[:, 64w:64w+64] + dS_1 K_1[:, 64w:64w+64] (both key halves), one block late
     (during block i + 1, dS double-buffered) so that neither consumer waits for the other's dS of the same block:
@@ -41,8 +47,8 @@ product they enter adds zeros (dQ rows past seqlen_q are clipped by the reductio
 Synchronisation: kv_ready (K and V landed), q_ready[s] (Q_i, dO_i, lse_i and delta_i of stage s landed), q_empty[s]
 (both consumers are done with stage s, count 2), with the feature split ds_ready (both consumers' dS written, count
 2) and ds_free (both consumers' dQ products of a block completed, count 2: its dS buffer may be rewritten), one of
-each per dS buffer. Each consumer's P tile is read only by its own dV product, which it waits for before the next
-iteration; its dQ tile is rewritten after tma.store_wait(0) says the previous reduction has read it.
+each per dS buffer. A row-major consumer's P tile is read only by its own dV product, which it waits for before the
+next iteration; its dQ tile is rewritten after tma.store_wait(0) says the previous reduction has read it.
 """
 
 from triton._C.libtriton import gluon_ir, ir
