@@ -355,7 +355,6 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     OVER_ALL_KEYS: gl.constexpr = FEATURES < HEAD_DIM
     # blocks between a block's dS and its dQ product
     LAG: gl.constexpr = 1 if OVER_ALL_KEYS else 0
-    dtype: gl.constexpr = k_own[0].dtype
     # scores K Q^T [OWN, ROWS] (P^T and dS^T feed dV and dK from registers), or Q K^T [ROWS, OWN] (P and dS go
     # through shared memory): p_own is () or the [ROWS, OWN] P tile
     KEY_MAJOR: gl.constexpr = len(p_own) == 0
