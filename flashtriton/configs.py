@@ -289,15 +289,17 @@ class HopperBwdConfig:
     query_rows: int      # rows per Q / dO block (the M of the S and dP wgmmas)
     stages: int          # Q / dO stages in shared memory
     consumer_regs: int   # registers per thread of the second consumer warpgroup
-    # scores computed key-major, S^T = K Q^T, so that P^T and dS^T feed dV and dK from registers (kernels/hopper/bwd.py;
-    # calls with dropout keep the row-major tiles the forward's mask follows)
-    key_major: bool = False
+    # the causal values (False, True) whose calls compute the scores key-major, S^T = K Q^T, so that P^T and dS^T
+    # feed dV and dK from registers (kernels/hopper/bwd.py; calls with dropout keep the row-major tiles the forward's
+    # mask follows)
+    key_major: tuple = ()
 
 
 # keyed by head dim
-# flashtriton bench --modes bwd, 2026-12-01, a536212, H200; 80 and 96 take d128's entry, 192 d256's (not swept)
-HOPPER_BWD = ConfigTable({64: HopperBwdConfig(64, 2, 240, True), 80: HopperBwdConfig(64, 2, 248, True),
-                          96: HopperBwdConfig(64, 2, 248, True), 128: HopperBwdConfig(64, 2, 248, True),
+# flashtriton bench --modes bwd, 2026-12-01, a536212, H200; 80 and 96 take d128's entry, 192 d256's (not swept);
+# key_major: flashtriton bench --features --modes bwd --rows plain,d64,d96, 2026-12-07, 04c8c42, H100 (80 as 96)
+HOPPER_BWD = ConfigTable({64: HopperBwdConfig(64, 2, 240, (False, True)), 80: HopperBwdConfig(64, 2, 248, (False, True)),
+                          96: HopperBwdConfig(64, 2, 248, (False, True)), 128: HopperBwdConfig(64, 2, 248, (False, )),
                           192: HopperBwdConfig(64, 2, 240), 256: HopperBwdConfig(64, 2, 240)})
 HOPPER_BWD_HEAD_DIMS = tuple(sorted(HOPPER_BWD))
 # The Gluon backward's tiles by head dim (HOPPER_FWD_CHUNKS' rule): K, V, Q and dO move in these column chunks, S and
