@@ -445,8 +445,8 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
     # per (batch, query head, query block of the kernel, feature half): reductions completed so far
     dq_counters = (torch.zeros(batch * num_heads * triton_cdiv(seqlen_q, config.query_rows) * 2, dtype=torch.int32,
                                device=q.device) if ordered else None)
-    kernel_args = {} if dq_box is None else dict(ORDERED=ordered,
-                                                    KEY_MAJOR=params.causal_like in config.key_major and dropout_p == 0.0)
+    key_major = params.causal_like in config.key_major and dropout_p == 0.0
+    kernel_args = {} if dq_box is None else dict(ORDERED=ordered, KEY_MAJOR=key_major)
     # the kernel's dropout_args (not the dK / dV only kernel's: it has none)
     dropout_args = () if dq_box is None else ((rng_state if dropout_p > 0.0 else None, *kernel_dropout(dropout_p)), )
     if dq_box is None:  # the dK / dV only kernel: each side (Q / K, dO / V) whole rows and halves, or two chunks
