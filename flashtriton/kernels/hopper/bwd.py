@@ -199,6 +199,26 @@ def _publish_ds(ds, ds_tile, ds_sync):
 
 
 @gluon.jit
+def _scores(s_left, s_right, dp_left, dp_right, lse_tile, KEY_AXIS: gl.constexpr):
+    """S = s_left s_right^T and dP = dp_left dp_right^T [M, N] (operands [M, WIDTH] / [N, WIDTH] per chunk, shared;
+    M: s_left's rows) issued together, S waited for while dP's wgmmas (one per chunk) stay in flight, and log2(e)
+    * lse along S's query axis (lse_tile: the rows' [1, ROWS] shared lse; KEY_AXIS: S's key axis, 1 for Q K^T, 0
+    for K Q^T). Returns (S, dP, lse_log2)."""
+    M: gl.constexpr = s_left[0].shape[0]
+    N: gl.constexpr = s_right[0].shape[0]
+    ROWS: gl.constexpr = N if KEY_AXIS == 0 else M
+    # [M, N]
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+    zero = gl.zeros([M, N], gl.float32, layout)
+    s = chained_products(s_left, s_right, zero)
+    dp = chained_products(dp_left, dp_right, zero)
+    s = warpgroup_mma_wait(len(dp_left), deps=(s, ))
+    # [ROWS]
+    lse_log2 = lse_tile.reshape([ROWS]).load(gl.SliceLayout(KEY_AXIS, layout)) * 1.4426950408889634
+    return s, dp, lse_log2
+
+
+@gluon.jit
 def _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_tile, ds_tile, ds_sync, dk, dv, first_key, m_start,
                      seqlen_q, seqlen_k, qk_scale_log2, causal, window, draws):
     """One query block's dK / dV products (issued, not waited for) from row-major scores: S = Q K^T and dP = dO V^T
@@ -209,17 +229,10 @@ def _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_tile, ds_tile,
     ROWS: gl.constexpr = q_tile[0].shape[0]
     OWN: gl.constexpr = k_own[0].shape[0]
     dtype: gl.constexpr = k_own[0].dtype
-    # [ROWS, OWN]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, OWN, 16])
+    # [ROWS, OWN] S and dP (in flight); [ROWS] log2(e) * lse
+    s, dp, lse_log2 = _scores(q_tile, k_own, do_tile, v_own, statistics[0], 1)
+    s_layout: gl.constexpr = s.type.layout
     row_of_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    zero_s = gl.zeros([ROWS, OWN], gl.float32, s_layout)
-    s = chained_products(q_tile, k_own, zero_s)
-    dp = chained_products(do_tile, v_own, zero_s)
-    # the dP wgmmas (one per chunk) stay in flight
-    s = warpgroup_mma_wait(len(v_own), deps=(s, ))
-    # [ROWS] log2(e) * lse
-    lse_log2 = statistics[0].reshape([ROWS]).load(row_of_s) * 1.4426950408889634
     # [ROWS, OWN] P
     p = masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window)
     delta = statistics[1].reshape([ROWS]).load(row_of_s)
@@ -252,18 +265,10 @@ def _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_tile, ds_sync
     (no P tile; the dV product is issued before dP is waited for); dS^T goes to ds_tile [OWN, ROWS] for the dQ
     products (_publish_ds). statistics: the rows' ([1, ROWS] shared) lse and delta, read per column."""
     ROWS: gl.constexpr = q_tile[0].shape[0]
-    OWN: gl.constexpr = k_own[0].shape[0]
     dtype: gl.constexpr = k_own[0].dtype
-    # [OWN, ROWS]
-    t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, ROWS, 16])
-    column_of_t: gl.constexpr = gl.SliceLayout(0, t_layout)
-    zero_t = gl.zeros([OWN, ROWS], gl.float32, t_layout)
-    s_t = chained_products(k_own, q_tile, zero_t)
-    dp_t = chained_products(v_own, do_tile, zero_t)
-    s_t = warpgroup_mma_wait(len(v_own), deps=(s_t, ))
-    # [ROWS] log2(e) * lse
-    lse_log2 = statistics[0].reshape([ROWS]).load(column_of_t) * 1.4426950408889634
+    # [OWN, ROWS] S^T and dP^T (in flight); [ROWS] log2(e) * lse
+    s_t, dp_t, lse_log2 = _scores(k_own, q_tile, v_own, do_tile, statistics[0], 0)
+    column_of_t: gl.constexpr = gl.SliceLayout(0, s_t.type.layout)
     # [OWN, ROWS] P^T
     p_t = masked_probabilities(s_t, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window,
                                KEY_AXIS=0)
