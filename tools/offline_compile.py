@@ -199,10 +199,10 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
 
 
 def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", ordered: bool = False,
-                       local: bool = False):
+                       local: bool = False, varlen: bool = False):
     """The Gluon Hopper backward (kernels/hopper/bwd.py; kernels/hopper/bwd_d256.py at head dim 256) with `config`
     (default configs.HOPPER_BWD[head_dim]); `ordered`: dQ reductions in a fixed order (head dim 128); `local`: a
-    local window (LOCAL)."""
+    local window (LOCAL); `varlen`: a varlen launch (head dims 64 and 128)."""
     from flashtriton import configs
     from flashtriton.ops.hopper import backward_division
 
@@ -216,11 +216,16 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
                  "DK": f"*{dtype}", "DV": f"*{dtype}", "softmax_scale": "fp32", "qk_scale_log2": "fp32"}
     constexprs = dict(CAUSAL=causal, LOCAL=local, STAGES=config.stages,
                       CONSUMER_REGS=config.consumer_regs, num_warps=4)
-    if dq_box is not None:  # the d64 / d128 kernel's dQ accumulator and the counters of ordered dQ
+    names = list(inspect.signature(kernel.fn).parameters)
+    if dq_box is not None:  # the d64 / d128 kernel's dQ accumulator, the counters of ordered dQ, varlen's group
         signature["dq_desc"] = _gluon_tile_type(*dq_box, "fp32")
         signature["dq_counters"] = "*i32"
         constexprs["ORDERED"] = ordered
-    names = list(inspect.signature(kernel.fn).parameters)
+        signature["varlen"] = ("*i32", "*i32") + (f"*{dtype}", ) * 4
+        signature["q_rows"] = signature["k_rows"] = "i32"
+        if not varlen:
+            signature["varlen"] = ("constexpr", ) * 6
+            constexprs.update({(names.index("varlen"), element): None for element in range(6)})
     signature.update({name: "i32" for name in names if name.startswith("stride") or name in (
         "num_heads_k", "group_size", "seqlen_q", "seqlen_k", "head_dim", "heads_per_group", "window_left",
         "window_right")})
@@ -249,7 +254,7 @@ def main():
                         help="in-kernel tensor descriptors (forward TMA_DEVICE, backward USE_TMA)")
     parser.add_argument("--packed", action="store_true",
                         help="forward only: varlen with host descriptors over the packed tensors (TMA_PACKED; "
-                             "fwd-hopper: its varlen launch)")
+                             "fwd-hopper, bwd-hopper: their varlen launch)")
     parser.add_argument("--dq-atomic", action="store_true", help="dkdv only: dQ added with atomics (DQ_ATOMIC)")
     parser.add_argument("--ordered", action="store_true", help="bwd-hopper d128: dQ reductions in a fixed order")
     args = parser.parse_args()
@@ -259,9 +264,10 @@ def main():
             from flashtriton.configs import HopperBwdConfig
 
             config = HopperBwdConfig(*(int(x) for x in args.hopper_config.split(",")))
-        compiled = compile_hopper_bwd(args.head_dim, args.causal, config, ordered=args.ordered, local=args.local)
+        compiled = compile_hopper_bwd(args.head_dim, args.causal, config, ordered=args.ordered, local=args.local,
+                                      varlen=args.packed)
         ptx = compiled.asm["ptx"]
-        print(f"bwd-hopper d{args.head_dim} causal={args.causal} local={args.local} "
+        print(f"bwd-hopper d{args.head_dim} causal={args.causal} local={args.local} varlen={args.packed} "
               f"ordered={args.ordered} "
               f"{args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} shared {compiled.metadata.shared} wgmma {ptx.count('wgmma.mma_async')} "

@@ -339,8 +339,14 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
         _ensure_scratch_allocator()
     flags = dict(IS_LOCAL=params.is_local, HAS_SOFTCAP=params.has_softcap, HAS_DROPOUT=dropout_p > 0.0,
                  USE_TMA=use_tma)
-    plain = not (is_varlen or dropout_p > 0.0 or alibi_slopes is not None or head_dim_v != head_dim)
+    # varlen: the Gluon backward's 64 / 128-wide tiles (the d256 kernel takes none), dQ not in a fixed order, and a
+    # row in q and in k (no tensor descriptor has zero rows)
+    varlen_fits = not is_varlen or (configs.hopper_bwd_tile_dim(head_dim) in (64, 128) and not deterministic
+                                    and q.shape[0] > 0 and k.shape[0] > 0)
+    plain = varlen_fits and not (dropout_p > 0.0 or alibi_slopes is not None or head_dim_v != head_dim)
     gluon = hopper.gluon_runs("bwd", q, params, seqlen_q, seqlen_k, plain, descriptors_ok, deterministic)
+    if gluon and is_varlen:
+        _ensure_scratch_allocator()  # the kernel makes each sequence's tensor descriptors in global scratch
     gluon_dq = gluon and hopper.computes_dq(head_dim)
     dq_atomic = not gluon and config.dq_atomic and not deterministic and seqlen_q > 0
     # fp32 dQ accumulator in q's (B, S, H, D) / (T, H, D) shape, contiguous, zeroed by the preprocess
@@ -369,7 +375,8 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
                                                           batch * num_heads_k, params.causal_like)
         if gluon:
             hopper.launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides, delta_strides, params,
-                              seqlen_q, seqlen_k, batch, dkdv_heads_per_group, deterministic)
+                              seqlen_q, seqlen_k, batch, dkdv_heads_per_group, deterministic, cu_seqlens_q,
+                              cu_seqlens_k)
             if gluon_dq:
                 return
         elif seqlen_k > 0:

@@ -69,14 +69,14 @@ def _multiprocessors(device: torch.device) -> int:
 def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seqlen_k: int, params, plain: bool,
            deterministic: bool = False, head_dim_v: Optional[int] = None) -> bool:
     """gluon_runs' rule on the call's shape and options alone (no device, layout or switch): whether the Gluon kernels
-    compute this forward ("fwd") or backward ("bwd"). `plain`: no paged cache, seqused_k / leftpad_k /
-    cache_batch_idx, split-KV or dropout, and for the backward no varlen or ALiBi (the caller knows those; the
-    forward takes varlen cu_seqlens and ALiBi slopes). No softcap. Windows: any (local windows: LOCAL), except that
-    deterministic=True with dQ in a fixed order (`orders_dq`) takes no local window in the backward (its order
-    assumes each key block's rows run to the last). Head dims up to 256 run on the next wider tiles of their
-    direction (configs.hopper_fwd_tile_dim / hopper_bwd_tile_dim); the forward takes V's own head dim (head_dim_v,
-    default head_dim), the backward equal ones only; with deterministic=True the backward needs tiles where dQ is
-    not added in an arbitrary order (`can_order_dq`)."""
+    compute this forward ("fwd") or backward ("bwd"). `plain`: no paged cache, seqused_k / leftpad_k / cache_batch_idx,
+    split-KV or dropout, and for the backward no ALiBi and varlen only on 64 / 128-wide tiles without deterministic=True
+    (the caller knows those; the forward takes varlen cu_seqlens and ALiBi slopes). No softcap. Windows: any (local
+    windows: LOCAL), except that deterministic=True with dQ in a fixed order (`orders_dq`) takes no local window in the
+    backward (its order assumes each key block's rows run to the last). Head dims up to 256 run on the next wider tiles
+    of their direction (configs.hopper_fwd_tile_dim / hopper_bwd_tile_dim); the forward takes V's own head dim
+    (head_dim_v, default head_dim), the backward equal ones only; with deterministic=True the backward needs tiles where
+    dQ is not added in an arbitrary order (`can_order_dq`)."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
@@ -332,17 +332,32 @@ def _row_statistic_descriptor(stat: torch.Tensor, strides: Tuple[int, int], batc
 
 def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tuple[int, int],
                delta_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
-               heads_per_group: int, deterministic: bool) -> None:
+               heads_per_group: int, deterministic: bool, cu_seqlens_q=None, cu_seqlens_k=None) -> None:
     """dK, dV into dk, dv and dQ into dq (B, S, H, D each) from lse and delta (fp32, rows contiguous, (batch,
     head) strides lse_strides / delta_strides), which the kernel loads by TMA with each Q / dO block. The kernel
     adds its scaled dQ products into dq_accum (fp32, q's shape, contiguous, zeroed) by TMA reductions (which clip
     rows past seqlen_q), copied into dq at the end; where it does not compute dQ (`computes_dq`) dq_accum is None
     and dq is left to the caller. With ordered dQ (`orders_dq`) the reductions take turns on zeroed counters, and
-    each (batch, kv head)'s key blocks launch together."""
+    each (batch, kv head)'s key blocks launch together. Varlen (cu_seqlens given; tiles up to 128 wide, not ordered):
+    q, k, v, dout, dq, dk, dv and dq_accum (T, H, D), batch sequences, seqlen_q / seqlen_k the longest lengths, lse
+    and delta (H, T) matrices (lse_strides / delta_strides (0, row stride))."""
     global bwd_launch_count
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_heads_k = k.shape[-2]
     kernel, keys, qdo_features, dq_box, tile_dim = backward_division(head_dim)
+    varlen = cu_seqlens_q is not None
+    statistic_rows, statistic_batch = seqlen_q, batch
+    if varlen:  # one batch entry of all the rows to the descriptors; each program finds its sequence's rows
+        if dq_box is None or orders_dq(head_dim, deterministic):
+            raise ValueError("the Gluon backward takes varlen calls on tiles up to 128 wide, not ordered")
+        varlen_args = ((cu_seqlens_q, cu_seqlens_k, q, k, v, dout), q.shape[0], k.shape[0])
+        q, k, v, dout, dk, dv, dq_accum = (t.unsqueeze(0) for t in (q, k, v, dout, dk, dv, dq_accum))
+        lse_strides, delta_strides = ((num_heads * s[1], s[1]) for s in (lse_strides, delta_strides))
+        statistic_rows, statistic_batch = varlen_args[1], 1
+    elif dq_box is not None:
+        varlen_args = ((None, ) * 6, 0, 0)
+    else:  # the d256 kernel takes no varlen call
+        varlen_args = ()
     config = configs.HOPPER_BWD[tile_dim]
     grid = (triton_cdiv(seqlen_k, keys) * batch * num_heads_k,)
     ordered = orders_dq(head_dim, deterministic)
@@ -356,13 +371,14 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
         tile_descriptor(q, config.query_rows, qdo_features),
         tile_descriptor(dout, config.query_rows, qdo_features),
         *(() if dq_box is None else (tile_descriptor(dq_accum, *dq_box), )),
-        *(_row_statistic_descriptor(stat, strides, batch, num_heads, seqlen_q, config.query_rows)
+        *(_row_statistic_descriptor(stat, strides, statistic_batch, num_heads, statistic_rows, config.query_rows)
           for stat, strides in ((lse, lse_strides), (delta, delta_strides))),
         dk, dv, *(() if dq_box is None else (dq_counters, )), dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), num_heads_k, num_heads // num_heads_k, seqlen_q, seqlen_k, head_dim,
         1 if ordered else heads_per_group, params.softmax_scale, params.qk_scale_log2, params.window_left,
-        params.window_right, CAUSAL=params.causal_like, LOCAL=local_window(params, seqlen_k), STAGES=config.stages,
+        params.window_right, *varlen_args, CAUSAL=params.causal_like, LOCAL=local_window(params, seqlen_k),
+        STAGES=config.stages,
         CONSUMER_REGS=config.consumer_regs, num_warps=4, **kernel_args)
     if dq_accum is not None:
-        dq.copy_(dq_accum)
+        dq.copy_(dq_accum.view(dq.shape))
     bwd_launch_count += 1

@@ -163,8 +163,8 @@ def _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, buffer, use, zero_dq
 
 
 @gluon.jit
-def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch, head_k,
-               group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, seqlen_k, causal,
+def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch, q_start,
+               head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, seqlen_k, causal,
                softmax_scale, feature0, order, OVER_ALL_KEYS: gl.constexpr):
     """Loop iteration `block`'s dQ: its product (_dq_product; waiting for it also completes every wgmma this
     consumer issued before it, as wgmma groups complete in order), then, with the split by features, its dS buffer
@@ -172,7 +172,8 @@ def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_
     (order: (counters of this program's (batch, kv head), key block, key blocks, query blocks, this consumer's
     reduced and freed barriers); empty otherwise) the previous block's reduction is reported completed while the
     products run (by then it has long completed), then this one waits for its turn (_reduction_rank) on its tile's
-    counter."""
+    counter. batch, q_start: the accumulator's batch coordinate and the sequence's first row in it (a varlen
+    call's: 0 and its first row; a dense call's: its batch and 0)."""
     ROWS: gl.constexpr = zero_dq.shape[0]
     FEATURES: gl.constexpr = zero_dq.shape[1]
     KEYS: gl.constexpr = 2 * k_lo.shape[0]
@@ -191,7 +192,7 @@ def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_
     dq = warpgroup_mma_wait(0, deps=(dq, ))
     if OVER_ALL_KEYS:
         arrive_after_wgmma(ds_free.index(block % 2))
-    _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, m_start, head, feature0, turn)
+    _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, q_start + m_start, head, feature0, turn)
 
 
 @gluon.jit
@@ -214,8 +215,8 @@ def _add_dq(dq, dq_desc, dq_tile, batch, m_start, head, feature0, turn):
 @gluon.jit
 def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p_own, ds_own, ds_lo, ds_hi, dq_tile,
               kv_ready, q_ready, q_empty, ds_ready, ds_free, dq_desc, DK, DV, stride_dk_b,
-              stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim, key0,
-              feature0,
+              stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim,
+              q_start, k_start, rows_masked, key0, feature0,
               group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
               causal, first_visit, window, order):
     """One warpgroup: keys [n_start + key0, + OWN) of the block (k_own, v_own: their K and V rows [OWN, HEAD_DIM];
@@ -226,7 +227,10 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     through dq_tile ([1, ROWS, 1, FEATURES] fp32, shared) into the accumulator by a TMA reduction (dq_desc); with
     ordered dQ (`order`, see _finish_dq) in a fixed order, each reduction reported completed to this consumer's
     releaser partition while the next block's products run (the next contributor reduces into that query block at
-    least a block later)."""
+    least a block later). Varlen (rows_masked (0, ); () for a dense call): batch is the descriptors' coordinate 0,
+    q_start / k_start the sequence's first rows, seqlen_q / seqlen_k its lengths; the Q / dO stages' rows past
+    seqlen_q (zeros: the producer's descriptors end at the sequence) get lse +inf and delta 0, as the lse / delta
+    matrices hold the next sequence's rows there, so P and dS are 0 in those rows."""
     STAGES: gl.constexpr = q_smem.shape[0]
     ROWS: gl.constexpr = q_smem.shape[2]
     HEAD_DIM: gl.constexpr = q_smem.shape[4]
@@ -264,6 +268,11 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
         # rows do, so that every product they enter (dV, dK, and dQ rows the reduction clips) adds zeros
         lse_log2 = lse_smem.index(stage).reshape([ROWS]).load(row_of_s) * 1.4426950408889634
         delta = delta_smem.index(stage).reshape([ROWS]).load(row_of_s)
+        if len(rows_masked) > 0:
+            # [ROWS] the rows of the sequence
+            in_sequence = m_start + gl.arange(0, ROWS, row_of_s) < seqlen_q
+            lse_log2 = gl.where(in_sequence, lse_log2, float("inf"))
+            delta = gl.where(in_sequence, delta, 0.0)
         s = warpgroup_mma(q_tile, k_own.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dp = warpgroup_mma(do_tile, v_own.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s, ))
@@ -290,29 +299,41 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
             # block ago (not waiting for it lets the two consumers drift out of phase); its wait completes this
             # block's dV and dK products too
             _finish_dq(i - LAG, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch,
-                       head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, seqlen_k,
-                       causal, softmax_scale, feature0, order, OVER_ALL_KEYS)
+                       q_start, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q,
+                       seqlen_k, causal, softmax_scale, feature0, order, OVER_ALL_KEYS)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         arrive_after_wgmma(q_empty.index(stage))
     if OVER_ALL_KEYS:
         # the last block's dQ (its ds_free arrival has no waiter)
         if n_iterations > 0:
             _finish_dq(n_iterations - 1, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc,
-                       dq_tile, batch, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit,
-                       seqlen_q, seqlen_k, causal, softmax_scale, feature0, order, OVER_ALL_KEYS)
+                       dq_tile, batch, q_start, head_k, group_size, m_block_lo, blocks_per_head, n_iterations,
+                       first_visit, seqlen_q, seqlen_k, causal, softmax_scale, feature0, order, OVER_ALL_KEYS)
             if len(order) > 0:
                 _report_reduction(order[4], order[5], n_iterations - 1)
     # [OWN, HEAD_DIM] this consumer's key rows
     store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
-                   batch, head_k, n_start + key0, 0, seqlen_k, head_dim, softmax_scale)
+                   batch, head_k, k_start + n_start + key0, 0, k_start + seqlen_k, head_dim, softmax_scale)
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "head_dim", "heads_per_group", "window_left", "window_right"])
+@gluon.jit
+def _sequence_descriptor(desc, base, start, length):
+    """A device-made copy of host descriptor desc ((1, T, H, D), [1, ROWS, 1, D'] blocks) over rows [start, + length)
+    of its tensor (base: the tensor's first element): rows past the sequence read zeros. At least one row (a
+    sequence without rows loads nothing through it)."""
+    return tma.make_tensor_descriptor(base + start.to(gl.int64) * desc.strides[1],
+                                      [1, gl.maximum(length, 1), desc.shape[2], desc.shape[3]],
+                                      [desc.strides[0], desc.strides[1], desc.strides[2], 1], desc.block_type.shape,
+                                      desc.layout)
+
+
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "head_dim", "heads_per_group", "window_left", "window_right",
+                              "q_rows", "k_rows"])
 def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, delta_desc, DK, DV, dq_counters,
                            stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                            num_heads_k, group_size, seqlen_q, seqlen_k, head_dim, heads_per_group, softmax_scale,
-                           qk_scale_log2, window_left, window_right,
+                           qk_scale_log2, window_left, window_right, varlen, q_rows, k_rows,
                            CAUSAL: gl.constexpr, LOCAL: gl.constexpr, ORDERED: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """One program per (128-key block, batch * kv head), key blocks in order (under a causal mask the blocks seen
@@ -325,7 +346,13 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
     the last's (the loops are a rotation), so the launcher gives it launch-order groups of one head and at most one
     key block per SM (all of a head's key blocks resident together). LOCAL: a local window (window_left,
     window_right, normalized as kernels/common's): each key block loops over the query blocks whose windows meet it
-    and masks both edges (common.masked_probabilities); not with ORDERED."""
+    and masks both edges (common.masked_probabilities); not with ORDERED. Varlen (varlen: (CuSeqlensQ, CuSeqlensK,
+    Q, K, V, DOut), None pointers for a dense call; not with ORDERED): q, k, v, dout, dq's accumulator, dk and dv
+    are (1, T, H, D) to the descriptors (q_rows / k_rows: T of q / k), seqlen_q / seqlen_k the longest lengths; each
+    program's sequence (common.key_block_of_program's bounds) gets its own Q, dO, K and V descriptors, made here
+    over its rows only, so rows past it read zeros as a dense call's rows past its end do; dQ is reduced at the
+    sequence's rows of the accumulator (rows past it add zeros), dK / dV stored at its key rows, and lse / delta read
+    at its rows of the (H, T) matrices."""
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
@@ -336,8 +363,28 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
         window = (window_left, window_right)
     else:
         window = ()
-    batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations = key_block_of_program(
-        num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS, CAUSAL, ORDERED)
+    if varlen[0] is not None:
+        gl.static_assert(not ORDERED, "ordered dQ takes no varlen call")
+        seqs = (varlen[0], varlen[1], q_rows, k_rows)
+    else:
+        seqs = ()
+    batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations, bounds = key_block_of_program(
+        num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS, CAUSAL, ORDERED, seqs)
+    q_start, seqlen_q, k_start, seqlen_k = bounds
+    if len(seqs) > 0:
+        # the sequence's own descriptors (rows past it read zeros), at the descriptors' batch coordinate 0; K and V
+        # load only where the block holds keys of it; (0, ): the consumers' flag for rows past the sequence
+        q_desc = _sequence_descriptor(q_desc, varlen[2], q_start, seqlen_q)
+        do_desc = _sequence_descriptor(do_desc, varlen[5], q_start, seqlen_q)
+        k_desc = _sequence_descriptor(k_desc, varlen[3], k_start, seqlen_k)
+        v_desc = _sequence_descriptor(v_desc, varlen[4], k_start, seqlen_k)
+        desc_batch = q_start * 0
+        load_kv = (n_start < seqlen_k).to(gl.int32)
+        rows_masked = (0, )
+    else:
+        desc_batch = batch
+        load_kv = gl.to_tensor(1)
+        rows_masked = ()
     # [1, KEYS, 1, HEAD_DIM] K, V; [STAGES, 1, ROWS, 1, HEAD_DIM] Q, dO; [KEYS, ROWS] dS^T
     k_smem = gl.allocate_shared_memory(dtype, [1, KEYS, 1, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, KEYS, 1, HEAD_DIM], v_desc.layout)
@@ -376,8 +423,8 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
     # [KEYS, HEAD_DIM] K and V of the block
     k_flat = k_smem.reshape([KEYS, HEAD_DIM])
     v_flat = v_smem.reshape([KEYS, HEAD_DIM])
-    pointers = (dq_desc, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch,
-                head_k, n_start, head_dim)
+    pointers = (dq_desc, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
+                desc_batch, head_k, n_start, head_dim, q_start, k_start, rows_masked)
     if ORDERED:
         n_block = n_start // KEYS
         n_query_blocks = gl.cdiv(seqlen_q, ROWS)
@@ -420,8 +467,8 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
     first = first + barriers + pointers + (gl.to_tensor(0), gl.to_tensor(0)) + loop + (order_of[0], )
     second = second + barriers + pointers + (gl.to_tensor(OWN), gl.to_tensor(second_feature)) + loop + (order_of[1], )
     producer = (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, (q_smem, ), (do_smem, ),
-                lse_smem, delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads_k * group_size,
-                group_size, m_block_lo, blocks_per_head, n_iterations, first_visit)
+                lse_smem, delta_smem, kv_ready, q_ready, q_empty, desc_batch, head_k, n_start, num_heads_k * group_size,
+                group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, q_start, load_kv)
     if ORDERED:
         placement = (first_visit, n_iterations, blocks_per_head, m_block_lo, n_query_blocks)
         gl.warp_specialize([(_consumer, first), (_consumer, second), (backward_producer, producer),

@@ -126,8 +126,8 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta
         window = (window_left, window_right)
     else:
         window = ()
-    batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations = key_block_of_program(
-        num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS, CAUSAL)
+    batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations, _ = key_block_of_program(
+        num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS, CAUSAL, False, ())
     # [1, KEYS, 1, HEAD_DIM] K, V
     k_smem = gl.allocate_shared_memory(dtype, [1, KEYS, 1, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, KEYS, 1, HEAD_DIM], v_desc.layout)
@@ -177,5 +177,5 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta
         (backward_producer, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, (q_lo, q_hi),
                              (do_lo, do_hi), lse_smem, delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start,
                              num_heads_k * group_size, group_size, m_block_lo, blocks_per_head, n_iterations,
-                             gl.to_tensor(0))),
+                             gl.to_tensor(0), gl.to_tensor(0), gl.to_tensor(1))),
     ], [4, 1], [CONSUMER_REGS, 24])

@@ -42,15 +42,29 @@ def loop_position(i, first_visit, n_iterations):
 
 
 @gluon.jit
+def sequence_rows(CuSeqlens, batch, rows):
+    """(first row, length) of sequence `batch` of a varlen call: cu_seqlens entries clamped into [0, rows] (an end
+    before its start gives an empty sequence), so malformed values never address rows outside the tensor."""
+    start = gl.minimum(gl.maximum(gl.load(CuSeqlens + batch), 0), rows)
+    end = gl.minimum(gl.maximum(gl.load(CuSeqlens + batch + 1), start), rows)
+    return start, end - start
+
+
+
+@gluon.jit
 def key_block_of_program(num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS: gl.constexpr,
-                         ROWS: gl.constexpr, CAUSAL: gl.constexpr, LAST_FIRST: gl.constexpr = False):
-    """(batch, kv head, first key, first query block, query blocks per head, loop iterations) of this program: key
-    blocks of KEYS keys in order (under a causal mask the blocks seen by the most query rows first; LAST_FIRST: the
-    last key block first, as ordered dQ needs: a block's reductions wait for the next block's), in launch-order
-    groups of heads_per_group (batch, kv head) pairs; the query blocks of ROWS rows that see a key of the block, all
-    or, under the causal mask (bottom-right aligned), those from row n_start - (seqlen_k - seqlen_q) on, or under a
-    local window (window: (window_left, window_right), or () without one) those whose rows' windows meet the block
-    (none: no iteration, dK and dV of the block are 0); the loop runs over the group's query heads too."""
+                         ROWS: gl.constexpr, CAUSAL: gl.constexpr, LAST_FIRST: gl.constexpr, seqs):
+    """(batch, kv head, first key, first query block, query blocks per head, loop iterations, bounds) of this
+    program: key blocks of KEYS keys in order (under a causal mask the blocks seen by the most query rows first;
+    LAST_FIRST: the last key block first, as ordered dQ needs: a block's reductions wait for the next block's), in
+    launch-order groups of heads_per_group (batch, kv head) pairs; the query blocks of ROWS rows that see a key of
+    the block, all or, under the causal mask (bottom-right aligned), those from row n_start - (seqlen_k - seqlen_q)
+    on, or under a local window (window: (window_left, window_right), or () without one) those whose rows' windows
+    meet the block (none: no iteration, dK and dV of the block are 0); the loop runs over the group's query heads
+    too. seqs: () for a dense call, or (CuSeqlensQ, CuSeqlensK, q_rows, k_rows) for a varlen one: seqlen_q and
+    seqlen_k are the longest lengths (the grid's), the ranges those of the program's sequence (sequence_rows), and a
+    key block past its sequence's keys has no iteration. bounds: (first q row, query length, first k row, key
+    length) of the program's sequence ((0, seqlen_q, 0, seqlen_k) for a dense call)."""
     n_key_blocks = gl.cdiv(seqlen_k, KEYS)
     n_block, batch_head = grouped_tile_of(gl.program_id(0), n_key_blocks, gl.num_programs(0) // n_key_blocks,
                                           heads_per_group)
@@ -59,6 +73,11 @@ def key_block_of_program(num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_
     batch = batch_head // num_heads_k
     head_k = batch_head % num_heads_k
     n_start = n_block * KEYS
+    q_start = n_start * 0
+    k_start = q_start
+    if len(seqs) > 0:
+        q_start, seqlen_q = sequence_rows(seqs[0], batch, seqs[2])
+        k_start, seqlen_k = sequence_rows(seqs[1], batch, seqs[3])
     m_block_lo = 0
     if CAUSAL:
         m_block_lo = gl.maximum(n_start - (seqlen_k - seqlen_q), 0) // ROWS
@@ -70,7 +89,10 @@ def key_block_of_program(num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_
         m_block_lo = gl.maximum(n_start - offset - window[1], 0) // ROWS
         m_block_end = gl.cdiv(gl.minimum(gl.maximum(n_end - offset + window[0], 0), seqlen_q), ROWS)
     blocks_per_head = gl.maximum(m_block_end - m_block_lo, 0)
-    return batch, head_k, n_start, m_block_lo, blocks_per_head, group_size * blocks_per_head
+    if len(seqs) > 0:
+        blocks_per_head = gl.where(n_start < seqlen_k, blocks_per_head, 0)
+    return (batch, head_k, n_start, m_block_lo, blocks_per_head, group_size * blocks_per_head,
+            (q_start, seqlen_q, k_start, seqlen_k))
 
 
 @gluon.jit
@@ -103,20 +125,25 @@ def store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride
 @gluon.jit
 def backward_producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_pieces, do_pieces,
                       lse_smem, delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads, group_size,
-                      m_block_lo, blocks_per_head, n_iterations, first_visit):
-    """One warp: the key block's K and V once, then Q_i, dO_i and their rows' log2(e) * lse and delta of every
-    iteration (loop_position(i)) into stage i % STAGES. Q and dO are staged in feature pieces (q_pieces,
-    do_pieces: tuples of [STAGES, 1, ROWS, 1, PIECE] buffers, piece j holding features [j PIECE, + PIECE); one piece
-    at head dims 64 and 128, two at 256)."""
+                      m_block_lo, blocks_per_head, n_iterations, first_visit, q_start, load_kv):
+    """One warp: the key block's K and V once, then Q_i, dO_i and their rows' log2(e) * lse and delta of every iteration
+    (loop_position(i)) into stage i % STAGES. batch: the descriptors' batch coordinate; q_start: the sequence's first
+    row in the lse / delta matrices (a varlen call's; 0 for a dense one). load_kv 0: the key block holds none of its
+    sequence's keys (a varlen call's block past them): kv_ready completes without a load. Q and dO are staged in feature
+    pieces (q_pieces, do_pieces: tuples of [STAGES, 1, ROWS, 1, PIECE] buffers, piece j holding features [j PIECE, +
+    PIECE); one piece at head dims 64 and 128, two at 256)."""
     STAGES: gl.constexpr = q_pieces[0].shape[0]
     KEYS: gl.constexpr = k_smem.shape[1]
     ROWS: gl.constexpr = q_pieces[0].shape[2]
     PIECE: gl.constexpr = q_pieces[0].shape[4]
     HEAD_DIM: gl.constexpr = k_smem.shape[3]
     element_bytes: gl.constexpr = k_desc.dtype.primitive_bitwidth // 8
-    mbarrier.expect(kv_ready, 2 * KEYS * HEAD_DIM * element_bytes)
-    tma.async_copy_global_to_shared(k_desc, [batch, n_start, head_k, 0], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [batch, n_start, head_k, 0], kv_ready, v_smem)
+    if load_kv != 0:
+        mbarrier.expect(kv_ready, 2 * KEYS * HEAD_DIM * element_bytes)
+        tma.async_copy_global_to_shared(k_desc, [batch, n_start, head_k, 0], kv_ready, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [batch, n_start, head_k, 0], kv_ready, v_smem)
+    else:
+        mbarrier.arrive(kv_ready)
     for i in range(n_iterations):
         stage = i % STAGES
         mbarrier.wait(q_empty.index(stage), ((i // STAGES) - 1) & 1, pred=i >= STAGES)
@@ -130,8 +157,10 @@ def backward_producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_s
             tma.async_copy_global_to_shared(do_desc, [batch, m_start, head, piece * PIECE], q_ready.index(stage),
                                             do_pieces[piece].index(stage))
         row = batch * num_heads + head
-        tma.async_copy_global_to_shared(lse_desc, [row, m_start], q_ready.index(stage), lse_smem.index(stage))
-        tma.async_copy_global_to_shared(delta_desc, [row, m_start], q_ready.index(stage), delta_smem.index(stage))
+        tma.async_copy_global_to_shared(lse_desc, [row, q_start + m_start], q_ready.index(stage),
+                                        lse_smem.index(stage))
+        tma.async_copy_global_to_shared(delta_desc, [row, q_start + m_start], q_ready.index(stage),
+                                        delta_smem.index(stage))
 
 
 @gluon.jit

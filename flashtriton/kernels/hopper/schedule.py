@@ -5,7 +5,7 @@ Every partition of the forward holds this code: it is branch-free integer arithm
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .common import grouped_tile_of
+from .common import grouped_tile_of, sequence_rows
 
 
 @gluon.jit
@@ -23,15 +23,6 @@ def item_tiles(item, num_tiles, num_batch_heads, heads_per_group, paired):
     slot, batch_head = grouped_tile_of(item, slots(num_tiles, paired), num_batch_heads, heads_per_group)
     end = gl.where(paired != 0, num_tiles - slot, slot + 1)
     return batch_head, slot, end, gl.maximum(num_tiles - 1 - 2 * slot, 1)
-
-
-@gluon.jit
-def sequence_rows(CuSeqlens, batch, rows):
-    """(first row, length) of sequence `batch` of a varlen call: cu_seqlens entries clamped into [0, rows] (an end
-    before its start gives an empty sequence), so malformed values never address rows outside the tensor."""
-    start = gl.minimum(gl.maximum(gl.load(CuSeqlens + batch), 0), rows)
-    end = gl.minimum(gl.maximum(gl.load(CuSeqlens + batch + 1), start), rows)
-    return start, end - start
 
 
 @gluon.jit
