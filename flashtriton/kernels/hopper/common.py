@@ -6,10 +6,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from ..common import grouped_tile_of as _triton_grouped_tile_of
+from .. import common as _triton_common
 
-# kernels/common.grouped_tile_of (plain integer arithmetic) compiled as a Gluon function
-grouped_tile_of = gluon.jit(_triton_grouped_tile_of.fn)
+# kernels/common's launch-order, query-block-range and row-range helpers (plain integer arithmetic) compiled as
+# Gluon functions: the Gluon kernels take them from the same code as the Triton kernels
+grouped_tile_of = gluon.jit(_triton_common.grouped_tile_of.fn)
+q_block_range = gluon.jit(_triton_common.q_block_range.fn)
+clamped_range = gluon.jit(_triton_common.clamped_range.fn)
 
 
 @gluon.jit
@@ -44,11 +47,10 @@ def loop_position(i, first_visit, n_iterations):
 @gluon.jit
 def sequence_rows(CuSeqlens, batch, rows):
     """(first row, length) of sequence `batch` of a varlen call: cu_seqlens entries clamped into [0, rows] (an end
-    before its start gives an empty sequence), so malformed values never address rows outside the tensor."""
-    start = gl.minimum(gl.maximum(gl.load(CuSeqlens + batch), 0), rows)
-    end = gl.minimum(gl.maximum(gl.load(CuSeqlens + batch + 1), start), rows)
-    return start, end - start
-
+    before its start gives an empty sequence; kernels/common.clamped_range), so malformed values never address rows
+    outside the tensor."""
+    start = gl.load(CuSeqlens + batch)
+    return clamped_range(start, gl.load(CuSeqlens + batch + 1) - start, rows)
 
 
 @gluon.jit
@@ -83,11 +85,9 @@ def key_block_of_program(num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_
         m_block_lo = gl.maximum(n_start - (seqlen_k - seqlen_q), 0) // ROWS
     m_block_end = gl.cdiv(seqlen_q, ROWS)
     if len(window) > 0:
-        # rows i see keys [i + offset - left, i + offset + right]: those that see one of [n_start, n_end)
-        offset = seqlen_k - seqlen_q
-        n_end = gl.minimum(n_start + KEYS, seqlen_k)
-        m_block_lo = gl.maximum(n_start - offset - window[1], 0) // ROWS
-        m_block_end = gl.cdiv(gl.minimum(gl.maximum(n_end - offset + window[0], 0), seqlen_q), ROWS)
+        # the query blocks whose rows' windows meet keys [n_start, n_start + KEYS) (kernels/common.q_block_range)
+        m_block_lo, _, _, m_block_end = q_block_range(n_start, (seqlen_q, seqlen_k, window[0], window[1]), ROWS,
+                                                      KEYS, True)
     blocks_per_head = gl.maximum(m_block_end - m_block_lo, 0)
     if len(seqs) > 0:
         blocks_per_head = gl.where(n_start < seqlen_k, blocks_per_head, 0)
