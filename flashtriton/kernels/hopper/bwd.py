@@ -317,17 +317,6 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     tma.store_wait(0)
 
 
-@gluon.jit
-def _sequence_descriptor(desc, base, start, length):
-    """A device-made copy of host descriptor desc ((1, T, H, D), [1, ROWS, 1, D'] blocks) over rows [start, + length)
-    of its tensor (base: the tensor's first element): rows past the sequence read zeros. At least one row (a
-    sequence without rows loads nothing through it)."""
-    return tma.make_tensor_descriptor(base + start.to(gl.int64) * desc.strides[1],
-                                      [1, gl.maximum(length, 1), desc.shape[2], desc.shape[3]],
-                                      [desc.strides[0], desc.strides[1], desc.strides[2], 1], desc.block_type.shape,
-                                      desc.layout)
-
-
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "head_dim", "heads_per_group", "window_left", "window_right",
                               "q_rows", "k_rows"])
 def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, delta_desc, DK, DV, dq_counters,
@@ -349,8 +338,8 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
     and masks both edges (common.masked_probabilities); not with ORDERED. Varlen (varlen: (CuSeqlensQ, CuSeqlensK,
     Q, K, V, DOut), None pointers for a dense call; not with ORDERED): q, k, v, dout, dq's accumulator, dk and dv
     are (1, T, H, D) to the descriptors (q_rows / k_rows: T of q / k), seqlen_q / seqlen_k the longest lengths; each
-    program's sequence (common.key_block_of_program's bounds) gets its own Q, dO, K and V descriptors, made here
-    over its rows only, so rows past it read zeros as a dense call's rows past its end do; dQ is reduced at the
+    program's sequence (common.key_block_of_program's bounds) gets its own Q, dO, K and V descriptors, made by the
+    producer (the partition whose TMA loads use them) over its rows only, so rows past it read zeros as a dense call's rows past its end do; dQ is reduced at the
     sequence's rows of the accumulator (rows past it add zeros), dK / dV stored at its key rows, and lse / delta read
     at its rows of the (H, T) matrices."""
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
@@ -372,16 +361,15 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
         num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS, CAUSAL, ORDERED, seqs)
     q_start, seqlen_q, k_start, seqlen_k = bounds
     if len(seqs) > 0:
-        # the sequence's own descriptors (rows past it read zeros), at the descriptors' batch coordinate 0; K and V
-        # load only where the block holds keys of it; (0, ): the consumers' flag for rows past the sequence
-        q_desc = _sequence_descriptor(q_desc, varlen[2], q_start, seqlen_q)
-        do_desc = _sequence_descriptor(do_desc, varlen[5], q_start, seqlen_q)
-        k_desc = _sequence_descriptor(k_desc, varlen[3], k_start, seqlen_k)
-        v_desc = _sequence_descriptor(v_desc, varlen[4], k_start, seqlen_k)
+        # the producer makes the sequence's own descriptors (rows past it read zeros; common.backward_producer), at
+        # the descriptors' batch coordinate 0; K and V load only where the block holds keys of it; (0, ): the
+        # consumers' flag for rows past the sequence
+        sequence = (varlen[2], varlen[5], varlen[3], varlen[4], q_start, seqlen_q, k_start, seqlen_k)
         desc_batch = q_start * 0
         load_kv = (n_start < seqlen_k).to(gl.int32)
         rows_masked = (0, )
     else:
+        sequence = ()
         desc_batch = batch
         load_kv = gl.to_tensor(1)
         rows_masked = ()
@@ -468,7 +456,7 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
     second = second + barriers + pointers + (gl.to_tensor(OWN), gl.to_tensor(second_feature)) + loop + (order_of[1], )
     producer = (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, (q_smem, ), (do_smem, ),
                 lse_smem, delta_smem, kv_ready, q_ready, q_empty, desc_batch, head_k, n_start, num_heads_k * group_size,
-                group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, q_start, load_kv)
+                group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, q_start, load_kv, sequence)
     if ORDERED:
         placement = (first_visit, n_iterations, blocks_per_head, m_block_lo, n_query_blocks)
         gl.warp_specialize([(_consumer, first), (_consumer, second), (backward_producer, producer),

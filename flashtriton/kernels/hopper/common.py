@@ -123,21 +123,40 @@ def store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride
 
 
 @gluon.jit
+def sequence_descriptor(desc, base, start, length):
+    """A device-made copy of host descriptor desc ((1, T, H, D), [1, ROWS, 1, D'] blocks) over rows [start, + length)
+    of its tensor (base: the tensor's first element): rows past the sequence read zeros. At least one row (a
+    sequence without rows loads nothing through it)."""
+    return tma.make_tensor_descriptor(base + start.to(gl.int64) * desc.strides[1],
+                                      [1, gl.maximum(length, 1), desc.shape[2], desc.shape[3]],
+                                      [desc.strides[0], desc.strides[1], desc.strides[2], 1], desc.block_type.shape,
+                                      desc.layout)
+
+
+@gluon.jit
 def backward_producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_pieces, do_pieces,
                       lse_smem, delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads, group_size,
-                      m_block_lo, blocks_per_head, n_iterations, first_visit, q_start, load_kv):
+                      m_block_lo, blocks_per_head, n_iterations, first_visit, q_start, load_kv, sequence):
     """One warp: the key block's K and V once, then Q_i, dO_i and their rows' log2(e) * lse and delta of every iteration
     (loop_position(i)) into stage i % STAGES. batch: the descriptors' batch coordinate; q_start: the sequence's first
     row in the lse / delta matrices (a varlen call's; 0 for a dense one). load_kv 0: the key block holds none of its
     sequence's keys (a varlen call's block past them): kv_ready completes without a load. Q and dO are staged in feature
     pieces (q_pieces, do_pieces: tuples of [STAGES, 1, ROWS, 1, PIECE] buffers, piece j holding features [j PIECE, +
-    PIECE); one piece at head dims 64 and 128, two at 256)."""
+    PIECE); one piece at head dims 64 and 128, two at 256). sequence: () for a dense call; a varlen call's (Q, dO, K,
+    V base pointers, q_start, seqlen_q, k_start, seqlen_k): this warp makes the sequence's own Q, dO, K and V
+    descriptors (sequence_descriptor) before its first load; a descriptor made in the kernel is visible only to the
+    threads whose TMA loads read it after the fence that ends its making, so the partition that loads makes them."""
     STAGES: gl.constexpr = q_pieces[0].shape[0]
     KEYS: gl.constexpr = k_smem.shape[1]
     ROWS: gl.constexpr = q_pieces[0].shape[2]
     PIECE: gl.constexpr = q_pieces[0].shape[4]
     HEAD_DIM: gl.constexpr = k_smem.shape[3]
     element_bytes: gl.constexpr = k_desc.dtype.primitive_bitwidth // 8
+    if len(sequence) > 0:
+        q_desc = sequence_descriptor(q_desc, sequence[0], sequence[4], sequence[5])
+        do_desc = sequence_descriptor(do_desc, sequence[1], sequence[4], sequence[5])
+        k_desc = sequence_descriptor(k_desc, sequence[2], sequence[6], sequence[7])
+        v_desc = sequence_descriptor(v_desc, sequence[3], sequence[6], sequence[7])
     if load_kv != 0:
         mbarrier.expect(kv_ready, 2 * KEYS * HEAD_DIM * element_bytes)
         tma.async_copy_global_to_shared(k_desc, [batch, n_start, head_k, 0], kv_ready, k_smem)
