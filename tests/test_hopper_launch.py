@@ -88,6 +88,6 @@ def test_launchers_bind_to_the_kernel_signatures():
     assert kernels.count("attn_fwd_hopper_kernel") == 7, launches
     assert kernels.count("attn_tail_merge_kernel") >= 1, launches
     assert kernels.count("attn_bwd_hopper_kernel") == 3 and kernels.count("attn_bwd_hopper_d256_kernel") == 1, launches
-    assert sum("varlen=6" in line for line in launches if line.startswith("attn_bwd_hopper_kernel ")) == 3
-    # the grouped arguments reach the kernels whole: varlen (6 entries), ALiBi's (4)
+    assert sum("varlen=8" in line for line in launches if line.startswith("attn_bwd_hopper_kernel ")) == 3
+    # the grouped arguments reach the kernels whole: the forward's varlen (6 entries), ALiBi's (4)
     assert all("varlen=6" in line and "alibi_args=4" in line for line in launches if line.startswith("attn_fwd_h"))

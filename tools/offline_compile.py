@@ -221,11 +221,12 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
         signature["dq_desc"] = _gluon_tile_type(*dq_box, "fp32")
         signature["dq_counters"] = "*i32"
         constexprs["ORDERED"] = ordered
-        signature["varlen"] = ("*i32", "*i32") + (f"*{dtype}", ) * 4
+        signature["varlen"] = ("*i32", "*i32") + (f"*{dtype}", ) * 4 + ("*fp32", ) * 2
         signature["q_rows"] = signature["k_rows"] = "i32"
+        signature["lse_row_stride"] = signature["delta_row_stride"] = "i32"
         if not varlen:
-            signature["varlen"] = ("constexpr", ) * 6
-            constexprs.update({(names.index("varlen"), element): None for element in range(6)})
+            signature["varlen"] = ("constexpr", ) * 8
+            constexprs.update({(names.index("varlen"), element): None for element in range(8)})
     signature.update({name: "i32" for name in names if name.startswith("stride") or name in (
         "num_heads_k", "group_size", "seqlen_q", "seqlen_k", "head_dim", "heads_per_group", "window_left",
         "window_right")})

@@ -330,6 +330,12 @@ def _row_statistic_descriptor(stat: torch.Tensor, strides: Tuple[int, int], batc
                               shared_layout((1, rows), torch.float32))
 
 
+def _stage_type_descriptor(scratch: torch.Tensor, rows: int):
+    """A descriptor of [1, rows] fp32 blocks that types the backward's lse / delta stage buffers and is never
+    loaded through (a varlen call's statistics come by plain loads): over the first element of scratch (fp32)."""
+    return checked_descriptor(scratch, [1, 1], [4, 1], [1, rows], shared_layout((1, rows), torch.float32))
+
+
 def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tuple[int, int],
                delta_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
                heads_per_group: int, deterministic: bool, cu_seqlens_q=None, cu_seqlens_k=None) -> None:
@@ -346,16 +352,16 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
     num_heads_k = k.shape[-2]
     kernel, keys, qdo_features, dq_box, tile_dim = backward_division(head_dim)
     varlen = cu_seqlens_q is not None
-    statistic_rows, statistic_batch = seqlen_q, batch
     if varlen:  # one batch entry of all the rows to the descriptors; each program finds its sequence's rows
         if dq_box is None or orders_dq(head_dim, deterministic):
             raise ValueError("the Gluon backward takes varlen calls on tiles up to 128 wide, not ordered")
-        varlen_args = ((cu_seqlens_q, cu_seqlens_k, q, k, v, dout), q.shape[0], k.shape[0])
+        # lse and delta come by the producer's plain loads (a sequence's rows start anywhere, and TMA needs 16-byte
+        # aligned inner coordinates): their descriptors only type the kernel's stage buffers
+        varlen_args = ((cu_seqlens_q, cu_seqlens_k, q, k, v, dout, lse, delta), q.shape[0], k.shape[0],
+                       lse_strides[1], delta_strides[1])
         q, k, v, dout, dk, dv, dq_accum = (t.unsqueeze(0) for t in (q, k, v, dout, dk, dv, dq_accum))
-        lse_strides, delta_strides = ((num_heads * s[1], s[1]) for s in (lse_strides, delta_strides))
-        statistic_rows, statistic_batch = varlen_args[1], 1
     elif dq_box is not None:
-        varlen_args = ((None, ) * 6, 0, 0)
+        varlen_args = ((None, ) * 8, 0, 0, 0, 0)
     else:  # the d256 kernel takes no varlen call
         varlen_args = ()
     config = configs.HOPPER_BWD[tile_dim]
@@ -371,8 +377,9 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
         tile_descriptor(q, config.query_rows, qdo_features),
         tile_descriptor(dout, config.query_rows, qdo_features),
         *(() if dq_box is None else (tile_descriptor(dq_accum, *dq_box), )),
-        *(_row_statistic_descriptor(stat, strides, statistic_batch, num_heads, statistic_rows, config.query_rows)
-          for stat, strides in ((lse, lse_strides), (delta, delta_strides))),
+        *((_stage_type_descriptor(dq_accum, config.query_rows), ) * 2 if varlen else
+          (_row_statistic_descriptor(stat, strides, batch, num_heads, seqlen_q, config.query_rows)
+           for stat, strides in ((lse, lse_strides), (delta, delta_strides)))),
         dk, dv, *(() if dq_box is None else (dq_counters, )), dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), num_heads_k, num_heads // num_heads_k, seqlen_q, seqlen_k, head_dim,
         1 if ordered else heads_per_group, params.softmax_scale, params.qk_scale_log2, params.window_left,

@@ -318,11 +318,12 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "head_dim", "heads_per_group", "window_left", "window_right",
-                              "q_rows", "k_rows"])
+                              "q_rows", "k_rows", "lse_row_stride", "delta_row_stride"])
 def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, delta_desc, DK, DV, dq_counters,
                            stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                            num_heads_k, group_size, seqlen_q, seqlen_k, head_dim, heads_per_group, softmax_scale,
-                           qk_scale_log2, window_left, window_right, varlen, q_rows, k_rows,
+                           qk_scale_log2, window_left, window_right, varlen, q_rows, k_rows, lse_row_stride,
+                           delta_row_stride,
                            CAUSAL: gl.constexpr, LOCAL: gl.constexpr, ORDERED: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """One program per (128-key block, batch * kv head), key blocks in order (under a causal mask the blocks seen
@@ -336,12 +337,14 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
     key block per SM (all of a head's key blocks resident together). LOCAL: a local window (window_left,
     window_right, normalized as kernels/common's): each key block loops over the query blocks whose windows meet it
     and masks both edges (common.masked_probabilities); not with ORDERED. Varlen (varlen: (CuSeqlensQ, CuSeqlensK,
-    Q, K, V, DOut), None pointers for a dense call; not with ORDERED): q, k, v, dout, dq's accumulator, dk and dv
-    are (1, T, H, D) to the descriptors (q_rows / k_rows: T of q / k), seqlen_q / seqlen_k the longest lengths; each
-    program's sequence (common.key_block_of_program's bounds) gets its own Q, dO, K and V descriptors, made by the
-    producer (the partition whose TMA loads use them) over its rows only, so rows past it read zeros as a dense call's rows past its end do; dQ is reduced at the
-    sequence's rows of the accumulator (rows past it add zeros), dK / dV stored at its key rows, and lse / delta read
-    at its rows of the (H, T) matrices."""
+    Q, K, V, DOut, LSE, DELTA), None pointers for a dense call; not with ORDERED): q, k, v, dout, dq's accumulator,
+    dk and dv are (1, T, H, D) to the descriptors (q_rows / k_rows: T of q / k), seqlen_q / seqlen_k the longest
+    lengths; each program's sequence (common.key_block_of_program's bounds) gets its own Q, dO, K and V descriptors,
+    made by the producer (the partition whose TMA loads use them) over its rows only, so rows past it read zeros as a
+    dense call's rows past its end do; dQ is reduced at the sequence's rows of the accumulator (rows past it add
+    zeros), dK / dV stored at its key rows, and lse / delta copied by the producer from its rows of the (H, T)
+    matrices LSE and DELTA (rows lse_row_stride / delta_row_stride apart; lse_desc and delta_desc then only type
+    the stage buffers)."""
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
@@ -364,7 +367,8 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, lse_desc, d
         # the producer makes the sequence's own descriptors (rows past it read zeros; common.backward_producer), at
         # the descriptors' batch coordinate 0; K and V load only where the block holds keys of it; (0, ): the
         # consumers' flag for rows past the sequence
-        sequence = (varlen[2], varlen[5], varlen[3], varlen[4], q_start, seqlen_q, k_start, seqlen_k)
+        sequence = (varlen[2], varlen[5], varlen[3], varlen[4], q_start, seqlen_q, k_start, seqlen_k, varlen[6],
+                    varlen[7], lse_row_stride, delta_row_stride)
         desc_batch = q_start * 0
         load_kv = (n_start < seqlen_k).to(gl.int32)
         rows_masked = (0, )

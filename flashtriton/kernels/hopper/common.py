@@ -143,9 +143,12 @@ def backward_producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_s
     sequence's keys (a varlen call's block past them): kv_ready completes without a load. Q and dO are staged in feature
     pieces (q_pieces, do_pieces: tuples of [STAGES, 1, ROWS, 1, PIECE] buffers, piece j holding features [j PIECE, +
     PIECE); one piece at head dims 64 and 128, two at 256). sequence: () for a dense call; a varlen call's (Q, dO, K,
-    V base pointers, q_start, seqlen_q, k_start, seqlen_k): this warp makes the sequence's own Q, dO, K and V
-    descriptors (sequence_descriptor) before its first load; a descriptor made in the kernel is visible only to the
-    threads whose TMA loads read it after the fence that ends its making, so the partition that loads makes them."""
+    V base pointers, q_start, seqlen_q, k_start, seqlen_k, LSE, DELTA, lse_row_stride, delta_row_stride): this warp
+    makes the sequence's own Q, dO, K and V descriptors (sequence_descriptor) before its first load (a descriptor made
+    in the kernel is visible only to the threads whose TMA loads read it after the fence that ends its making, so the
+    partition that loads makes them), and copies the rows' lse and delta from the (H, T) matrices LSE and DELTA with
+    plain loads (stage_row_statistics): a sequence's rows start anywhere, and a TMA load's innermost coordinate must
+    be 16-byte aligned (an unaligned one is an illegal instruction)."""
     STAGES: gl.constexpr = q_pieces[0].shape[0]
     KEYS: gl.constexpr = k_smem.shape[1]
     ROWS: gl.constexpr = q_pieces[0].shape[2]
@@ -168,18 +171,37 @@ def backward_producer(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_s
         mbarrier.wait(q_empty.index(stage), ((i // STAGES) - 1) & 1, pred=i >= STAGES)
         head, m_start = query_block(loop_position(i, first_visit, n_iterations), blocks_per_head, m_block_lo,
                                     head_k, group_size, ROWS)
-        mbarrier.expect(q_ready.index(stage), 2 * ROWS * HEAD_DIM * element_bytes + 2 * ROWS * 4)
+        if len(sequence) > 0:
+            stage_row_statistics(sequence[8], sequence[10], lse_smem.index(stage), head, q_start, m_start, sequence[5])
+            stage_row_statistics(sequence[9], sequence[11], delta_smem.index(stage), head, q_start, m_start,
+                                 sequence[5])
+            # the plain stores above come before this arrival (Triton's barrier pass puts a warp barrier between)
+            mbarrier.expect(q_ready.index(stage), 2 * ROWS * HEAD_DIM * element_bytes)
+        else:
+            mbarrier.expect(q_ready.index(stage), 2 * ROWS * HEAD_DIM * element_bytes + 2 * ROWS * 4)
         for piece in gl.static_range(len(q_pieces)):
             tma.async_copy_global_to_shared(q_desc, [batch, m_start, head, piece * PIECE], q_ready.index(stage),
                                             q_pieces[piece].index(stage))
         for piece in gl.static_range(len(do_pieces)):
             tma.async_copy_global_to_shared(do_desc, [batch, m_start, head, piece * PIECE], q_ready.index(stage),
                                             do_pieces[piece].index(stage))
-        row = batch * num_heads + head
-        tma.async_copy_global_to_shared(lse_desc, [row, q_start + m_start], q_ready.index(stage),
-                                        lse_smem.index(stage))
-        tma.async_copy_global_to_shared(delta_desc, [row, q_start + m_start], q_ready.index(stage),
-                                        delta_smem.index(stage))
+        if len(sequence) == 0:
+            row = batch * num_heads + head
+            tma.async_copy_global_to_shared(lse_desc, [row, m_start], q_ready.index(stage), lse_smem.index(stage))
+            tma.async_copy_global_to_shared(delta_desc, [row, m_start], q_ready.index(stage), delta_smem.index(stage))
+
+
+@gluon.jit
+def stage_row_statistics(statistic, row_stride, stage, head, q_start, m_start, seqlen_q):
+    """Copy rows [m_start, + ROWS) of a varlen sequence's per-row statistic (lse or delta: an (H, T) fp32 matrix with
+    rows of row_stride, the sequence from column q_start) into stage ([1, ROWS] shared) by one warp's plain loads;
+    rows past seqlen_q get 0, as a dense call's rows past its end do."""
+    ROWS: gl.constexpr = stage.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([ROWS // 32], [32], [1], [0])
+    # [ROWS] rows of the block
+    rows = m_start + gl.arange(0, ROWS, layout)
+    values = gl.load(statistic + head.to(gl.int64) * row_stride + q_start + rows, mask=rows < seqlen_q, other=0.0)
+    stage.reshape([ROWS]).store(values)
 
 
 @gluon.jit
