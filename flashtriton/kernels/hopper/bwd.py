@@ -35,7 +35,8 @@ Scope (ops/hopper.covers): the forward's (dense bf16/fp16, any window, bottom-ri
 ORDERED; no softcap, ALiBi or dropout), head dim 64 / 128 (narrower ones on these tiles). Keys past seqlen_k are masked
 out of P (their dK/dV rows are never stored; their K rows read as zeros, but P would not be 0); query rows past seqlen_q
 read Q, dO, lse and delta as zeros (TMA fills them), so P = 1 there but dS = 0 and every product they enter adds zeros
-(dQ rows past seqlen_q are clipped by the reduction).
+(dQ rows past a dense call's seqlen_q are clipped by the reduction; a varlen call's, the next sequence's rows in the
+accumulator, get zeros: _finish_dq).
 
 Synchronisation: kv_ready (K and V landed), q_ready[s] (Q_i, dO_i, lse_i and delta_i of stage s landed), q_empty[s]
 (both consumers are done with stage s, count 2), with the feature split ds_ready (both consumers' dS written, count
@@ -165,7 +166,7 @@ def _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, buffer, use, zero_dq
 @gluon.jit
 def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch, q_start,
                head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, seqlen_k, causal,
-               softmax_scale, feature0, order, OVER_ALL_KEYS: gl.constexpr):
+               softmax_scale, feature0, order, rows_masked, OVER_ALL_KEYS: gl.constexpr):
     """Loop iteration `block`'s dQ: its product (_dq_product; waiting for it also completes every wgmma this
     consumer issued before it, as wgmma groups complete in order), then, with the split by features, its dS buffer
     released for block + 2 (ds_free), and the scaled product added to the accumulator (_add_dq). With ordered dQ
@@ -173,7 +174,9 @@ def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_
     reduced and freed barriers); empty otherwise) the previous block's reduction is reported completed while the
     products run (by then it has long completed), then this one waits for its turn (_reduction_rank) on its tile's
     counter. batch, q_start: the accumulator's batch coordinate and the sequence's first row in it (a varlen
-    call's: 0 and its first row; a dense call's: its batch and 0)."""
+    call's: 0 and its first row; a dense call's: its batch and 0). rows_masked (0, ) for a varlen call: a block that
+    runs past the sequence's end adds zeros to the rows past it, which are the next sequence's in the accumulator
+    (its dS rows there are 0, but its K rows need not be finite: another sequence's keys, 0 * inf or NaN)."""
     ROWS: gl.constexpr = zero_dq.shape[0]
     FEATURES: gl.constexpr = zero_dq.shape[1]
     KEYS: gl.constexpr = 2 * k_lo.shape[0]
@@ -192,6 +195,11 @@ def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_
     dq = warpgroup_mma_wait(0, deps=(dq, ))
     if OVER_ALL_KEYS:
         arrive_after_wgmma(ds_free.index(block % 2))
+    if len(rows_masked) > 0:
+        if m_start + ROWS > seqlen_q:
+            # [ROWS] the block's rows in the sequence
+            rows = m_start + gl.arange(0, ROWS, gl.SliceLayout(1, dq.type.layout))
+            dq = gl.where(gl.expand_dims(rows < seqlen_q, 1), dq, 0.0)
     _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, q_start + m_start, head, feature0, turn)
 
 
@@ -201,7 +209,7 @@ def _add_dq(dq, dq_desc, dq_tile, batch, m_start, head, feature0, turn):
     accumulator's features [feature0, + FEATURES): through dq_tile ([1, ROWS, 1, FEATURES], shared) by one TMA
     reduction, once the previous one has read dq_tile, and with ordered dQ (turn: (the tile's counter, this
     reduction's rank, a value of the counter read earlier); empty otherwise) once the reductions before it in the
-    fixed order have completed. Rows past seqlen_q are clipped by the reduction."""
+    fixed order have completed. Rows past a dense call's seqlen_q are clipped by the reduction."""
     ROWS: gl.constexpr = dq.shape[0]
     FEATURES: gl.constexpr = dq.shape[1]
     tma.store_wait(0)
@@ -300,7 +308,7 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
             # block's dV and dK products too
             _finish_dq(i - LAG, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch,
                        q_start, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q,
-                       seqlen_k, causal, softmax_scale, feature0, order, OVER_ALL_KEYS)
+                       seqlen_k, causal, softmax_scale, feature0, order, rows_masked, OVER_ALL_KEYS)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         arrive_after_wgmma(q_empty.index(stage))
     if OVER_ALL_KEYS:
@@ -308,7 +316,8 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
         if n_iterations > 0:
             _finish_dq(n_iterations - 1, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc,
                        dq_tile, batch, q_start, head_k, group_size, m_block_lo, blocks_per_head, n_iterations,
-                       first_visit, seqlen_q, seqlen_k, causal, softmax_scale, feature0, order, OVER_ALL_KEYS)
+                       first_visit, seqlen_q, seqlen_k, causal, softmax_scale, feature0, order, rows_masked,
+                       OVER_ALL_KEYS)
             if len(order) > 0:
                 _report_reduction(order[4], order[5], n_iterations - 1)
     # [OWN, HEAD_DIM] this consumer's key rows
