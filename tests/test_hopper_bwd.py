@@ -18,8 +18,8 @@ from flashtriton.kernels.hopper import bwd as hopper_bwd, common as hopper_commo
 from flashtriton.ops import hopper
 from flashtriton.ops.backend import KERNELS_INTERPRETED
 from flashtriton.scores import score_params
-from flashtriton.testing import Case, assert_checks_ok, compare_with_reference, forced_gluon, make_case_inputs, \
-    poisoned_outputs
+from flashtriton.testing import Case, assert_checks_ok, compare_varlen_with_reference, compare_with_reference, \
+    forced_gluon, make_case_inputs, poisoned_outputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -356,6 +356,61 @@ def test_gluon_backward_features(feature):
                                               dtype=torch.bfloat16), **FEATURES[feature]}))
     assert ran, "the Gluon backward did not run"
     assert_checks_ok(checks)
+
+
+VARLEN_CASES = {  # name: (lengths of q, lengths of k, heads, kv heads, head dim, options)
+    "mixed-causal": ([300, 1, 0, 129, 1000, 64], [300, 1, 0, 129, 1000, 64], 4, 4, 128, dict(causal=True)),
+    "mixed-full-gqa-d64": ([200, 17, 513, 0, 90], [250, 0, 513, 33, 70], 6, 2, 64, dict()),
+    "sq-over-sk-causal": ([400, 70, 129], [100, 300, 64], 2, 1, 128, dict(causal=True)),
+    "window-d96": ([700, 333, 18], [700, 333, 18], 4, 2, 96, dict(window_size=(100, 20))),
+    "causal-d72": ([129, 7, 640], [129, 7, 640], 5, 5, 72, dict(causal=True)),
+}
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(VARLEN_CASES))
+def test_gluon_backward_varlen(name, dtype):
+    """Packed sequences (flash_attn_varlen_func) on the Gluon backward: each program's sequence gets its own tensor
+    descriptors (rows past it read zeros); lengths off the tiles, empty query or key sequences, sq != sk both ways,
+    GQA, a window, two-chunk tiles (96; 72 on 80-wide ones); rows past the last sequence hold NaN in q, k, v and dout (a read of
+    them would reach the gradients); NaN-poisoned outputs against the float64 reference, every row."""
+    lengths_q, lengths_k, heads, heads_k, head_dim, options = VARLEN_CASES[name]
+    cu_q, cu_k = (torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+                  for lengths in (lengths_q, lengths_k))
+    padding = 37
+    q = torch.randn(sum(lengths_q) + padding, heads, head_dim, device="cuda").to(dtype)
+    k = torch.randn(sum(lengths_k) + padding, heads_k, head_dim, device="cuda").to(dtype)
+    v = torch.randn_like(k)
+    dout = torch.randn_like(q)
+    for tensor, covered in ((q, sum(lengths_q)), (k, sum(lengths_k)), (v, sum(lengths_k)), (dout, sum(lengths_q))):
+        tensor[covered:] = float("nan")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    before = hopper.bwd_launch_count
+    with poisoned_outputs(), forced_gluon():
+        out, lse, _ = flashtriton.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                         return_attn_probs=True, **options)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert hopper.bwd_launch_count == before + 1, "the Gluon backward did not run"
+    covered_q, covered_k = sum(lengths_q), sum(lengths_k)
+    clean = [t.detach()[:covered] for t, covered in ((q, covered_q), (k, covered_k), (v, covered_k))]
+    checks = compare_varlen_with_reference(out[:covered_q], lse[:, :covered_q], *clean, cu_q.cpu(), cu_k.cpu(),
+                                           max(lengths_k), grads=[g[:covered] for g, covered in zip(
+                                               grads, (covered_q, covered_k, covered_k))], dout=dout[:covered_q],
+                                           **options)
+    assert_checks_ok(checks)
+    for grad, covered in zip(grads, (covered_q, covered_k, covered_k)):
+        assert torch.equal(grad[covered:], torch.zeros_like(grad[covered:]))
+
+
+def test_varlen_backward_rule():
+    """Varlen backwards take the Gluon kernel on tiles up to 128 wide without deterministic=True or dropout; the
+    dK / dV only kernel, dQ in a fixed order and packed tensors without rows stay on the Triton kernels (CPU: the
+    launcher refuses what the rule keeps away)."""
+    q = torch.empty(10, 2, 256)
+    with pytest.raises(ValueError, match="tiles up to 128 wide"):
+        hopper.launch_bwd(q, q, q, q, None, None, q, q, q, None, (0, 10), (0, 10), _params(), 10, 10, 1, 1, False,
+                          cu_seqlens_q=torch.tensor([0, 10]), cu_seqlens_k=torch.tensor([0, 10]))
 
 
 def _gluon_hopper_api() -> bool:

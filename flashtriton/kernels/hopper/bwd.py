@@ -42,7 +42,8 @@ Scope (ops/hopper.covers): the forward's (dense bf16/fp16, any window, bottom-ri
 ORDERED; no softcap, ALiBi or dropout), head dim 64 / 80 / 96 / 128 (narrower ones on these tiles). Keys past
 seqlen_k are masked out of P (their dK/dV rows are never stored; their K rows read as zeros, but P would not be 0);
 query rows past seqlen_q read Q, dO, lse and delta as zeros (TMA fills them), so P = 1 there but dS = 0 and every
-product they enter adds zeros (dQ rows past seqlen_q are clipped by the reduction).
+product they enter adds zeros (dQ rows past a dense call's seqlen_q are clipped by the reduction; a varlen call's, the
+next sequence's rows in the accumulator, get zeros: _finish_dq).
 
 Synchronisation: kv_ready (K and V landed), q_ready[s] (Q_i, dO_i, lse_i and delta_i of stage s landed), q_empty[s]
 (both consumers are done with stage s, count 2), with the feature split ds_ready (both consumers' dS written, count
@@ -284,16 +285,19 @@ def _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_tile, ds_sync
 
 
 @gluon.jit
-def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch, head_k,
-               group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, seqlen_k, causal,
-               softmax_scale, feature0, order, OVER_ALL_KEYS: gl.constexpr, KEY_MAJOR: gl.constexpr):
+def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch, q_start,
+               head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, seqlen_k, causal,
+               softmax_scale, feature0, order, rows_masked, OVER_ALL_KEYS: gl.constexpr, KEY_MAJOR: gl.constexpr):
     """Loop iteration `block`'s dQ: its product (_dq_product; waiting for it also completes every wgmma this
     consumer issued before it, as wgmma groups complete in order), then, with the split by features, its dS buffer
     released for block + 2 (ds_free), and the scaled product added to the accumulator (_add_dq). With ordered dQ
     (order: (counters of this program's (batch, kv head), key block, key blocks, query blocks, this consumer's
     reduced and freed barriers); empty otherwise) the previous block's reduction is reported completed while the
     products run (by then it has long completed), then this one waits for its turn (_reduction_rank) on its tile's
-    counter."""
+    counter. batch, q_start: the accumulator's batch coordinate and the sequence's first row in it (a varlen
+    call's: 0 and its first row; a dense call's: its batch and 0). rows_masked (0, ) for a varlen call: a block that
+    runs past the sequence's end adds zeros to the rows past it, which are the next sequence's in the accumulator
+    (its dS rows there are 0, but 0 times a K row that is not finite is not)."""
     ROWS: gl.constexpr = zero_dq.shape[0]
     FEATURES: gl.constexpr = zero_dq.shape[1]
     KEYS: gl.constexpr = 2 * k_lo.shape[0]
@@ -313,7 +317,12 @@ def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_
     dq = warpgroup_mma_wait(0, deps=(dq, ))
     if OVER_ALL_KEYS:
         arrive_after_wgmma(ds_free.index(block % 2))
-    _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, m_start, head, feature0, turn)
+    if len(rows_masked) > 0:
+        if m_start + ROWS > seqlen_q:
+            # [ROWS] the block's rows in the sequence
+            rows = m_start + gl.arange(0, ROWS, gl.SliceLayout(1, dq.type.layout))
+            dq = gl.where(gl.expand_dims(rows < seqlen_q, 1), dq, 0.0)
+    _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, q_start + m_start, head, feature0, turn)
 
 
 @gluon.jit
@@ -336,8 +345,8 @@ def _add_dq(dq, dq_desc, dq_tile, batch, m_start, head, feature0, turn):
 @gluon.jit
 def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p_own, ds_own, ds_lo, ds_hi, dq_tile,
               kv_ready, q_ready, q_empty, ds_ready, ds_free, dq_desc, DK, DV, stride_dk_b,
-              stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim, key0,
-              feature0,
+              stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim, q_start,
+              k_start, rows_masked, key0, feature0,
               group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
               causal, first_visit, window, order, dropout):
     """One warpgroup: keys [n_start + key0, + OWN) of the block (k_own, v_own: their K and V rows [OWN, WIDTH] per
@@ -350,7 +359,9 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     (`order`, see _finish_dq) in a fixed order, each reduction reported completed to this consumer's releaser
     partition while the next block's products run (the next contributor reduces into that query block at least a
     block later). dropout: () or (RngState, keep_threshold, dropout_scale, query heads): the forward's mask
-    (dropout.dropped) scales P for dV and dP for dS."""
+    (dropout.dropped) scales P for dV and dP for dS. Varlen (rows_masked (0, ); () for a dense call): batch is the
+    descriptors' coordinate 0, q_start / k_start the sequence's first rows, seqlen_q / seqlen_k its lengths (the Q
+    / dO stages' rows past seqlen_q read zeros, lse and delta 0, as a dense call's rows past its end do)."""
     STAGES: gl.constexpr = q_smem[0].shape[0]
     ROWS: gl.constexpr = q_smem[0].shape[2]
     HEAD_DIM: gl.constexpr = chunks_width(q_smem)
@@ -414,34 +425,37 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
             # block ago (not waiting for it lets the two consumers drift out of phase); its wait completes this
             # block's dV and dK products too
             _finish_dq(i - LAG, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch,
-                       head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, seqlen_k,
-                       causal, softmax_scale, feature0, order, OVER_ALL_KEYS, KEY_MAJOR)
+                       q_start, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q,
+                       seqlen_k, causal, softmax_scale, feature0, order, rows_masked, OVER_ALL_KEYS, KEY_MAJOR)
         dk, dv = wait_accumulators(dk, dv)
         arrive_after_wgmma(q_empty.index(stage))
     if OVER_ALL_KEYS:
         # the last block's dQ (its ds_free arrival has no waiter)
         if n_iterations > 0:
             _finish_dq(n_iterations - 1, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc,
-                       dq_tile, batch, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit,
-                       seqlen_q, seqlen_k, causal, softmax_scale, feature0, order, OVER_ALL_KEYS, KEY_MAJOR)
+                       dq_tile, batch, q_start, head_k, group_size, m_block_lo, blocks_per_head, n_iterations,
+                       first_visit, seqlen_q, seqlen_k, causal, softmax_scale, feature0, order, rows_masked,
+                       OVER_ALL_KEYS, KEY_MAJOR)
             if len(order) > 0:
                 _report_reduction(order[4], order[5], n_iterations - 1)
     # [OWN, WIDTH] per chunk: this consumer's key rows
     column = 0
     for chunk in gl.static_range(len(dk)):
         store_key_rows(dk[chunk], dv[chunk], DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n,
-                       stride_dv_h, batch, head_k, n_start + key0, column, seqlen_k, head_dim, softmax_scale)
+                       stride_dv_h, batch, head_k, k_start + n_start + key0, column, k_start + seqlen_k, head_dim,
+                       softmax_scale)
         column = column + dk[chunk].shape[1]
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "head_dim", "heads_per_group", "window_left", "window_right"])
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "head_dim", "heads_per_group", "window_left", "window_right",
+                              "q_rows", "k_rows", "lse_row_stride", "delta_row_stride"])
 def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_desc2, q_desc2, do_desc2, dq_desc2,
                            lse_desc, delta_desc, DK, DV, dq_counters,
                            stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                            num_heads_k, group_size, seqlen_q, seqlen_k, head_dim, heads_per_group, softmax_scale,
-                           qk_scale_log2, window_left, window_right, dropout_args,
-                           CAUSAL: gl.constexpr, LOCAL: gl.constexpr, ORDERED: gl.constexpr, KEY_MAJOR: gl.constexpr,
+                           qk_scale_log2, window_left, window_right, dropout_args, varlen, q_rows, k_rows,
+                           lse_row_stride, delta_row_stride, CAUSAL: gl.constexpr, LOCAL: gl.constexpr, ORDERED: gl.constexpr, KEY_MAJOR: gl.constexpr,
                            STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """k_desc ... dq_desc: the descriptors of the first chunk of the head dim's tiles (column 0 on), k_desc2 ...
     dq_desc2 those of the second (from the first one's width on; configs.HOPPER_BWD_CHUNKS: 80 = 64 + 16, 96 = 64 +
@@ -459,7 +473,15 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     key block per SM (all of a head's key blocks resident together). LOCAL: a local window (window_left,
     window_right, normalized as kernels/common's): each key block loops over the query blocks whose windows meet it
     and masks both edges (common.masked_probabilities); not with ORDERED. dropout_args: (RngState, keep_threshold,
-    dropout_scale), RngState None without dropout: the forward's mask (kernels/hopper/dropout.py) drops P and dP."""
+    dropout_scale), RngState None without dropout: the forward's mask (kernels/hopper/dropout.py) drops P and dP.
+    Varlen (varlen: (CuSeqlensQ, CuSeqlensK, Q, K, V, DOut, LSE, DELTA), None pointers for a dense call; not with
+    ORDERED or dropout): q, k, v, dout, dq's accumulator, dk and dv are (1, T, H, D) to the descriptors (q_rows /
+    k_rows: T of q / k), seqlen_q / seqlen_k the longest lengths; each program's sequence
+    (common.key_block_of_program's bounds) gets its own descriptors, made by the producer (the partition whose TMA
+    loads use them) over its rows only, so rows past it read zeros as a dense call's rows past its end do; dQ is
+    reduced at the sequence's rows of the accumulator (rows past it add zeros), dK / dV stored at its key rows, and
+    lse / delta copied by the producer from its rows of the (H, T) matrices LSE and DELTA (rows lse_row_stride /
+    delta_row_stride apart; lse_desc and delta_desc then only type the stage buffers)."""
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
@@ -472,8 +494,29 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
         window = (window_left, window_right)
     else:
         window = ()
-    batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations = key_block_of_program(
-        num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS, CAUSAL, ORDERED)
+    if varlen[0] is not None:
+        gl.static_assert(not ORDERED, "ordered dQ takes no varlen call")
+        gl.static_assert(dropout_args[0] is None, "the Gluon backward takes no varlen call with dropout")
+        seqs = (varlen[0], varlen[1], q_rows, k_rows)
+    else:
+        seqs = ()
+    batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations, bounds = key_block_of_program(
+        num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS, CAUSAL, ORDERED, seqs)
+    q_start, seqlen_q, k_start, seqlen_k = bounds
+    if len(seqs) > 0:
+        # the producer makes the sequence's own descriptors (rows past it read zeros; common.backward_producer), at
+        # the descriptors' batch coordinate 0; K and V load only where the block holds keys of it; (0, ): the
+        # consumers' flag for rows past the sequence
+        sequence = (varlen[2], varlen[5], varlen[3], varlen[4], q_start, seqlen_q, k_start, seqlen_k, varlen[6],
+                    varlen[7], lse_row_stride, delta_row_stride)
+        desc_batch = q_start * 0
+        load_kv = (n_start < seqlen_k).to(gl.int32)
+        rows_masked = (0, )
+    else:
+        sequence = ()
+        desc_batch = batch
+        load_kv = gl.to_tensor(1)
+        rows_masked = ()
     # per chunk: [1, 1, KEYS, 1, WIDTH] K, V; [STAGES, 1, ROWS, 1, WIDTH] Q, dO
     k_smem = allocate_chunks(k_descs, 1)
     v_smem = allocate_chunks(v_descs, 1)
@@ -527,8 +570,8 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     # [KEYS, WIDTH] per chunk: K and V of the block
     k_flat = matrices_of(entries_of(k_smem, 0))
     v_flat = matrices_of(entries_of(v_smem, 0))
-    pointers = (DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch,
-                head_k, n_start, head_dim)
+    pointers = (DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, desc_batch,
+                head_k, n_start, head_dim, q_start, k_start, rows_masked)
     if ORDERED:
         n_block = n_start // KEYS
         n_query_blocks = gl.cdiv(seqlen_q, ROWS)
@@ -584,8 +627,9 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     second = second + barriers + (dq_descs[1], ) + pointers + (gl.to_tensor(OWN), gl.to_tensor(second_feature)) + \
         loop + (order_of[1], dropout)
     producer = (k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
-                lse_smem, delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads_k * group_size,
-                group_size, m_block_lo, blocks_per_head, n_iterations, first_visit)
+                lse_smem, delta_smem, kv_ready, q_ready, q_empty, desc_batch, head_k, n_start,
+                num_heads_k * group_size, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, q_start,
+                load_kv, sequence)
     if ORDERED:
         placement = (first_visit, n_iterations, blocks_per_head, m_block_lo, n_query_blocks)
         gl.warp_specialize([(_consumer, first), (_consumer, second), (backward_producer, producer),
