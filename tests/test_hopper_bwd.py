@@ -175,18 +175,19 @@ def test_row_statistic_descriptor_covers_every_row(layout):
 def run_backward(case: Case, deterministic: bool = False, repeats: int = 1):
     """Forward (whichever kernel) and the backward forced onto the Gluon kernel; (tolerance checks, whether it ran).
     With repeats > 1 the backward runs that many times and must give the same bits each time."""
-    q, k, v, _ = make_case_inputs(case, "cuda", requires_grad=True)
+    q, k, v, alibi_slopes = make_case_inputs(case, "cuda", requires_grad=True)
     before = hopper.bwd_launch_count
     with poisoned_outputs(), forced_gluon():
         out, lse, _ = flashtriton.flash_attn_func(q, k, v, 0.0, case.softmax_scale, case.causal, case.window_size,
-                                                  deterministic=deterministic, return_attn_probs=True)
+                                                  alibi_slopes=alibi_slopes, deterministic=deterministic,
+                                                  return_attn_probs=True)
         dout = torch.randn_like(out)
         runs = [torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) for _ in range(repeats)]
     ran = hopper.bwd_launch_count >= before + repeats
     for grads in runs[1:]:
         for name, first, again in zip(("dq", "dk", "dv"), runs[0], grads):
             assert torch.equal(first, again), f"{name} differs between two deterministic backward calls"
-    return compare_with_reference(case, out, lse, q, k, v, None, runs[0], dout), ran
+    return compare_with_reference(case, out, lse, q, k, v, alibi_slopes, runs[0], dout), ran
 
 
 SHAPES = [(17, 17), (128, 128), (200, 333), (333, 200), (1000, 1000)]
@@ -321,6 +322,12 @@ FEATURES = {
     "mqa-causal": dict(num_heads=4, num_heads_k=1, causal=True),
     "bhsd-layout": dict(layout="bhsd", causal=True),
     "scale": dict(softmax_scale=0.05),
+    # ALiBi: (batch, heads) slopes; causal calls take FA2's pure-causal distances (-key), the others |row - key|
+    "alibi": dict(alibi=True),
+    "alibi-causal-gqa": dict(alibi=True, causal=True, num_heads=6, num_heads_k=2),
+    "alibi-causal-sq-over-sk-d64": dict(alibi=True, causal=True, head_dim=64, seqlen_q=400, seqlen_k=300),
+    "alibi-window-d96": dict(alibi=True, window_size=(50, 0), head_dim=96, seqlen_q=333, seqlen_k=500),
+    "alibi-two-sided-window-d80": dict(alibi=True, window_size=(40, 90), head_dim=80),
 }
 
 
@@ -373,8 +380,9 @@ VARLEN_CASES = {  # name: (lengths of q, lengths of k, heads, kv heads, head dim
 def test_gluon_backward_varlen(name, dtype):
     """Packed sequences (flash_attn_varlen_func) on the Gluon backward: each program's sequence gets its own tensor
     descriptors (rows past it read zeros); lengths off the tiles, empty query or key sequences, sq != sk both ways,
-    GQA, a window, two-chunk tiles (96; 72 on 80-wide ones); rows past the last sequence hold NaN in q, k, v and dout (a read of
-    them would reach the gradients); NaN-poisoned outputs against the float64 reference, every row."""
+    GQA, a window, two-chunk tiles (96; 72 on 80-wide ones); rows past the last sequence hold NaN in q, k, v and
+    dout (a read of them would reach the gradients); NaN-poisoned outputs against the float64 reference, every
+    row."""
     lengths_q, lengths_k, heads, heads_k, head_dim, options = VARLEN_CASES[name]
     cu_q, cu_k = (torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
                   for lengths in (lengths_q, lengths_k))

@@ -222,12 +222,13 @@ def _dropout_group(signature: dict, constexprs: dict, names: list, dropout: bool
 
 
 def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", ordered: bool = False,
-                       local: bool = False, head_dim_v: int = 0, dropout: bool = False, varlen: bool = False):
+                       local: bool = False, head_dim_v: int = 0, dropout: bool = False, varlen: bool = False,
+                       alibi: bool = False):
     """The Gluon Hopper backward (kernels/hopper/bwd.py; kernels/hopper/bwd_d256.py at head dims 192 and 256) with
     `config` (default configs.HOPPER_BWD[head_dim]); `ordered`: dQ reductions in a fixed order (head dim 128);
     `local`: a local window (LOCAL); head_dim_v: V's own head dim (0: head_dim's; the dK / dV only kernel);
-    `dropout`: dropout's rng_state (kernels/hopper/bwd.py's tiles); `varlen`: a varlen launch (kernels/hopper/bwd.py's
-    tiles)."""
+    `dropout`: dropout's rng_state (kernels/hopper/bwd.py's tiles); `varlen`: a varlen launch and `alibi`: ALiBi slopes
+    (both on those tiles)."""
     from flashtriton import configs
     from flashtriton.ops.hopper import backward_division, dk_dv_only_boxes
 
@@ -264,6 +265,10 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     names = list(inspect.signature(kernel.fn).parameters)
     if "dropout_args" in names:
         _dropout_group(signature, constexprs, names, dropout)
+    if "alibi_args" in names:
+        signature["alibi_args"] = ("*fp32" if alibi else "constexpr", "i32", "i32")
+        if not alibi:
+            constexprs[(names.index("alibi_args"), 0)] = None
     if "varlen" in names:
         signature["varlen"] = ("*i32", "*i32") + (f"*{dtype}", ) * 4 + ("*fp32", ) * 2
         signature["q_rows"] = signature["k_rows"] = "i32"
@@ -356,10 +361,11 @@ def main():
 
             config = HopperBwdConfig(*(int(x) for x in args.hopper_config.split(",")))
         compiled = compile_hopper_bwd(args.head_dim, args.causal, config, ordered=args.ordered, local=args.local,
-                                      head_dim_v=args.head_dim_v or 0, dropout=args.dropout, varlen=args.packed)
+                                      head_dim_v=args.head_dim_v or 0, dropout=args.dropout, varlen=args.packed,
+                                      alibi=args.alibi)
         ptx = compiled.asm["ptx"]
         print(f"bwd-hopper d{args.head_dim} dv{args.head_dim_v or args.head_dim} causal={args.causal} "
-              f"local={args.local} varlen={args.packed} "
+              f"local={args.local} varlen={args.packed} alibi={args.alibi} "
               f"ordered={args.ordered} dropout={args.dropout} "
               f"{args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} shared {compiled.metadata.shared} wgmma {ptx.count('wgmma.mma_async')} "

@@ -38,8 +38,9 @@ blocks' loops are a rotation, two query blocks apart, and under it they start at
 finds the one before it (a later key block) released: the later key blocks launch first and all of a head's key
 blocks must be resident together (the launcher's groups of one head, at most one key block per SM).
 
-Scope (ops/hopper.covers): the forward's (dense bf16/fp16, any window, bottom-right aligned, local ones not with
-ORDERED; no softcap, ALiBi or dropout), head dim 64 / 80 / 96 / 128 (narrower ones on these tiles). Keys past
+Scope (ops/hopper.covers): dense and varlen bf16/fp16 calls, any window (bottom-right aligned; local ones not with
+ORDERED), ALiBi, dropout (dense calls; the forward's mask), no softcap; head dim 64 / 80 / 96 / 128 (narrower ones
+on these tiles). Keys past
 seqlen_k are masked out of P (their dK/dV rows are never stored; their K rows read as zeros, but P would not be 0);
 query rows past seqlen_q read Q, dO, lse and delta as zeros (TMA fills them), so P = 1 there but dS = 0 and every
 product they enter adds zeros (dQ rows past a dense call's seqlen_q are clipped by the reduction; a varlen call's, the
@@ -221,12 +222,12 @@ def _scores(s_left, s_right, dp_left, dp_right, lse_tile, KEY_AXIS: gl.constexpr
 
 @gluon.jit
 def _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_tile, ds_tile, ds_sync, dk, dv, first_key, m_start,
-                     seqlen_q, seqlen_k, qk_scale_log2, causal, window, draws):
+                     seqlen_q, seqlen_k, qk_scale_log2, causal, window, alibi, draws):
     """One query block's dK / dV products (issued, not waited for) from row-major scores: S = Q K^T and dP = dO V^T
     [ROWS, OWN], P and dS through shared memory (p_tile [ROWS, OWN]; ds_tile, published by _publish_ds) as the
     transposed A operands of dV += P^T dO and dK += dS^T Q. statistics: the rows' ([1, ROWS] shared) lse and delta.
     draws: () or dropout's (key, stream, 1 / (1 - p)): the forward's mask (dropout.dropped) scales P for dV and dP
-    for dS."""
+    for dS. alibi: masked_probabilities'."""
     ROWS: gl.constexpr = q_tile[0].shape[0]
     OWN: gl.constexpr = k_own[0].shape[0]
     dtype: gl.constexpr = k_own[0].dtype
@@ -235,7 +236,8 @@ def _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_tile, ds_tile,
     s_layout: gl.constexpr = s.type.layout
     row_of_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     # [ROWS, OWN] P
-    p = masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window)
+    p = masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window,
+                             alibi=alibi)
     delta = statistics[1].reshape([ROWS]).load(row_of_s)
     if len(draws) > 0:
         # [ROWS, OWN] P where the forward kept it times 1 / (1 - p), 0 where it dropped it
@@ -260,11 +262,12 @@ def _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_tile, ds_tile,
 
 @gluon.jit
 def _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_tile, ds_sync, dk, dv, first_key, m_start,
-                     seqlen_q, seqlen_k, qk_scale_log2, causal, window):
+                     seqlen_q, seqlen_k, qk_scale_log2, causal, window, alibi):
     """One query block's dK / dV products (issued, not waited for) from key-major scores: S^T = K Q^T and dP^T =
     V dO^T [OWN, ROWS], so that P^T and dS^T are in registers as the A operands of dV += P^T dO and dK += dS^T Q
     (no P tile; the dV product is issued before dP is waited for); dS^T goes to ds_tile [OWN, ROWS] for the dQ
-    products (_publish_ds). statistics: the rows' ([1, ROWS] shared) lse and delta, read per column."""
+    products (_publish_ds). statistics: the rows' ([1, ROWS] shared) lse and delta, read per column. alibi:
+    masked_probabilities'."""
     ROWS: gl.constexpr = q_tile[0].shape[0]
     dtype: gl.constexpr = k_own[0].dtype
     # [OWN, ROWS] S^T and dP^T (in flight); [ROWS] log2(e) * lse
@@ -272,7 +275,7 @@ def _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_tile, ds_sync
     column_of_t: gl.constexpr = gl.SliceLayout(0, s_t.type.layout)
     # [OWN, ROWS] P^T
     p_t = masked_probabilities(s_t, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window,
-                               KEY_AXIS=0)
+                               KEY_AXIS=0, alibi=alibi)
     dv = accumulate_register_products(p_t.to(dtype), do_tile, dv)
     # the dV wgmmas (one per chunk) stay in flight
     dp_t = warpgroup_mma_wait(len(dv), deps=(dp_t, ))
@@ -345,10 +348,10 @@ def _add_dq(dq, dq_desc, dq_tile, batch, m_start, head, feature0, turn):
 @gluon.jit
 def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p_own, ds_own, ds_lo, ds_hi, dq_tile,
               kv_ready, q_ready, q_empty, ds_ready, ds_free, dq_desc, DK, DV, stride_dk_b,
-              stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim, q_start,
-              k_start, rows_masked, key0, feature0,
+              stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim,
+              q_start, k_start, rows_masked, key0, feature0,
               group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
-              causal, first_visit, window, order, dropout):
+              causal, first_visit, window, order, dropout, alibi):
     """One warpgroup: keys [n_start + key0, + OWN) of the block (k_own, v_own: their K and V rows [OWN, WIDTH] per
     chunk of the head dim; p_own, ds_own: its [ROWS, OWN] P and dS tiles in shared memory); dK / dV over every query
     block (an accumulator per chunk), and the dQ features [feature0, + FEATURES) of each block: with the split by
@@ -359,9 +362,11 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     (`order`, see _finish_dq) in a fixed order, each reduction reported completed to this consumer's releaser
     partition while the next block's products run (the next contributor reduces into that query block at least a
     block later). dropout: () or (RngState, keep_threshold, dropout_scale, query heads): the forward's mask
-    (dropout.dropped) scales P for dV and dP for dS. Varlen (rows_masked (0, ); () for a dense call): batch is the
-    descriptors' coordinate 0, q_start / k_start the sequence's first rows, seqlen_q / seqlen_k its lengths (the Q
-    / dO stages' rows past seqlen_q read zeros, lse and delta 0, as a dense call's rows past its end do)."""
+    (dropout.dropped) scales P for dV and dP for dS. alibi: () or (the slopes of the program's batch, pure-causal
+    flag): each query block's logits get its head's ALiBi bias (common.alibi_bias). Varlen (rows_masked (0, ); ()
+    for a dense call): batch is the descriptors' coordinate 0, q_start / k_start the sequence's first rows, seqlen_q
+    / seqlen_k its lengths (the Q / dO stages' rows past seqlen_q read zeros, lse and delta 0, as a dense call's rows
+    past its end do)."""
     STAGES: gl.constexpr = q_smem[0].shape[0]
     ROWS: gl.constexpr = q_smem[0].shape[2]
     HEAD_DIM: gl.constexpr = chunks_width(q_smem)
@@ -409,9 +414,15 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
             ds_sync = (ds_free.index(buffer), ((i // 2) - 1) & 1, i >= 2, ds_ready.index(buffer))
         else:
             ds_sync = ()
+        if len(alibi) > 0:
+            # the block's head's slope in log2 units, and the pure-causal flag
+            alibi_head = (gl.load(alibi[0] + head) * 1.4426950408889634, alibi[1])
+        else:
+            alibi_head = ()
         if KEY_MAJOR:
             dk, dv = _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_own.index(buffer), ds_sync, dk,
-                                      dv, first_key, m_start, seqlen_q, seqlen_k, qk_scale_log2, causal, window)
+                                      dv, first_key, m_start, seqlen_q, seqlen_k, qk_scale_log2, causal, window,
+                                      alibi_head)
         else:
             if len(dropout) > 0:
                 draws = (dropout_draws[0], dropout_draws[1] + head, dropout_draws[2])
@@ -419,7 +430,7 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
                 draws = ()
             dk, dv = _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_own[0], ds_own.index(buffer),
                                       ds_sync, dk, dv, first_key, m_start, seqlen_q, seqlen_k, qk_scale_log2, causal,
-                                      window, draws)
+                                      window, alibi_head, draws)
         if i >= LAG:
             # block i - LAG's dQ: with the split by features one block late, as the other consumer wrote its dS a
             # block ago (not waiting for it lets the two consumers drift out of phase); its wait completes this
@@ -454,8 +465,9 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
                            lse_desc, delta_desc, DK, DV, dq_counters,
                            stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                            num_heads_k, group_size, seqlen_q, seqlen_k, head_dim, heads_per_group, softmax_scale,
-                           qk_scale_log2, window_left, window_right, dropout_args, varlen, q_rows, k_rows,
-                           lse_row_stride, delta_row_stride, CAUSAL: gl.constexpr, LOCAL: gl.constexpr, ORDERED: gl.constexpr, KEY_MAJOR: gl.constexpr,
+                           qk_scale_log2, window_left, window_right, dropout_args, alibi_args, varlen, q_rows, k_rows,
+                           lse_row_stride, delta_row_stride, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
+                           ORDERED: gl.constexpr, KEY_MAJOR: gl.constexpr,
                            STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """k_desc ... dq_desc: the descriptors of the first chunk of the head dim's tiles (column 0 on), k_desc2 ...
     dq_desc2 those of the second (from the first one's width on; configs.HOPPER_BWD_CHUNKS: 80 = 64 + 16, 96 = 64 +
@@ -474,14 +486,15 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     window_right, normalized as kernels/common's): each key block loops over the query blocks whose windows meet it
     and masks both edges (common.masked_probabilities); not with ORDERED. dropout_args: (RngState, keep_threshold,
     dropout_scale), RngState None without dropout: the forward's mask (kernels/hopper/dropout.py) drops P and dP.
-    Varlen (varlen: (CuSeqlensQ, CuSeqlensK, Q, K, V, DOut, LSE, DELTA), None pointers for a dense call; not with
-    ORDERED or dropout): q, k, v, dout, dq's accumulator, dk and dv are (1, T, H, D) to the descriptors (q_rows /
-    k_rows: T of q / k), seqlen_q / seqlen_k the longest lengths; each program's sequence
-    (common.key_block_of_program's bounds) gets its own descriptors, made by the producer (the partition whose TMA
-    loads use them) over its rows only, so rows past it read zeros as a dense call's rows past its end do; dQ is
-    reduced at the sequence's rows of the accumulator (rows past it add zeros), dK / dV stored at its key rows, and
-    lse / delta copied by the producer from its rows of the (H, T) matrices LSE and DELTA (rows lse_row_stride /
-    delta_row_stride apart; lse_desc and delta_desc then only type the stage buffers)."""
+    alibi_args: (AlibiSlopes, stride_alibi_b, alibi_pure_causal), AlibiSlopes None without ALiBi (stride_alibi_b 0 for
+    (H,) slopes): the logits get kernels/common.alibi_bias_log2's bias. Varlen (varlen: (CuSeqlensQ, CuSeqlensK, Q, K,
+    V, DOut, LSE, DELTA), None pointers for a dense call; not with ORDERED or dropout): q, k, v, dout, dq's accumulator,
+    dk and dv are (1, T, H, D) to the descriptors (q_rows / k_rows: T of q / k), seqlen_q / seqlen_k the longest
+    lengths; each program's sequence (common.key_block_of_program's bounds) gets its own descriptors, made by the
+    producer (the partition whose TMA loads use them) over its rows only, so rows past it read zeros as a dense call's
+    rows past its end do; dQ is reduced at the sequence's rows of the accumulator (rows past it add zeros), dK / dV
+    stored at its key rows, and lse / delta copied by the producer from its rows of the (H, T) matrices LSE and DELTA
+    (rows lse_row_stride / delta_row_stride apart; lse_desc and delta_desc then only type the stage buffers)."""
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
@@ -599,6 +612,11 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
         dropout = dropout_args + (num_heads_k * group_size, )
     else:
         dropout = ()
+    # ALiBi's (slopes of this program's batch, pure-causal flag), or ()
+    if alibi_args[0] is not None:
+        alibi = (alibi_args[0] + batch.to(gl.int64) * alibi_args[1], alibi_args[2])
+    else:
+        alibi = ()
     barriers = (kv_ready, q_ready, q_empty, ds_ready, ds_free)
     # [OWN, WIDTH] per chunk: each consumer's key half of K and V
     k_halves = (key_rows(k_flat, 0, OWN), key_rows(k_flat, OWN, OWN))
@@ -623,9 +641,9 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     second = (k_halves[1], v_halves[1]) + second_dq + staged + (p_tiles[1], ds_smem[1]) + ds_smem + (
         dq_tiles[1], )
     first = first + barriers + (dq_descs[0], ) + pointers + (gl.to_tensor(0), gl.to_tensor(0)) + loop + (
-        order_of[0], dropout)
+        order_of[0], dropout, alibi)
     second = second + barriers + (dq_descs[1], ) + pointers + (gl.to_tensor(OWN), gl.to_tensor(second_feature)) + \
-        loop + (order_of[1], dropout)
+        loop + (order_of[1], dropout, alibi)
     producer = (k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
                 lse_smem, delta_smem, kv_ready, q_ready, q_empty, desc_batch, head_k, n_start,
                 num_heads_k * group_size, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, q_start,

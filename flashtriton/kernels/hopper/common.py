@@ -360,8 +360,31 @@ def stage_row_statistics(statistic, row_stride, stage, head, q_start, m_start, s
 
 
 @gluon.jit
+def alibi_bias(s, alibi, first_key, m_start, seqlen_q, seqlen_k, KEY_AXIS: gl.constexpr):
+    """Like s (scores of query rows from m_start and keys from first_key, keys along KEY_AXIS): the ALiBi bias in
+    log2 units, kernels/common.alibi_bias_log2's: -slope_log2 * |row + seqlen_k - seqlen_q - key|, or -slope_log2 *
+    -key in FA2's pure-causal configuration (alibi: (slope_log2, alibi_pure_causal)). The distances come from each
+    row's position on the keys counted from first_key (an opaque copy: the pure-causal one does not move with
+    m_start, and LLVM would hoist its tile out of the caller's loop) and the keys' offsets in the block as key // 8
+    * 8 + key % 8."""
+    ROW_AXIS: gl.constexpr = 1 - KEY_AXIS
+    ROWS: gl.constexpr = s.shape[ROW_AXIS]
+    KEYS: gl.constexpr = s.shape[KEY_AXIS]
+    rows = gl.arange(0, ROWS, gl.SliceLayout(KEY_AXIS, s.type.layout))
+    # [ROWS] each row's position on the keys counted from first_key, or -first_key (pure causal)
+    row_base = gl.where(alibi[1] != 0, rows * 0 - first_key, m_start + rows + (seqlen_k - seqlen_q) - first_key)
+    row_base = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [row_base], dtype=gl.int32, is_pure=True, pack=1)
+    keys = gl.arange(0, KEYS, gl.SliceLayout(ROW_AXIS, s.type.layout))
+    # like s: |row - key|, or -key
+    difference = ((gl.expand_dims(row_base, KEY_AXIS) - gl.expand_dims(keys // 8 * 8, ROW_AXIS))
+                  - gl.expand_dims(keys % 8, ROW_AXIS))
+    distance = gl.where(alibi[1] != 0, difference, gl.abs(difference))
+    return -alibi[0] * distance.to(gl.float32)
+
+
+@gluon.jit
 def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window,
-                         KEY_AXIS: gl.constexpr = 1):
+                         KEY_AXIS: gl.constexpr = 1, alibi=()):
     """P = exp2(s * qk_scale_log2 - lse_log2) of scores s (query rows from m_start, keys from first_key; [ROWS, KEYS],
     or [KEYS, ROWS] with KEY_AXIS 0: the transposed scores K Q^T), 0 where a key is past seqlen_k or, causal
     (bottom-right aligned), after the row's last key, or outside the row's local window (window: (window_left,
@@ -370,14 +393,18 @@ def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_
     caller's loop (key vectors held across it would spill ~40 registers of the d128 causal consumers). Query rows
     past seqlen_q are not masked: their Q, dO, lse and delta read as zeros, so P = 1 there but dS = 0 and dO = 0,
     and every product they enter adds zeros. Keys past seqlen_k are (their K rows are zeros, so P would be
-    exp2(-lse_log2), which may overflow)."""
+    exp2(-lse_log2), which may overflow). alibi: () or (slope_log2 of the rows' head, alibi_pure_causal): the logits
+    get kernels/common.alibi_bias_log2's bias (alibi_bias)."""
     ROW_AXIS: gl.constexpr = 1 - KEY_AXIS
     ROWS: gl.constexpr = s.shape[ROW_AXIS]
     KEYS: gl.constexpr = s.shape[KEY_AXIS]
     # [ROWS] a value per query row; [KEYS] a value per key
     row_layout: gl.constexpr = gl.SliceLayout(KEY_AXIS, s.type.layout)
     key_layout: gl.constexpr = gl.SliceLayout(ROW_AXIS, s.type.layout)
-    p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(lse_log2, KEY_AXIS))
+    logits = s * qk_scale_log2
+    if len(alibi) > 0:
+        logits = logits + alibi_bias(s, alibi, first_key, m_start, seqlen_q, seqlen_k, KEY_AXIS)
+    p = gl.exp2(logits - gl.expand_dims(lse_log2, KEY_AXIS))
     last_key = first_key + KEYS - 1
     if len(window) > 0:
         offset = seqlen_k - seqlen_q
