@@ -290,8 +290,8 @@ class HopperBwdConfig:
     stages: int          # Q / dO stages in shared memory
     consumer_regs: int   # registers per thread of the second consumer warpgroup
     # the causal values (False, True) whose calls compute the scores key-major, S^T = K Q^T, so that P^T and dS^T
-    # feed dV and dK from registers (kernels/hopper/bwd.py; calls with dropout keep the row-major tiles the forward's
-    # mask follows)
+    # feed dV and dK from registers (kernels/hopper/bwd.py; calls with ALiBi always do, calls with dropout never: the
+    # forward's mask follows the row-major tiles)
     key_major: tuple = ()
 
 

@@ -261,7 +261,7 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
                     signature[f"{name}_desc{suffix}"] = _gluon_tile_type(rows, columns, kind)
         signature["dq_counters"] = "*i32"
         constexprs["ORDERED"] = ordered
-        constexprs["KEY_MAJOR"] = causal in config.key_major and not dropout
+        constexprs["KEY_MAJOR"] = (causal in config.key_major or alibi) and not dropout
     names = list(inspect.signature(kernel.fn).parameters)
     if "dropout_args" in names:
         _dropout_group(signature, constexprs, names, dropout)
