@@ -353,7 +353,8 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
               group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
               causal, first_visit, window, order, dropout, alibi):
     """One warpgroup: keys [n_start + key0, + OWN) of the block (k_own, v_own: their K and V rows [OWN, WIDTH] per
-    chunk of the head dim; p_own, ds_own: its [ROWS, OWN] P and dS tiles in shared memory); dK / dV over every query
+    chunk of the head dim; p_own: () with key-major scores, else (its [ROWS, OWN] P tile, ); ds_own: its two dS
+    tiles in shared memory, [2, ROWS, OWN], or dS^T [2, OWN, ROWS] with key-major scores); dK / dV over every query
     block (an accumulator per chunk), and the dQ features [feature0, + FEATURES) of each block: with the split by
     features dS (both halves: ds_lo, ds_hi) times the K rows of each half restricted to those features (k_lo, k_hi
     [OWN, FEATURES]); with the split by keys this consumer's dS times its K rows (k_lo [OWN, HEAD_DIM]; k_hi and
