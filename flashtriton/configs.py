@@ -295,13 +295,12 @@ class HopperBwdConfig:
     key_major: tuple = ()
 
 
-# keyed by head dim
-# flashtriton bench --modes bwd, 2026-12-01, a536212, H200; 80 and 96 take d128's entry, 192 d256's (not swept);
-# key_major: flashtriton bench --features --modes bwd --rows plain,d64,d96, 2026-12-07, 04c8c42, H100 (80 as 96)
-HOPPER_BWD = ConfigTable({64: HopperBwdConfig(64, 2, 240, (False, True)),
-                          80: HopperBwdConfig(64, 2, 248, (False, True)),
-                          96: HopperBwdConfig(64, 2, 248, (False, True)),
-                          128: HopperBwdConfig(64, 2, 248, (False, )),
+# keyed by head dim; 64-128: python benchmarks/sweep_hopper_bwd.py --head-dims 96,64,80 and --head-dims 128
+# --deterministic, 2026-12-07, c59df22, H100 (192 and 256: flashtriton bench --modes bwd, 2026-12-01, a536212, H200)
+HOPPER_BWD = ConfigTable({64: HopperBwdConfig(64, 3, 248),
+                          80: HopperBwdConfig(64, 2, 240, (False, True)),
+                          96: HopperBwdConfig(64, 2, 240, (False, True)),
+                          128: HopperBwdConfig(64, 2, 248, (False, True)),
                           192: HopperBwdConfig(64, 2, 240), 256: HopperBwdConfig(64, 2, 240)})
 HOPPER_BWD_HEAD_DIMS = tuple(sorted(HOPPER_BWD))
 # The Gluon backward's tiles by head dim (HOPPER_FWD_CHUNKS' rule): K, V, Q and dO move in these column chunks, S and

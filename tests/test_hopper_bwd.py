@@ -439,6 +439,35 @@ def test_gluon_backward_modules_import():
     assert hopper.attn_bwd_hopper_dq_kernel is not None
 
 
+# one variant of each Gluon backward kernel and each option its tiles take: (kernel, head_dim, options)
+_BACKWARD_VARIANTS = {
+    "d64-causal-alibi": ("bwd", 64, dict(causal=True, alibi=True)),
+    "d96-varlen-local": ("bwd", 96, dict(causal=False, varlen=True, local=True)),
+    "d128-causal-dropout": ("bwd", 128, dict(causal=True, dropout=True)),
+    "d128-ordered": ("bwd", 128, dict(causal=False, ordered=True)),
+    "d192-local": ("bwd", 192, dict(causal=False, local=True)),
+    "d192-v128-causal": ("bwd", 192, dict(causal=True, head_dim_v=128)),
+    "d256-causal": ("bwd", 256, dict(causal=True)),
+    "dq-d192-causal": ("dq", 192, dict(causal=True)),
+}
+
+
+@pytest.mark.skipif(not _gluon_hopper_api() or KERNELS_INTERPRETED,
+                    reason="compiles for sm_90 (needs the Gluon Hopper API and compiled, not interpreted, kernels)")
+@pytest.mark.parametrize("variant", list(_BACKWARD_VARIANTS))
+def test_gluon_backward_kernels_compile_for_sm90(variant):
+    """Every Gluon backward kernel compiles for sm_90 on a machine without a GPU (tools/offline_compile): a kernel
+    file that no longer compiles (a helper's signature changed under one of its callers) fails here, on CPU,
+    instead of sending every call of its head dims back to the Triton backward on the GPU."""
+    import offline_compile
+
+    kernel, head_dim, options = _BACKWARD_VARIANTS[variant]
+    compile_variant = offline_compile.compile_hopper_bwd if kernel == "bwd" else offline_compile.compile_hopper_bwd_dq
+    compiled = compile_variant(head_dim, **options)
+    assert compiled.asm["ptx"].count("wgmma.mma_async") > 0
+    assert compiled.metadata.shared <= 232448  # sm_90's shared memory per block
+
+
 @pytest.mark.skipif(not _gluon_hopper_api() or KERNELS_INTERPRETED,
                     reason="compiles for sm_90 (needs the Gluon Hopper API and compiled, not interpreted, kernels)")
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128], ids=lambda d: f"d{d}")

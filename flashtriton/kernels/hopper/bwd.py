@@ -237,7 +237,7 @@ def _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_tile, ds_tile,
     row_of_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     # [ROWS, OWN] P
     p = masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window,
-                             alibi=alibi)
+                             1, alibi)
     delta = statistics[1].reshape([ROWS]).load(row_of_s)
     if len(draws) > 0:
         # [ROWS, OWN] P where the forward kept it times 1 / (1 - p), 0 where it dropped it
@@ -275,7 +275,7 @@ def _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_tile, ds_sync
     column_of_t: gl.constexpr = gl.SliceLayout(0, s_t.type.layout)
     # [OWN, ROWS] P^T
     p_t = masked_probabilities(s_t, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window,
-                               KEY_AXIS=0, alibi=alibi)
+                               0, alibi)
     dv = accumulate_register_products(p_t.to(dtype), do_tile, dv)
     # the dV wgmmas (one per chunk) stay in flight
     dp_t = warpgroup_mma_wait(len(dv), deps=(dp_t, ))

@@ -101,7 +101,7 @@ def _consumer(k_own, v_own, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse_smem, d
         s = warpgroup_mma_wait(2, deps=(s, ))
         # [ROWS, OWN] P
         p = masked_probabilities(s, lse_log2, qk_scale_log2, n_start + key0, m_start, seqlen_q, seqlen_k, causal,
-                                 window)
+                                 window, 1, ())
         # both consumers' products of the previous block (readers of P and dS) completed
         mbarrier.wait(pds_free, (i - 1) & 1, pred=i >= 1)
         p_own.store(p.to(dtype))
