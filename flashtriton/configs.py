@@ -289,12 +289,18 @@ class HopperBwdConfig:
     query_rows: int      # rows per Q / dO block (the M of the S and dP wgmmas)
     stages: int          # Q / dO stages in shared memory
     consumer_regs: int   # registers per thread of the second consumer warpgroup
+    # the causal values (False, True) whose calls compute the scores key-major, S^T = K Q^T, so that P^T and dS^T
+    # feed dV and dK from registers (kernels/hopper/bwd.py; calls with ALiBi always do, calls with dropout never: the
+    # forward's mask follows the row-major tiles)
+    key_major: tuple = ()
 
 
-# keyed by head dim
-# flashtriton bench --modes bwd, 2026-12-01, a536212, H200; 80 and 96 take d128's entry, 192 d256's (not swept)
-HOPPER_BWD = ConfigTable({64: HopperBwdConfig(64, 2, 240), 80: HopperBwdConfig(64, 2, 248),
-                          96: HopperBwdConfig(64, 2, 248), 128: HopperBwdConfig(64, 2, 248),
+# keyed by head dim; 64-128: python benchmarks/sweep_hopper_bwd.py --head-dims 96,64,80 and --head-dims 128
+# --deterministic, 2026-12-07, c59df22, H100 (192 and 256: flashtriton bench --modes bwd, 2026-12-01, a536212, H200)
+HOPPER_BWD = ConfigTable({64: HopperBwdConfig(64, 3, 248),
+                          80: HopperBwdConfig(64, 2, 240, (False, True)),
+                          96: HopperBwdConfig(64, 2, 240, (False, True)),
+                          128: HopperBwdConfig(64, 2, 248, (False, True)),
                           192: HopperBwdConfig(64, 2, 240), 256: HopperBwdConfig(64, 2, 240)})
 HOPPER_BWD_HEAD_DIMS = tuple(sorted(HOPPER_BWD))
 # The Gluon backward's tiles by head dim (HOPPER_FWD_CHUNKS' rule): K, V, Q and dO move in these column chunks, S and

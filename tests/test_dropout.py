@@ -63,7 +63,7 @@ def test_gluon_dropout_forward_and_backward_match_reference(head_dim, causal, wi
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
     assert hopper.fwd_launch_count == forwards + 1, "the Gluon forward takes dropout"
-    assert hopper.bwd_launch_count - backwards == int(hopper.backward_takes_dropout(head_dim))
+    assert hopper.bwd_launch_count - backwards == int(hopper.backward_takes_logit_options(head_dim))
     keep = keep_mask_of(s_dmask, 300, 333)
     case = Case(causal=causal, window_size=window_size, head_dim=head_dim, dtype=torch.bfloat16)
     checks = compare_with_reference(case, out, lse, q, k, v, None, grads, dout, dropout_p=p, dropout_mask=keep)

@@ -18,8 +18,8 @@ from flashtriton.kernels.hopper import bwd as hopper_bwd, common as hopper_commo
 from flashtriton.ops import hopper
 from flashtriton.ops.backend import KERNELS_INTERPRETED
 from flashtriton.scores import score_params
-from flashtriton.testing import Case, assert_checks_ok, compare_with_reference, forced_gluon, make_case_inputs, \
-    poisoned_outputs
+from flashtriton.testing import Case, assert_checks_ok, compare_varlen_with_reference, compare_with_reference, \
+    forced_gluon, make_case_inputs, poisoned_outputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -175,18 +175,19 @@ def test_row_statistic_descriptor_covers_every_row(layout):
 def run_backward(case: Case, deterministic: bool = False, repeats: int = 1):
     """Forward (whichever kernel) and the backward forced onto the Gluon kernel; (tolerance checks, whether it ran).
     With repeats > 1 the backward runs that many times and must give the same bits each time."""
-    q, k, v, _ = make_case_inputs(case, "cuda", requires_grad=True)
+    q, k, v, alibi_slopes = make_case_inputs(case, "cuda", requires_grad=True)
     before = hopper.bwd_launch_count
     with poisoned_outputs(), forced_gluon():
         out, lse, _ = flashtriton.flash_attn_func(q, k, v, 0.0, case.softmax_scale, case.causal, case.window_size,
-                                                  deterministic=deterministic, return_attn_probs=True)
+                                                  alibi_slopes=alibi_slopes, deterministic=deterministic,
+                                                  return_attn_probs=True)
         dout = torch.randn_like(out)
         runs = [torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) for _ in range(repeats)]
     ran = hopper.bwd_launch_count >= before + repeats
     for grads in runs[1:]:
         for name, first, again in zip(("dq", "dk", "dv"), runs[0], grads):
             assert torch.equal(first, again), f"{name} differs between two deterministic backward calls"
-    return compare_with_reference(case, out, lse, q, k, v, None, runs[0], dout), ran
+    return compare_with_reference(case, out, lse, q, k, v, alibi_slopes, runs[0], dout), ran
 
 
 SHAPES = [(17, 17), (128, 128), (200, 333), (333, 200), (1000, 1000)]
@@ -321,6 +322,12 @@ FEATURES = {
     "mqa-causal": dict(num_heads=4, num_heads_k=1, causal=True),
     "bhsd-layout": dict(layout="bhsd", causal=True),
     "scale": dict(softmax_scale=0.05),
+    # ALiBi: (batch, heads) slopes; causal calls take FA2's pure-causal distances (-key), the others |row - key|
+    "alibi": dict(alibi=True),
+    "alibi-causal-gqa": dict(alibi=True, causal=True, num_heads=6, num_heads_k=2),
+    "alibi-causal-sq-over-sk-d64": dict(alibi=True, causal=True, head_dim=64, seqlen_q=400, seqlen_k=300),
+    "alibi-window-d96": dict(alibi=True, window_size=(50, 0), head_dim=96, seqlen_q=333, seqlen_k=500),
+    "alibi-two-sided-window-d80": dict(alibi=True, window_size=(40, 90), head_dim=80),
 }
 
 
@@ -358,6 +365,62 @@ def test_gluon_backward_features(feature):
     assert_checks_ok(checks)
 
 
+VARLEN_CASES = {  # name: (lengths of q, lengths of k, heads, kv heads, head dim, options)
+    "mixed-causal": ([300, 1, 0, 129, 1000, 64], [300, 1, 0, 129, 1000, 64], 4, 4, 128, dict(causal=True)),
+    "mixed-full-gqa-d64": ([200, 17, 513, 0, 90], [250, 0, 513, 33, 70], 6, 2, 64, dict()),
+    "sq-over-sk-causal": ([400, 70, 129], [100, 300, 64], 2, 1, 128, dict(causal=True)),
+    "window-d96": ([700, 333, 18], [700, 333, 18], 4, 2, 96, dict(window_size=(100, 20))),
+    "causal-d72": ([129, 7, 640], [129, 7, 640], 5, 5, 72, dict(causal=True)),
+}
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(VARLEN_CASES))
+def test_gluon_backward_varlen(name, dtype):
+    """Packed sequences (flash_attn_varlen_func) on the Gluon backward: each program's sequence gets its own tensor
+    descriptors (rows past it read zeros); lengths off the tiles, empty query or key sequences, sq != sk both ways,
+    GQA, a window, two-chunk tiles (96; 72 on 80-wide ones); rows past the last sequence hold NaN in q, k, v and
+    dout (a read of them would reach the gradients); NaN-poisoned outputs against the float64 reference, every
+    row."""
+    lengths_q, lengths_k, heads, heads_k, head_dim, options = VARLEN_CASES[name]
+    cu_q, cu_k = (torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+                  for lengths in (lengths_q, lengths_k))
+    padding = 37
+    q = torch.randn(sum(lengths_q) + padding, heads, head_dim, device="cuda").to(dtype)
+    k = torch.randn(sum(lengths_k) + padding, heads_k, head_dim, device="cuda").to(dtype)
+    v = torch.randn_like(k)
+    dout = torch.randn_like(q)
+    for tensor, covered in ((q, sum(lengths_q)), (k, sum(lengths_k)), (v, sum(lengths_k)), (dout, sum(lengths_q))):
+        tensor[covered:] = float("nan")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    before = hopper.bwd_launch_count
+    with poisoned_outputs(), forced_gluon():
+        out, lse, _ = flashtriton.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                         return_attn_probs=True, **options)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert hopper.bwd_launch_count == before + 1, "the Gluon backward did not run"
+    covered_q, covered_k = sum(lengths_q), sum(lengths_k)
+    clean = [t.detach()[:covered] for t, covered in ((q, covered_q), (k, covered_k), (v, covered_k))]
+    checks = compare_varlen_with_reference(out[:covered_q], lse[:, :covered_q], *clean, cu_q.cpu(), cu_k.cpu(),
+                                           max(lengths_k), grads=[g[:covered] for g, covered in zip(
+                                               grads, (covered_q, covered_k, covered_k))], dout=dout[:covered_q],
+                                           **options)
+    assert_checks_ok(checks)
+    for grad, covered in zip(grads, (covered_q, covered_k, covered_k)):
+        assert torch.equal(grad[covered:], torch.zeros_like(grad[covered:]))
+
+
+def test_varlen_backward_rule():
+    """Varlen backwards take the Gluon kernel on tiles up to 128 wide without deterministic=True or dropout; the
+    dK / dV only kernel, dQ in a fixed order and packed tensors without rows stay on the Triton kernels (CPU: the
+    launcher refuses what the rule keeps away)."""
+    q = torch.empty(10, 2, 256)
+    with pytest.raises(ValueError, match="tiles up to 128 wide"):
+        hopper.launch_bwd(q, q, q, q, None, None, q, q, q, None, (0, 10), (0, 10), _params(), 10, 10, 1, 1, False,
+                          cu_seqlens_q=torch.tensor([0, 10]), cu_seqlens_k=torch.tensor([0, 10]))
+
+
 def _gluon_hopper_api() -> bool:
     try:
         from triton._C.libtriton import gluon_ir
@@ -376,16 +439,50 @@ def test_gluon_backward_modules_import():
     assert hopper.attn_bwd_hopper_dq_kernel is not None
 
 
+# one variant of each Gluon backward kernel and each option its tiles take: (kernel, head_dim, options)
+_BACKWARD_VARIANTS = {
+    "d64-causal-alibi": ("bwd", 64, dict(causal=True, alibi=True)),
+    "d96-varlen-local": ("bwd", 96, dict(causal=False, varlen=True, local=True)),
+    "d128-causal-dropout": ("bwd", 128, dict(causal=True, dropout=True)),
+    "d128-ordered": ("bwd", 128, dict(causal=False, ordered=True)),
+    "d192-local": ("bwd", 192, dict(causal=False, local=True)),
+    "d192-v128-causal": ("bwd", 192, dict(causal=True, head_dim_v=128)),
+    "d256-causal": ("bwd", 256, dict(causal=True)),
+    "dq-d192-causal": ("dq", 192, dict(causal=True)),
+}
+
+
+@pytest.mark.skipif(not _gluon_hopper_api() or KERNELS_INTERPRETED,
+                    reason="compiles for sm_90 (needs the Gluon Hopper API and compiled, not interpreted, kernels)")
+@pytest.mark.parametrize("variant", list(_BACKWARD_VARIANTS))
+def test_gluon_backward_kernels_compile_for_sm90(variant):
+    """Every Gluon backward kernel compiles for sm_90 on a machine without a GPU (tools/offline_compile): a kernel
+    file that no longer compiles (a helper's signature changed under one of its callers) fails here, on CPU,
+    instead of sending every call of its head dims back to the Triton backward on the GPU."""
+    import offline_compile
+
+    kernel, head_dim, options = _BACKWARD_VARIANTS[variant]
+    compile_variant = offline_compile.compile_hopper_bwd if kernel == "bwd" else offline_compile.compile_hopper_bwd_dq
+    compiled = compile_variant(head_dim, **options)
+    assert compiled.asm["ptx"].count("wgmma.mma_async") > 0
+    assert compiled.metadata.shared <= 232448  # sm_90's shared memory per block
+
+
 @pytest.mark.skipif(not _gluon_hopper_api() or KERNELS_INTERPRETED,
                     reason="compiles for sm_90 (needs the Gluon Hopper API and compiled, not interpreted, kernels)")
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128], ids=lambda d: f"d{d}")
 def test_probabilities_run_under_the_dp_product(head_dim):
     """Offline SASS (tools/offline_compile.exp2_before_pv_wait): in both consumers' loops every exp2 of P comes
-    between the S wait and the dP wait, so P is computed while dP = dO V^T is on the tensor cores (ptxas moved the
-    forward's equivalent wait ahead of its exp2s without a fence; this guards the backward against the same)."""
+    between the S wait and the dP wait (key-major tiles: the dV product P^T dO issued before that wait), so P is
+    computed while dP = dO V^T is on the tensor cores (ptxas moved the forward's equivalent wait ahead of its exp2s
+    without a fence; this guards the backward against the same)."""
     import offline_compile
 
-    per_block = configs.HOPPER_BWD[head_dim].query_rows * 64 // 128  # a thread's share of P [rows, 64 keys]
+    config = configs.HOPPER_BWD[head_dim]
+    per_block = config.query_rows * 64 // 128  # a thread's share of P [rows, 64 keys]
     for causal in (False, True):
         cubin = offline_compile.compile_hopper_bwd(head_dim, causal).asm["cubin"]
-        assert offline_compile.exp2_before_pv_wait(cubin) == [per_block, per_block], causal
+        key_major = causal in config.key_major
+        counts = offline_compile.exp2_before_pv_wait(cubin, until_product=key_major)
+        # key-major: the dP wait (the dV product in flight) starts a walk of its own, to the dK product, with no exp2
+        assert counts == ([per_block, 0] * 2 if key_major else [per_block, per_block]), causal

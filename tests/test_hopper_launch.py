@@ -68,7 +68,9 @@ SCRIPT = textwrap.dedent('''
         hopper.launch_bwd(q, k, v, dout, lse, delta, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
                           dq_accum, (lse.stride(0), lse.stride(1)), (delta.stride(0), delta.stride(1)),
                           score_params(0.1, False, *window, 0.0, 500), 500, 500, 2, 1, deterministic,
-                          0.1 if hopper.backward_takes_dropout(head_dim) else 0.0, torch.zeros(2, dtype=torch.int64))
+                          *((0.1, torch.zeros(2, dtype=torch.int64)) if hopper.backward_takes_logit_options(head_dim)
+                            else (0.0, None)),
+                          alibi_slopes=torch.rand(2, 2) if hopper.backward_takes_logit_options(head_dim) else None)
     # the dK / dV only kernel with V's own head dim (MLA-style): (192, 128) causal, (256, 100) on 128-wide V tiles
     for head_dim, head_dim_v in ((192, 128), (256, 100)):
         q, k, dout = tensors((2, 500, 4, head_dim), (2, 500, 2, head_dim), (2, 500, 4, head_dim_v))
@@ -86,6 +88,14 @@ SCRIPT = textwrap.dedent('''
         hopper.launch_bwd_dq(q, k, v, dout, lse, delta, torch.empty_like(q), (lse.stride(0), lse.stride(1)),
                              (delta.stride(0), delta.stride(1)), score_params(0.1, True, *window, 0.0, 500), 500, 500,
                              2, 1)
+    # a varlen backward: (T, H, D) tensors, (H, T) lse / delta, head dims 128 and 96 (two chunks)
+    for head_dim in (128, 96):
+        q, k, v, dout = tensors((700, 4, head_dim), (650, 2, head_dim), (650, 2, head_dim), (700, 4, head_dim))
+        lse, delta = torch.empty(4, 700), torch.empty(4, 700 + 256)
+        hopper.launch_bwd(q, k, v, dout, lse, delta, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                          torch.zeros(q.shape), (0, lse.stride(0)), (0, delta.stride(0)),
+                          score_params(0.1, True, -1, -1, 0.0, 400), 400, 400, 2, 2, False,
+                          cu_seqlens_q=torch.tensor([0, 300, 700]), cu_seqlens_k=torch.tensor([0, 250, 650]))
     for name, arguments in bound:
         print(name, *(f"{key}={len(value)}" for key, value in arguments.items() if isinstance(value, tuple)))
 ''')
@@ -103,7 +113,9 @@ def test_launchers_bind_to_the_kernel_signatures():
     kernels = [line.split()[0] for line in launches]
     assert kernels.count("attn_fwd_hopper_kernel") == 7, launches
     assert kernels.count("attn_tail_merge_kernel") >= 1, launches
-    assert kernels.count("attn_bwd_hopper_kernel") == 3 and kernels.count("attn_bwd_hopper_d256_kernel") == 4, launches
+    assert kernels.count("attn_bwd_hopper_kernel") == 5 and kernels.count("attn_bwd_hopper_d256_kernel") == 4, launches
     assert kernels.count("attn_bwd_hopper_dq_kernel") == 3, launches
-    # the grouped arguments reach the kernels whole: varlen (6 entries), ALiBi's (4)
+    backward = [line for line in launches if line.startswith("attn_bwd_hopper_kernel ")]
+    assert all("varlen=8" in line and "alibi_args=3" in line for line in backward), backward
+    # the grouped arguments reach the kernels whole: the forward's varlen (6 entries), ALiBi's (4)
     assert all("varlen=6" in line and "alibi_args=4" in line for line in launches if line.startswith("attn_fwd_h"))

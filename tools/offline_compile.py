@@ -222,11 +222,13 @@ def _dropout_group(signature: dict, constexprs: dict, names: list, dropout: bool
 
 
 def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", ordered: bool = False,
-                       local: bool = False, head_dim_v: int = 0, dropout: bool = False):
+                       local: bool = False, head_dim_v: int = 0, dropout: bool = False, varlen: bool = False,
+                       alibi: bool = False):
     """The Gluon Hopper backward (kernels/hopper/bwd.py; kernels/hopper/bwd_d256.py at head dims 192 and 256) with
     `config` (default configs.HOPPER_BWD[head_dim]); `ordered`: dQ reductions in a fixed order (head dim 128);
     `local`: a local window (LOCAL); head_dim_v: V's own head dim (0: head_dim's; the dK / dV only kernel);
-    `dropout`: dropout's rng_state (kernels/hopper/bwd.py's tiles)."""
+    `dropout`: dropout's rng_state (kernels/hopper/bwd.py's tiles); `varlen`: a varlen launch and `alibi`: ALiBi slopes
+    (both on those tiles)."""
     from flashtriton import configs
     from flashtriton.ops.hopper import backward_division, dk_dv_only_boxes
 
@@ -246,7 +248,7 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
             else:
                 signature[name] = _gluon_tile_type(keys if box[1] == "keys" else config.query_rows, box[2], dtype)
     else:  # per chunk of the head dim (configs.HOPPER_BWD_CHUNKS, ops/hopper.backward_chunk_descriptors), the dQ
-        # accumulator's boxes and the counters of ordered dQ
+        # accumulator's boxes, the counters of ordered dQ and varlen's group
         widths = configs.HOPPER_BWD_CHUNKS[tile_dim]
         for chunk, suffix in enumerate(("", "2")):
             width = widths[chunk] if chunk < len(widths) else None
@@ -259,9 +261,21 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
                     signature[f"{name}_desc{suffix}"] = _gluon_tile_type(rows, columns, kind)
         signature["dq_counters"] = "*i32"
         constexprs["ORDERED"] = ordered
+        constexprs["KEY_MAJOR"] = (causal in config.key_major or alibi) and not dropout
     names = list(inspect.signature(kernel.fn).parameters)
     if "dropout_args" in names:
         _dropout_group(signature, constexprs, names, dropout)
+    if "alibi_args" in names:
+        signature["alibi_args"] = ("*fp32" if alibi else "constexpr", "i32", "i32")
+        if not alibi:
+            constexprs[(names.index("alibi_args"), 0)] = None
+    if "varlen" in names:
+        signature["varlen"] = ("*i32", "*i32") + (f"*{dtype}", ) * 4 + ("*fp32", ) * 2
+        signature["q_rows"] = signature["k_rows"] = "i32"
+        signature["lse_row_stride"] = signature["delta_row_stride"] = "i32"
+        if not varlen:
+            signature["varlen"] = ("constexpr", ) * 8
+            constexprs.update({(names.index("varlen"), element): None for element in range(8)})
     signature.update({name: "i32" for name in names if name.startswith("stride") or name in (
         "num_heads_k", "group_size", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "heads_per_group",
         "window_left", "window_right")})
@@ -323,7 +337,7 @@ def main():
                         help="in-kernel tensor descriptors (forward TMA_DEVICE, backward USE_TMA)")
     parser.add_argument("--packed", action="store_true",
                         help="forward only: varlen with host descriptors over the packed tensors (TMA_PACKED; "
-                             "fwd-hopper: its varlen launch)")
+                             "fwd-hopper, bwd-hopper: their varlen launch)")
     parser.add_argument("--dq-atomic", action="store_true", help="dkdv only: dQ added with atomics (DQ_ATOMIC)")
     parser.add_argument("--ordered", action="store_true", help="bwd-hopper d128: dQ reductions in a fixed order")
     args = parser.parse_args()
@@ -347,10 +361,11 @@ def main():
 
             config = HopperBwdConfig(*(int(x) for x in args.hopper_config.split(",")))
         compiled = compile_hopper_bwd(args.head_dim, args.causal, config, ordered=args.ordered, local=args.local,
-                                      head_dim_v=args.head_dim_v or 0, dropout=args.dropout)
+                                      head_dim_v=args.head_dim_v or 0, dropout=args.dropout, varlen=args.packed,
+                                      alibi=args.alibi)
         ptx = compiled.asm["ptx"]
         print(f"bwd-hopper d{args.head_dim} dv{args.head_dim_v or args.head_dim} causal={args.causal} "
-              f"local={args.local} "
+              f"local={args.local} varlen={args.packed} alibi={args.alibi} "
               f"ordered={args.ordered} dropout={args.dropout} "
               f"{args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} shared {compiled.metadata.shared} wgmma {ptx.count('wgmma.mma_async')} "
@@ -402,14 +417,15 @@ def sass_of(cubin: bytes) -> tuple:
     return [text for _, text in instructions], {name: index[address] for name, address in labels.items()}
 
 
-def exp2_before_pv_wait(cubin: bytes) -> list:
+def exp2_before_pv_wait(cubin: bytes, until_product: bool = False) -> list:
     """For each consumer loop of the Gluon forward (kernels/hopper/fwd._key_blocks), the MUFU.EX2 count between its
     S wait (WARPGROUP.DEPBAR.LE gsb0, 0x1; 0x2 where P V is two wgmmas, one per chunk of V's head dim) and its P V
     wait (0x0), following the unmasked block's path (taken `@P BRA`s and plain `BRA`s; `@!P BRA`s are barrier-wait
     retries): the part of the softmax that overlaps P V.
     A block's softmax is BLOCK_N / 2 + 2 exp2s per thread, so BLOCK_N / 2 + 2 means all of it; 0, that ptxas waits
     for P V first. None for a loop whose walk did not reach a wait. The same walk on the Gluon backward
-    (kernels/hopper/bwd.py) counts P's exp2s between its S wait and its dP wait."""
+    (kernels/hopper/bwd.py) counts P's exp2s between its S wait and its dP wait; with `until_product`, up to the
+    wait or the next wgmma issued (its key-major tiles issue dV from P^T in registers before they wait for dP)."""
     instructions, labels = sass_of(cubin)
     counts = []
     for start, text in enumerate(instructions):
@@ -417,7 +433,10 @@ def exp2_before_pv_wait(cubin: bytes) -> list:
             continue
         index, exp2s, count = start + 1, 0, None
         for _ in range(len(instructions)):
-            if index >= len(instructions) or "HGMMA" in instructions[index]:
+            if index >= len(instructions):
+                break
+            if "HGMMA" in instructions[index]:
+                count = exp2s if until_product else None
                 break
             line = instructions[index]
             if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:

@@ -358,10 +358,18 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
         _ensure_scratch_allocator()
     flags = dict(IS_LOCAL=params.is_local, HAS_SOFTCAP=params.has_softcap, HAS_DROPOUT=dropout_p > 0.0,
                  USE_TMA=use_tma)
-    plain = not (is_varlen or alibi_slopes is not None
-                 or (dropout_p > 0.0 and not hopper.backward_takes_dropout(head_dim)))
+    # varlen: the Gluon backward's tiles up to 128 wide (the d256 kernel takes none), dQ not in a fixed order, no
+    # dropout or ALiBi, and a row in q and in k (no tensor descriptor has zero rows)
+    varlen_fits = not is_varlen or (configs.hopper_bwd_tile_dim(head_dim) in (64, 80, 96, 128) and not deterministic
+                                    and dropout_p == 0.0 and alibi_slopes is None and q.shape[0] > 0
+                                    and k.shape[0] > 0)
+    # ALiBi and dropout: on the Gluon backward's tiles up to 128 wide (hopper.backward_takes_logit_options)
+    plain = varlen_fits and not ((alibi_slopes is not None or dropout_p > 0.0)
+                                 and not hopper.backward_takes_logit_options(head_dim))
     gluon = hopper.gluon_runs("bwd", q, params, seqlen_q, seqlen_k, plain, descriptors_ok, deterministic,
                               head_dim_v=head_dim_v)
+    if gluon and is_varlen:
+        _ensure_scratch_allocator()  # the kernel makes each sequence's tensor descriptors in global scratch
     gluon_dq = gluon and hopper.computes_dq(head_dim)
     dq_atomic = not gluon and config.dq_atomic and not deterministic and seqlen_q > 0
     # fp32 dQ accumulator in q's (B, S, H, D) / (T, H, D) shape, contiguous, zeroed by the preprocess
@@ -390,7 +398,8 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
                                                           batch * num_heads_k, params.causal_like)
         if gluon:
             hopper.launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides, delta_strides, params,
-                              seqlen_q, seqlen_k, batch, dkdv_heads_per_group, deterministic, dropout_p, rng_state)
+                              seqlen_q, seqlen_k, batch, dkdv_heads_per_group, deterministic, dropout_p, rng_state,
+                              cu_seqlens_q, cu_seqlens_k, alibi_slopes)
             if gluon_dq:
                 return
             if hopper.dq_kernel_runs(head_dim, head_dim_v):

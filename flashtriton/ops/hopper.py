@@ -74,15 +74,15 @@ def _multiprocessors(device: torch.device) -> int:
 def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seqlen_k: int, params, plain: bool,
            deterministic: bool = False, head_dim_v: Optional[int] = None) -> bool:
     """gluon_runs' rule on the call's shape and options alone (no device, layout or switch): whether the Gluon kernels
-    compute this forward ("fwd") or backward ("bwd"). `plain`: no paged cache, seqused_k / leftpad_k /
-    cache_batch_idx, split-KV or dropout, and for the backward no varlen or ALiBi (the caller knows those; the
-    forward takes varlen cu_seqlens and ALiBi slopes). No softcap. Windows: any (local windows: LOCAL), except that
-    deterministic=True with dQ in a fixed order (`orders_dq`) takes no local window in the backward (its order
-    assumes each key block's rows run to the last). Head dims up to 256 run on the next wider tiles of their
-    direction (configs.hopper_fwd_tile_dim / hopper_bwd_tile_dim); the forward takes V's own head dim (head_dim_v,
-    default head_dim), the backward equal ones or, on the dK / dV only tiles (192, 256), V's own on 128-wide tiles
-    (`backward_takes_head_dims`); with deterministic=True the backward needs tiles where dQ is not added in an
-    arbitrary order (`can_order_dq`)."""
+    compute this forward ("fwd") or backward ("bwd"). `plain`: no paged cache, seqused_k / leftpad_k / cache_batch_idx
+    or split-KV; the forward's ALiBi on causal-like calls only, the backward's ALiBi and dropout only on tiles up to 128
+    wide (backward_takes_logit_options) and its varlen calls only there without deterministic=True, dropout or ALiBi
+    (the caller knows those). No softcap. Windows: any (local windows: LOCAL), except that deterministic=True with dQ in
+    a fixed order (`orders_dq`) takes no local window in the backward (its order assumes each key block's rows run to
+    the last). Head dims up to 256 run on the next wider tiles of their direction (configs.hopper_fwd_tile_dim /
+    hopper_bwd_tile_dim); the forward takes V's own head dim (head_dim_v, default head_dim), the backward equal ones or,
+    on the dK / dV only tiles (192, 256), V's own on 128-wide tiles (`backward_takes_head_dims`); with
+    deterministic=True the backward needs tiles where dQ is not added in an arbitrary order (`can_order_dq`)."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
@@ -353,9 +353,10 @@ def dq_kernel_runs(head_dim: int, head_dim_v: Optional[int] = None) -> bool:
             and configs.hopper_bwd_tile_dim(head_dim) in configs.HOPPER_BWD_DQ)
 
 
-def backward_takes_dropout(head_dim: int) -> bool:
-    """Whether the Gluon backward draws dropout's mask at this head dim: on the tiles of kernels/hopper/bwd.py (up to
-    128 wide); the dK / dV only kernel (192 and 256) has no dropout, its calls run the Triton backward."""
+def backward_takes_logit_options(head_dim: int) -> bool:
+    """Whether the Gluon backward takes dropout (drawing the forward's mask) and ALiBi at this head dim: on the tiles
+    of kernels/hopper/bwd.py (up to 128 wide); the dK / dV only kernel (192 and 256) has neither, its calls run the
+    Triton backward."""
     return configs.hopper_bwd_tile_dim(head_dim) is not None and computes_dq(head_dim)
 
 
@@ -425,29 +426,59 @@ def backward_chunk_descriptors(k, v, q, dout, dq_accum, keys: int, rows: int, dq
     return tuple(chunks) + (None, ) * (10 - len(chunks))
 
 
+def _stage_type_descriptor(scratch: torch.Tensor, rows: int):
+    """A descriptor of [1, rows] fp32 blocks that types the backward's lse / delta stage buffers and is never
+    loaded through (a varlen call's statistics come by plain loads): over the first element of scratch (fp32)."""
+    return checked_descriptor(scratch, [1, 1], [4, 1], [1, rows], shared_layout((1, rows), torch.float32))
+
+
 def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tuple[int, int],
                delta_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
-               heads_per_group: int, deterministic: bool, dropout_p: float = 0.0, rng_state=None) -> None:
+               heads_per_group: int, deterministic: bool, dropout_p: float = 0.0, rng_state=None, cu_seqlens_q=None,
+               cu_seqlens_k=None, alibi_slopes=None) -> None:
     """dK, dV into dk, dv and dQ into dq (B, S, H, D each) from lse and delta (fp32, rows contiguous, (batch,
     head) strides lse_strides / delta_strides), which the kernel loads by TMA with each Q / dO block. The kernel
     adds its scaled dQ products into dq_accum (fp32, q's shape, contiguous, zeroed) by TMA reductions (which clip
     rows past seqlen_q), copied into dq at the end; where it does not compute dQ (`computes_dq`) dq_accum is None
     and dq is left to the caller. With ordered dQ (`orders_dq`) the reductions take turns on zeroed counters, and
-    each (batch, kv head)'s key blocks launch together. dropout_p > 0 (`backward_takes_dropout` head dims): the
-    forward's mask, from the rng_state it returned."""
+    each (batch, kv head)'s key blocks launch together. dropout_p > 0 (`backward_takes_logit_options` head dims): the
+    forward's mask, from the rng_state it returned. Varlen (cu_seqlens given; tiles up to 128 wide, not ordered, no
+    dropout): q, k, v, dout, dq, dk, dv and dq_accum (T, H, D), batch sequences, seqlen_q / seqlen_k the longest
+    lengths, lse and delta (H, T) matrices (lse_strides / delta_strides (0, row stride)). alibi_slopes: fp32 (H,) or
+    (B, H), on tiles up to 128 wide."""
     global bwd_launch_count
     num_heads, head_dim, head_dim_v = q.shape[-2], q.shape[-1], v.shape[-1]
     num_heads_k = k.shape[-2]
     kernel, keys, dq_box, tile_dim = backward_division(head_dim, deterministic)
+    varlen = cu_seqlens_q is not None
+    if varlen:  # one batch entry of all the rows to the descriptors; each program finds its sequence's rows
+        if dq_box is None or orders_dq(head_dim, deterministic) or dropout_p > 0.0:
+            raise ValueError("the Gluon backward takes varlen calls on tiles up to 128 wide, not ordered, no dropout")
+        # lse and delta come by the producer's plain loads (a sequence's rows start anywhere, and TMA needs 16-byte
+        # aligned inner coordinates): their descriptors only type the kernel's stage buffers
+        varlen_args = ((cu_seqlens_q, cu_seqlens_k, q, k, v, dout, lse, delta), q.shape[0], k.shape[0],
+                       lse_strides[1], delta_strides[1])
+        q, k, v, dout, dk, dv, dq_accum = (t.unsqueeze(0) for t in (q, k, v, dout, dk, dv, dq_accum))
+    elif dq_box is not None:
+        varlen_args = ((None, ) * 8, 0, 0, 0, 0)
+    else:  # the dK / dV only kernel takes no varlen call
+        varlen_args = ()
     config = configs.HOPPER_BWD[tile_dim]
     grid = (triton_cdiv(seqlen_k, keys) * batch * num_heads_k,)
     ordered = orders_dq(head_dim, deterministic)
     # per (batch, query head, query block of the kernel, feature half): reductions completed so far
     dq_counters = (torch.zeros(batch * num_heads * triton_cdiv(seqlen_q, config.query_rows) * 2, dtype=torch.int32,
                                device=q.device) if ordered else None)
-    kernel_args = {} if dq_box is None else dict(ORDERED=ordered)
-    # the kernel's dropout_args (not the dK / dV only kernel's: it has none)
-    dropout_args = () if dq_box is None else ((rng_state if dropout_p > 0.0 else None, *kernel_dropout(dropout_p)), )
+    # key-major scores where the config says, and for ALiBi (offline sm_90 at d128 causal: 85 local loads against
+    # the row-major tiles' 167); never with dropout (the forward's mask follows the row-major tiles)
+    key_major = (params.causal_like in config.key_major or alibi_slopes is not None) and dropout_p == 0.0
+    kernel_args = {} if dq_box is None else dict(ORDERED=ordered, KEY_MAJOR=key_major)
+    if alibi_slopes is not None and dq_box is None:
+        raise ValueError("the Gluon backward takes ALiBi on tiles up to 128 wide")
+    # the kernel's dropout_args and alibi_args (not the dK / dV only kernel's: it has neither)
+    dropout_args = () if dq_box is None else ((rng_state if dropout_p > 0.0 else None, *kernel_dropout(dropout_p)),
+                                              (alibi_slopes, alibi_batch_stride(alibi_slopes),
+                                               int(params.alibi_pure_causal)))
     if dq_box is None:  # the dK / dV only kernel: each side (Q / K, dO / V) whole rows and halves, or two chunks
         tensors = dict(k=k, v=v, q=q, do=dout)
         descriptors = tuple(None if box is None else
@@ -455,18 +486,22 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
                             for box in dk_dv_only_boxes(tile_dim, configs.hopper_bwd_tile_dim(head_dim_v)))
     else:  # per chunk of the head dim (configs.HOPPER_BWD_CHUNKS): K, V, Q, dO and dQ's boxes, then the second's
         descriptors = backward_chunk_descriptors(k, v, q, dout, dq_accum, keys, config.query_rows, dq_box, tile_dim)
+    if varlen:
+        statistics = (_stage_type_descriptor(dq_accum, config.query_rows), ) * 2
+    else:
+        statistics = tuple(_row_statistic_descriptor(stat, strides, batch, num_heads, seqlen_q, config.query_rows)
+                           for stat, strides in ((lse, lse_strides), (delta, delta_strides)))
     launch(
-        kernel, grid, *descriptors,
-        *(_row_statistic_descriptor(stat, strides, batch, num_heads, seqlen_q, config.query_rows)
-          for stat, strides in ((lse, lse_strides), (delta, delta_strides))),
-        dk, dv, *(() if dq_box is None else (dq_counters, )), dk.stride(0), dk.stride(1), dk.stride(2),
+        kernel, grid, *descriptors, *statistics, dk, dv, *(() if dq_box is None else (dq_counters, )), dk.stride(0),
+        dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), num_heads_k, num_heads // num_heads_k, seqlen_q, seqlen_k, head_dim,
         *((head_dim_v, ) if dq_box is None else ()), 1 if ordered else heads_per_group, params.softmax_scale,
-        params.qk_scale_log2, params.window_left, params.window_right, *dropout_args, CAUSAL=params.causal_like,
+        params.qk_scale_log2, params.window_left, params.window_right, *dropout_args, *varlen_args,
+        CAUSAL=params.causal_like,
         LOCAL=local_window(params, seqlen_k), STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4,
         **kernel_args)
     if dq_accum is not None:
-        dq.copy_(dq_accum)
+        dq.copy_(dq_accum.view(dq.shape))
     bwd_launch_count += 1
 
 

@@ -4,12 +4,18 @@ and consumer w adds chunk w's dQ features), warp-specialized, FA3's division of 
 block, a one-warp TMA producer streaming Q / dO blocks of 64 rows, two consumer warpgroups that each own 64 keys of
 the block (their dK, dV accumulators stay in registers for the whole loop) and share the query blocks.
 
-Per query block i (64 rows), consumer w (keys [64w, 64w + 64) of the block), every product an M = 64 wgmma:
-  S = Q_i K_w^T, dP = dO_i V_w^T                  [64 rows, 64 keys], both issued async, then waited
+Per query block i (64 rows), consumer w (keys [64w, 64w + 64) of the block), every product an M = 64 wgmma, with
+key-major score tiles (configs.HopperBwdConfig.key_major; FA3's SdP_swapAB with its dK / dV from registers):
+  S^T = K_w Q_i^T, dP^T = V_w dO_i^T              [64 keys, 64 rows], both issued async, then S^T waited
   (Q_i, dO_i and their rows' lse and delta arrive by TMA in one stage of the producer's pipeline)
+  P^T = exp2(S^T * scale * log2 e - lse_i * log2 e) (lse per column); dV_w += P^T dO_i issued with P^T in registers
+  as the A operand; then dP^T waited, dS^T = P^T (dP^T - delta_i), dK_w += dS^T Q_i the same way, and dS^T stored
+  to shared memory for the dQ products (which read it transposed).
+With row-major tiles (calls with dropout: the forward's mask follows the [rows, keys] accumulators):
+  S = Q_i K_w^T, dP = dO_i V_w^T                  [64 rows, 64 keys]
   P = exp2(S * scale * log2 e - lse_i * log2 e), dS = P (dP - delta_i); P and dS go to shared memory
   dV_w += P^T dO_i, dK_w += dS^T Q_i              (P^T, dS^T: transposed views of the shared tiles)
-  dQ_i is split one of two ways:
+Either way dQ_i is split one of two ways:
   - head dim 128, by features: once both consumers' dS are there (ds_ready), consumer w computes
     dQ_i[:, 64w:64w+64] = dS_0 K_0[:, 64w:64w+64] + dS_1 K_1[:, 64w:64w+64] (both key halves), one block late
     (during block i + 1, dS double-buffered) so that neither consumer waits for the other's dS of the same block:
@@ -32,17 +38,19 @@ blocks' loops are a rotation, two query blocks apart, and under it they start at
 finds the one before it (a later key block) released: the later key blocks launch first and all of a head's key
 blocks must be resident together (the launcher's groups of one head, at most one key block per SM).
 
-Scope (ops/hopper.covers): the forward's (dense bf16/fp16, any window, bottom-right aligned, local ones not with
-ORDERED; no softcap, ALiBi or dropout), head dim 64 / 80 / 96 / 128 (narrower ones on these tiles). Keys past
+Scope (ops/hopper.covers): dense and varlen bf16/fp16 calls, any window (bottom-right aligned; local ones not with
+ORDERED), ALiBi, dropout (dense calls; the forward's mask), no softcap; head dim 64 / 80 / 96 / 128 (narrower ones
+on these tiles). Keys past
 seqlen_k are masked out of P (their dK/dV rows are never stored; their K rows read as zeros, but P would not be 0);
 query rows past seqlen_q read Q, dO, lse and delta as zeros (TMA fills them), so P = 1 there but dS = 0 and every
-product they enter adds zeros (dQ rows past seqlen_q are clipped by the reduction).
+product they enter adds zeros (dQ rows past a dense call's seqlen_q are clipped by the reduction; a varlen call's, the
+next sequence's rows in the accumulator, get zeros: _finish_dq).
 
 Synchronisation: kv_ready (K and V landed), q_ready[s] (Q_i, dO_i, lse_i and delta_i of stage s landed), q_empty[s]
 (both consumers are done with stage s, count 2), with the feature split ds_ready (both consumers' dS written, count
 2) and ds_free (both consumers' dQ products of a block completed, count 2: its dS buffer may be rewritten), one of
-each per dS buffer. Each consumer's P tile is read only by its own dV product, which it waits for before the next
-iteration; its dQ tile is rewritten after tma.store_wait(0) says the previous reduction has read it.
+each per dS buffer. A row-major consumer's P tile is read only by its own dV product, which it waits for before the
+next iteration; its dQ tile is rewritten after tma.store_wait(0) says the previous reduction has read it.
 """
 
 from triton._C.libtriton import gluon_ir, ir
@@ -53,9 +61,10 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from .dropout import dropout_key, dropped, row_draws
-from .common import accumulate_products, allocate_chunks, arrive_after_wgmma, backward_producer, chained_products, \
-    chunk_descriptors, chunks_width, entries_of, key_block_of_program, key_rows, loop_position, masked_probabilities, \
-    matrices_of, query_block, store_key_rows, wait_accumulators, zero_accumulators
+from .common import accumulate_products, accumulate_register_products, allocate_chunks, arrive_after_wgmma, \
+    backward_producer, chained_products, chunk_descriptors, chunks_width, entries_of, key_block_of_program, key_rows, \
+    loop_position, masked_probabilities, matrices_of, query_block, store_key_rows, wait_accumulators, \
+    zero_accumulators
 
 if not hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce"):
     raise ImportError("this Triton's Gluon has no TMA reduction; the Triton backward runs instead")
@@ -151,35 +160,152 @@ def _wait_turn(counter, rank, seen):
 
 
 @gluon.jit
-def _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, buffer, use, zero_dq, OVER_ALL_KEYS: gl.constexpr):
+def _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, buffer, use, zero_dq, OVER_ALL_KEYS: gl.constexpr,
+                KEY_MAJOR: gl.constexpr):
     """The unscaled dQ product [ROWS, FEATURES] (issued async) of the block whose dS tiles are in buffer `buffer` of
-    the [2, ROWS, OWN] dS tiles, their `use`-th use: with the split by features (OVER_ALL_KEYS), once both consumers'
-    dS are there, dS_0 K_0 + dS_1 K_1 (ds_lo, ds_hi) restricted to this consumer's features (k_lo, k_hi); with the
-    split by keys, this consumer's dS (ds_own) times its K rows (k_lo)."""
+    the [2, ROWS, OWN] dS tiles ([2, OWN, ROWS] dS^T with KEY_MAJOR: read transposed), their `use`-th use: with the
+    split by features (OVER_ALL_KEYS), once both consumers' dS are there, dS_0 K_0 + dS_1 K_1 (ds_lo, ds_hi)
+    restricted to this consumer's features (k_lo, k_hi); with the split by keys, this consumer's dS (ds_own) times
+    its K rows (k_lo)."""
     if OVER_ALL_KEYS:
         mbarrier.wait(ds_ready.index(buffer), use & 1)
-        dq = warpgroup_mma(ds_lo.index(buffer), k_lo, zero_dq, use_acc=False, is_async=True)
-        dq = warpgroup_mma(ds_hi.index(buffer), k_hi, dq, is_async=True)
+        dq = warpgroup_mma(_ds_operand(ds_lo.index(buffer), KEY_MAJOR), k_lo, zero_dq, use_acc=False, is_async=True)
+        dq = warpgroup_mma(_ds_operand(ds_hi.index(buffer), KEY_MAJOR), k_hi, dq, is_async=True)
     else:
-        dq = warpgroup_mma(ds_own.index(buffer), k_lo, zero_dq, use_acc=False, is_async=True)
+        dq = warpgroup_mma(_ds_operand(ds_own.index(buffer), KEY_MAJOR), k_lo, zero_dq, use_acc=False,
+                           is_async=True)
     return dq
 
 
 @gluon.jit
-def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch, head_k,
-               group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, seqlen_k, causal,
-               softmax_scale, feature0, order, OVER_ALL_KEYS: gl.constexpr):
+def _ds_operand(ds_tile, KEY_MAJOR: gl.constexpr):
+    """dS [ROWS, OWN] as a wgmma's A operand: the tile itself, or the transposed view of a dS^T tile."""
+    if KEY_MAJOR:
+        return ds_tile.permute((1, 0))
+    else:
+        return ds_tile
+
+
+@gluon.jit
+def _publish_ds(ds, ds_tile, ds_sync):
+    """Store this consumer's dS (or dS^T) into its shared tile for the dQ products: after the tile's previous
+    block's dQ products completed and, with ds_sync ((ds_free barrier, phase, whether to wait, ds_ready barrier);
+    () with the split by keys), announced to the other consumer once every thread's store is visible to wgmma."""
+    if len(ds_sync) > 0:
+        mbarrier.wait(ds_sync[0], ds_sync[1], pred=ds_sync[2])
+    ds_tile.store(ds)
+    fence_async_shared()
+    gl.thread_barrier()
+    if len(ds_sync) > 0:
+        mbarrier.arrive(ds_sync[3])
+
+
+@gluon.jit
+def _scores(s_left, s_right, dp_left, dp_right, lse_tile, KEY_AXIS: gl.constexpr):
+    """S = s_left s_right^T and dP = dp_left dp_right^T [M, N] (operands [M, WIDTH] / [N, WIDTH] per chunk, shared;
+    M: s_left's rows) issued together, S waited for while dP's wgmmas (one per chunk) stay in flight, and log2(e)
+    * lse along S's query axis (lse_tile: the rows' [1, ROWS] shared lse; KEY_AXIS: S's key axis, 1 for Q K^T, 0
+    for K Q^T). Returns (S, dP, lse_log2)."""
+    M: gl.constexpr = s_left[0].shape[0]
+    N: gl.constexpr = s_right[0].shape[0]
+    ROWS: gl.constexpr = N if KEY_AXIS == 0 else M
+    # [M, N]
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+    zero = gl.zeros([M, N], gl.float32, layout)
+    s = chained_products(s_left, s_right, zero)
+    dp = chained_products(dp_left, dp_right, zero)
+    s = warpgroup_mma_wait(len(dp_left), deps=(s, ))
+    # [ROWS]
+    lse_log2 = lse_tile.reshape([ROWS]).load(gl.SliceLayout(KEY_AXIS, layout)) * 1.4426950408889634
+    return s, dp, lse_log2
+
+
+@gluon.jit
+def _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_tile, ds_tile, ds_sync, dk, dv, first_key, m_start,
+                     seqlen_q, seqlen_k, qk_scale_log2, causal, window, alibi, draws):
+    """One query block's dK / dV products (issued, not waited for) from row-major scores: S = Q K^T and dP = dO V^T
+    [ROWS, OWN], P and dS through shared memory (p_tile [ROWS, OWN]; ds_tile, published by _publish_ds) as the
+    transposed A operands of dV += P^T dO and dK += dS^T Q. statistics: the rows' ([1, ROWS] shared) lse and delta.
+    draws: () or dropout's (key, stream, 1 / (1 - p)): the forward's mask (dropout.dropped) scales P for dV and dP
+    for dS. alibi: masked_probabilities'."""
+    ROWS: gl.constexpr = q_tile[0].shape[0]
+    OWN: gl.constexpr = k_own[0].shape[0]
+    dtype: gl.constexpr = k_own[0].dtype
+    # [ROWS, OWN] S and dP (in flight); [ROWS] log2(e) * lse
+    s, dp, lse_log2 = _scores(q_tile, k_own, do_tile, v_own, statistics[0], 1)
+    s_layout: gl.constexpr = s.type.layout
+    row_of_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    # [ROWS, OWN] P
+    p = masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window,
+                             1, alibi)
+    delta = statistics[1].reshape([ROWS]).load(row_of_s)
+    if len(draws) > 0:
+        # [ROWS, OWN] P where the forward kept it times 1 / (1 - p), 0 where it dropped it
+        kept = dropped(p, first_key // OWN, row_draws(draws[0], draws[1], m_start + gl.arange(0, ROWS, row_of_s)),
+                       gl.SliceLayout(0, s_layout)) * draws[2]
+        # this consumer's previous dV product (the reader of p_tile) completed last iteration
+        p_tile.store(kept.to(dtype))
+        # [ROWS, OWN] P delta, so that only the kept P stays live across the wait
+        p = p * gl.expand_dims(delta, 1)
+        dp = warpgroup_mma_wait(0, deps=(dp, ))
+        # [ROWS, OWN] dS = P (dP kept / (1 - p) - delta)
+        ds = (kept * dp - p).to(dtype)
+    else:
+        p_tile.store(p.to(dtype))
+        dp = warpgroup_mma_wait(0, deps=(dp, ))
+        ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
+    _publish_ds(ds, ds_tile, ds_sync)
+    dv = accumulate_products(p_tile.permute((1, 0)), do_tile, dv)
+    dk = accumulate_products(ds_tile.permute((1, 0)), q_tile, dk)
+    return dk, dv
+
+
+@gluon.jit
+def _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_tile, ds_sync, dk, dv, first_key, m_start,
+                     seqlen_q, seqlen_k, qk_scale_log2, causal, window, alibi):
+    """One query block's dK / dV products (issued, not waited for) from key-major scores: S^T = K Q^T and dP^T =
+    V dO^T [OWN, ROWS], so that P^T and dS^T are in registers as the A operands of dV += P^T dO and dK += dS^T Q
+    (no P tile; the dV product is issued before dP is waited for); dS^T goes to ds_tile [OWN, ROWS] for the dQ
+    products (_publish_ds). statistics: the rows' ([1, ROWS] shared) lse and delta, read per column. alibi:
+    masked_probabilities'."""
+    ROWS: gl.constexpr = q_tile[0].shape[0]
+    dtype: gl.constexpr = k_own[0].dtype
+    # [OWN, ROWS] S^T and dP^T (in flight); [ROWS] log2(e) * lse
+    s_t, dp_t, lse_log2 = _scores(k_own, q_tile, v_own, do_tile, statistics[0], 0)
+    column_of_t: gl.constexpr = gl.SliceLayout(0, s_t.type.layout)
+    # [OWN, ROWS] P^T
+    p_t = masked_probabilities(s_t, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window,
+                               0, alibi)
+    dv = accumulate_register_products(p_t.to(dtype), do_tile, dv)
+    # the dV wgmmas (one per chunk) stay in flight
+    dp_t = warpgroup_mma_wait(len(dv), deps=(dp_t, ))
+    delta = statistics[1].reshape([ROWS]).load(column_of_t)
+    # [OWN, ROWS] dS^T
+    ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+    dk = accumulate_register_products(ds_t, q_tile, dk)
+    _publish_ds(ds_t, ds_tile, ds_sync)
+    return dk, dv
+
+
+@gluon.jit
+def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch, q_start,
+               head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, seqlen_k, causal,
+               softmax_scale, feature0, order, rows_masked, OVER_ALL_KEYS: gl.constexpr, KEY_MAJOR: gl.constexpr):
     """Loop iteration `block`'s dQ: its product (_dq_product; waiting for it also completes every wgmma this
     consumer issued before it, as wgmma groups complete in order), then, with the split by features, its dS buffer
     released for block + 2 (ds_free), and the scaled product added to the accumulator (_add_dq). With ordered dQ
     (order: (counters of this program's (batch, kv head), key block, key blocks, query blocks, this consumer's
     reduced and freed barriers); empty otherwise) the previous block's reduction is reported completed while the
     products run (by then it has long completed), then this one waits for its turn (_reduction_rank) on its tile's
-    counter."""
+    counter. batch, q_start: the accumulator's batch coordinate and the sequence's first row in it (a varlen
+    call's: 0 and its first row; a dense call's: its batch and 0). rows_masked (0, ) for a varlen call: a block that
+    runs past the sequence's end adds zeros to the rows past it, which are the next sequence's in the accumulator
+    (its dS rows there are 0, but 0 times a K row that is not finite is not)."""
     ROWS: gl.constexpr = zero_dq.shape[0]
     FEATURES: gl.constexpr = zero_dq.shape[1]
     KEYS: gl.constexpr = 2 * k_lo.shape[0]
-    dq = _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, block % 2, block // 2, zero_dq, OVER_ALL_KEYS)
+    dq = _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, block % 2, block // 2, zero_dq, OVER_ALL_KEYS,
+                     KEY_MAJOR)
     visit = loop_position(block, first_visit, n_iterations)
     head, m_start = query_block(visit, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
     turn = ()
@@ -194,7 +320,12 @@ def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_
     dq = warpgroup_mma_wait(0, deps=(dq, ))
     if OVER_ALL_KEYS:
         arrive_after_wgmma(ds_free.index(block % 2))
-    _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, m_start, head, feature0, turn)
+    if len(rows_masked) > 0:
+        if m_start + ROWS > seqlen_q:
+            # [ROWS] the block's rows in the sequence
+            rows = m_start + gl.arange(0, ROWS, gl.SliceLayout(1, dq.type.layout))
+            dq = gl.where(gl.expand_dims(rows < seqlen_q, 1), dq, 0.0)
+    _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, q_start + m_start, head, feature0, turn)
 
 
 @gluon.jit
@@ -217,12 +348,13 @@ def _add_dq(dq, dq_desc, dq_tile, batch, m_start, head, feature0, turn):
 @gluon.jit
 def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p_own, ds_own, ds_lo, ds_hi, dq_tile,
               kv_ready, q_ready, q_empty, ds_ready, ds_free, dq_desc, DK, DV, stride_dk_b,
-              stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim, key0,
-              feature0,
+              stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim,
+              q_start, k_start, rows_masked, key0, feature0,
               group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
-              causal, first_visit, window, order, dropout):
+              causal, first_visit, window, order, dropout, alibi):
     """One warpgroup: keys [n_start + key0, + OWN) of the block (k_own, v_own: their K and V rows [OWN, WIDTH] per
-    chunk of the head dim; p_own, ds_own: its [ROWS, OWN] P and dS tiles in shared memory); dK / dV over every query
+    chunk of the head dim; p_own: () with key-major scores, else (its [ROWS, OWN] P tile, ); ds_own: its two dS
+    tiles in shared memory, [2, ROWS, OWN], or dS^T [2, OWN, ROWS] with key-major scores); dK / dV over every query
     block (an accumulator per chunk), and the dQ features [feature0, + FEATURES) of each block: with the split by
     features dS (both halves: ds_lo, ds_hi) times the K rows of each half restricted to those features (k_lo, k_hi
     [OWN, FEATURES]); with the split by keys this consumer's dS times its K rows (k_lo [OWN, HEAD_DIM]; k_hi and
@@ -231,7 +363,11 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     (`order`, see _finish_dq) in a fixed order, each reduction reported completed to this consumer's releaser
     partition while the next block's products run (the next contributor reduces into that query block at least a
     block later). dropout: () or (RngState, keep_threshold, dropout_scale, query heads): the forward's mask
-    (dropout.dropped) scales P for dV and dP for dS."""
+    (dropout.dropped) scales P for dV and dP for dS. alibi: () or (the slopes of the program's batch, pure-causal
+    flag): each query block's logits get its head's ALiBi bias (common.alibi_bias). Varlen (rows_masked (0, ); ()
+    for a dense call): batch is the descriptors' coordinate 0, q_start / k_start the sequence's first rows, seqlen_q
+    / seqlen_k its lengths (the Q / dO stages' rows past seqlen_q read zeros, lse and delta 0, as a dense call's rows
+    past its end do)."""
     STAGES: gl.constexpr = q_smem[0].shape[0]
     ROWS: gl.constexpr = q_smem[0].shape[2]
     HEAD_DIM: gl.constexpr = chunks_width(q_smem)
@@ -241,23 +377,23 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     OVER_ALL_KEYS: gl.constexpr = FEATURES < HEAD_DIM
     # blocks between a block's dS and its dQ product
     LAG: gl.constexpr = 1 if OVER_ALL_KEYS else 0
-    dtype: gl.constexpr = k_own[0].dtype
-    # [ROWS, OWN] scores; [ROWS, FEATURES] dQ
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, OWN, 16])
+    # scores K Q^T [OWN, ROWS] (P^T and dS^T feed dV and dK from registers), or Q K^T [ROWS, OWN] (P and dS go
+    # through shared memory): p_own is () or the [ROWS, OWN] P tile
+    KEY_MAJOR: gl.constexpr = len(p_own) == 0
+    # [ROWS, FEATURES] dQ
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, FEATURES, 16])
-    row_of_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    zero_s = gl.zeros([ROWS, OWN], gl.float32, s_layout)
     zero_dq = gl.zeros([ROWS, FEATURES], gl.float32, dq_layout)
     # [OWN, WIDTH] per chunk: dK, dV
     dk = zero_accumulators(OWN, k_own)
     dv = zero_accumulators(OWN, v_own)
-    # wgmma groups a dP issue leaves in flight (one per chunk)
-    DP_GROUPS: gl.constexpr = len(v_own)
     first_key = n_start + key0
     if len(dropout) > 0:
-        key = dropout_key(dropout[0], dropout[1])
+        gl.static_assert(not KEY_MAJOR, "the forward's dropout mask follows the row-major score tiles")
+        # the key of the forward's mask, the stream of this program's (batch, query head), its scale
+        dropout_draws = (dropout_key(dropout[0], dropout[1]), batch * dropout[3], dropout[2])
+    else:
+        dropout_draws = ()
     if len(order) > 0:
         gl.static_assert(OVER_ALL_KEYS, "ordered dQ takes the split by features (head dim 128)")
     mbarrier.wait(kv_ready, 0)
@@ -269,76 +405,71 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
         # [ROWS, WIDTH] per chunk: Q_i, dO_i
         q_tile = matrices_of(entries_of(q_smem, stage))
         do_tile = matrices_of(entries_of(do_smem, stage))
-        # [ROWS] log2(e) * lse and delta of the block's rows; rows past seqlen_q read 0 for both, as their Q and dO
-        # rows do, so that every product they enter (dV, dK, and dQ rows the reduction clips) adds zeros
-        lse_log2 = lse_smem.index(stage).reshape([ROWS]).load(row_of_s) * 1.4426950408889634
-        delta = delta_smem.index(stage).reshape([ROWS]).load(row_of_s)
-        s = chained_products(q_tile, k_own, zero_s)
-        dp = chained_products(do_tile, v_own, zero_s)
-        s = warpgroup_mma_wait(DP_GROUPS, deps=(s, ))
-        # [ROWS, OWN] P
-        p = masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window)
-        if len(dropout) > 0:
-            # [ROWS, OWN] P where the forward kept it times 1 / (1 - p), 0 where it dropped it
-            kept = dropped(p, first_key // OWN, row_draws(key, batch * dropout[3] + head,
-                                                          m_start + gl.arange(0, ROWS, row_of_s)),
-                           gl.SliceLayout(0, s_layout)) * dropout[2]
-            # this consumer's previous dV product (the reader of p_own) completed last iteration
-            p_own.store(kept.to(dtype))
-            # [ROWS, OWN] P delta, so that only the kept P stays live across the wait
-            p = p * gl.expand_dims(delta, 1)
-            dp = warpgroup_mma_wait(0, deps=(dp, ))
-            # [ROWS, OWN] dS = P (dP kept / (1 - p) - delta)
-            ds = (kept * dp - p).to(dtype)
-        else:
-            p_own.store(p.to(dtype))
-            dp = warpgroup_mma_wait(0, deps=(dp, ))
-            ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
-        # dS buffer i % 2; its previous use (block i - 2) is free once the dQ products of that block completed
+        # [1, ROWS] the rows' lse and delta; rows past seqlen_q read 0 for both, as their Q and dO rows do, so that
+        # every product they enter (dV, dK, and dQ rows the reduction clips) adds zeros
+        statistics = (lse_smem.index(stage), delta_smem.index(stage))
+        # dS buffer i % 2; its previous use (block i - 2) is free once the dQ products of that block completed;
+        # with the split by features the other consumer waits for both dS of a block (ds_ready)
         buffer = i % 2
         if OVER_ALL_KEYS:
-            mbarrier.wait(ds_free.index(buffer), ((i // 2) - 1) & 1, pred=i >= 2)
-        ds_own.index(buffer).store(ds)
-        fence_async_shared()
-        gl.thread_barrier()
-        if OVER_ALL_KEYS:
-            mbarrier.arrive(ds_ready.index(buffer))
-        dv = accumulate_products(p_own.permute((1, 0)), do_tile, dv)
-        dk = accumulate_products(ds_own.index(buffer).permute((1, 0)), q_tile, dk)
+            ds_sync = (ds_free.index(buffer), ((i // 2) - 1) & 1, i >= 2, ds_ready.index(buffer))
+        else:
+            ds_sync = ()
+        if len(alibi) > 0:
+            # the block's head's slope in log2 units, and the pure-causal flag
+            alibi_head = (gl.load(alibi[0] + head) * 1.4426950408889634, alibi[1])
+        else:
+            alibi_head = ()
+        if KEY_MAJOR:
+            dk, dv = _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_own.index(buffer), ds_sync, dk,
+                                      dv, first_key, m_start, seqlen_q, seqlen_k, qk_scale_log2, causal, window,
+                                      alibi_head)
+        else:
+            if len(dropout) > 0:
+                draws = (dropout_draws[0], dropout_draws[1] + head, dropout_draws[2])
+            else:
+                draws = ()
+            dk, dv = _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_own[0], ds_own.index(buffer),
+                                      ds_sync, dk, dv, first_key, m_start, seqlen_q, seqlen_k, qk_scale_log2, causal,
+                                      window, alibi_head, draws)
         if i >= LAG:
             # block i - LAG's dQ: with the split by features one block late, as the other consumer wrote its dS a
             # block ago (not waiting for it lets the two consumers drift out of phase); its wait completes this
             # block's dV and dK products too
             _finish_dq(i - LAG, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch,
-                       head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, seqlen_k,
-                       causal, softmax_scale, feature0, order, OVER_ALL_KEYS)
+                       q_start, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q,
+                       seqlen_k, causal, softmax_scale, feature0, order, rows_masked, OVER_ALL_KEYS, KEY_MAJOR)
         dk, dv = wait_accumulators(dk, dv)
         arrive_after_wgmma(q_empty.index(stage))
     if OVER_ALL_KEYS:
         # the last block's dQ (its ds_free arrival has no waiter)
         if n_iterations > 0:
             _finish_dq(n_iterations - 1, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc,
-                       dq_tile, batch, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit,
-                       seqlen_q, seqlen_k, causal, softmax_scale, feature0, order, OVER_ALL_KEYS)
+                       dq_tile, batch, q_start, head_k, group_size, m_block_lo, blocks_per_head, n_iterations,
+                       first_visit, seqlen_q, seqlen_k, causal, softmax_scale, feature0, order, rows_masked,
+                       OVER_ALL_KEYS, KEY_MAJOR)
             if len(order) > 0:
                 _report_reduction(order[4], order[5], n_iterations - 1)
     # [OWN, WIDTH] per chunk: this consumer's key rows
     column = 0
     for chunk in gl.static_range(len(dk)):
         store_key_rows(dk[chunk], dv[chunk], DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n,
-                       stride_dv_h, batch, head_k, n_start + key0, column, seqlen_k, head_dim, softmax_scale)
+                       stride_dv_h, batch, head_k, k_start + n_start + key0, column, k_start + seqlen_k, head_dim,
+                       softmax_scale)
         column = column + dk[chunk].shape[1]
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "head_dim", "heads_per_group", "window_left", "window_right"])
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "head_dim", "heads_per_group", "window_left", "window_right",
+                              "q_rows", "k_rows", "lse_row_stride", "delta_row_stride"])
 def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_desc2, q_desc2, do_desc2, dq_desc2,
                            lse_desc, delta_desc, DK, DV, dq_counters,
                            stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                            num_heads_k, group_size, seqlen_q, seqlen_k, head_dim, heads_per_group, softmax_scale,
-                           qk_scale_log2, window_left, window_right, dropout_args,
-                           CAUSAL: gl.constexpr, LOCAL: gl.constexpr, ORDERED: gl.constexpr, STAGES: gl.constexpr,
-                           CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                           qk_scale_log2, window_left, window_right, dropout_args, alibi_args, varlen, q_rows, k_rows,
+                           lse_row_stride, delta_row_stride, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
+                           ORDERED: gl.constexpr, KEY_MAJOR: gl.constexpr,
+                           STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """k_desc ... dq_desc: the descriptors of the first chunk of the head dim's tiles (column 0 on), k_desc2 ...
     dq_desc2 those of the second (from the first one's width on; configs.HOPPER_BWD_CHUNKS: 80 = 64 + 16, 96 = 64 +
     32), None where one chunk covers it: S and dP chain a wgmma per chunk, dK and dV keep an accumulator per chunk,
@@ -355,7 +486,16 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     key block per SM (all of a head's key blocks resident together). LOCAL: a local window (window_left,
     window_right, normalized as kernels/common's): each key block loops over the query blocks whose windows meet it
     and masks both edges (common.masked_probabilities); not with ORDERED. dropout_args: (RngState, keep_threshold,
-    dropout_scale), RngState None without dropout: the forward's mask (kernels/hopper/dropout.py) drops P and dP."""
+    dropout_scale), RngState None without dropout: the forward's mask (kernels/hopper/dropout.py) drops P and dP.
+    alibi_args: (AlibiSlopes, stride_alibi_b, alibi_pure_causal), AlibiSlopes None without ALiBi (stride_alibi_b 0 for
+    (H,) slopes): the logits get kernels/common.alibi_bias_log2's bias. Varlen (varlen: (CuSeqlensQ, CuSeqlensK, Q, K,
+    V, DOut, LSE, DELTA), None pointers for a dense call; not with ORDERED or dropout): q, k, v, dout, dq's accumulator,
+    dk and dv are (1, T, H, D) to the descriptors (q_rows / k_rows: T of q / k), seqlen_q / seqlen_k the longest
+    lengths; each program's sequence (common.key_block_of_program's bounds) gets its own descriptors, made by the
+    producer (the partition whose TMA loads use them) over its rows only, so rows past it read zeros as a dense call's
+    rows past its end do; dQ is reduced at the sequence's rows of the accumulator (rows past it add zeros), dK / dV
+    stored at its key rows, and lse / delta copied by the producer from its rows of the (H, T) matrices LSE and DELTA
+    (rows lse_row_stride / delta_row_stride apart; lse_desc and delta_desc then only type the stage buffers)."""
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
@@ -368,8 +508,29 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
         window = (window_left, window_right)
     else:
         window = ()
-    batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations = key_block_of_program(
-        num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS, CAUSAL, ORDERED)
+    if varlen[0] is not None:
+        gl.static_assert(not ORDERED, "ordered dQ takes no varlen call")
+        gl.static_assert(dropout_args[0] is None, "the Gluon backward takes no varlen call with dropout")
+        seqs = (varlen[0], varlen[1], q_rows, k_rows)
+    else:
+        seqs = ()
+    batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations, bounds = key_block_of_program(
+        num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS, CAUSAL, ORDERED, seqs)
+    q_start, seqlen_q, k_start, seqlen_k = bounds
+    if len(seqs) > 0:
+        # the producer makes the sequence's own descriptors (rows past it read zeros; common.backward_producer), at
+        # the descriptors' batch coordinate 0; K and V load only where the block holds keys of it; (0, ): the
+        # consumers' flag for rows past the sequence
+        sequence = (varlen[2], varlen[5], varlen[3], varlen[4], q_start, seqlen_q, k_start, seqlen_k, varlen[6],
+                    varlen[7], lse_row_stride, delta_row_stride)
+        desc_batch = q_start * 0
+        load_kv = (n_start < seqlen_k).to(gl.int32)
+        rows_masked = (0, )
+    else:
+        sequence = ()
+        desc_batch = batch
+        load_kv = gl.to_tensor(1)
+        rows_masked = ()
     # per chunk: [1, 1, KEYS, 1, WIDTH] K, V; [STAGES, 1, ROWS, 1, WIDTH] Q, dO
     k_smem = allocate_chunks(k_descs, 1)
     v_smem = allocate_chunks(v_descs, 1)
@@ -377,12 +538,17 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     do_smem = allocate_chunks(do_descs, STAGES)
     HEAD_DIM: gl.constexpr = chunks_width(k_smem)
     OWN: gl.constexpr = KEYS // 2
-    # [2, ROWS, OWN] each consumer's P tile; [2, 2, ROWS, OWN] its dS tiles of two blocks in turn (a block's dQ
-    # product runs during the next block)
-    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, OWN], dtype)
-    p_smem = gl.allocate_shared_memory(dtype, [2, ROWS, OWN], pds_layout)
-    ds_smem = (gl.allocate_shared_memory(dtype, [2, ROWS, OWN], pds_layout),
-               gl.allocate_shared_memory(dtype, [2, ROWS, OWN], pds_layout))
+    # [2, 2, ROWS, OWN] each consumer's dS tiles of two blocks in turn (a block's dQ product runs during the next
+    # block), [2, 2, OWN, ROWS] dS^T with KEY_MAJOR; without it [2, ROWS, OWN] each consumer's P tile
+    ds_shape: gl.constexpr = [OWN, ROWS] if KEY_MAJOR else [ROWS, OWN]
+    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(ds_shape, dtype)
+    ds_smem = (gl.allocate_shared_memory(dtype, [2] + ds_shape, pds_layout),
+               gl.allocate_shared_memory(dtype, [2] + ds_shape, pds_layout))
+    if KEY_MAJOR:
+        p_tiles = ((), ())
+    else:
+        p_smem = gl.allocate_shared_memory(dtype, [2, ROWS, OWN], pds_layout)
+        p_tiles = ((p_smem.index(0), ), (p_smem.index(1), ))
     # [STAGES, 1, ROWS] log2(e) * lse and delta of the Q / dO stages' rows
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
@@ -418,8 +584,8 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     # [KEYS, WIDTH] per chunk: K and V of the block
     k_flat = matrices_of(entries_of(k_smem, 0))
     v_flat = matrices_of(entries_of(v_smem, 0))
-    pointers = (DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch,
-                head_k, n_start, head_dim)
+    pointers = (DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, desc_batch,
+                head_k, n_start, head_dim, q_start, k_start, rows_masked)
     if ORDERED:
         n_block = n_start // KEYS
         n_query_blocks = gl.cdiv(seqlen_q, ROWS)
@@ -447,6 +613,11 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
         dropout = dropout_args + (num_heads_k * group_size, )
     else:
         dropout = ()
+    # ALiBi's (slopes of this program's batch, pure-causal flag), or ()
+    if alibi_args[0] is not None:
+        alibi = (alibi_args[0] + batch.to(gl.int64) * alibi_args[1], alibi_args[2])
+    else:
+        alibi = ()
     barriers = (kv_ready, q_ready, q_empty, ds_ready, ds_free)
     # [OWN, WIDTH] per chunk: each consumer's key half of K and V
     k_halves = (key_rows(k_flat, 0, OWN), key_rows(k_flat, OWN, OWN))
@@ -466,17 +637,18 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
         second_dq = (k_halves[1][0], k_halves[1][0])
         second_feature = 0
     staged = (q_smem, do_smem, lse_smem, delta_smem)
-    first = (k_halves[0], v_halves[0]) + first_dq + staged + (p_smem.index(0), ds_smem[0]) + ds_smem + (
+    first = (k_halves[0], v_halves[0]) + first_dq + staged + (p_tiles[0], ds_smem[0]) + ds_smem + (
         dq_tiles[0], )
-    second = (k_halves[1], v_halves[1]) + second_dq + staged + (p_smem.index(1), ds_smem[1]) + ds_smem + (
+    second = (k_halves[1], v_halves[1]) + second_dq + staged + (p_tiles[1], ds_smem[1]) + ds_smem + (
         dq_tiles[1], )
     first = first + barriers + (dq_descs[0], ) + pointers + (gl.to_tensor(0), gl.to_tensor(0)) + loop + (
-        order_of[0], dropout)
+        order_of[0], dropout, alibi)
     second = second + barriers + (dq_descs[1], ) + pointers + (gl.to_tensor(OWN), gl.to_tensor(second_feature)) + \
-        loop + (order_of[1], dropout)
+        loop + (order_of[1], dropout, alibi)
     producer = (k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
-                lse_smem, delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads_k * group_size,
-                group_size, m_block_lo, blocks_per_head, n_iterations, first_visit)
+                lse_smem, delta_smem, kv_ready, q_ready, q_empty, desc_batch, head_k, n_start,
+                num_heads_k * group_size, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, q_start,
+                load_kv, sequence)
     if ORDERED:
         placement = (first_visit, n_iterations, blocks_per_head, m_block_lo, n_query_blocks)
         gl.warp_specialize([(_consumer, first), (_consumer, second), (backward_producer, producer),

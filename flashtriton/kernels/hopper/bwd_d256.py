@@ -101,7 +101,7 @@ def _consumer(k_own, v_own, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse_smem, d
         s = warpgroup_mma_wait(2, deps=(s, ))
         # [ROWS, OWN] P
         p = masked_probabilities(s, lse_log2, qk_scale_log2, n_start + key0, m_start, seqlen_q, seqlen_k, causal,
-                                 window)
+                                 window, 1, ())
         # both consumers' products of the previous block (readers of P and dS) completed
         mbarrier.wait(pds_free, (i - 1) & 1, pred=i >= 1)
         p_own.store(p.to(dtype))
@@ -157,8 +157,8 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, k_desc2, v_desc
         window = (window_left, window_right)
     else:
         window = ()
-    batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations = key_block_of_program(
-        num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS, CAUSAL)
+    batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations, _ = key_block_of_program(
+        num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS, CAUSAL, False, ())
     # K, V: [1, 1, KEYS, 1, WIDTH] per descriptor (whole rows, or the two chunks); Q, dO: [STAGES, 1, ROWS, 1, WIDTH]
     # per feature part
     k_descs, v_descs = chunk_descriptors(k_desc, k_desc2), chunk_descriptors(v_desc, v_desc2)
@@ -210,5 +210,6 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, k_desc2, v_desc
         (backward_producer, (k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc,
                              k_smem, v_smem, (q_lo, q_hi), (do_lo, do_hi), lse_smem, delta_smem, kv_ready,
                              q_ready, q_empty, batch, head_k, n_start, num_heads_k * group_size, group_size,
-                             m_block_lo, blocks_per_head, n_iterations, gl.to_tensor(0))),
+                             m_block_lo, blocks_per_head, n_iterations, gl.to_tensor(0), gl.to_tensor(0),
+                             gl.to_tensor(1), ())),
     ], [4, 1], [CONSUMER_REGS, 24])

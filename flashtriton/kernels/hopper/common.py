@@ -6,10 +6,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from ..common import grouped_tile_of as _triton_grouped_tile_of
+from .. import common as _triton_common
 
-# kernels/common.grouped_tile_of (plain integer arithmetic) compiled as a Gluon function
-grouped_tile_of = gluon.jit(_triton_grouped_tile_of.fn)
+# kernels/common's launch-order, query-block-range and row-range helpers (plain integer arithmetic) compiled as
+# Gluon functions: the Gluon kernels take them from the same code as the Triton kernels
+grouped_tile_of = gluon.jit(_triton_common.grouped_tile_of.fn)
+q_block_range = gluon.jit(_triton_common.q_block_range.fn)
+clamped_range = gluon.jit(_triton_common.clamped_range.fn)
 
 
 @gluon.jit
@@ -42,15 +45,28 @@ def loop_position(i, first_visit, n_iterations):
 
 
 @gluon.jit
+def sequence_rows(CuSeqlens, batch, rows):
+    """(first row, length) of sequence `batch` of a varlen call: cu_seqlens entries clamped into [0, rows] (an end
+    before its start gives an empty sequence; kernels/common.clamped_range), so malformed values never address rows
+    outside the tensor."""
+    start = gl.load(CuSeqlens + batch)
+    return clamped_range(start, gl.load(CuSeqlens + batch + 1) - start, rows)
+
+
+@gluon.jit
 def key_block_of_program(num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS: gl.constexpr,
-                         ROWS: gl.constexpr, CAUSAL: gl.constexpr, LAST_FIRST: gl.constexpr = False):
-    """(batch, kv head, first key, first query block, query blocks per head, loop iterations) of this program: key
-    blocks of KEYS keys in order (under a causal mask the blocks seen by the most query rows first; LAST_FIRST: the
-    last key block first, as ordered dQ needs: a block's reductions wait for the next block's), in launch-order
-    groups of heads_per_group (batch, kv head) pairs; the query blocks of ROWS rows that see a key of the block, all
-    or, under the causal mask (bottom-right aligned), those from row n_start - (seqlen_k - seqlen_q) on, or under a
-    local window (window: (window_left, window_right), or () without one) those whose rows' windows meet the block
-    (none: no iteration, dK and dV of the block are 0); the loop runs over the group's query heads too."""
+                         ROWS: gl.constexpr, CAUSAL: gl.constexpr, LAST_FIRST: gl.constexpr, seqs):
+    """(batch, kv head, first key, first query block, query blocks per head, loop iterations, bounds) of this
+    program: key blocks of KEYS keys in order (under a causal mask the blocks seen by the most query rows first;
+    LAST_FIRST: the last key block first, as ordered dQ needs: a block's reductions wait for the next block's), in
+    launch-order groups of heads_per_group (batch, kv head) pairs; the query blocks of ROWS rows that see a key of
+    the block, all or, under the causal mask (bottom-right aligned), those from row n_start - (seqlen_k - seqlen_q)
+    on, or under a local window (window: (window_left, window_right), or () without one) those whose rows' windows
+    meet the block (none: no iteration, dK and dV of the block are 0); the loop runs over the group's query heads
+    too. seqs: () for a dense call, or (CuSeqlensQ, CuSeqlensK, q_rows, k_rows) for a varlen one: seqlen_q and
+    seqlen_k are the longest lengths (the grid's), the ranges those of the program's sequence (sequence_rows), and a
+    key block past its sequence's keys has no iteration. bounds: (first q row, query length, first k row, key
+    length) of the program's sequence ((0, seqlen_q, 0, seqlen_k) for a dense call)."""
     n_key_blocks = gl.cdiv(seqlen_k, KEYS)
     n_block, batch_head = grouped_tile_of(gl.program_id(0), n_key_blocks, gl.num_programs(0) // n_key_blocks,
                                           heads_per_group)
@@ -59,18 +75,24 @@ def key_block_of_program(num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_
     batch = batch_head // num_heads_k
     head_k = batch_head % num_heads_k
     n_start = n_block * KEYS
+    q_start = n_start * 0
+    k_start = q_start
+    if len(seqs) > 0:
+        q_start, seqlen_q = sequence_rows(seqs[0], batch, seqs[2])
+        k_start, seqlen_k = sequence_rows(seqs[1], batch, seqs[3])
     m_block_lo = 0
     if CAUSAL:
         m_block_lo = gl.maximum(n_start - (seqlen_k - seqlen_q), 0) // ROWS
     m_block_end = gl.cdiv(seqlen_q, ROWS)
     if len(window) > 0:
-        # rows i see keys [i + offset - left, i + offset + right]: those that see one of [n_start, n_end)
-        offset = seqlen_k - seqlen_q
-        n_end = gl.minimum(n_start + KEYS, seqlen_k)
-        m_block_lo = gl.maximum(n_start - offset - window[1], 0) // ROWS
-        m_block_end = gl.cdiv(gl.minimum(gl.maximum(n_end - offset + window[0], 0), seqlen_q), ROWS)
+        # the query blocks whose rows' windows meet keys [n_start, n_start + KEYS) (kernels/common.q_block_range)
+        m_block_lo, _, _, m_block_end = q_block_range(n_start, (seqlen_q, seqlen_k, window[0], window[1]), ROWS,
+                                                      KEYS, True)
     blocks_per_head = gl.maximum(m_block_end - m_block_lo, 0)
-    return batch, head_k, n_start, m_block_lo, blocks_per_head, group_size * blocks_per_head
+    if len(seqs) > 0:
+        blocks_per_head = gl.where(n_start < seqlen_k, blocks_per_head, 0)
+    return (batch, head_k, n_start, m_block_lo, blocks_per_head, group_size * blocks_per_head,
+            (q_start, seqlen_q, k_start, seqlen_k))
 
 
 @gluon.jit
@@ -253,46 +275,139 @@ def key_rows(chunks, first, count: gl.constexpr):
 
 
 @gluon.jit
+def sequence_descriptor(desc, base, start, length):
+    """A device-made copy of host descriptor desc ((1, T, H, D), [1, ROWS, 1, D'] blocks) over rows [start, + length)
+    of its tensor (base: the tensor's first element): rows past the sequence read zeros. At least one row (a
+    sequence without rows loads nothing through it)."""
+    return tma.make_tensor_descriptor(base + start.to(gl.int64) * desc.strides[1],
+                                      [1, gl.maximum(length, 1), desc.shape[2], desc.shape[3]],
+                                      [desc.strides[0], desc.strides[1], desc.strides[2], 1], desc.block_type.shape,
+                                      desc.layout)
+
+
+@gluon.jit
+def sequence_descriptors(descs, base, start, length):
+    """sequence_descriptor of every piece's descriptor (descs: a tuple)."""
+    made = ()
+    for piece in gl.static_range(len(descs)):
+        made = made + (sequence_descriptor(descs[piece], base, start, length), )
+    return made
+
+
+@gluon.jit
 def backward_producer(k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc, k_pieces, v_pieces, q_pieces,
                       do_pieces, lse_smem, delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads,
-                      group_size, m_block_lo, blocks_per_head, n_iterations, first_visit):
+                      group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, q_start, load_kv, sequence):
     """One warp: the key block's K and V once, then Q_i, dO_i and their rows' log2(e) * lse and delta of every
     iteration (loop_position(i)) into stage i % STAGES. Every tensor moves in feature pieces (a descriptor and a
     shared allocation per piece: k_pieces / v_pieces [1, 1, KEYS, 1, WIDTH], q_pieces / do_pieces [STAGES, 1, ROWS,
     1, WIDTH]; piece j holds the features from the widths before it on): one piece at head dims 64 and 128, two
-    column chunks at 80 and 96 (configs.HOPPER_BWD_CHUNKS), Q / dO in two 128-wide halves at 256."""
-    STAGES: gl.constexpr = q_pieces[0].shape[0]
+    column chunks at 80 and 96 (configs.HOPPER_BWD_CHUNKS), Q / dO in two 128-wide halves at 256. batch: the
+    descriptors' batch coordinate; q_start: the sequence's first row in the lse / delta matrices (a varlen call's; 0
+    for a dense one). load_kv 0: the key block holds none of its sequence's keys (a varlen call's block past them):
+    kv_ready completes without a load. sequence: () for a dense call; a varlen call's (Q, dO, K, V base pointers,
+    q_start, seqlen_q, k_start, seqlen_k, LSE, DELTA, lse_row_stride, delta_row_stride): this warp makes the
+    sequence's own descriptors (sequence_descriptors) before its first load (a descriptor made in the kernel is
+    visible only to the threads whose TMA loads read it after the fence that ends its making, so the partition that
+    loads makes them), and copies the rows' lse and delta from the (H, T) matrices LSE and DELTA with plain loads
+    (stage_row_statistics): a sequence's rows start anywhere, and a TMA load's innermost coordinate must be 16-byte
+    aligned (an unaligned one is an illegal instruction)."""
     ROWS: gl.constexpr = q_pieces[0].shape[2]
-    mbarrier.expect(kv_ready, chunks_bytes(k_pieces) + chunks_bytes(v_pieces))
-    copy_pieces(k_descs, entries_of(k_pieces, 0), batch, n_start, head_k, kv_ready)
-    copy_pieces(v_descs, entries_of(v_pieces, 0), batch, n_start, head_k, kv_ready)
+    STAGES: gl.constexpr = q_pieces[0].shape[0]
+    if len(sequence) > 0:
+        q_descs = sequence_descriptors(q_descs, sequence[0], sequence[4], sequence[5])
+        do_descs = sequence_descriptors(do_descs, sequence[1], sequence[4], sequence[5])
+        k_descs = sequence_descriptors(k_descs, sequence[2], sequence[6], sequence[7])
+        v_descs = sequence_descriptors(v_descs, sequence[3], sequence[6], sequence[7])
+    if load_kv != 0:
+        mbarrier.expect(kv_ready, chunks_bytes(k_pieces) + chunks_bytes(v_pieces))
+        copy_pieces(k_descs, entries_of(k_pieces, 0), batch, n_start, head_k, kv_ready)
+        copy_pieces(v_descs, entries_of(v_pieces, 0), batch, n_start, head_k, kv_ready)
+    else:
+        mbarrier.arrive(kv_ready)
     for i in range(n_iterations):
         stage = i % STAGES
         mbarrier.wait(q_empty.index(stage), ((i // STAGES) - 1) & 1, pred=i >= STAGES)
         head, m_start = query_block(loop_position(i, first_visit, n_iterations), blocks_per_head, m_block_lo,
                                     head_k, group_size, ROWS)
-        mbarrier.expect(q_ready.index(stage), chunks_bytes(q_pieces) + chunks_bytes(do_pieces) + 2 * ROWS * 4)
+        if len(sequence) > 0:
+            stage_row_statistics(sequence[8], sequence[10], lse_smem.index(stage), head, q_start, m_start, sequence[5])
+            stage_row_statistics(sequence[9], sequence[11], delta_smem.index(stage), head, q_start, m_start,
+                                 sequence[5])
+            # the plain stores above come before this arrival (Triton's barrier pass puts a warp barrier between)
+            mbarrier.expect(q_ready.index(stage), chunks_bytes(q_pieces) + chunks_bytes(do_pieces))
+        else:
+            mbarrier.expect(q_ready.index(stage), chunks_bytes(q_pieces) + chunks_bytes(do_pieces) + 2 * ROWS * 4)
         copy_pieces(q_descs, entries_of(q_pieces, stage), batch, m_start, head, q_ready.index(stage))
         copy_pieces(do_descs, entries_of(do_pieces, stage), batch, m_start, head, q_ready.index(stage))
-        row = batch * num_heads + head
-        tma.async_copy_global_to_shared(lse_desc, [row, m_start], q_ready.index(stage), lse_smem.index(stage))
-        tma.async_copy_global_to_shared(delta_desc, [row, m_start], q_ready.index(stage), delta_smem.index(stage))
+        if len(sequence) == 0:
+            row = batch * num_heads + head
+            tma.async_copy_global_to_shared(lse_desc, [row, m_start], q_ready.index(stage), lse_smem.index(stage))
+            tma.async_copy_global_to_shared(delta_desc, [row, m_start], q_ready.index(stage), delta_smem.index(stage))
 
 
 @gluon.jit
-def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window):
-    """P = exp2(s * qk_scale_log2 - lse_log2) of scores s [ROWS, KEYS] (query rows from m_start, keys from first_key),
-    0 where a key is past seqlen_k or, causal (bottom-right aligned), after the row's last key, or outside the row's
-    local window (window: (window_left, window_right), or ()); blocks that need none of it come back without mask
-    arithmetic. One comparison per element against each row's last visible key,
-    and nothing kept live across the caller's loop (key vectors held across it would spill ~40 registers of the
-    d128 causal consumers). Query rows past seqlen_q are not masked: their Q, dO, lse and delta read as zeros, so
-    P = 1 there but dS = 0 and dO = 0, and every product they enter adds zeros. Keys past seqlen_k are (their K
-    rows are zeros, so P would be exp2(-lse_log2), which may overflow)."""
-    ROWS: gl.constexpr = s.shape[0]
-    KEYS: gl.constexpr = s.shape[1]
-    row_layout: gl.constexpr = gl.SliceLayout(1, s.type.layout)
-    p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(lse_log2, 1))
+def stage_row_statistics(statistic, row_stride, stage, head, q_start, m_start, seqlen_q):
+    """Copy rows [m_start, + ROWS) of a varlen sequence's per-row statistic (lse or delta: an (H, T) fp32 matrix with
+    rows of row_stride, the sequence from column q_start) into stage ([1, ROWS] shared) by one warp's plain loads;
+    rows past seqlen_q get 0, as a dense call's rows past its end do."""
+    ROWS: gl.constexpr = stage.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([ROWS // 32], [32], [1], [0])
+    # [ROWS] rows of the block
+    rows = m_start + gl.arange(0, ROWS, layout)
+    values = gl.load(statistic + head.to(gl.int64) * row_stride + q_start + rows, mask=rows < seqlen_q, other=0.0)
+    stage.reshape([ROWS]).store(values)
+
+
+@gluon.jit
+def alibi_bias(s, alibi, first_key, m_start, seqlen_q, seqlen_k, KEY_AXIS: gl.constexpr):
+    """Like s (scores of query rows from m_start and keys from first_key, keys along KEY_AXIS): the ALiBi bias in
+    log2 units, kernels/common.alibi_bias_log2's: -slope_log2 * |row + seqlen_k - seqlen_q - key|, or -slope_log2 *
+    -key in FA2's pure-causal configuration (alibi: (slope_log2, alibi_pure_causal)). The distances come from each
+    row's position on the keys counted from first_key (an opaque copy: the pure-causal one does not move with
+    m_start, and LLVM would hoist its tile out of the caller's loop) and the keys' offsets in the block as key // 8
+    * 8 + key % 8."""
+    ROW_AXIS: gl.constexpr = 1 - KEY_AXIS
+    ROWS: gl.constexpr = s.shape[ROW_AXIS]
+    KEYS: gl.constexpr = s.shape[KEY_AXIS]
+    rows = gl.arange(0, ROWS, gl.SliceLayout(KEY_AXIS, s.type.layout))
+    # [ROWS] each row's position on the keys counted from first_key, or -first_key (pure causal)
+    row_base = gl.where(alibi[1] != 0, rows * 0 - first_key, m_start + rows + (seqlen_k - seqlen_q) - first_key)
+    row_base = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [row_base], dtype=gl.int32, is_pure=True, pack=1)
+    keys = gl.arange(0, KEYS, gl.SliceLayout(ROW_AXIS, s.type.layout))
+    # like s: |row - key|, or -key
+    difference = ((gl.expand_dims(row_base, KEY_AXIS) - gl.expand_dims(keys // 8 * 8, ROW_AXIS))
+                  - gl.expand_dims(keys % 8, ROW_AXIS))
+    distance = gl.where(alibi[1] != 0, difference, gl.abs(difference))
+    return -alibi[0] * distance.to(gl.float32)
+
+
+@gluon.jit
+def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window,
+                         KEY_AXIS: gl.constexpr, alibi):
+    """P = exp2(s * qk_scale_log2 - lse_log2) of scores s (query rows from m_start, keys from first_key; [ROWS, KEYS],
+    or [KEYS, ROWS] with KEY_AXIS 0: the transposed scores K Q^T), 0 where a key is past seqlen_k or, causal
+    (bottom-right aligned), after the row's last key, or outside the row's local window (window: (window_left,
+    window_right), or ()); blocks that need none of it come back without mask arithmetic. lse_log2: [ROWS] along
+    s's row axis. One comparison per element against each row's last visible key, and nothing kept live across the
+    caller's loop (key vectors held across it would spill ~40 registers of the d128 causal consumers). Query rows
+    past seqlen_q are not masked: their Q, dO, lse and delta read as zeros, so P = 1 there but dS = 0 and dO = 0,
+    and every product they enter adds zeros (with ALiBi their lse becomes +inf, see below). Keys past seqlen_k are (their K rows are zeros, so P would be
+    exp2(-lse_log2), which may overflow). alibi: () or (slope_log2 of the rows' head, alibi_pure_causal): the logits
+    get kernels/common.alibi_bias_log2's bias (alibi_bias)."""
+    ROW_AXIS: gl.constexpr = 1 - KEY_AXIS
+    ROWS: gl.constexpr = s.shape[ROW_AXIS]
+    KEYS: gl.constexpr = s.shape[KEY_AXIS]
+    # [ROWS] a value per query row; [KEYS] a value per key
+    row_layout: gl.constexpr = gl.SliceLayout(KEY_AXIS, s.type.layout)
+    key_layout: gl.constexpr = gl.SliceLayout(ROW_AXIS, s.type.layout)
+    logits = s * qk_scale_log2
+    if len(alibi) > 0:
+        logits = logits + alibi_bias(s, alibi, first_key, m_start, seqlen_q, seqlen_k, KEY_AXIS)
+        # rows past seqlen_q read lse 0, and the pure-causal bias grows with the key (2^150 and more is inf): an
+        # infinite lse keeps their P at 0
+        lse_log2 = gl.where(m_start + gl.arange(0, ROWS, row_layout) < seqlen_q, lse_log2, float("inf"))
+    p = gl.exp2(logits - gl.expand_dims(lse_log2, KEY_AXIS))
     last_key = first_key + KEYS - 1
     if len(window) > 0:
         offset = seqlen_k - seqlen_q
@@ -302,9 +417,10 @@ def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_
             # [ROWS] each row's position on the keys, counted from first_key
             aligned = m_start + gl.arange(0, ROWS, row_layout) + offset - first_key
             row_last = gl.minimum(aligned + window[1], seqlen_k - 1 - first_key)
-            # [ROWS, KEYS]
-            columns = gl.expand_dims(gl.arange(0, KEYS, gl.SliceLayout(0, s.type.layout)), 0)
-            visible = (columns <= gl.expand_dims(row_last, 1)) & (columns >= gl.expand_dims(aligned - window[0], 1))
+            # like s: each key's position in the block
+            keys = gl.expand_dims(gl.arange(0, KEYS, key_layout), ROW_AXIS)
+            visible = (keys <= gl.expand_dims(row_last, KEY_AXIS)) & (
+                keys >= gl.expand_dims(aligned - window[0], KEY_AXIS))
             p = gl.where(visible, p, 0.0)
     elif (last_key >= seqlen_k) | ((causal != 0) & (last_key > m_start + (seqlen_k - seqlen_q))):
         # [ROWS] each row's last visible key, counted from first_key
@@ -312,8 +428,7 @@ def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_
         if causal != 0:
             diagonal = m_start + gl.arange(0, ROWS, row_layout) + (seqlen_k - seqlen_q) - first_key
             row_last = gl.minimum(row_last, diagonal)
-        # [ROWS, KEYS]
-        visible = (gl.expand_dims(gl.arange(0, KEYS, gl.SliceLayout(0, s.type.layout)), 0)
-                   <= gl.expand_dims(row_last, 1))
+        # like s
+        visible = gl.expand_dims(gl.arange(0, KEYS, key_layout), ROW_AXIS) <= gl.expand_dims(row_last, KEY_AXIS)
         p = gl.where(visible, p, 0.0)
     return p

@@ -5,7 +5,8 @@ Every partition of the forward holds this code: it is branch-free integer arithm
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .common import grouped_tile_of
+from ..common import kv_block_range
+from .common import grouped_tile_of, sequence_rows
 
 
 @gluon.jit
@@ -23,15 +24,6 @@ def item_tiles(item, num_tiles, num_batch_heads, heads_per_group, paired):
     slot, batch_head = grouped_tile_of(item, slots(num_tiles, paired), num_batch_heads, heads_per_group)
     end = gl.where(paired != 0, num_tiles - slot, slot + 1)
     return batch_head, slot, end, gl.maximum(num_tiles - 1 - 2 * slot, 1)
-
-
-@gluon.jit
-def sequence_rows(CuSeqlens, batch, rows):
-    """(first row, length) of sequence `batch` of a varlen call: cu_seqlens entries clamped into [0, rows] (an end
-    before its start gives an empty sequence), so malformed values never address rows outside the tensor."""
-    start = gl.minimum(gl.maximum(gl.load(CuSeqlens + batch), 0), rows)
-    end = gl.minimum(gl.maximum(gl.load(CuSeqlens + batch + 1), start), rows)
-    return start, end - start
 
 
 @gluon.jit
@@ -62,11 +54,10 @@ def tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, causal
     end_block = gl.maximum(gl.cdiv(key_end, BLOCK_N), 1)
     first_block = end_block * 0
     if len(window) > 0:
-        offset = seqlen_k - seqlen_q
-        last_row = gl.minimum(m_start + TILE_ROWS, seqlen_q) - 1
-        key_blocks = gl.maximum(gl.cdiv(seqlen_k, BLOCK_N), 1)
-        first_block = gl.minimum(gl.maximum(m_start + offset - window[0], 0) // BLOCK_N, key_blocks - 1)
-        end_block = gl.minimum(gl.cdiv(gl.maximum(last_row + offset + window[1] + 1, 0), BLOCK_N), key_blocks)
+        first_block, _, _, end_block = kv_block_range(m_start, (seqlen_q, seqlen_k, window[0], window[1]), TILE_ROWS,
+                                                      BLOCK_N, True)
+        # at least one block, within the keys' blocks (one for seqlen_k 0)
+        first_block = gl.minimum(first_block, gl.maximum(gl.cdiv(seqlen_k, BLOCK_N), 1) - 1)
         end_block = gl.maximum(end_block, first_block + 1)
     count = end_block - first_block
     if len(seqs) > 0:
