@@ -392,7 +392,7 @@ def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_
     s's row axis. One comparison per element against each row's last visible key, and nothing kept live across the
     caller's loop (key vectors held across it would spill ~40 registers of the d128 causal consumers). Query rows
     past seqlen_q are not masked: their Q, dO, lse and delta read as zeros, so P = 1 there but dS = 0 and dO = 0,
-    and every product they enter adds zeros (with ALiBi their lse becomes +inf, see below). Keys past seqlen_k are (their K rows are zeros, so P would be
+    and every product they enter adds zeros (with ALiBi P is at most 1, see below). Keys past seqlen_k are (their K rows are zeros, so P would be
     exp2(-lse_log2), which may overflow). alibi: () or (slope_log2 of the rows' head, alibi_pure_causal): the logits
     get kernels/common.alibi_bias_log2's bias (alibi_bias)."""
     ROW_AXIS: gl.constexpr = 1 - KEY_AXIS
@@ -404,10 +404,12 @@ def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_
     logits = s * qk_scale_log2
     if len(alibi) > 0:
         logits = logits + alibi_bias(s, alibi, first_key, m_start, seqlen_q, seqlen_k, KEY_AXIS)
-        # rows past seqlen_q read lse 0, and the pure-causal bias grows with the key (2^150 and more is inf): an
-        # infinite lse keeps their P at 0
-        lse_log2 = gl.where(m_start + gl.arange(0, ROWS, row_layout) < seqlen_q, lse_log2, float("inf"))
-    p = gl.exp2(logits - gl.expand_dims(lse_log2, KEY_AXIS))
+    exponent = logits - gl.expand_dims(lse_log2, KEY_AXIS)
+    if len(alibi) > 0:
+        # at most 0 (P <= 1): rows past seqlen_q read lse 0, and FA2's pure-causal bias grows with the key (2^150 and
+        # more is inf, and inf * their zero dO is NaN); a visible key's exponent exceeds 0 by rounding only
+        exponent = gl.minimum(exponent, 0.0)
+    p = gl.exp2(exponent)
     last_key = first_key + KEYS - 1
     if len(window) > 0:
         offset = seqlen_k - seqlen_q
