@@ -221,9 +221,15 @@ def test_fuzz_flash_attn_with_kvcache(batch, seqlen_q, seqlen_new, capacity, pag
     assert torch.equal(v_cache, ref_v)
 
 
-def _assert_same(results, expected):
-    for got, want in zip(results, expected):
-        assert torch.equal(got, want)
+def _assert_same(results, expected, deterministic=True):
+    """(out, lse, dq, dk, dv) of two calls bitwise equal; with deterministic=False dQ only up to the rounding of the
+    same fp32 sums in another order (the backward adds each key block's dQ with atomics as the blocks finish)."""
+    for position, (got, want) in enumerate(zip(results, expected)):
+        if position == 2 and not deterministic:
+            scale = float(want.abs().max()) if want.numel() else 0.0
+            torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-3 * scale)
+        else:
+            assert torch.equal(got, want), position
 
 
 def _attention_with_grads(fn, leaves, dout, **options):
@@ -246,7 +252,7 @@ def test_fuzz_packed_variants_match_separate(case, self_attention, deterministic
     expected = _attention_with_grads(flashtriton.flash_attn_func, separate, dout, **options)
     q_leaf = q.detach().requires_grad_()
     out, lse, dq, dkv = _attention_with_grads(flashtriton.flash_attn_kvpacked_func, (q_leaf, kv), dout, **options)
-    _assert_same((out, lse, dq, dkv), (*expected[:3], torch.stack(expected[3:], dim=2)))
+    _assert_same((out, lse, dq, *dkv.unbind(dim=2)), expected, deterministic)
     if self_attention:
         # against the separate call on qkv's own views: q's layout decides which kernel runs (a sliced q that TMA
         # cannot address takes the Triton kernels on sm_90, qkv's views the Gluon ones), and two kernels need not
@@ -255,12 +261,12 @@ def test_fuzz_packed_variants_match_separate(case, self_attention, deterministic
         views = [qkv.detach()[:, :, i].requires_grad_() for i in range(3)]
         expected = _attention_with_grads(flashtriton.flash_attn_func, views, dout, **options)
         out, lse, dqkv = _attention_with_grads(flashtriton.flash_attn_qkvpacked_func, (qkv,), dout, **options)
-        _assert_same((out, lse, dqkv), (*expected[:2], torch.stack(expected[2:], dim=2)))
+        _assert_same((out, lse, *dqkv.unbind(dim=2)), expected, deterministic)
 
 
 @given(lengths=varlen_batches(), causal=st.booleans(), window=windows(), heads_k=st.sampled_from([1, 2]),
-       self_attention=st.booleans())
-def test_fuzz_varlen_packed_variants_match_separate(lengths, causal, window, heads_k, self_attention):
+       self_attention=st.booleans(), deterministic=st.booleans())
+def test_fuzz_varlen_packed_variants_match_separate(lengths, causal, window, heads_k, self_attention, deterministic):
     """The varlen kvpacked / qkvpacked forms against flash_attn_varlen_func on the same views, bitwise."""
     lens_q, lens_k, tail = lengths
     if self_attention:
@@ -272,19 +278,19 @@ def test_fuzz_varlen_packed_variants_match_separate(lengths, causal, window, hea
     q = torch.randn(sum(lens_q) + tail, num_heads, 32, device=DEVICE).half()
     kv = torch.randn(sum(lens_k) + tail, 2, heads_k, 32, device=DEVICE).half().requires_grad_()
     dout = torch.randn_like(q)
-    options = dict(causal=causal, window_size=window)
+    options = dict(causal=causal, window_size=window, deterministic=deterministic)
     seqlens = (cu_q, cu_k, max_q, max_k)
     separate = [t.detach().requires_grad_() for t in (q, kv[:, 0], kv[:, 1])]
     expected = _attention_with_grads(lambda *t, **o: flashtriton.flash_attn_varlen_func(*t, *seqlens, **o),
                                      separate, dout, **options)
     packed = _attention_with_grads(lambda *t, **o: flashtriton.flash_attn_varlen_kvpacked_func(*t, *seqlens, **o),
                                    (q.detach().requires_grad_(), kv), dout, **options)
-    _assert_same(packed, (*expected[:3], torch.stack(expected[3:], dim=1)))
+    _assert_same((*packed[:3], *packed[3].unbind(dim=1)), expected, deterministic)
     if self_attention:
         qkv = torch.stack((q, kv[:, 0].detach(), kv[:, 1].detach()), dim=1).requires_grad_()
         packed = _attention_with_grads(lambda t, **o: flashtriton.flash_attn_varlen_qkvpacked_func(t, cu_q, max_q, **o),
                                        (qkv,), dout, **options)
-        _assert_same(packed, (*expected[:2], torch.stack(expected[2:], dim=1)))
+        _assert_same((*packed[:2], *packed[2].unbind(dim=1)), expected, deterministic)
 
 
 @pytest.mark.skipif(DEVICE == "cpu" and not backend.KERNELS_INTERPRETED,
