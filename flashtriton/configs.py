@@ -259,6 +259,21 @@ HOPPER_FWD = ConfigTable({(64, False): HopperFwdConfig(128, 2, 160, persistent=T
                          (192, False): _HOPPER_FWD_D256_FULL, (192, True): _HOPPER_FWD_D256_CAUSAL,
                          (256, False): _HOPPER_FWD_D256_FULL, (256, True): _HOPPER_FWD_D256_CAUSAL})
 HOPPER_FWD_HEAD_DIMS = tuple(sorted({head_dim for head_dim, _ in HOPPER_FWD}))
+
+
+@dataclass(frozen=True)
+class HopperFwdD512Config:
+    """A config of the Gluon forward at head dims 257-512 (kernels/hopper/fwd_d512.py): two consumer warpgroups
+    splitting the head dim of 64 query rows, and a TMA producer warp."""
+    block_n: int         # keys per K / V block
+    stages: int          # K / V stages in shared memory
+    consumer_regs: int   # registers per thread of the second consumer warpgroup
+
+
+# keyed by causal-like (any window): the largest key blocks and stages whose tiles fit shared memory (Q 64 KiB,
+# K and V 32 KiB per stage at 32 keys, the partial scores 32 KiB): python tools/offline_compile.py --kernel
+# fwd-d512-hopper, 2026-12-07, sm_90 offline (not timed)
+HOPPER_FWD_D512 = ConfigTable({False: HopperFwdD512Config(32, 2, 240), True: HopperFwdD512Config(32, 2, 240)})
 # With dropout (its Philox draws need registers), where the entry above spills: keyed as HOPPER_FWD.
 # python tools/offline_compile.py --kernel fwd-hopper --head-dim 64 --dropout --hopper-config 128,2,232,1,0,0,0.0,2,
 # 2026-12-07, 23cd64e, sm_90 offline: 40 B of stack against 296 with three consumers of 160 registers (not timed)

@@ -48,7 +48,9 @@ COVERS = {  # name: (head_dim, dtype, seqlen_q, seqlen_k, causal, window, softca
     "d96-on-128-tiles": (96, torch.bfloat16, 1000, 1000, False, (-1, -1), 0.0, 0.1, True, True),
     "d192-on-256-tiles": (192, torch.bfloat16, 1000, 1000, True, (-1, -1), 0.0, 0.1, True, True),
     "d32-on-64-tiles": (32, torch.float16, 1000, 1000, False, (-1, -1), 0.0, 0.1, True, True),
-    "d512": (512, torch.bfloat16, 1000, 1000, False, (-1, -1), 0.0, 0.1, True, False),
+    "d512-on-split-tiles": (512, torch.bfloat16, 1000, 1000, False, (-1, -1), 0.0, 0.1, True, True),
+    "d320-causal-on-split-tiles": (320, torch.float16, 700, 300, True, (-1, -1), 0.0, 0.1, True, True),
+    "d640": (640, torch.bfloat16, 1000, 1000, False, (-1, -1), 0.0, 0.1, True, False),
     "decode-rows": (128, torch.bfloat16, 16, 1000, False, (-1, -1), 0.0, 0.1, True, False),
     "no-keys": (128, torch.bfloat16, 100, 0, False, (-1, -1), 0.0, 0.1, True, False),
     "local-window": (128, torch.bfloat16, 1000, 1000, False, (64, 0), 0.0, 0.1, True, True),
@@ -252,6 +254,32 @@ def test_varlen_without_rows_takes_the_triton_kernel(side):
 
 
 PADDED_HEAD_DIMS = [8, 40, 72, 112, 136, 160, 200]
+
+
+WIDE_CASES = {  # name: (head dim, window, seqlen_q, seqlen_k, causal, heads, kv heads, layout)
+    "d512-full": (512, (-1, -1), 300, 700, False, 4, 2, "contiguous"),
+    "d512-causal-sq-over-sk": (512, (-1, -1), 700, 300, True, 4, 4, "contiguous"),
+    "d512-causal-odd": (512, (-1, -1), 1000, 1000, True, 3, 1, "contiguous"),
+    "d512-window": (512, (90, 17), 333, 500, False, 2, 2, "contiguous"),
+    "d512-single-row-block": (512, (-1, -1), 17, 33, False, 2, 2, "contiguous"),
+    "d320-causal-wider-rows": (320, (-1, -1), 300, 300, True, 2, 2, "wider-rows"),
+    "d448-full-wider-rows": (448, (-1, -1), 129, 600, False, 2, 1, "wider-rows"),
+}
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(WIDE_CASES))
+def test_gluon_forward_wide_head_dims(name, dtype):
+    """Head dims 257-512 on the 512-wide tiles split between two consumers (kernels/hopper/fwd_d512.py): odd
+    lengths, sq != sk, rows that see no key (out 0, LSE +inf), GQA and MQA, a two-sided window; head dims the tiles
+    are wider than read zeros past D (q, k and v as the first D columns of NaN-filled wider rows) and store only
+    out's own columns (NaN-poisoned out)."""
+    head_dim, window, seqlen_q, seqlen_k, causal, heads, heads_k, layout = WIDE_CASES[name]
+    checks, ran = run_forward(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads, num_heads_k=heads_k,
+                                   head_dim=head_dim, dtype=dtype, causal=causal, window_size=window, layout=layout))
+    assert ran, "the Gluon forward did not run"
+    assert_checks_ok(checks)
 
 
 @needs_hopper
@@ -647,6 +675,17 @@ _FORWARD_VARIANTS = {
     "d192-v128-local": (192, False, dict(head_dim_v=128, local=True)),
     "d256-causal-varlen": (256, True, dict(varlen=True)),
 }
+
+
+@pytest.mark.skipif(not _gluon_hopper_api(), reason="compiles for sm_90 (needs the Gluon Hopper API)")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_forward_at_head_dim_512_compiles_for_sm90(causal):
+    """The split-tile forward (kernels/hopper/fwd_d512.py) compiles for sm_90 offline within shared memory."""
+    import offline_compile
+
+    stats = offline_compile.gluon_stats("fwd-d512", 512, causal)
+    assert stats["wgmma"] > 0
+    assert stats["shared"] <= 232448  # sm_90's shared memory per block
 
 
 @pytest.mark.skipif(not _gluon_hopper_api(), reason="compiles for sm_90 (needs the Gluon Hopper API)")

@@ -35,8 +35,8 @@ SCRIPT = textwrap.dedent('''
                 bound.append((self.kernel.fn.__name__, arguments))
             return launch
 
-    for name in ("attn_fwd_hopper_kernel", "attn_tail_merge_kernel", "attn_bwd_hopper_kernel",
-                 "attn_bwd_hopper_d256_kernel", "attn_bwd_hopper_dq_kernel"):
+    for name in ("attn_fwd_hopper_kernel", "attn_fwd_hopper_d512_kernel", "attn_tail_merge_kernel",
+                 "attn_bwd_hopper_kernel", "attn_bwd_hopper_d256_kernel", "attn_bwd_hopper_dq_kernel"):
         setattr(hopper, name, Recorder(getattr(hopper, name)))
 
     def tensors(*shapes):
@@ -53,6 +53,11 @@ SCRIPT = textwrap.dedent('''
                           8192), 8192, 8192, 1, 4, alibi_slopes=torch.rand(4) if alibi else None,
                           dropout_p=0.1 if causal else 0.0, rng_state=torch.zeros(2, dtype=torch.int64),
                           learnable_sink=torch.randn(4) if head_dim_v != head_dim else None)
+    # head dim 512 on the split tiles, causal, GQA
+    q, k, v = tensors((2, 1000, 4, 512), (2, 1000, 2, 512), (2, 1000, 2, 512))
+    lse = torch.empty(2, 4, 1000)
+    hopper.launch_fwd(q, k, v, torch.empty_like(q), lse, (lse.stride(0), lse.stride(1)),
+                      score_params(0.1, True, -1, -1, 0.0, 1000), 1000, 1000, 2, 4)
     # a varlen forward with a local window
     cu = torch.tensor([0, 300, 700], dtype=torch.int32)
     q, k, v = tensors((700, 4, 128), (700, 2, 128), (700, 2, 128))
@@ -111,11 +116,12 @@ def test_launchers_bind_to_the_kernel_signatures():
     assert done.returncode == 0, done.stderr[-3000:]
     launches = done.stdout.splitlines()
     kernels = [line.split()[0] for line in launches]
-    assert kernels.count("attn_fwd_hopper_kernel") == 7, launches
+    assert kernels.count("attn_fwd_hopper_kernel") == 7 and kernels.count("attn_fwd_hopper_d512_kernel") == 1, launches
     assert kernels.count("attn_tail_merge_kernel") >= 1, launches
     assert kernels.count("attn_bwd_hopper_kernel") == 5 and kernels.count("attn_bwd_hopper_d256_kernel") == 4, launches
     assert kernels.count("attn_bwd_hopper_dq_kernel") == 3, launches
     backward = [line for line in launches if line.startswith("attn_bwd_hopper_kernel ")]
     assert all("varlen=8" in line and "alibi_args=3" in line for line in backward), backward
     # the grouped arguments reach the kernels whole: the forward's varlen (6 entries), ALiBi's (4)
-    assert all("varlen=6" in line and "alibi_args=4" in line for line in launches if line.startswith("attn_fwd_h"))
+    assert all("varlen=6" in line and "alibi_args=4" in line
+               for line in launches if line.startswith("attn_fwd_hopper_kernel "))

@@ -318,7 +318,28 @@ def compile_hopper_bwd_dq(head_dim: int, causal: bool, config=None, dtype: str =
     return _compile_gluon(attn_bwd_hopper_dq_kernel, signature, constexprs)
 
 
-_GLUON_COMPILERS = {"fwd": "compile_hopper_fwd", "bwd": "compile_hopper_bwd", "dq": "compile_hopper_bwd_dq"}
+def compile_hopper_fwd_d512(head_dim: int, causal: bool, config=None, dtype: str = "bf16", local: bool = False):
+    """The Gluon forward at head dims 257-512 (kernels/hopper/fwd_d512.py) with `config` (default
+    configs.HOPPER_FWD_D512[causal]); `causal` or `local`: its LOCAL variant (a window)."""
+    from flashtriton import configs
+    from flashtriton.kernels.hopper.fwd_d512 import HALF, ROWS, attn_fwd_hopper_d512_kernel
+
+    config = config or configs.HOPPER_FWD_D512[causal or local]
+    signature = {"q_desc": _gluon_tile_type(ROWS.value, HALF.value, dtype),
+                 "k_desc": _gluon_tile_type(config.block_n, HALF.value, dtype),
+                 "v_desc": _gluon_tile_type(config.block_n, HALF.value, dtype),
+                 "o_desc": _gluon_tile_type(ROWS.value, HALF.value, dtype), "Lse": "*fp32", "qk_scale_log2": "fp32"}
+    signature.update({name: "i32" for name in ("stride_lse_b", "stride_lse_h", "batch", "num_heads", "group_size",
+                                               "seqlen_q", "seqlen_k", "heads_per_group", "window_left",
+                                               "window_right")})
+    constexprs = dict(LOCAL=causal or local, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4)
+    names = list(inspect.signature(attn_fwd_hopper_d512_kernel.fn).parameters)
+    signature = {name: signature[name] for name in names if name in signature}
+    return _compile_gluon(attn_fwd_hopper_d512_kernel, signature, constexprs)
+
+
+_GLUON_COMPILERS = {"fwd": "compile_hopper_fwd", "bwd": "compile_hopper_bwd", "dq": "compile_hopper_bwd_dq",
+                    "fwd-d512": "compile_hopper_fwd_d512"}
 
 
 def gluon_stats(kind: str, head_dim: int, causal: bool, **options) -> dict:

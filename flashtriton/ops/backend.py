@@ -182,9 +182,12 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     # ALiBi: causal calls only (hopper.covers' rule does not see the slopes): non-causal, its distances spill the
     # Gluon forward's registers (sm_90 offline compiles). Varlen calls without a query or key row: no tensor
     # descriptor has zero rows
+    # Head dims above 256 (hopper.wide_forward's tiles): dense calls without ALiBi, dropout or sinks
     plain = not (is_paged or num_splits > 1 or seqused_k is not None or leftpad_k is not None
                  or cache_batch_idx is not None or (alibi_slopes is not None and not params.causal_like)
-                 or (is_varlen and (q.shape[0] == 0 or k.shape[0] == 0)))
+                 or (is_varlen and (q.shape[0] == 0 or k.shape[0] == 0))
+                 or (max(head_dim, head_dim_v) > 256 and (is_varlen or alibi_slopes is not None or dropout_p > 0.0
+                                                          or learnable_sink is not None)))
     if hopper.gluon_runs("fwd", q, params, seqlen_q, seqlen_k, plain, (q, k, v, out), head_dim_v=head_dim_v):
         if learnable_sink is not None:
             learnable_sink = learnable_sink.contiguous()  # the kernel reads sink[h] at h

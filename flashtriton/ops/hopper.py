@@ -30,8 +30,9 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..kernels.hopper.fwd import CONSUMER_ROWS, attn_fwd_hopper_kernel
+    from ..kernels.hopper.fwd_d512 import HALF as D512_HALF, ROWS as D512_ROWS, attn_fwd_hopper_d512_kernel
     from ..kernels.hopper.tail_merge import attn_tail_merge_kernel, tail_merge_rows
-    compiled_without_line_info(attn_fwd_hopper_kernel, attn_tail_merge_kernel)
+    compiled_without_line_info(attn_fwd_hopper_kernel, attn_fwd_hopper_d512_kernel, attn_tail_merge_kernel)
     # host descriptors of tensors gluon_runs / the launchers checked (tma_compatible)
     checked_descriptor = descriptor_builder(TensorDescriptor)
 except Exception:  # Triton without Gluon's Hopper API, or its interpreter: the Triton kernels run everything
@@ -59,6 +60,7 @@ bwd_launch_count = 0
 bwd_dq_launch_count = 0
 
 DIRECTIONS = ("fwd", "bwd")
+WIDE_TILE_DIM = 512  # the forward's tiles above head dim 256 (kernels/hopper/fwd_d512.py: two halves of 256)
 
 
 @lru_cache(maxsize=None)  # called on every eligible forward and backward
@@ -87,7 +89,8 @@ def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seq
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if direction == "fwd":
-        tile_dims_exist = configs.hopper_fwd_tile_dim(max(head_dim, head_dim_v)) is not None
+        tile_dims_exist = configs.hopper_fwd_tile_dim(max(head_dim, head_dim_v)) is not None or \
+            wide_forward(head_dim, head_dim_v)
     else:
         tile_dims_exist = backward_takes_head_dims(head_dim, head_dim_v)
     if not tile_dims_exist or (direction == "bwd" and deterministic and computes_dq(head_dim)
@@ -96,6 +99,12 @@ def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seq
     return (plain and dtype in (torch.float16, torch.bfloat16)
             and seqlen_q > configs.DECODE_MAX_ROWS and seqlen_k > 0 and params.softmax_scale > 0.0
             and not params.has_softcap)
+
+
+def wide_forward(head_dim: int, head_dim_v: int) -> bool:
+    """Head dims the forward runs on 512-wide tiles split between two consumers (kernels/hopper/fwd_d512.py): both
+    in 257-512. Its callers keep calls with varlen, ALiBi, dropout or sinks on the Triton kernel."""
+    return 256 < head_dim <= WIDE_TILE_DIM and 256 < head_dim_v <= WIDE_TILE_DIM
 
 
 def causal_window(params, seqlen_k: int) -> bool:
@@ -242,6 +251,9 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
     out and lse by the kernel (docs/api.md §4.11)."""
     global fwd_launch_count, tail_merge_count
     num_heads, head_dim, head_dim_v = q.shape[-2], q.shape[-1], v.shape[-1]
+    if wide_forward(head_dim, head_dim_v):
+        launch_fwd_d512(q, k, v, out, lse, lse_strides, params, seqlen_q, seqlen_k, batch, heads_per_group)
+        return
     varlen = cu_seqlens_q is not None
     # attn_fwd_hopper_kernel's varlen group, q_rows and k_rows
     varlen_args = ((cu_seqlens_q, cu_seqlens_k, out, out.stride(0), out.stride(1), head_dim_v), q.shape[0],
@@ -297,6 +309,23 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
             num_heads, seqlen_q, seqlen_k, *work, CAUSAL=params.causal_like, TILE_ROWS=tile_rows,
             BLOCK_N=config.block_n, HEAD_DIM=head_dim, num_warps=4)
         tail_merge_count += 1
+    fwd_launch_count += 1
+
+
+def launch_fwd_d512(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int,
+                    batch: int, heads_per_group: int) -> None:
+    """Run the Gluon forward at head dims 257-512 (kernels/hopper/fwd_d512.py; dense calls, any window) into out
+    (B, Sq, H, Dv) and lse (fp32, rows contiguous, strides lse_strides)."""
+    global fwd_launch_count
+    num_heads = q.shape[-2]
+    config = configs.HOPPER_FWD_D512[params.is_local]
+    rows, half = D512_ROWS.value, D512_HALF.value
+    launch(attn_fwd_hopper_d512_kernel, (triton_cdiv(seqlen_q, rows) * batch * num_heads, ),
+           tile_descriptor(q, rows, half), tile_descriptor(k, config.block_n, half),
+           tile_descriptor(v, config.block_n, half), tile_descriptor(out, rows, half), lse, *lse_strides, batch,
+           num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k, heads_per_group, params.qk_scale_log2,
+           params.window_left, params.window_right, LOCAL=params.is_local, STAGES=config.stages,
+           CONSUMER_REGS=config.consumer_regs, num_warps=4)
     fwd_launch_count += 1
 
 

@@ -12,6 +12,7 @@ from .. import common as _triton_common
 # Gluon functions: the Gluon kernels take them from the same code as the Triton kernels
 grouped_tile_of = gluon.jit(_triton_common.grouped_tile_of.fn)
 q_block_range = gluon.jit(_triton_common.q_block_range.fn)
+kv_block_range = gluon.jit(_triton_common.kv_block_range.fn)
 clamped_range = gluon.jit(_triton_common.clamped_range.fn)
 
 
