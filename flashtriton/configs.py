@@ -270,9 +270,9 @@ class HopperFwdD512Config:
     consumer_regs: int   # registers per thread of the second consumer warpgroup
 
 
-# keyed by causal-like (any window): the largest key blocks and stages whose tiles fit shared memory (Q 64 KiB,
-# K and V 32 KiB per stage at 32 keys, the partial scores 32 KiB): python tools/offline_compile.py --kernel
-# fwd-d512-hopper, 2026-12-07, sm_90 offline (not timed)
+# keyed by whether a window (causal included) applies: the largest key blocks and stages whose tiles fit shared
+# memory (Q 64 KiB, K and V 32 KiB per stage at 32 keys, the partial scores 32 KiB):
+# python tools/offline_compile.py --kernel fwd-d512-hopper, 2026-12-07, e4f61bd, sm_90 offline (not timed)
 HOPPER_FWD_D512 = ConfigTable({False: HopperFwdD512Config(32, 2, 240), True: HopperFwdD512Config(32, 2, 240)})
 # With dropout (its Philox draws need registers), where the entry above spills: keyed as HOPPER_FWD.
 # python tools/offline_compile.py --kernel fwd-hopper --head-dim 64 --dropout --hopper-config 128,2,232,1,0,0,0.0,2,

@@ -8,6 +8,8 @@
                                                        # the Gluon forward; default: its configs.HOPPER_FWD entry
                                                        # (P, PP, H: persistent, ping-pong, hold_schedule, 0 or 1;
                                                        # T: the rescale skip's threshold, 0: none; C: consumers)
+    python tools/offline_compile.py --kernel fwd-d512-hopper [--causal] [--local] [--hopper-config N,STAGES,REGS]
+                                                       # the Gluon forward at head dims 257-512 (configs.HOPPER_FWD_D512)
     python tools/offline_compile.py --kernel bwd-hopper [--head-dim 128] [--head-dim-v DV] [--causal] [--ordered] [--local]
                                     [--hopper-config ROWS,STAGES,REGS]
                                                        # the Gluon backward; default: its configs.HOPPER_BWD entry
@@ -371,7 +373,8 @@ def main():
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--head-dim-v", type=int, help="V's head dim (default: --head-dim)")
     parser.add_argument("--local", action="store_true")
-    parser.add_argument("--kernel", default="fwd", choices=[*KERNELS, "fwd-hopper", "bwd-hopper", "bwd-dq-hopper"])
+    parser.add_argument("--kernel", default="fwd", choices=[*KERNELS, "fwd-hopper", "fwd-d512-hopper", "bwd-hopper",
+                                                             "bwd-dq-hopper"])
     parser.add_argument("--causal", action="store_true", help="fwd-hopper only: the causal variant")
     parser.add_argument("--hopper-config", help="fwd-hopper: BLOCK_N,STAGES,REGS[,PERSISTENT,PINGPONG,HOLD,THRESHOLD"
                                                 "[,CONSUMERS]], "
@@ -403,6 +406,17 @@ def main():
         print(f"bwd-dq-hopper d{args.head_dim} dv{args.head_dim_v or args.head_dim} causal={args.causal} "
               f"local={args.local} "
               f"{args.hopper_config or 'table'}: {resource_usage(compiled)} shared {compiled.metadata.shared} "
+              f"wgmma {compiled.asm['ptx'].count('wgmma.mma_async')}")
+        return
+    if args.kernel == "fwd-d512-hopper":
+        config = None
+        if args.hopper_config:
+            from flashtriton.configs import HopperFwdD512Config
+
+            config = HopperFwdD512Config(*(int(x) for x in args.hopper_config.split(",")))
+        compiled = compile_hopper_fwd_d512(512, args.causal, config, local=args.local)
+        print(f"fwd-d512-hopper causal={args.causal} local={args.local} {args.hopper_config or 'table'}: "
+              f"{resource_usage(compiled)} shared {compiled.metadata.shared} "
               f"wgmma {compiled.asm['ptx'].count('wgmma.mma_async')}")
         return
     if args.kernel == "bwd-hopper":
