@@ -160,7 +160,9 @@ def attn_fwd_hopper_d512_kernel(q_desc, k_desc, v_desc, o_desc, Lse, stride_lse_
     v_tiles = (gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout),
                gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout))
     # per consumer: [2, ROWS, BLOCK_N] fp32 partial scores of the even and odd key blocks
-    scores_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    # (pairs of columns XOR-swizzled by row: the wgmma layout's eight rows per store land in different banks, where
+    # plain rows of 128 bytes would put them all in the same ones)
+    scores_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[1, 0])
     scores = (gl.allocate_shared_memory(gl.float32, [2, ROWS, BLOCK_N], scores_layout),
               gl.allocate_shared_memory(gl.float32, [2, ROWS, BLOCK_N], scores_layout))
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
