@@ -4,10 +4,12 @@ A 64 x 512 fp32 output tile would take 256 registers per thread of one warpgroup
 warpgroups owns half of the head dim (HALF = 256 columns) of the same 64 query rows: its half of Q, K, V and O.
 Per key block of BLOCK_N keys, consumer w computes the partial scores S_w = Q[:, half w] K[:, half w]^T, writes
 them to shared memory and adds the other consumer's: S = S_0 + S_1 (fp32 addition commutes, so both hold the same
-bits), both run the same online softmax on it, and each accumulates its half of O += P V[:, half w]. A producer warp
-loads the program's Q once and streams K and V, each half into its own tile. One program per 64-row query tile of
-a (batch, head); key blocks and masks from kernels/common.kv_block_range (causal and local windows, keys past
-seqlen_k). Dense calls without softcap, ALiBi, dropout or sinks (ops/hopper.covers says which calls come here).
+bits), both run the same online softmax on it, and each accumulates its half of O += P V[:, half w]. Each
+consumer issues the next block's partial-score wgmma before it waits for the other's scores, so the tensor cores
+work through the exchange and the softmax. A producer warp loads the program's Q once and streams K and V, each
+half into its own tile. One program per 64-row query tile of a (batch, head); key blocks and masks from
+kernels/common.kv_block_range (causal and local windows, keys past seqlen_k). Dense calls without softcap, ALiBi,
+dropout or sinks (ops/hopper.covers and ops/backend say which calls come here).
 """
 
 from triton.experimental import gluon
@@ -79,18 +81,30 @@ def _consumer(q_tile, k_tiles, v_tiles, o_desc, own_scores, other_scores, own_re
     l_i = gl.zeros([ROWS], gl.float32, row_s)
     aligned = m_start + gl.arange(0, ROWS, row_s) + (seqlen_k - seqlen_q)
     mbarrier.wait(q_ready, 0)
+    # [ROWS, BLOCK_N] this half's partial scores of the next key block, issued a block ahead: its wgmma runs while
+    # the current block's scores are exchanged and its softmax computed (the first block's here, waited for)
+    s_next = zero_s
+    if n_blocks > 0:
+        mbarrier.wait(k_ready.index(0), 0)
+        s_next = warpgroup_mma(q, k_tiles.index(0).reshape([BLOCK_N, HALF]).permute((1, 0)), zero_s, use_acc=False,
+                               is_async=True)
+        s_next = warpgroup_mma_wait(0, deps=(s_next, ))
+        arrive_after_wgmma(k_empty.index(0))
     for j in range(n_blocks):
         stage = j % STAGES
-        phase = (j // STAGES) & 1
         parity = j % 2
-        mbarrier.wait(k_ready.index(stage), phase)
-        k = k_tiles.index(stage).reshape([BLOCK_N, HALF])
-        # [ROWS, BLOCK_N] this half's partial scores, then the whole scores
-        s = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s, ))
-        arrive_after_wgmma(k_empty.index(stage))
+        following = j + 1
+        # [ROWS, BLOCK_N] this half's partial scores of block j (complete), to the other consumer
+        s = s_next
         own_scores.index(parity).store(s)
         mbarrier.arrive(own_ready.index(parity))
+        # after the last block, a product nobody reads on the last block's K, which no load overwrites any more (a
+        # wgmma issued under a branch could not be waited for after it)
+        next_stage = gl.minimum(following, n_blocks - 1) % STAGES
+        mbarrier.wait(k_ready.index(next_stage), (following // STAGES) & 1, pred=following < n_blocks)
+        s_next = warpgroup_mma(q, k_tiles.index(next_stage).reshape([BLOCK_N, HALF]).permute((1, 0)), zero_s,
+                               use_acc=False, is_async=True)
+        # [ROWS, BLOCK_N] the whole scores of block j
         mbarrier.wait(other_ready.index(parity), (j // 2) & 1)
         s = s + other_scores.index(parity).load(s_layout)
         # [BLOCK_N] the block's keys; [ROWS, BLOCK_N] which each row sees
@@ -107,12 +121,15 @@ def _consumer(q_tile, k_tiles, v_tiles, o_desc, own_scores, other_scores, own_re
         alpha = gl.exp2(m_i - pivot)
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
+        # the previous block's P V completed (waited for below), so acc holds its sum
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        mbarrier.wait(v_ready.index(stage), phase)
+        mbarrier.wait(v_ready.index(stage), (j // STAGES) & 1)
         v = v_tiles.index(stage).reshape([BLOCK_N, HALF])
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v, acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        # the next block's S (issued first) and this block's P V: wgmma groups complete in order
+        acc, s_next = warpgroup_mma_wait(0, deps=(acc, s_next))
         arrive_after_wgmma(v_empty.index(stage))
+        arrive_after_wgmma(k_empty.index(next_stage), pred=following < n_blocks)
     seen = l_i > 0.0
     # [ROWS] one reciprocal per row (a seen row's sum is >= 1: its max's own term)
     inverse_sum = reciprocal(gl.where(seen, l_i, 1.0))
