@@ -1,6 +1,5 @@
 """FP8 (e4m3) inputs with FA3's descales (docs/api.md §4.12): flash_attn_func, flash_attn_varlen_func and
-flash_attn_with_kvcache against the float64 emulation of the same quantization (P as two e4m3 terms relative to each
-row's max) and against the float64 attention of the dequantized inputs; accuracy next to the bf16 path's; bf16
+flash_attn_with_kvcache against the float64 emulation of the same rounding (P in fp16 relative to each row's max) and against the float64 attention of the dequantized inputs; accuracy next to the bf16 path's; bf16
 outputs; clear errors."""
 
 from dataclasses import dataclass
@@ -57,12 +56,14 @@ def rms(a, b) -> float:
 def assert_matches_emulation(out, lse, emulated, emulated_lse, exact):
     """out as far from the unquantized result as the emulation is, within a factor: the kernels round P relative to
     the running max of the key blocks seen so far, the emulation relative to the row's final max, so the two round
-    different numbers by the same relative step; the LSE (unquantized) exact."""
+    different numbers by the same relative step; plus one bf16 step of out's scale (all three are rounded to bf16,
+    and fp16 P leaves differences of that size only); the LSE (unquantized) exact."""
     assert out.dtype == torch.bfloat16
     assert not out.isnan().any()
     emulation_error = float((emulated.double() - exact.double()).abs().max())
-    assert float((out.double() - exact.double()).abs().max()) <= 3 * emulation_error + 1e-3
-    assert rms(out, exact) <= 1.5 * rms(emulated, exact) + 1e-4
+    bf16_step = 2 ** -7 * float(exact.double().abs().max())
+    assert float((out.double() - exact.double()).abs().max()) <= 3 * emulation_error + bf16_step + 1e-3
+    assert rms(out, exact) <= 1.5 * rms(emulated, exact) + 2 ** -8 * float(exact.double().pow(2).mean().sqrt())
     assert check_lse(lse, emulated_lse).ok
 
 

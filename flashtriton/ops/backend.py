@@ -244,8 +244,7 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
             HAS_DROPOUT=dropout_p > 0.0, IS_SPLIT=is_split, TMA_MODE=tma_mode,
             FOLD_SCALE=not params.has_softcap and alibi_slopes is None and params.softmax_scale > 0.0,
             PACK_GQA=pack_gqa, TILE_IN_PAGE=is_paged and k.shape[1] % config.block_n == 0,
-            # FP8 rescales every block: its P stays in [0, 1] for the e4m3 terms (kernels/common.pv_product)
-            RESCALE_THRESHOLD=0.0 if descales is not None else config.rescale_threshold,
+            RESCALE_THRESHOLD=config.rescale_threshold,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if is_split:
