@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import flashtriton
-from flashtriton import flash_attn_interface as fai
+from flashtriton import configs, flash_attn_interface as fai
+from flashtriton.ops import hopper
 from flashtriton.reference import attention_reference, attention_reference_varlen, kvcache_reference
 from flashtriton.testing import check_lse, cu_seqlens, poisoned_outputs
 
@@ -89,6 +90,35 @@ def test_dense(feature, head_dim):
     emulated, emulated_lse = attention_reference(inputs.q, inputs.k, inputs.v, **reference)
     exact, _ = attention_reference(inputs.q, inputs.k, inputs.v, quantize_p=False, **reference)
     assert_matches_emulation(out, lse, emulated, emulated_lse, exact)
+
+
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not ON_HOPPER or hopper.attn_fwd_hopper_kernel is None,
+                    reason="the Gluon forward runs on sm_90 only")
+@pytest.mark.parametrize("head_dim,causal,window", [(128, True, (-1, -1)), (64, False, (-1, -1)),
+                                                    (96, False, (40, 7)), (256, True, (-1, -1)), (40, True, (-1, -1))])
+def test_gluon_forward_takes_fp8(monkeypatch, head_dim, causal, window):
+    """On sm_90 a dense FP8 call runs the Gluon forward (e4m3 q . k, fp16 P V), as close to the unquantized result
+    as the emulation, and close to the Triton kernel's output on the same inputs (the Gluon kernels off)."""
+    inputs = make_inputs(batch=2, seqlen_q=300, seqlen_k=333, heads=6, heads_k=2, head_dim=head_dim, seed=head_dim)
+    options = dict(causal=causal, window_size=window)
+    launches = hopper.fwd_launch_count
+    with poisoned_outputs():
+        out, lse, _ = flashtriton.flash_attn_func(inputs.q, inputs.k, inputs.v, return_attn_probs=True, **options,
+                                                  **descale_kwargs(inputs))
+    assert hopper.fwd_launch_count == launches + 1
+    reference = dict(descales=inputs.descales, compute_dtype=torch.float64, **options)
+    emulated, emulated_lse = attention_reference(inputs.q, inputs.k, inputs.v, **reference)
+    exact, _ = attention_reference(inputs.q, inputs.k, inputs.v, quantize_p=False, **reference)
+    assert_matches_emulation(out, lse, emulated, emulated_lse, exact)
+    monkeypatch.setattr(configs, "GLUON_ALLOWED", False)
+    triton_out, triton_lse, _ = flashtriton.flash_attn_func(inputs.q, inputs.k, inputs.v, return_attn_probs=True,
+                                                            **options, **descale_kwargs(inputs))
+    assert hopper.fwd_launch_count == launches + 1
+    assert rms(out, triton_out) <= 2 ** -8 * float(exact.double().pow(2).mean().sqrt())
+    torch.testing.assert_close(lse, triton_lse, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("causal", [False, True])

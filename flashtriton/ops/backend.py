@@ -182,15 +182,24 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     # ALiBi: causal calls only (hopper.covers' rule does not see the slopes): non-causal, its distances spill the
     # Gluon forward's registers (sm_90 offline compiles). Varlen calls without a query or key row: no tensor
     # descriptor has zero rows
+    # FP8: not with ALiBi (the Gluon forward scales the scores, not ALiBi's logits, by the descales)
     plain = not (is_paged or num_splits > 1 or seqused_k is not None or leftpad_k is not None
                  or cache_batch_idx is not None or (alibi_slopes is not None and not params.causal_like)
-                 or (is_varlen and (q.shape[0] == 0 or k.shape[0] == 0)))
+                 or (is_varlen and (q.shape[0] == 0 or k.shape[0] == 0))
+                 or (descales is not None and alibi_slopes is not None))
     if hopper.gluon_runs("fwd", q, params, seqlen_q, seqlen_k, plain, (q, k, v, out), head_dim_v=head_dim_v):
         if learnable_sink is not None:
             learnable_sink = learnable_sink.contiguous()  # the kernel reads sink[h] at h
+        if descales is not None:
+            # FP8: V enters the P V product in fp16 (exactly: every e4m3 value is an fp16 one; an allocation and a
+            # copy, which call plans repeat); the descales are read at batch * Hk + kv head
+            v_fp16 = torch.empty(v.shape, dtype=torch.float16, device=v.device)
+            v = v_fp16.copy_(v)
+            descales = tuple(d.contiguous() for d in descales)
         with device_guard(q):
             hopper.launch_fwd(q, k, v, out, lse, lse_strides, params, seqlen_q, seqlen_k, batch, heads_per_group,
-                              cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_p, rng_state, learnable_sink)
+                              cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_p, rng_state, learnable_sink,
+                              descales)
         return
     q_strides = _varlen_strides if is_varlen else _bsh_strides
     kv_strides = _paged_strides if is_paged else q_strides
