@@ -98,7 +98,7 @@ ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] 
 @pytest.mark.skipif(not ON_HOPPER or hopper.attn_fwd_hopper_kernel is None,
                     reason="the Gluon forward runs on sm_90 only")
 @pytest.mark.parametrize("head_dim,causal,window", [(128, True, (-1, -1)), (64, False, (-1, -1)),
-                                                    (96, False, (40, 7)), (256, True, (-1, -1)), (40, True, (-1, -1))])
+                                                    (96, False, (40, 7)), (256, True, (-1, -1)), (48, True, (-1, -1))])
 def test_gluon_forward_takes_fp8(monkeypatch, head_dim, causal, window):
     """On sm_90 a dense FP8 call runs the Gluon forward (e4m3 q . k, fp16 P V), as close to the unquantized result
     as the emulation, and close to the Triton kernel's output on the same inputs (the Gluon kernels off)."""
