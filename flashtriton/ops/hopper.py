@@ -269,6 +269,8 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
     config = configs.HOPPER_FWD[config_key]
     if dropout_p > 0.0:
         config = configs.HOPPER_FWD_DROPOUT.get(config_key, config)
+    if descales is not None:
+        config = configs.HOPPER_FWD_FP8.get(config_key, config)
     local = local_window(params, seqlen_k)
     tile_rows = config.consumers * CONSUMER_ROWS.value
     num_tiles = triton_cdiv(seqlen_q, tile_rows)
