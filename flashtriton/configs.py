@@ -278,6 +278,10 @@ HOPPER_FWD_D512 = ConfigTable({False: HopperFwdD512Config(32, 2, 240), True: Hop
 # python tools/offline_compile.py --kernel fwd-hopper --head-dim 64 --dropout --hopper-config 128,2,232,1,0,0,0.0,2,
 # 2026-12-07, 23cd64e, sm_90 offline: 40 B of stack against 296 with three consumers of 160 registers (not timed)
 HOPPER_FWD_DROPOUT = ConfigTable({(64, False): HopperFwdConfig(128, 2, 232, persistent=True)})
+# FP8 calls (e4m3 q and k, fp16 V: Q and K tiles of half the bytes, so more stages fit), where a config of their own
+# measured faster than the entry above: keyed as HOPPER_FWD. Empty until python benchmarks/sweep_hopper_fwd.py --fp8
+# runs on a GPU.
+HOPPER_FWD_FP8 = ConfigTable({})
 # The Gluon forward's tiles by head dim: the widths of the column chunks its shared tiles and wgmmas move (powers of
 # two, which Gluon's shared layouts need; the kernel chains one S wgmma per chunk and keeps an output accumulator
 # per chunk of V's head dim). Every HOPPER_FWD head dim has an entry.

@@ -30,8 +30,8 @@ _COMMON_DOC = """
         out = sum_j p_j v_j with sum_j p_j + p_sink = 1; rows that see no key give out 0. softmax_lse includes the
         sink (rows without a key: learnable_sink[h]). Differentiable (dsink).
     q_descale, k_descale, v_descale (keyword only, FA3's names): (batch_size, nheads_k) fp32 each, required with
-        torch.float8_e4m3fn q, k, v (FP8): attention of q * q_descale, k * k_descale, v * v_descale, P entering
-        the P.V product as two e4m3 terms (docs/api.md §4.12), out in bf16; forward only (no dropout; inputs must
+        torch.float8_e4m3fn q, k, v (FP8): attention of q * q_descale, k * k_descale, v * v_descale, P and V
+        entering the P.V product in fp16 (docs/api.md §4.12), out in bf16; forward only (no dropout; inputs must
         not require grad).
 Return:
     out, or (out, softmax_lse (batch_size, nheads, seqlen_q) fp32, S_dmask) with return_attn_probs.

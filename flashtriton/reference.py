@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .scores import FP8_P_SCALE, normalize_window, score_params
+from .scores import normalize_window, score_params
 
 __all__ = ["visible_mask", "attention_probabilities", "attention_reference", "attention_reference_backward",
            "attention_reference_varlen", "attention_reference_varlen_backward", "kvcache_reference", "rotate"]
@@ -139,8 +139,8 @@ def attention_reference(
     """Attention exactly as docs/api.md §4.1 defines it. Returns (out in q's dtype, lse (B, H, Sq) float32).
 
     descales: (q_descale, k_descale, v_descale), each (B, Hk) fp32, for FP8 (e4m3) q, k, v (docs/api.md §4.12):
-    attention of the dequantized inputs with P as two e4m3 terms for the P.V product as the kernels take it
-    (fp8_pv_terms, relative to each row's max; quantize_p=False: unrounded, the oracle of the dequantized inputs);
+    attention of the dequantized inputs with P in fp16 for the P.V product as the kernels take it (fp8_pv_operand,
+    relative to each row's max; quantize_p=False: unrounded, the oracle of the dequantized inputs);
     out in bf16.
 
     compute_dtype: float64 for an oracle, float32 for the CPU path, None (or q.dtype) to do the
@@ -161,20 +161,16 @@ def attention_reference(
     return out.to(q.dtype).contiguous(), r.lse.to(torch.float32)
 
 
-def fp8_pv_terms(relative: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
-    """Probabilities relative to the row max (in [0, 1]) as the FP8 kernels multiply them by V: scaled by
-    scores.FP8_P_SCALE (16) and split into two e4m3 terms, hi = e4m3(16 p) and lo = e4m3(16 p - hi); returns
-    (hi + lo) / 16."""
-    scaled = relative * FP8_P_SCALE
-    high = scaled.to(torch.float8_e4m3fn).to(compute_dtype)
-    low = (scaled - high).to(torch.float8_e4m3fn).to(compute_dtype)
-    return (high + low) / FP8_P_SCALE
+def fp8_pv_operand(relative: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
+    """Probabilities relative to the row max (in [0, 1]) as the FP8 kernels multiply them by V (widened to fp16,
+    exactly): rounded to fp16."""
+    return relative.to(torch.float16).to(compute_dtype)
 
 
 def _fp8_attention(q, k, v, descales, softmax_scale, causal, window_size, softcap, alibi_slopes, seqlen_k_star,
                    compute_dtype, learnable_sink, quantize_p):
     """attention_reference of FP8 inputs (descales given): the softmax of the dequantized scores; each row's
-    probabilities relative to its max (what the kernels hold, in (0, 1]) as two e4m3 terms for the product with V,
+    probabilities relative to its max (what the kernels hold, in (0, 1]) rounded to fp16 for the product with V,
     normalized by the unrounded sum, times v_descale. Returns (out bf16, lse fp32)."""
     q_descale, k_descale, v_descale = (d.to(compute_dtype) for d in descales)
     group = q.shape[2] // k.shape[2]
@@ -188,7 +184,7 @@ def _fp8_attention(q, k, v, descales, softmax_scale, causal, window_size, softca
     row_max = r.probs.amax(dim=-1, keepdim=True)
     relative = torch.where(row_max > 0, r.probs / torch.where(row_max > 0, row_max, 1.0), 0.0)
     if quantize_p:
-        relative = fp8_pv_terms(relative, compute_dtype)
+        relative = fp8_pv_operand(relative, compute_dtype)
     out = torch.einsum("bhqk,bkhd->bqhd", relative * row_max, r.vc)
     out = out * v_descale.repeat_interleave(group, dim=1)[:, None, :, None]
     return out.to(torch.bfloat16).contiguous(), r.lse.to(torch.float32)

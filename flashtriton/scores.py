@@ -13,10 +13,6 @@ from functools import lru_cache
 from typing import Sequence, Tuple
 
 LOG2E = 1.4426950408889634
-# FP8 attention's P.V: P (relative to the row max, in [0, 1]) is scaled by this power of two and split into two e4m3
-# terms (kernels/common.pv_product; reference.fp8_pv_terms emulates it), so the low term of small probabilities
-# stays out of e4m3's subnormals; the output divides it out.
-FP8_P_SCALE = 16.0
 
 __all__ = ["ScoreParams", "score_params", "normalize_window", "is_pure_causal"]
 

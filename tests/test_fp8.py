@@ -1,6 +1,5 @@
 """FP8 (e4m3) inputs with FA3's descales (docs/api.md §4.12): flash_attn_func, flash_attn_varlen_func and
-flash_attn_with_kvcache against the float64 emulation of the same quantization (P as two e4m3 terms relative to each
-row's max) and against the float64 attention of the dequantized inputs; accuracy next to the bf16 path's; bf16
+flash_attn_with_kvcache against the float64 emulation of the same rounding (P in fp16 relative to each row's max) and against the float64 attention of the dequantized inputs; accuracy next to the bf16 path's; bf16
 outputs; clear errors."""
 
 from dataclasses import dataclass
@@ -9,7 +8,8 @@ import pytest
 import torch
 
 import flashtriton
-from flashtriton import flash_attn_interface as fai
+from flashtriton import configs, flash_attn_interface as fai
+from flashtriton.ops import hopper
 from flashtriton.reference import attention_reference, attention_reference_varlen, kvcache_reference
 from flashtriton.testing import check_lse, cu_seqlens, poisoned_outputs
 
@@ -57,12 +57,14 @@ def rms(a, b) -> float:
 def assert_matches_emulation(out, lse, emulated, emulated_lse, exact):
     """out as far from the unquantized result as the emulation is, within a factor: the kernels round P relative to
     the running max of the key blocks seen so far, the emulation relative to the row's final max, so the two round
-    different numbers by the same relative step; the LSE (unquantized) exact."""
+    different numbers by the same relative step; plus one bf16 step of out's scale (all three are rounded to bf16,
+    and fp16 P leaves differences of that size only); the LSE (unquantized) exact."""
     assert out.dtype == torch.bfloat16
     assert not out.isnan().any()
     emulation_error = float((emulated.double() - exact.double()).abs().max())
-    assert float((out.double() - exact.double()).abs().max()) <= 3 * emulation_error + 1e-3
-    assert rms(out, exact) <= 1.5 * rms(emulated, exact) + 1e-4
+    bf16_step = 2 ** -7 * float(exact.double().abs().max())
+    assert float((out.double() - exact.double()).abs().max()) <= 3 * emulation_error + bf16_step + 1e-3
+    assert rms(out, exact) <= 1.5 * rms(emulated, exact) + 2 ** -8 * float(exact.double().pow(2).mean().sqrt())
     assert check_lse(lse, emulated_lse).ok
 
 
@@ -88,6 +90,35 @@ def test_dense(feature, head_dim):
     emulated, emulated_lse = attention_reference(inputs.q, inputs.k, inputs.v, **reference)
     exact, _ = attention_reference(inputs.q, inputs.k, inputs.v, quantize_p=False, **reference)
     assert_matches_emulation(out, lse, emulated, emulated_lse, exact)
+
+
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not ON_HOPPER or hopper.attn_fwd_hopper_kernel is None,
+                    reason="the Gluon forward runs on sm_90 only")
+@pytest.mark.parametrize("head_dim,causal,window", [(128, True, (-1, -1)), (64, False, (-1, -1)),
+                                                    (96, False, (40, 7)), (256, True, (-1, -1)), (48, True, (-1, -1))])
+def test_gluon_forward_takes_fp8(monkeypatch, head_dim, causal, window):
+    """On sm_90 a dense FP8 call runs the Gluon forward (e4m3 q . k, fp16 P V), as close to the unquantized result
+    as the emulation, and close to the Triton kernel's output on the same inputs (the Gluon kernels off)."""
+    inputs = make_inputs(batch=2, seqlen_q=300, seqlen_k=333, heads=6, heads_k=2, head_dim=head_dim, seed=head_dim)
+    options = dict(causal=causal, window_size=window)
+    launches = hopper.fwd_launch_count
+    with poisoned_outputs():
+        out, lse, _ = flashtriton.flash_attn_func(inputs.q, inputs.k, inputs.v, return_attn_probs=True, **options,
+                                                  **descale_kwargs(inputs))
+    assert hopper.fwd_launch_count == launches + 1
+    reference = dict(descales=inputs.descales, compute_dtype=torch.float64, **options)
+    emulated, emulated_lse = attention_reference(inputs.q, inputs.k, inputs.v, **reference)
+    exact, _ = attention_reference(inputs.q, inputs.k, inputs.v, quantize_p=False, **reference)
+    assert_matches_emulation(out, lse, emulated, emulated_lse, exact)
+    monkeypatch.setattr(configs, "GLUON_ALLOWED", False)
+    triton_out, triton_lse, _ = flashtriton.flash_attn_func(inputs.q, inputs.k, inputs.v, return_attn_probs=True,
+                                                            **options, **descale_kwargs(inputs))
+    assert hopper.fwd_launch_count == launches + 1
+    assert rms(out, triton_out) <= 2 ** -8 * float(exact.double().pow(2).mean().sqrt())
+    torch.testing.assert_close(lse, triton_lse, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -674,6 +674,8 @@ _FORWARD_VARIANTS = {
     "d128-causal-varlen-dropout": (128, True, dict(varlen=True, dropout=True)),
     "d192-v128-local": (192, False, dict(head_dim_v=128, local=True)),
     "d256-causal-varlen": (256, True, dict(varlen=True)),
+    "d128-causal-fp8": (128, True, dict(fp8=True)),
+    "d96-varlen-fp8": (96, False, dict(varlen=True, fp8=True)),
 }
 
 

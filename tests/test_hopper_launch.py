@@ -63,6 +63,13 @@ SCRIPT = textwrap.dedent('''
     q, k, v = tensors((700, 4, 128), (700, 2, 128), (700, 2, 128))
     hopper.launch_fwd(q, k, v, torch.empty_like(q), torch.empty(4, 700), (0, 700),
                       score_params(0.1, True, 50, 0, 0.0, 400), 400, 400, 2, 4, cu, cu)
+    # an FP8 forward: e4m3 q and k, fp16 v (the launcher's caller widens it), bf16 out, (B, Hk) descales
+    q8, k8 = (t.to(torch.float8_e4m3fn) for t in tensors((2, 1000, 4, 128), (2, 1000, 2, 128)))
+    v16 = tensors((2, 1000, 2, 128))[0].half()
+    lse = torch.empty(2, 4, 1000)
+    hopper.launch_fwd(q8, k8, v16, torch.empty(2, 1000, 4, 128, dtype=torch.bfloat16), lse,
+                      (lse.stride(0), lse.stride(1)), score_params(0.1, True, -1, -1, 0.0, 1000), 1000, 1000, 2, 4,
+                      descales=tuple(torch.rand(2, 2) for _ in range(3)))
     # backwards: each division (d64, d128 ordered, d256, d96 and d192 in two chunks) and a window; dropout where the
     # kernel takes it
     for head_dim, window, deterministic in ((128, (-1, -1), True), (64, (20, 5), False), (256, (-1, -1), False),
@@ -116,12 +123,12 @@ def test_launchers_bind_to_the_kernel_signatures():
     assert done.returncode == 0, done.stderr[-3000:]
     launches = done.stdout.splitlines()
     kernels = [line.split()[0] for line in launches]
-    assert kernels.count("attn_fwd_hopper_kernel") == 7 and kernels.count("attn_fwd_hopper_d512_kernel") == 1, launches
+    assert kernels.count("attn_fwd_hopper_kernel") == 8 and kernels.count("attn_fwd_hopper_d512_kernel") == 1, launches
     assert kernels.count("attn_tail_merge_kernel") >= 1, launches
     assert kernels.count("attn_bwd_hopper_kernel") == 5 and kernels.count("attn_bwd_hopper_d256_kernel") == 4, launches
     assert kernels.count("attn_bwd_hopper_dq_kernel") == 3, launches
     backward = [line for line in launches if line.startswith("attn_bwd_hopper_kernel ")]
     assert all("varlen=8" in line and "alibi_args=3" in line for line in backward), backward
     # the grouped arguments reach the kernels whole: the forward's varlen (6 entries), ALiBi's (4)
-    assert all("varlen=6" in line and "alibi_args=4" in line
+    assert all("varlen=6" in line and "alibi_args=4" in line and "fp8_args=4" in line
                for line in launches if line.startswith("attn_fwd_hopper_kernel "))

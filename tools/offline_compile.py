@@ -136,7 +136,7 @@ def _gluon_descriptor_type(block: list, dtype: str) -> str:
     """Signature type of a host descriptor moving `block` tiles with the launchers' layout (ops/hopper)."""
     from triton.experimental.gluon import language as gl
 
-    element = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32}[dtype]
+    element = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32, "fp8e4nv": gl.float8e4nv}[dtype]
     layout = gl.NVMMASharedLayout.get_default_for(block, element)
     return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
 
@@ -168,12 +168,13 @@ def _compile_gluon(kernel, signature: dict, constexprs: dict):
 
 def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", local: bool = False,
                        head_dim_v: int = 0, varlen: bool = False, alibi: bool = False, dropout: bool = False,
-                       sinks: bool = False):
+                       sinks: bool = False, fp8: bool = False):
     """The Gluon Hopper forward (kernels/hopper/fwd.py) with `config` (default configs.HOPPER_FWD[the wider tile
     dim, causal]), as a dense launch (`varlen`: a varlen one) on the tiles of head_dim for Q / K and of head_dim_v
     for V / O (0: head_dim's; head dims between the tile classes run on the next wider tiles,
     configs.hopper_fwd_tile_dim, as ops/hopper.launch_fwd does); `local`: a local window (LOCAL); `alibi`: ALiBi
-    slopes; `dropout`: dropout's rng_state; `sinks`: learnable sinks."""
+    slopes; `dropout`: dropout's rng_state; `sinks`: learnable sinks; `fp8`: e4m3 q and k with descales, fp16 v, bf16
+    out."""
     from flashtriton import configs
     from flashtriton.kernels.hopper.fwd import CONSUMER_ROWS, attn_fwd_hopper_kernel
     from flashtriton.ops.hopper import forward_constexprs
@@ -191,7 +192,8 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
         widths = configs.HOPPER_FWD_CHUNKS[tile_dim]
         for chunk, suffix in enumerate(("_desc", "_desc2")):
             if chunk < len(widths):
-                signature[name + suffix] = _gluon_tile_type(tile_rows, widths[chunk], dtype)
+                tensor_dtype = {"q": "fp8e4nv", "k": "fp8e4nv", "v": "fp16", "o": "bf16"}[name] if fp8 else dtype
+                signature[name + suffix] = _gluon_tile_type(tile_rows, widths[chunk], tensor_dtype)
             else:
                 constexprs[name + suffix] = None
     signature.update({name: "i32" for name in ("stride_lse_b", "stride_lse_h", "batch", "num_heads", "group_size",
@@ -214,6 +216,10 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
         signature["LearnableSink"] = "*fp32"
     else:
         constexprs["LearnableSink"] = None
+    # fp8_args: (QDescale, KDescale, VDescale, group_size)
+    signature["fp8_args"] = ("*fp32" if fp8 else "constexpr", ) * 3 + ("i32", )
+    if not fp8:
+        constexprs.update({(names.index("fp8_args"), element): None for element in range(3)})
     signature = {name: signature[name] for name in names if name in signature}  # in the kernel's order
     return _compile_gluon(attn_fwd_hopper_kernel, signature, constexprs)
 

@@ -18,7 +18,6 @@ full blocks that these helpers return.
 import triton
 import triton.language as tl
 
-from ..scores import FP8_P_SCALE as _FP8_P_SCALE
 
 
 @triton.jit
@@ -60,21 +59,16 @@ def narrow(x, dtype: tl.constexpr):
     return x.to(dtype)
 
 
-# scores.FP8_P_SCALE in kernels (P is in [0, 1] there: the forward rescales every block for FP8)
-FP8_P_SCALE = tl.constexpr(_FP8_P_SCALE)
-
-
 @triton.jit
 def pv_product(p, v, acc):
     """acc + p.v for a [BLOCK_M, BLOCK_N] fp32 p and a [BLOCK_N, BLOCK_DV] v. fp16 / bf16 v: p rounded to v's dtype,
-    one product. FP8 (e4m3) v: p * FP8_P_SCALE as two e4m3 terms, hi = e4m3(16 p) and lo = e4m3(16 p - hi), each
-    multiplied by v (two FP8 products): P keeps about 8 significant bits, as in bf16, where one e4m3 term keeps 4 (a
-    10x larger output RMSE on N(0, 1) inputs). acc then holds FP8_P_SCALE times the sum; the caller divides it out."""
+    one product. FP8 (e4m3) v: v widened to fp16 (exactly: every e4m3 value is an fp16 one) and p rounded to fp16,
+    one fp16 product: P keeps 11 significant bits (one e4m3 term would keep 4: a 10x larger output RMSE on N(0, 1)
+    inputs), and no e4m3 V tile needs the key-major transpose an FP8 product's B operand asks for."""
     if v.dtype == tl.float8e4nv:
-        scaled = p * FP8_P_SCALE
-        high = narrow(scaled, v.dtype)
-        acc = mma(high, v, acc)
-        return mma(narrow(scaled - high.to(tl.float32), v.dtype), v, acc)
+        if INTERPRETED:
+            v = v.to(tl.float32)  # the interpreter widens e4m3 to fp32 only
+        return mma(narrow(p, tl.float16), v.to(tl.float16), acc)
     return mma(narrow(p, v.dtype), v, acc)
 
 

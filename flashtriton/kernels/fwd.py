@@ -21,7 +21,7 @@ K/V tile is read once per KV head instead of once per query head.
 import triton
 import triton.language as tl
 
-from .common import (FP8_P_SCALE, alibi_bias_log2, dropout_keep, grouped_tile_and_batch_head, kv_block_range, mma,
+from .common import (alibi_bias_log2, dropout_keep, grouped_tile_and_batch_head, kv_block_range, mma,
                      narrow, paged_row_offsets, pages_in_pool, pv_product, row_offsets, scores_log2, sequence_bounds,
                      split_kv_block_range, to_int64, visibility_mask)
 
@@ -46,8 +46,8 @@ def _fwd_kv_loop(acc, l_i, m_i, q, offs_m, n_block_lo, n_block_hi, kv, k_desc, v
     row's pages, None where K/V are not paged; pages: (page_size, stride_kpage, stride_vpage, num_pages); with
     CHECK_PAGES, keys on a page outside [0, num_pages) are masked (paged_row_offsets);
     alibi: ([BLOCK_M, 1] slopes in log2 units, alibi_pure_causal); dropout: the kernel's (keep_threshold,
-    dropout_scale), drawn from rng_state in the rows' Philox streams. FP8 (e4m3) K and V: P enters the P.V product
-    as two e4m3 terms scaled by FP8_P_SCALE (common.pv_product; the epilogue divides it out).
+    dropout_scale), drawn from rng_state in the rows' Philox streams. FP8 (e4m3) K and V: the P.V product takes P and
+    V in fp16 (common.pv_product).
     """
     k_base, v_base, stride_kn, stride_vn, desc_kv_batch, desc_k_row0, desc_head_k = kv
     page_size, stride_kpage, stride_vpage, num_pages = pages
@@ -369,7 +369,7 @@ def attn_fwd_kernel(
     if HAS_DROPOUT:
         out = out * dropout_scale
     if Descales is not None:
-        out = out * (tl.load(VDescale + descale_index) / FP8_P_SCALE)
+        out = out * tl.load(VDescale + descale_index)
     # rows that saw no key: +inf as flash_attn returns it, -inf inside a split so the combine weighs it 0
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf") if IS_SPLIT else float("inf"))

@@ -182,18 +182,27 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     # ALiBi: causal calls only (hopper.covers' rule does not see the slopes): non-causal, its distances spill the
     # Gluon forward's registers (sm_90 offline compiles). Varlen calls without a query or key row: no tensor
     # descriptor has zero rows
-    # Head dims above 256 (hopper.wide_forward's tiles): dense calls without ALiBi, dropout or sinks
+    # Head dims above 256 (hopper.wide_forward's tiles): dense calls without ALiBi, dropout or sinks. FP8: not with
+    # ALiBi (the Gluon forward scales the scores, not ALiBi's logits, by the descales)
     plain = not (is_paged or num_splits > 1 or seqused_k is not None or leftpad_k is not None
                  or cache_batch_idx is not None or (alibi_slopes is not None and not params.causal_like)
                  or (is_varlen and (q.shape[0] == 0 or k.shape[0] == 0))
                  or (max(head_dim, head_dim_v) > 256 and (is_varlen or alibi_slopes is not None or dropout_p > 0.0
-                                                          or learnable_sink is not None)))
+                                                          or learnable_sink is not None))
+                 or (descales is not None and alibi_slopes is not None))
     if hopper.gluon_runs("fwd", q, params, seqlen_q, seqlen_k, plain, (q, k, v, out), head_dim_v=head_dim_v):
         if learnable_sink is not None:
             learnable_sink = learnable_sink.contiguous()  # the kernel reads sink[h] at h
+        if descales is not None:
+            # FP8: V enters the P V product in fp16 (exactly: every e4m3 value is an fp16 one; an allocation and a
+            # copy, which call plans repeat); the descales are read at batch * Hk + kv head
+            v_fp16 = torch.empty(v.shape, dtype=torch.float16, device=v.device)
+            v = v_fp16.copy_(v)
+            descales = tuple(d.contiguous() for d in descales)
         with device_guard(q):
             hopper.launch_fwd(q, k, v, out, lse, lse_strides, params, seqlen_q, seqlen_k, batch, heads_per_group,
-                              cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_p, rng_state, learnable_sink)
+                              cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_p, rng_state, learnable_sink,
+                              descales)
         return
     q_strides = _varlen_strides if is_varlen else _bsh_strides
     kv_strides = _paged_strides if is_paged else q_strides
@@ -247,8 +256,7 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
             HAS_DROPOUT=dropout_p > 0.0, IS_SPLIT=is_split, TMA_MODE=tma_mode,
             FOLD_SCALE=not params.has_softcap and alibi_slopes is None and params.softmax_scale > 0.0,
             PACK_GQA=pack_gqa, TILE_IN_PAGE=is_paged and k.shape[1] % config.block_n == 0,
-            # FP8 rescales every block: its P stays in [0, 1] for the e4m3 terms (kernels/common.pv_product)
-            RESCALE_THRESHOLD=0.0 if descales is not None else config.rescale_threshold,
+            RESCALE_THRESHOLD=config.rescale_threshold,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if is_split:

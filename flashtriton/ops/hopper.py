@@ -84,7 +84,8 @@ def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seq
     the last). Head dims up to 256 run on the next wider tiles of their direction (configs.hopper_fwd_tile_dim /
     hopper_bwd_tile_dim); the forward takes V's own head dim (head_dim_v, default head_dim), the backward equal ones or,
     on the dK / dV only tiles (192, 256), V's own on 128-wide tiles (`backward_takes_head_dims`); with
-    deterministic=True the backward needs tiles where dQ is not added in an arbitrary order (`can_order_dq`)."""
+    deterministic=True the backward needs tiles where dQ is not added in an arbitrary order (`can_order_dq`). FP8
+    (e4m3) q: the forward, on tiles whose column chunks are multiples of 32 (an e4m3 wgmma's K; `fp8_forward_tiles`)."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
@@ -96,7 +97,9 @@ def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seq
     if not tile_dims_exist or (direction == "bwd" and deterministic and computes_dq(head_dim)
                                and (not can_order_dq(head_dim) or local_window(params, seqlen_k))):
         return False
-    return (plain and dtype in (torch.float16, torch.bfloat16)
+    if dtype == torch.float8_e4m3fn and not (direction == "fwd" and fp8_forward_tiles(head_dim, head_dim_v)):
+        return False
+    return (plain and dtype in (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
             and seqlen_q > configs.DECODE_MAX_ROWS and seqlen_k > 0 and params.softmax_scale > 0.0
             and not params.has_softcap)
 
@@ -105,6 +108,14 @@ def wide_forward(head_dim: int, head_dim_v: int) -> bool:
     """Head dims the forward runs on 512-wide tiles split between two consumers (kernels/hopper/fwd_d512.py): both
     in 257-512. Its callers keep calls with varlen, ALiBi, dropout or sinks on the Triton kernel."""
     return 256 < head_dim <= WIDE_TILE_DIM and 256 < head_dim_v <= WIDE_TILE_DIM
+
+
+def fp8_forward_tiles(head_dim: int, head_dim_v: int) -> bool:
+    """Whether the Gluon forward takes e4m3 q and k at these head dims: every column chunk of q's tiles is a multiple
+    of 32 columns (the K of an e4m3 wgmma), and V's tiles exist (V enters in fp16)."""
+    tile_dim, tile_dim_v = configs.hopper_fwd_tile_dim(head_dim), configs.hopper_fwd_tile_dim(head_dim_v)
+    return (tile_dim is not None and tile_dim_v is not None
+            and all(width % 32 == 0 for width in configs.HOPPER_FWD_CHUNKS[tile_dim]))
 
 
 def causal_window(params, seqlen_k: int) -> bool:
@@ -139,7 +150,8 @@ def gluon_runs(direction: str, q: torch.Tensor, params, seqlen_q: int, seqlen_k:
 @lru_cache(maxsize=None)
 def shared_layout(block: Tuple[int, ...], dtype: torch.dtype):
     """The shared-memory layout of a tensor descriptor's block (cached: building it costs ~8 us of host time)."""
-    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
+               torch.float8_e4m3fn: gl.float8e4nv}[dtype]
     return gl.NVMMASharedLayout.get_default_for(list(block), element)
 
 
@@ -243,12 +255,13 @@ def chunk_descriptors(tensor: torch.Tensor, rows: int, tile_dim: int) -> Tuple:
 
 def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
                heads_per_group: int, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None, dropout_p: float = 0.0,
-               rng_state=None, learnable_sink=None) -> None:
+               rng_state=None, learnable_sink=None, descales=None) -> None:
     """Run the Gluon forward into out (B, Sq, H, Dv) and lse (fp32, rows contiguous, strides lse_strides). Varlen
     (cu_seqlens given): q, k, v and out (T, H, D), batch sequences, seqlen_q / seqlen_k the longest lengths, lse
     (H, T) with lse_strides (0, T). alibi_slopes: fp32 (H,) or (B, H). dropout_p > 0: attention probabilities
     dropped by the mask of rng_state ((2,) int64: seed, offset; docs/api.md §4.7). learnable_sink (H,): folded into
-    out and lse by the kernel (docs/api.md §4.11)."""
+    out and lse by the kernel (docs/api.md §4.11). descales: FP8's (q_descale, k_descale, v_descale), (B, Hk) fp32
+    contiguous, with e4m3 q and k, v in fp16 and a bf16 out (docs/api.md §4.12; no ALiBi)."""
     global fwd_launch_count, tail_merge_count
     num_heads, head_dim, head_dim_v = q.shape[-2], q.shape[-1], v.shape[-1]
     if wide_forward(head_dim, head_dim_v):
@@ -268,6 +281,8 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
     config = configs.HOPPER_FWD[config_key]
     if dropout_p > 0.0:
         config = configs.HOPPER_FWD_DROPOUT.get(config_key, config)
+    if descales is not None:
+        config = configs.HOPPER_FWD_FP8.get(config_key, config)
     local = local_window(params, seqlen_k)
     tile_rows = config.consumers * CONSUMER_ROWS.value
     num_tiles = triton_cdiv(seqlen_q, tile_rows)
@@ -278,8 +293,10 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
     items = ((num_tiles + 1) // 2 if paired else num_tiles) * batch * num_heads
     split = None
     # the tail merge writes whole tile rows of q's head dim: not where out is narrower than the tiles or than q
-    # (nor with sinks: a partial piece would fold its sink, and the merge add it again)
-    if cuts_tail(config) and not (local or varlen) and tile_dim == head_dim == head_dim_v and learnable_sink is None:
+    # (nor with sinks: a partial piece would fold its sink, and the merge add it again; nor with FP8's descales,
+    # which a partial piece does not apply)
+    if cuts_tail(config) and not (local or varlen or descales) and tile_dim == head_dim == head_dim_v \
+            and learnable_sink is None:
         split = tail_split(items, programs, paired, num_tiles, tile_rows, config.block_n, seqlen_q, seqlen_k,
                            params.causal_like, config.tail_min_blocks)
     work = (heads_per_group, int(paired), items, 0, 0, 1)
@@ -301,6 +318,7 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
         params.window_left, params.window_right, *varlen_args,
         (alibi_slopes, alibi_batch_stride(alibi_slopes), int(params.alibi_pure_causal), params.qk_scale_log2),
         (rng_state if dropout_p > 0.0 else None, *kernel_dropout(dropout_p)), learnable_sink,
+        (*(descales or (None, None, None)), num_heads // k.shape[-2]),
         **forward_constexprs(config, params.causal_like, local))
     if split is not None:
         launch(

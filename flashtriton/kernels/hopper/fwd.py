@@ -206,8 +206,9 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     ROWS: gl.constexpr = q[0].shape[0]
     STAGES: gl.constexpr = k_smem[0].shape[0]
     BLOCK_N: gl.constexpr = k_smem[0].shape[2]
+    # the S wgmma's accumulator (its instruction's K: 32 bytes of q's dtype, 16 columns of bf16, 32 of e4m3)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, 256 // q[0].dtype.primitive_bitwidth])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     # [ROWS, BLOCK_N] the zero accumulator of the S wgmmas; [ROWS, WIDTH] per chunk: the output accumulators
@@ -239,7 +240,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         p = kept(p, words, draws[0])
     # [ROWS, BLOCK_N] the wgmma's A operand, made where the softmax ends: only these half-width registers stay live
     # across the next S issue (fp32 p live there pushes ptxas to wait for P V before the softmax, serializing them)
-    p = operand_of(p, q[0].dtype, p_layout)
+    p = operand_of(p, v_smem[0].dtype, p_layout)
     for j in range(1, count):
         load = first_load + j
         stage = load % STAGES
@@ -269,7 +270,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         hold_schedule(fences)
         acc = wait_products(acc)
         arrive_after_wgmma(v_empty.index(previous))
-        p = operand_of(p, q[0].dtype, p_layout)
+        p = operand_of(p, v_smem[0].dtype, p_layout)
         acc = _rescale_chunks(acc, alpha, lag)
     arrive_after_wgmma(q_free, pred=release_q)
     last = first_load + count - 1
@@ -381,7 +382,7 @@ def _store_partial_chunk(out, column0, Partial, slot, row_offset, TILE_ROWS: gl.
 @gluon.jit
 def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, Partial, PartialLse, k_smem, v_smem,
               k_ready, v_ready, k_empty, v_empty, team, fences, lag, residues, stride_lse_b, stride_lse_h, tail,
-              work, qk_scale_log2, alibi, o_in_q, rows_out, dropout, sinks):
+              work, qk_scale_log2, alibi, o_in_q, rows_out, dropout, sinks, fp8):
     """One warpgroup: query rows [m_start + row_offset, + ROWS) of every piece of work of this program (a tile, or part
     of a tail tile's key blocks: next_piece). Per piece: wait for its Q tile (q_tile [1, ROWS, 1, WIDTH] per chunk,
     shared), run the key blocks, normalize, store the natural-log LSE and O (_store_output; a partial piece's to the
@@ -394,8 +395,8 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
     softmax_block's; residues: mask_block's; alibi: () or (AlibiSlopes, stride_alibi_b,
     alibi_pure_causal, qk_scale_log2 of the logits) (_run_piece loads each tile's slope for logits); rows_out:
     _store_output's (varlen: O's pointer, strides and head dim; its length also tells _key_blocks to clear V past
-    each sequence's keys); dropout: () or (RngState, keep_threshold, dropout_scale), sinks: () or (LearnableSink, )
-    (_run_piece)."""
+    each sequence's keys); dropout: () or (RngState, keep_threshold, dropout_scale), sinks: () or (LearnableSink, ),
+    fp8: () or (QDescale, KDescale, VDescale, group_size) (_run_piece)."""
     ROWS: gl.constexpr = q_tile[0].shape[1]
     TILE_ROWS: gl.constexpr = len(team) * ROWS
     BLOCK_N: gl.constexpr = k_smem[0].shape[2]
@@ -410,7 +411,7 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
     barriers = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
     outputs = (o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, rows_out)
     options = (row_offset, turns, lead, fences, lag, residues, clear_v, work[6], work[8], qk_scale_log2, alibi,
-               o_in_q, tail, team, dropout, work[3], sinks)
+               o_in_q, tail, team, dropout, work[3], sinks, fp8)
     load = 0
     done = 0
     item, which, x_start, x_end = first_cursor(tail)
@@ -434,19 +435,22 @@ def _run_piece(piece, load, done, tiles, barriers, outputs, options):
     tiles: (q ([ROWS, WIDTH] per chunk, shared), o_tile, k_smem, v_smem); barriers: (q_ready, q_empty, k_ready, v_ready,
     k_empty, v_empty); outputs: (o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, rows_out); options:
     (row_offset, turns, lead, fences, lag, residues, clear_v, causal, window, qk_scale_log2, alibi, o_in_q, tail,
-    team, dropout, num_heads, sinks); dropout: () or (RngState, keep_threshold, dropout_scale); sinks: () or
-    (LearnableSink, ): folded into the output and LSE (not into a partial piece's: launch_fwd cuts no tail then)."""
+    team, dropout, num_heads, sinks, fp8); dropout: () or (RngState, keep_threshold, dropout_scale); sinks: () or
+    (LearnableSink, ): folded into the output and LSE (not into a partial piece's: launch_fwd cuts no tail then);
+    fp8: () or (QDescale, KDescale, VDescale, group_size): the piece's scores scaled by its (batch, kv head)'s q and
+    k descales, its output by the v descale."""
     batch, head, m_start, top, count, slot, bounds = piece
     q, o_tile, k_smem, v_smem = tiles
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = barriers
     o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, rows_out = outputs
     (row_offset, turns, lead, fences, lag, residues, clear_v, causal, window, qk_scale_log2, alibi, o_in_q, tail,
-     team, dropout, num_heads, sinks) = options
+     team, dropout, num_heads, sinks, fp8) = options
     ROWS: gl.constexpr = q[0].shape[0]
     TILE_ROWS: gl.constexpr = len(team) * ROWS
     BLOCK_N: gl.constexpr = k_smem[0].shape[2]
+    # the S wgmma's accumulator (its instruction's K: 32 bytes of q's dtype, 16 columns of bf16, 32 of e4m3)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, 256 // q[0].dtype.primitive_bitwidth])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     seqlen_q, seqlen_k = bounds[0], bounds[1]
     # logits' ALiBi entry: the tile's head's slope in log2 units
@@ -461,9 +465,14 @@ def _run_piece(piece, load, done, tiles, barriers, outputs, options):
     draws = ()
     if len(dropout) > 0:
         draws = (row_draws(dropout_key(dropout[0], dropout[1]), batch * num_heads + head, offs_m), )
+    scale_log2 = qk_scale_log2
+    if len(fp8) > 0:
+        # the (batch, kv head)'s descales: (B, Hk) fp32
+        descale_index = batch * (num_heads // fp8[3]) + head // fp8[3]
+        scale_log2 = qk_scale_log2 * gl.load(fp8[0] + descale_index) * gl.load(fp8[1] + descale_index)
     mbarrier.wait(q_ready, done & 1)
     acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,
-                                load, top, count, row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, alibi_row,
+                                load, top, count, row0, offs_m, seqlen_q, seqlen_k, scale_log2, alibi_row,
                                 causal, window, turns, lead, fences, lag, residues, clear_v, draws)
     seen = l_i > 0.0
     if len(sinks) > 0:
@@ -490,6 +499,8 @@ def _run_piece(piece, load, done, tiles, barriers, outputs, options):
         stored_lse = gl.where(seen, lse, float("inf"))
     if len(dropout) > 0:
         inverse_sum = inverse_sum * dropout[2]  # kept probabilities count 1 / (1 - p) times
+    if len(fp8) > 0:
+        inverse_sum = inverse_sum * gl.load(fp8[2] + descale_index)
     out = _rescale_chunks(acc, inverse_sum, ())
     if len(tail) > 1:
         if slot < 0:
@@ -522,7 +533,7 @@ def _consumer_args(consumer: gl.constexpr, q_smem, o_smem, q_ready, q_empty, tur
 def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_desc2, o_desc2, Lse, Partial,
                            PartialLse, stride_lse_b, stride_lse_h, batch, num_heads, group_size, seqlen_q, seqlen_k, heads_per_group, paired, full_items,
                            tail_programs, tail_blocks, item_blocks, qk_scale_log2, rescale_threshold, window_left,
-                           window_right, varlen, q_rows, k_rows, alibi_args, dropout_args, LearnableSink,
+                           window_right, varlen, q_rows, k_rows, alibi_args, dropout_args, LearnableSink, fp8_args,
                            CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
                            STAGES: gl.constexpr,
                            CONSUMERS: gl.constexpr,
@@ -559,12 +570,15 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_d
     keep_threshold, dropout_scale), RngState None without dropout: P's elements are dropped by kernels/common.dropout_keep's
     mask (kernels/hopper/dropout.py) after the row sums, and the output scaled by dropout_scale. LearnableSink ((H,)
     logits, or None): each head's sink joins its rows' softmax sums (docs/api.md §4.11: out and the LSE include it;
-    rows without a key: out 0, LSE the sink); the launcher cuts no tail with sinks (a partial piece has none)."""
+    rows without a key: out 0, LSE the sink); the launcher cuts no tail with sinks (a partial piece has none).
+    fp8_args: (QDescale, KDescale, VDescale, group_size), the pointers None without FP8: e4m3 q and k (their product
+    on fp8 tensor cores), V in fp16 (the launcher widens it), bf16 out; each tile's scores are scaled by its (batch,
+    kv head)'s q and k descales and its output by the v descale ((B, Hk) fp32 each); P enters P V in fp16 as V's
+    dtype (docs/api.md §4.12). No ALiBi, no tail cut then."""
     ROWS: gl.constexpr = CONSUMER_ROWS
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     q_descs, k_descs = chunk_descriptors(q_desc, q_desc2), chunk_descriptors(k_desc, k_desc2)
     v_descs, o_descs = chunk_descriptors(v_desc, v_desc2), chunk_descriptors(o_desc, o_desc2)
-    dtype: gl.constexpr = q_desc.dtype
     # per chunk of the head dims: [CONSUMERS, 1, ROWS, 1, WIDTH] the consumers' Q tiles, [STAGES, 1, BLOCK_N, 1, WIDTH]
     # K and V
     q_smem = allocate_chunks(q_descs, CONSUMERS)
@@ -574,15 +588,19 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_d
     HEAD_DIM_V: gl.constexpr = chunks_width(v_smem)
     # O gets tiles of its own where they fit next to Q and the K/V stages, so the next tile's Q can land while O is
     # stored; else (head dim 256) O is staged in the consumer's Q tile (of the same shape: V's head dim is q's)
-    element_bytes: gl.constexpr = dtype.primitive_bitwidth // 8
-    tiles_bytes: gl.constexpr = CONSUMERS * ROWS * (HEAD_DIM + HEAD_DIM_V) * element_bytes
-    stage_bytes: gl.constexpr = BLOCK_N * (HEAD_DIM + HEAD_DIM_V) * element_bytes
+    # bytes per element of each tensor (FP8: 1 for q and k, 2 for v and out)
+    q_bytes: gl.constexpr = q_desc.dtype.primitive_bitwidth // 8
+    k_bytes: gl.constexpr = k_desc.dtype.primitive_bitwidth // 8
+    v_bytes: gl.constexpr = v_desc.dtype.primitive_bitwidth // 8
+    o_bytes: gl.constexpr = o_desc.dtype.primitive_bitwidth // 8
+    tiles_bytes: gl.constexpr = CONSUMERS * ROWS * (HEAD_DIM * q_bytes + HEAD_DIM_V * o_bytes)
+    stage_bytes: gl.constexpr = BLOCK_N * (HEAD_DIM * k_bytes + HEAD_DIM_V * v_bytes)
     O_IN_Q: gl.constexpr = tiles_bytes + STAGES * stage_bytes > SHARED_BYTES_FOR_TILES
     num_tiles = gl.cdiv(seqlen_q, CONSUMERS * ROWS)
     num_batch_heads = batch * num_heads
     # per chunk of V's head dim: [CONSUMERS, 1, ROWS, 1, WIDTH] the consumers' O tiles
     if O_IN_Q:
-        gl.static_assert((HEAD_DIM == HEAD_DIM_V) & (len(q_descs) == len(o_descs)),
+        gl.static_assert((HEAD_DIM == HEAD_DIM_V) & (len(q_descs) == len(o_descs)) & (q_bytes == o_bytes),
                          "O tiles of V's head dim must fit beside the Q tiles")
         o_smem = q_smem
     else:
@@ -662,12 +680,18 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_d
         sinks = (LearnableSink, )
     else:
         sinks = ()
+    # FP8's descales and group size, or () without them
+    if fp8_args[0] is not None:
+        fp8 = fp8_args
+    else:
+        fp8 = ()
     if SPLIT_TAIL:
         tail = (full_items, tail_programs, tail_blocks, item_blocks)
     else:
         tail = (full_items, )
     common = (o_descs, Lse, Partial, PartialLse, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, team, fences, lag,
-              residues, stride_lse_b, stride_lse_h, tail, work, qk_scale_log2, alibi, o_in_q, rows_out, dropout, sinks)
+              residues, stride_lse_b, stride_lse_h, tail, work, qk_scale_log2, alibi, o_in_q, rows_out, dropout, sinks,
+              fp8)
     producer_args = (q_descs, k_descs, v_descs, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, group_size, tail, work)
     first = _consumer_args(0, q_smem, o_smem, q_ready, q_empty, turns, common)
