@@ -5,13 +5,15 @@ A thread of a [64 rows, BLOCK_N] accumulator (warp w of the warpgroup, lane 4 g 
 16 w + g + 8 and, in each 8-key group k, keys 8 k + 2 t and 8 k + 2 t + 1, in register order (key parity, row
 half, key group). The mapping's Philox call (4 (j / 32) + t, 8 (i / 16) + i % 8, stream, offset) covers exactly a
 thread's sixteen consecutive registers of one 32-key group: byte 2 h + e of word k is the element of row half h,
-key parity e in group k. So one Philox4x32-10 per sixteen elements, no draw wasted, in inline PTX over packs of
-sixteen elements (_philox_ptx draws a pack's four words, _select_ptx keeps or zeroes its elements by them); the
-Triton kernels draw the same bits their own way.
+key parity e in group k. So one Philox4x32-7 (kernels/common.PHILOX_ROUNDS) per sixteen elements, no draw wasted,
+in inline PTX over packs of sixteen elements (_philox_ptx draws a pack's four words, _select_ptx keeps or zeroes
+its elements by them); the Triton kernels draw the same bits their own way.
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+
+from ..common import PHILOX_ROUNDS
 
 _PHILOX_ROUND_A = 0xD2511F53
 _PHILOX_ROUND_B = 0xCD9E8D57
@@ -21,10 +23,10 @@ _PACK = 16  # elements per Philox call and asm instance
 
 
 def _philox_ptx() -> str:
-    """PTX of one Philox4x32-10 call per pack of sixteen elements (operands: 16 int32 results; then 16 each of the
-    pack's 32-key group number, its row pair number, seed low and high words, stream and offset; of each group of 16
-    only the first is read: they are equal across a pack). The pack's key pair t is the lane's lane % 4. Results 0-3
-    are the four words, the others 0 (unused: ptxas drops their moves)."""
+    """PTX of one Philox call (PHILOX_ROUNDS rounds) per pack of sixteen elements (operands: 16 int32 results; then
+    16 each of the pack's 32-key group number, its row pair number, seed low and high words, stream and offset; of
+    each group of 16 only the first is read: they are equal across a pack). The pack's key pair t is the lane's
+    lane % 4. Results 0-3 are the four words, the others 0 (unused: ptxas drops their moves)."""
     first = {name: _PACK * (index + 1) for index, name in
              enumerate(("group", "pair", "seed_lo", "seed_hi", "stream", "offset"))}
     lines = ["{", ".reg .u32 %c0, %c1, %c2, %c3, %k0, %k1, %lo0, %hi0, %lo1, %hi1, %t;",
@@ -33,7 +35,7 @@ def _philox_ptx() -> str:
              f"mov.b32 %c1, ${first['pair']};", f"mov.b32 %c2, ${first['stream']};",
              f"mov.b32 %c3, ${first['offset']};", f"mov.b32 %k0, ${first['seed_lo']};",
              f"mov.b32 %k1, ${first['seed_hi']};"]
-    for _ in range(10):
+    for _ in range(PHILOX_ROUNDS.value):
         lines += [f"mul.lo.u32 %lo0, %c0, {_PHILOX_ROUND_A};", f"mul.hi.u32 %hi0, %c0, {_PHILOX_ROUND_A};",
                   f"mul.lo.u32 %lo1, %c2, {_PHILOX_ROUND_B};", f"mul.hi.u32 %hi1, %c2, {_PHILOX_ROUND_B};",
                   "xor.b32 %c0, %hi1, %c1;", "xor.b32 %c0, %c0, %k0;", "mov.b32 %c1, %lo1;",
