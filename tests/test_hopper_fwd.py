@@ -637,6 +637,33 @@ def _table_sass(head_dim: int, causal: bool) -> str:
     return kernel_inspect.disassemble(offline_compile.compile_hopper_fwd(head_dim, causal).asm["cubin"])
 
 
+# one variant of the Gluon forward per option its tiles take: (head_dim, causal, compile_hopper_fwd's options)
+_FORWARD_VARIANTS = {
+    "d64-varlen-local": (64, False, dict(varlen=True, local=True)),
+    "d80-causal-alibi": (80, True, dict(alibi=True)),
+    "d96-dropout": (96, False, dict(dropout=True)),
+    "d128-causal-sinks": (128, True, dict(sinks=True)),
+    "d128-causal-varlen-dropout": (128, True, dict(varlen=True, dropout=True)),
+    "d192-v128-local": (192, False, dict(head_dim_v=128, local=True)),
+    "d256-causal-varlen": (256, True, dict(varlen=True)),
+}
+
+
+@pytest.mark.skipif(not _gluon_hopper_api(), reason="compiles for sm_90 (needs the Gluon Hopper API)")
+@pytest.mark.parametrize("variant", list(_FORWARD_VARIANTS))
+def test_gluon_forward_variants_compile_for_sm90(variant):
+    """The Gluon forward's feature variants compile for sm_90 on a machine without a GPU
+    (tools/offline_compile.gluon_stats, in a subprocess where this suite runs through the interpreter): a helper
+    whose signature changed under one of them fails here, on CPU, instead of sending its calls back to the Triton
+    forward on the GPU."""
+    import offline_compile
+
+    head_dim, causal, options = _FORWARD_VARIANTS[variant]
+    stats = offline_compile.gluon_stats("fwd", head_dim, causal, **options)
+    assert stats["wgmma"] > 0
+    assert stats["shared"] <= 232448  # sm_90's shared memory per block
+
+
 @pytest.mark.skipif(not _gluon_hopper_api(), reason="this Triton has no Gluon Hopper API")
 def test_gluon_forward_module_imports():
     """ops/hopper turns an import error of kernels/hopper/fwd.py into 'the Triton kernel runs' (for Tritons
