@@ -101,13 +101,13 @@ def test_keep_threshold_is_fa2s_byte(p, threshold):
     assert dropout.kernel_dropout(p) == (float(threshold), float(torch.tensor(1.0) / (1 - torch.tensor(p))))
 
 
-def _philox4x32_10(counters, key):
-    """Philox4x32-10 (Salmon et al. 2011) on uint64 numpy arrays holding 32-bit values: counters (c0, c1, c2, c3),
-    key (k0, k1); returns the four output words."""
+def _philox4x32_7(counters, key):
+    """Philox4x32 (Salmon et al. 2011) with FA2's seven rounds on uint64 numpy arrays holding 32-bit values:
+    counters (c0, c1, c2, c3), key (k0, k1); returns the four output words."""
     mask = np.uint64(0xFFFFFFFF)
     c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) & mask for c in counters)
     k0, k1 = (np.uint64(k) & mask for k in key)
-    for _ in range(10):
+    for _ in range(7):
         product0, product1 = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2
         c0, c1, c2, c3 = ((product1 >> np.uint64(32)) ^ c1 ^ k0, product1 & mask,
                           (product0 >> np.uint64(32)) ^ c3 ^ k1, product0 & mask)
@@ -120,7 +120,7 @@ def _philox4x32_10(counters, key):
 @pytest.mark.parametrize("cols", [96, 200])
 def test_kernel_mask_is_the_documented_philox_mapping(cols):
     """docs/api.md §4.7's mapping, bit for bit: key j of row i in stream s keeps byte 2 ((i / 8) % 2) + j % 2 of
-    word (j / 8) % 4 of Philox4x32-10 (4 (j / 32) + (j / 2) % 4, 8 (i / 16) + i % 8, s, offset) keyed by the seed."""
+    word (j / 8) % 4 of Philox4x32-7 (4 (j / 32) + (j / 2) % 4, 8 (i / 16) + i % 8, s, offset) keyed by the seed."""
     batch, heads, rows, p = 2, 3, 80, 0.3
     rng_state = dropout.new_rng_state(DEVICE)
     keep = dropout.keep_mask(rng_state, batch, heads, rows, cols, p, True).cpu().numpy()
@@ -128,7 +128,7 @@ def test_kernel_mask_is_the_documented_philox_mapping(cols):
     i = np.arange(rows, dtype=np.uint64)[:, None]
     j = np.arange(cols, dtype=np.uint64)[None, :]
     for stream in range(batch * heads):
-        words = _philox4x32_10((4 * (j // 32) + (j // 2) % 4, 8 * (i // 16) + i % 8, np.full_like(i, stream),
+        words = _philox4x32_7((4 * (j // 32) + (j // 2) % 4, 8 * (i // 16) + i % 8, np.full_like(i, stream),
                                 np.full_like(i, offset & 0x7FFFFFFF)), (seed & 0xFFFFFFFF, seed >> 32))
         word = np.choose(((j // 8) % 4).astype(np.int64) + np.zeros_like(i, dtype=np.int64), words)
         byte = (word >> (np.uint64(8) * (2 * ((i // 8) % 2) + j % 2))) & np.uint64(0xFF)

@@ -75,6 +75,9 @@ def pv_product(p, v, acc):
 # TRITON_INTERPRET is read when @triton.jit decorates, so a decorated function says whether kernels are
 # interpreted (flashtriton.ops.backend.KERNELS_INTERPRETED asks attn_fwd_kernel the same question).
 INTERPRETED = tl.constexpr(type(mma).__name__ == "InterpretedFunction")
+# Dropout's Philox rounds: FA2's seven (Philox4x32-7, which passes BigCrush; ten is the default of Triton's
+# tl.random and of the Random123 paper's safety margin). kernels/hopper/dropout.py unrolls the same count.
+PHILOX_ROUNDS = tl.constexpr(7)
 
 
 @triton.jit
@@ -379,7 +382,7 @@ def _row_pair_keep(seed, offset, threshold, stream, offs_m, n_start, BLOCK_N: tl
     first_counter = _key_pair_counters(n_start, GROUPS)[None, None, :, :]
     zeros = tl.zeros_like(row_pair + first_counter)
     word0, word1, word2, word3 = tl.random.philox(seed, first_counter + zeros, row_pair + zeros, stream + zeros,
-                                                  offset + zeros)
+                                                  offset + zeros, PHILOX_ROUNDS)
     # [BLOCK_M / 16, 8 (g), GROUPS, 4 (t), 2 (e), 2 (h), 2 (k // 2), 2 (k % 2)]
     keep = tl.join(tl.join(_keep_rows(word0, threshold), _keep_rows(word2, threshold)),
                    tl.join(_keep_rows(word1, threshold), _keep_rows(word3, threshold)))
@@ -402,7 +405,7 @@ def _row_keep(seed, offset, threshold, stream, offs_m, n_start, BLOCK_N: tl.cons
     if len(stream.shape) == 2:
         streams = stream[:, :, None]
     word0, word1, word2, word3 = tl.random.philox(seed, first_counter + zeros, row_pair + zeros, streams + zeros,
-                                                  offset + zeros)
+                                                  offset + zeros, PHILOX_ROUNDS)
     # [BLOCK_M, 1, 1]: bit offset of the row's two bytes in each word
     shift = (16 * ((offs_m // 8) % 2))[:, None, None].to(tl.uint32)
     # [BLOCK_M, GROUPS, 4 (t), 2 (e), 2 (k // 2), 2 (k % 2)]: word k's byte 2 h + e
@@ -420,13 +423,13 @@ def dropout_keep(rng_state, stream, offs_m, n_start, keep_threshold, BLOCK_N: tl
 
     FA2's convention (docs/api.md §4.7): one random byte per element, kept where byte <= keep_threshold =
     floor((1 - dropout_p) * 255) (ops/dropout.keep_threshold), so the keep probability is (keep_threshold + 1) / 256.
-    Counter-based (Philox4x32-10 keyed by the seed): key j of query row i in stream (batch * heads + head) takes byte
-    2 ((i / 8) % 2) + j % 2 of word (j / 8) % 4 of philox(4 (j / 32) + (j / 2) % 4, 8 (i / 16) + i % 8, stream,
-    offset), with (seed, offset) = rng_state[0:2]. One Philox call covers rows i, i + 8 and keys 2 t + {0, 1} of four
-    8-key groups: the sixteen elements one thread holds of a wgmma accumulator (kernels/hopper/dropout.py draws them
-    that way). The mask never depends on tile sizes, launch order or splits. stream: a scalar, where offs_m runs on
-    from a multiple of 16 (BLOCK_M a multiple of 16: each Philox call is drawn once for its two rows), or a
-    [BLOCK_M, 1] tensor (one stream per row, any rows: each row draws its calls).
+    Counter-based (Philox4x32-7, PHILOX_ROUNDS, keyed by the seed): key j of query row i in stream (batch * heads +
+    head) takes byte 2 ((i / 8) % 2) + j % 2 of word (j / 8) % 4 of philox(4 (j / 32) + (j / 2) % 4, 8 (i / 16) +
+    i % 8, stream, offset), with (seed, offset) = rng_state[0:2]. One Philox call covers rows i, i + 8 and keys
+    2 t + {0, 1} of four 8-key groups: the sixteen elements one thread holds of a wgmma accumulator
+    (kernels/hopper/dropout.py draws them that way). The mask never depends on tile sizes, launch order or splits.
+    stream: a scalar, where offs_m runs on from a multiple of 16 (BLOCK_M a multiple of 16: each Philox call is
+    drawn once for its two rows), or a [BLOCK_M, 1] tensor (one stream per row, any rows: each row draws its calls).
     """
     BLOCK_M: tl.constexpr = offs_m.shape[0]
     seed = tl.load(rng_state)

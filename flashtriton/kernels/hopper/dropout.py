@@ -5,13 +5,16 @@ A thread of a [64 rows, BLOCK_N] accumulator (warp w of the warpgroup, lane 4 g 
 16 w + g + 8 and, in each 8-key group k, keys 8 k + 2 t and 8 k + 2 t + 1, in register order (key parity, row
 half, key group). The mapping's Philox call (4 (j / 32) + t, 8 (i / 16) + i % 8, stream, offset) covers exactly a
 thread's sixteen consecutive registers of one 32-key group: byte 2 h + e of word k is the element of row half h,
-key parity e in group k. So one Philox4x32-10 per sixteen elements, no draw wasted, in inline PTX over packs of
-sixteen elements (_philox_ptx draws a pack's four words, _select_ptx keeps or zeroes its elements by them); the
-Triton kernels draw the same bits their own way.
+key parity e in group k. So one Philox4x32-7 (kernels/common.PHILOX_ROUNDS) per sixteen elements, no draw wasted,
+in inline PTX over packs of sixteen elements (_philox_ptx draws a pack's four words; _select_ptx keeps or zeroes
+its fp32 elements by them, for the backward; _select_operand_ptx makes the forward's bf16 / fp16 P V operand from
+them, two elements per instruction); the Triton kernels draw the same bits their own way.
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+
+from ..common import PHILOX_ROUNDS
 
 _PHILOX_ROUND_A = 0xD2511F53
 _PHILOX_ROUND_B = 0xCD9E8D57
@@ -21,10 +24,10 @@ _PACK = 16  # elements per Philox call and asm instance
 
 
 def _philox_ptx() -> str:
-    """PTX of one Philox4x32-10 call per pack of sixteen elements (operands: 16 int32 results; then 16 each of the
-    pack's 32-key group number, its row pair number, seed low and high words, stream and offset; of each group of 16
-    only the first is read: they are equal across a pack). The pack's key pair t is the lane's lane % 4. Results 0-3
-    are the four words, the others 0 (unused: ptxas drops their moves)."""
+    """PTX of one Philox call (PHILOX_ROUNDS rounds) per pack of sixteen elements (operands: 16 int32 results; then
+    16 each of the pack's 32-key group number, its row pair number, seed low and high words, stream and offset; of
+    each group of 16 only the first is read: they are equal across a pack). The pack's key pair t is the lane's
+    lane % 4. Results 0-3 are the four words, the others 0 (unused: ptxas drops their moves)."""
     first = {name: _PACK * (index + 1) for index, name in
              enumerate(("group", "pair", "seed_lo", "seed_hi", "stream", "offset"))}
     lines = ["{", ".reg .u32 %c0, %c1, %c2, %c3, %k0, %k1, %lo0, %hi0, %lo1, %hi1, %t;",
@@ -33,7 +36,7 @@ def _philox_ptx() -> str:
              f"mov.b32 %c1, ${first['pair']};", f"mov.b32 %c2, ${first['stream']};",
              f"mov.b32 %c3, ${first['offset']};", f"mov.b32 %k0, ${first['seed_lo']};",
              f"mov.b32 %k1, ${first['seed_hi']};"]
-    for _ in range(10):
+    for _ in range(PHILOX_ROUNDS.value):
         lines += [f"mul.lo.u32 %lo0, %c0, {_PHILOX_ROUND_A};", f"mul.hi.u32 %hi0, %c0, {_PHILOX_ROUND_A};",
                   f"mul.lo.u32 %lo1, %c2, {_PHILOX_ROUND_B};", f"mul.hi.u32 %hi1, %c2, {_PHILOX_ROUND_B};",
                   "xor.b32 %c0, %hi1, %c1;", "xor.b32 %c0, %c0, %k0;", "mov.b32 %c1, %lo1;",
@@ -57,11 +60,36 @@ def _select_ptx() -> str:
     return "\n".join(lines + ["}"])
 
 
+def _select_operand_ptx(dtype: str) -> str:
+    """PTX over a pack of sixteen fp32 values and the pack's Philox words that makes the P V operand: the values
+    rounded to `dtype` ("bf16" or "f16") in pairs (operands: 8 packed results; 16 values; 16 words, of which the first
+    four are read; 16 thresholds, of which the first), zeroed where dropped, two elements per instruction: each
+    byte pair of a word becomes two fp16 values 1024 + byte (exact), compared at once with 1024 + threshold
+    (set.le.u32.f16x2: a 16-bit mask per half) and applied to the packed pair with an and. Result r holds elements
+    2r (low half) and 2r + 1; word k's bytes 2h + e are elements 4k + 2h + e (_select_ptx's)."""
+    first_value, first_word, threshold = 8, 8 + _PACK, 8 + 2 * _PACK
+    lines = ["{", ".reg .b32 %bytes, %limit, %mask, %pair;",
+             f"prmt.b32 %limit, ${threshold}, 100, 0x4040;"]  # 1024 + threshold in both halves (0x64: 1024's exponent)
+    for word in range(4):
+        for half in range(2):
+            result = 2 * word + half
+            low, high = first_value + 2 * result, first_value + 2 * result + 1
+            selector = "0x4140" if half == 0 else "0x4342"
+            lines += [f"prmt.b32 %bytes, ${first_word + word}, 100, {selector};",
+                      "set.le.u32.f16x2 %mask, %bytes, %limit;",
+                      f"cvt.rn.{dtype}x2.f32 %pair, ${high}, ${low};",
+                      f"and.b32 ${result}, %pair, %mask;"]
+    return "\n".join(lines + ["}"])
+
+
 _PHILOX_PTX = gl.constexpr(_philox_ptx())
 _PHILOX_CONSTRAINTS = gl.constexpr(",".join(["=r"] * _PACK + ["r"] * (6 * _PACK)))
 _SELECT_PTX = gl.constexpr(_select_ptx())
 _SELECT_CONSTRAINTS = gl.constexpr(",".join(["=f"] * _PACK + ["f"] * _PACK + ["r"] * (2 * _PACK)))
 _DROP_PACK = gl.constexpr(_PACK)
+_SELECT_OPERAND_BF16 = gl.constexpr(_select_operand_ptx("bf16"))
+_SELECT_OPERAND_F16 = gl.constexpr(_select_operand_ptx("f16"))
+_SELECT_OPERAND_CONSTRAINTS = gl.constexpr(",".join(["=r"] * (_PACK // 2) + ["f"] * _PACK + ["r"] * (2 * _PACK)))
 
 
 @gluon.jit
@@ -108,6 +136,21 @@ def kept(p, words, draws):
     threshold = gl.zeros_like(words) + draws[3]
     return gl.inline_asm_elementwise(_SELECT_PTX, _SELECT_CONSTRAINTS, [p, words, threshold], dtype=gl.float32,
                                      is_pure=True, pack=_DROP_PACK)
+
+
+@gluon.jit
+def kept_operand(p, words, draws, dtype: gl.constexpr, p_layout: gl.constexpr):
+    """The P V wgmma's A operand (p_layout, dtype: bf16 or fp16) of p [ROWS, BLOCK_N] (fp32) with the elements its
+    Philox words (draw_words') drop set to 0: rounding, mask and select in one pass over packed pairs
+    (_select_operand_ptx), the same values as `kept` then the rounding, in half the instructions per element."""
+    threshold = gl.zeros_like(words) + draws[3]
+    if dtype == gl.bfloat16:
+        operand = gl.inline_asm_elementwise(_SELECT_OPERAND_BF16, _SELECT_OPERAND_CONSTRAINTS, [p, words, threshold],
+                                            dtype=gl.bfloat16, is_pure=True, pack=_DROP_PACK)
+    else:
+        operand = gl.inline_asm_elementwise(_SELECT_OPERAND_F16, _SELECT_OPERAND_CONSTRAINTS, [p, words, threshold],
+                                            dtype=gl.float16, is_pure=True, pack=_DROP_PACK)
+    return gl.convert_layout(operand, p_layout)
 
 
 @gluon.jit

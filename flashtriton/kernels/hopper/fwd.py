@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .common import accumulate_register_products, allocate_chunks, arrive_after_wgmma, chained_products, \
     chunk_descriptors, chunks_bytes, chunks_width, copy_pieces, entries_of, matrices_of, wait_products, \
     zero_accumulators
-from .dropout import draw_words, dropout_key, kept, row_draws
+from .dropout import draw_words, dropout_key, kept_operand, row_draws
 from .fwd_softmax import hold_schedule, logits, mask_block, mask_local, operand_of, reciprocal, rescale, softmax_block
 from .schedule import first_cursor, more_work, next_piece
 
@@ -236,11 +236,13 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     else:
         s = mask_block(s, top, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
     p, m_i, l_i, alpha = softmax_block(s, m_i, l_i, qk_scale_log2, lag)
-    if len(draws) > 0:
-        p = kept(p, words, draws[0])
     # [ROWS, BLOCK_N] the wgmma's A operand, made where the softmax ends: only these half-width registers stay live
-    # across the next S issue (fp32 p live there pushes ptxas to wait for P V before the softmax, serializing them)
-    p = operand_of(p, v_smem[0].dtype, p_layout)
+    # across the next S issue (fp32 p live there pushes ptxas to wait for P V before the softmax, serializing them);
+    # with dropout, the dropped elements zeroed as it is made
+    if len(draws) > 0:
+        p = kept_operand(p, words, draws[0], v_smem[0].dtype, p_layout)
+    else:
+        p = operand_of(p, v_smem[0].dtype, p_layout)
     for j in range(1, count):
         load = first_load + j
         stage = load % STAGES
@@ -265,12 +267,13 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         elif causal != 0:
             s = mask_block(s, top - j, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
         p, m_i, l_i, alpha = softmax_block(s, m_i, l_i, qk_scale_log2, lag)
-        if len(draws) > 0:
-            p = kept(p, words, draws[0])
         hold_schedule(fences)
         acc = wait_products(acc)
         arrive_after_wgmma(v_empty.index(previous))
-        p = operand_of(p, v_smem[0].dtype, p_layout)
+        if len(draws) > 0:
+            p = kept_operand(p, words, draws[0], v_smem[0].dtype, p_layout)
+        else:
+            p = operand_of(p, v_smem[0].dtype, p_layout)
         acc = _rescale_chunks(acc, alpha, lag)
     arrive_after_wgmma(q_free, pred=release_q)
     last = first_load + count - 1
