@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
+import os
 import re
+import sys
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -315,7 +318,34 @@ def compile_hopper_bwd_dq(head_dim: int, causal: bool, config=None, dtype: str =
     return _compile_gluon(attn_bwd_hopper_dq_kernel, signature, constexprs)
 
 
+_GLUON_COMPILERS = {"fwd": "compile_hopper_fwd", "bwd": "compile_hopper_bwd", "dq": "compile_hopper_bwd_dq"}
+
+
+def gluon_stats(kind: str, head_dim: int, causal: bool, **options) -> dict:
+    """{"shared": bytes, "wgmma": wgmma instructions in its PTX} of one Gluon kernel variant (kind: "fwd", "bwd" or
+    "dq": compile_hopper_fwd / compile_hopper_bwd / compile_hopper_bwd_dq with these arguments). Where this process
+    interprets its kernels (TRITON_INTERPRET=1 when they were decorated: nothing compiled can be built from them),
+    the variant compiles in a subprocess without TRITON_INTERPRET, so a CPU test suite run through the interpreter
+    still compiles the Gluon kernels."""
+    from flashtriton.ops.backend import KERNELS_INTERPRETED
+
+    if not KERNELS_INTERPRETED:
+        compiled = globals()[_GLUON_COMPILERS[kind]](head_dim, causal, **options)
+        return {"shared": compiled.metadata.shared, "wgmma": compiled.asm["ptx"].count("wgmma.mma_async")}
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    request = json.dumps(dict(kind=kind, head_dim=head_dim, causal=causal, options=options))
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--gluon-stats", request], capture_output=True,
+                          text=True, env=env, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"compiling {request} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--gluon-stats":  # gluon_stats' subprocess
+        request = json.loads(sys.argv[2])
+        print(json.dumps(gluon_stats(request["kind"], request["head_dim"], request["causal"], **request["options"])))
+        return
     parser = argparse.ArgumentParser()
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--head-dim-v", type=int, help="V's head dim (default: --head-dim)")
