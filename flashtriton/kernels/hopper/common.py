@@ -311,8 +311,9 @@ def backward_producer(k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc,
     sequence's own descriptors (sequence_descriptors) before its first load (a descriptor made in the kernel is
     visible only to the threads whose TMA loads read it after the fence that ends its making, so the partition that
     loads makes them), and copies the rows' lse and delta from the (H, T) matrices LSE and DELTA with plain loads
-    (stage_row_statistics): a sequence's rows start anywhere, and a TMA load's innermost coordinate must be 16-byte
-    aligned (an unaligned one is an illegal instruction)."""
+    (row_statistics): a sequence's rows start anywhere, and a TMA load's innermost coordinate must be 16-byte
+    aligned (an unaligned one is an illegal instruction). Those loads run one iteration ahead: the rows of iteration
+    i + 1 load while stage i's copies run and stage i + 1 frees, so the warp never waits on them before a TMA issue."""
     ROWS: gl.constexpr = q_pieces[0].shape[2]
     STAGES: gl.constexpr = q_pieces[0].shape[0]
     if len(sequence) > 0:
@@ -326,15 +327,18 @@ def backward_producer(k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc,
         copy_pieces(v_descs, entries_of(v_pieces, 0), batch, n_start, head_k, kv_ready)
     else:
         mbarrier.arrive(kv_ready)
+    if len(sequence) > 0:
+        # ([ROWS], [ROWS]) lse and delta of the next iteration's rows (the first's here), loads in flight
+        statistics = row_statistics(sequence, 0, first_visit, n_iterations, blocks_per_head, m_block_lo, head_k,
+                                    group_size, q_start, ROWS)
     for i in range(n_iterations):
         stage = i % STAGES
         mbarrier.wait(q_empty.index(stage), ((i // STAGES) - 1) & 1, pred=i >= STAGES)
         head, m_start = query_block(loop_position(i, first_visit, n_iterations), blocks_per_head, m_block_lo,
                                     head_k, group_size, ROWS)
         if len(sequence) > 0:
-            stage_row_statistics(sequence[8], sequence[10], lse_smem.index(stage), head, q_start, m_start, sequence[5])
-            stage_row_statistics(sequence[9], sequence[11], delta_smem.index(stage), head, q_start, m_start,
-                                 sequence[5])
+            lse_smem.index(stage).reshape([ROWS]).store(statistics[0])
+            delta_smem.index(stage).reshape([ROWS]).store(statistics[1])
             # the plain stores above come before this arrival (Triton's barrier pass puts a warp barrier between)
             mbarrier.expect(q_ready.index(stage), chunks_bytes(q_pieces) + chunks_bytes(do_pieces))
         else:
@@ -345,19 +349,27 @@ def backward_producer(k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc,
             row = batch * num_heads + head
             tma.async_copy_global_to_shared(lse_desc, [row, m_start], q_ready.index(stage), lse_smem.index(stage))
             tma.async_copy_global_to_shared(delta_desc, [row, m_start], q_ready.index(stage), delta_smem.index(stage))
+        else:
+            statistics = row_statistics(sequence, i + 1, first_visit, n_iterations, blocks_per_head, m_block_lo,
+                                        head_k, group_size, q_start, ROWS)
 
 
 @gluon.jit
-def stage_row_statistics(statistic, row_stride, stage, head, q_start, m_start, seqlen_q):
-    """Copy rows [m_start, + ROWS) of a varlen sequence's per-row statistic (lse or delta: an (H, T) fp32 matrix with
-    rows of row_stride, the sequence from column q_start) into stage ([1, ROWS] shared) by one warp's plain loads;
-    rows past seqlen_q get 0, as a dense call's rows past its end do."""
-    ROWS: gl.constexpr = stage.shape[1]
+def row_statistics(sequence, i, first_visit, n_iterations, blocks_per_head, m_block_lo, head_k, group_size, q_start,
+                   ROWS: gl.constexpr):
+    """([ROWS], [ROWS]) one warp's plain loads of the lse and delta rows of a varlen program's iteration i (the
+    position after the last wraps to the first; none without iterations) from the (H, T) fp32 matrices of
+    backward_producer's `sequence` (the sequence from column q_start); rows past its seqlen_q get 0, as a dense
+    call's rows past its end do."""
     layout: gl.constexpr = gl.BlockedLayout([ROWS // 32], [32], [1], [0])
+    head, m_start = query_block(loop_position(i, first_visit, gl.maximum(n_iterations, 1)),
+                                gl.maximum(blocks_per_head, 1), m_block_lo, head_k, group_size, ROWS)
     # [ROWS] rows of the block
     rows = m_start + gl.arange(0, ROWS, layout)
-    values = gl.load(statistic + head.to(gl.int64) * row_stride + q_start + rows, mask=rows < seqlen_q, other=0.0)
-    stage.reshape([ROWS]).store(values)
+    mask = (rows < sequence[5]) & (n_iterations > 0)
+    lse = gl.load(sequence[8] + head.to(gl.int64) * sequence[10] + q_start + rows, mask=mask, other=0.0)
+    delta = gl.load(sequence[9] + head.to(gl.int64) * sequence[11] + q_start + rows, mask=mask, other=0.0)
+    return lse, delta
 
 
 @gluon.jit
