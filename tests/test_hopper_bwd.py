@@ -482,7 +482,7 @@ def test_probabilities_run_under_the_dp_product(head_dim):
     per_block = config.query_rows * 64 // 128  # a thread's share of P [rows, 64 keys]
     for causal in (False, True):
         cubin = offline_compile.compile_hopper_bwd(head_dim, causal).asm["cubin"]
-        key_major = causal in config.key_major
+        key_major = hopper.key_major_scores(config, causal, False, False)
         counts = offline_compile.exp2_before_pv_wait(cubin, until_product=key_major)
         # key-major: the dP wait (the dV product in flight) starts a walk of its own, to the dK product, with no exp2
         assert counts == ([per_block, 0] * 2 if key_major else [per_block, per_block]), causal

@@ -30,8 +30,8 @@ import inspect
 import json
 import os
 import re
-import sys
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 
@@ -241,7 +241,7 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     `dropout`: dropout's rng_state (kernels/hopper/bwd.py's tiles); `varlen`: a varlen launch and `alibi`: ALiBi slopes
     (both on those tiles)."""
     from flashtriton import configs
-    from flashtriton.ops.hopper import backward_division, dk_dv_only_boxes
+    from flashtriton.ops.hopper import backward_division, dk_dv_only_boxes, key_major_scores
 
     config = config or configs.HOPPER_BWD[head_dim]
     kernel, keys, dq_box, tile_dim = backward_division(head_dim)
@@ -272,7 +272,7 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
                     signature[f"{name}_desc{suffix}"] = _gluon_tile_type(rows, columns, kind)
         signature["dq_counters"] = "*i32"
         constexprs["ORDERED"] = ordered
-        constexprs["KEY_MAJOR"] = (causal in config.key_major or alibi) and not dropout
+        constexprs["KEY_MAJOR"] = key_major_scores(config, causal, alibi, dropout)
     names = list(inspect.signature(kernel.fn).parameters)
     if "dropout_args" in names:
         _dropout_group(signature, constexprs, names, dropout)

@@ -369,9 +369,10 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
         _ensure_scratch_allocator()
     flags = dict(IS_LOCAL=params.is_local, HAS_SOFTCAP=params.has_softcap, HAS_DROPOUT=dropout_p > 0.0,
                  USE_TMA=use_tma)
-    # varlen: the Gluon backward's tiles up to 128 wide (the d256 kernel takes none), dQ not in a fixed order, no
-    # dropout or ALiBi, and a row in q and in k (no tensor descriptor has zero rows)
-    varlen_fits = not is_varlen or (configs.hopper_bwd_tile_dim(head_dim) in (64, 80, 96, 128) and not deterministic
+    # varlen: the Gluon backward's tiles up to 128 wide (those that take ALiBi and dropout; the d256 kernel takes
+    # none), dQ not in a fixed order, no dropout or ALiBi, and a row in q and in k (no tensor descriptor has zero
+    # rows)
+    varlen_fits = not is_varlen or (hopper.backward_takes_logit_options(head_dim) and not deterministic
                                     and dropout_p == 0.0 and alibi_slopes is None and q.shape[0] > 0
                                     and k.shape[0] > 0)
     # ALiBi and dropout: on the Gluon backward's tiles up to 128 wide (hopper.backward_takes_logit_options)

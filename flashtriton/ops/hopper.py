@@ -407,6 +407,13 @@ def backward_takes_logit_options(head_dim: int) -> bool:
     return configs.hopper_bwd_tile_dim(head_dim) is not None and computes_dq(head_dim)
 
 
+def key_major_scores(config, causal_like: bool, alibi: bool, dropout: bool) -> bool:
+    """Whether the Gluon backward (kernels/hopper/bwd.py, KEY_MAJOR) computes key-major scores S^T = K Q^T: where
+    the config lists the call's causal value, and always with ALiBi (offline sm_90 at d128 causal: 85 local loads
+    against the row-major tiles' 167); never with dropout (the forward's mask follows the row-major tiles)."""
+    return (causal_like in config.key_major or alibi) and not dropout
+
+
 def can_order_dq(head_dim: int) -> bool:
     """Whether the kernel can add dQ in a fixed order at this head dim (on the tiles a deterministic call takes:
     backward_division): where it splits dQ by 64-feature halves (tiles 128 wide), each consumer adds its own
@@ -516,16 +523,14 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
     # per (batch, query head, query block of the kernel, feature half): reductions completed so far
     dq_counters = (torch.zeros(batch * num_heads * triton_cdiv(seqlen_q, config.query_rows) * 2, dtype=torch.int32,
                                device=q.device) if ordered else None)
-    # key-major scores where the config says, and for ALiBi (offline sm_90 at d128 causal: 85 local loads against
-    # the row-major tiles' 167); never with dropout (the forward's mask follows the row-major tiles)
-    key_major = (params.causal_like in config.key_major or alibi_slopes is not None) and dropout_p == 0.0
+    key_major = key_major_scores(config, params.causal_like, alibi_slopes is not None, dropout_p > 0.0)
     kernel_args = {} if dq_box is None else dict(ORDERED=ordered, KEY_MAJOR=key_major)
     if alibi_slopes is not None and dq_box is None:
         raise ValueError("the Gluon backward takes ALiBi on tiles up to 128 wide")
     # the kernel's dropout_args and alibi_args (not the dK / dV only kernel's: it has neither)
-    dropout_args = () if dq_box is None else ((rng_state if dropout_p > 0.0 else None, *kernel_dropout(dropout_p)),
-                                              (alibi_slopes, alibi_batch_stride(alibi_slopes),
-                                               int(params.alibi_pure_causal)))
+    logit_args = () if dq_box is None else ((rng_state if dropout_p > 0.0 else None, *kernel_dropout(dropout_p)),
+                                            (alibi_slopes, alibi_batch_stride(alibi_slopes),
+                                             int(params.alibi_pure_causal)))
     if dq_box is None:  # the dK / dV only kernel: each side (Q / K, dO / V) whole rows and halves, or two chunks
         tensors = dict(k=k, v=v, q=q, do=dout)
         descriptors = tuple(None if box is None else
@@ -543,7 +548,7 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
         dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), num_heads_k, num_heads // num_heads_k, seqlen_q, seqlen_k, head_dim,
         *((head_dim_v, ) if dq_box is None else ()), 1 if ordered else heads_per_group, params.softmax_scale,
-        params.qk_scale_log2, params.window_left, params.window_right, *dropout_args, *varlen_args,
+        params.qk_scale_log2, params.window_left, params.window_right, *logit_args, *varlen_args,
         CAUSAL=params.causal_like,
         LOCAL=local_window(params, seqlen_k), STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4,
         **kernel_args)

@@ -5,8 +5,7 @@ Every partition of the forward holds this code: it is branch-free integer arithm
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ..common import kv_block_range
-from .common import grouped_tile_of, sequence_rows
+from .common import grouped_tile_of, kv_block_range, sequence_rows
 
 
 @gluon.jit
