@@ -14,7 +14,6 @@ grouped_tile_of = gluon.jit(_triton_common.grouped_tile_of.fn)
 q_block_range = gluon.jit(_triton_common.q_block_range.fn)
 kv_block_range = gluon.jit(_triton_common.kv_block_range.fn)
 clamped_range = gluon.jit(_triton_common.clamped_range.fn)
-kv_block_range = gluon.jit(_triton_common.kv_block_range.fn)
 
 
 @gluon.jit
