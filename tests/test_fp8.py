@@ -54,18 +54,32 @@ def rms(a, b) -> float:
     return float(((a.double() - b.double()) ** 2).mean().sqrt())
 
 
-def assert_matches_emulation(out, lse, emulated, emulated_lse, exact):
+def accumulation_slack(inputs: Inputs) -> float:
+    """How far Hopper's FP8 wgmma may leave a score from its exact value: its accumulator keeps about 14 bits of
+    mantissa (DeepSeek-V3 technical report, section 3.3.2), so a score can move by about 2^-13 of the sum of its
+    products' magnitudes (one bit of margin), times the softmax scale; the LSE moves by at most that much."""
+    q_descale, k_descale, _ = inputs.descales
+    group = inputs.q.shape[2] // inputs.k.shape[2]
+    q = inputs.q.float().abs() * q_descale.repeat_interleave(group, 1)[:, None, :, None]
+    k = (inputs.k.float().abs() * k_descale[:, None, :, None]).repeat_interleave(group, 2)
+    magnitudes = torch.einsum("bihd,bjhd->bhij", q, k)  # [batch, heads, rows, keys]: sum_d |q_id k_jd|
+    return 2 ** -13 * inputs.q.shape[-1] ** -0.5 * float(magnitudes.max())
+
+
+def assert_matches_emulation(out, lse, emulated, emulated_lse, exact, lse_slack: float = 0.0):
     """out as far from the unquantized result as the emulation is, within a factor: the kernels round P relative to
     the running max of the key blocks seen so far, the emulation relative to the row's final max, so the two round
     different numbers by the same relative step; plus one bf16 step of out's scale (all three are rounded to bf16,
-    and fp16 P leaves differences of that size only); the LSE (unquantized) exact."""
+    and fp16 P leaves differences of that size only); the LSE (unquantized) exact, but for lse_slack (the scores' FP8
+    accumulation: accumulation_slack)."""
     assert out.dtype == torch.bfloat16
     assert not out.isnan().any()
     emulation_error = float((emulated.double() - exact.double()).abs().max())
     bf16_step = 2 ** -7 * float(exact.double().abs().max())
     assert float((out.double() - exact.double()).abs().max()) <= 3 * emulation_error + bf16_step + 1e-3
     assert rms(out, exact) <= 1.5 * rms(emulated, exact) + 2 ** -8 * float(exact.double().pow(2).mean().sqrt())
-    assert check_lse(lse, emulated_lse).ok
+    lse_check = check_lse(lse, emulated_lse)
+    assert lse_check.finite and lse_check.max_error <= lse_check.bound + lse_slack, lse_check
 
 
 FEATURES = {
@@ -112,13 +126,14 @@ def test_gluon_forward_takes_fp8(monkeypatch, head_dim, causal, window):
     reference = dict(descales=inputs.descales, compute_dtype=torch.float64, **options)
     emulated, emulated_lse = attention_reference(inputs.q, inputs.k, inputs.v, **reference)
     exact, _ = attention_reference(inputs.q, inputs.k, inputs.v, quantize_p=False, **reference)
-    assert_matches_emulation(out, lse, emulated, emulated_lse, exact)
+    lse_slack = accumulation_slack(inputs)
+    assert_matches_emulation(out, lse, emulated, emulated_lse, exact, lse_slack)
     monkeypatch.setattr(configs, "GLUON_ALLOWED", False)
     triton_out, triton_lse, _ = flashtriton.flash_attn_func(inputs.q, inputs.k, inputs.v, return_attn_probs=True,
                                                             **options, **descale_kwargs(inputs))
     assert hopper.fwd_launch_count == launches + 1
     assert rms(out, triton_out) <= 2 ** -8 * float(exact.double().pow(2).mean().sqrt())
-    torch.testing.assert_close(lse, triton_lse, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse, triton_lse, rtol=1e-4, atol=1e-4 + 2 * lse_slack)
 
 
 @pytest.mark.parametrize("causal", [False, True])

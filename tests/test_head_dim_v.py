@@ -148,7 +148,8 @@ def _qkv(head_dim: int, head_dim_v: int):
                                                  (256, 512)])
 def test_long_sequences_gpu(head_dim, head_dim_v, causal):
     """GPU tiles (wgmma, descriptors up to 256 wide, pointer loads above). On sm_90 the Gluon forward takes V's own
-    head dim up to 256 (q / k and v / out tiles of their own widths); the Gluon backward takes it where q / k run the
+    head dim up to 256 (q / k and v / out tiles of their own widths) and both head dims in 257-512 (the wide tiles
+    of kernels/hopper/fwd_d512.py); the Gluon backward takes it where q / k run the
     dK / dV only tiles (192, 256) and V's are 128 wide ((192, 128), (256, 128): MLA-style), and leaves the others
     to the Triton kernels."""
     launches = hopper.fwd_launch_count, hopper.bwd_launch_count
@@ -157,7 +158,8 @@ def test_long_sequences_gpu(head_dim, head_dim_v, causal):
     gluon_forward = hopper.gluon_runs("fwd", torch.empty(1, 1, 1, head_dim, device=DEVICE, dtype=torch.bfloat16),
                                       score_params(head_dim ** -0.5, causal, -1, -1, 0.0, 900), 700, 900, True, True,
                                       head_dim_v=head_dim_v)
-    assert gluon_forward == (hopper.is_hopper(torch.device(DEVICE)) and max(head_dim, head_dim_v) <= 256
+    assert gluon_forward == (hopper.is_hopper(torch.device(DEVICE))
+                             and (max(head_dim, head_dim_v) <= 256 or hopper.wide_forward(head_dim, head_dim_v))
                              and hopper.attn_fwd_hopper_kernel is not None and configs.GLUON_ALLOWED)
     assert hopper.fwd_launch_count == launches[0] + int(gluon_forward)
     gluon_backward = hopper.gluon_runs("bwd", torch.empty(1, 1, 1, head_dim, device=DEVICE, dtype=torch.bfloat16),
