@@ -346,6 +346,23 @@ def compare_with_reference(case: Case, out: torch.Tensor, lse: torch.Tensor, q, 
                     out, lse, inputs, grads, dout, 2.0, grad_factor)
 
 
+def run_forward_case(case: Case, grads: bool = False):
+    """flash_attn_func (and, with grads, its backward) of one case on the GPU with NaN-poisoned outputs; returns
+    (its ErrorChecks against the references, whether the Gluon forward ran)."""
+    from .interface import flash_attn_func
+    from .ops import hopper
+
+    q, k, v, slopes = make_case_inputs(case, "cuda", requires_grad=grads)
+    before = hopper.fwd_launch_count
+    with poisoned_outputs():
+        out, lse, _ = flash_attn_func(q, k, v, 0.0, case.softmax_scale, case.causal, case.window_size, case.softcap,
+                                      slopes, return_attn_probs=True)
+        dout = torch.randn_like(out) if grads else None
+        grad_values = torch.autograd.grad(out, (q, k, v), dout) if grads else None
+    ran = hopper.fwd_launch_count > before
+    return compare_with_reference(case, out, lse, q, k, v, slopes, grad_values, dout), ran
+
+
 def compare_varlen_with_reference(out: torch.Tensor, lse: torch.Tensor, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                   max_seqlen_k: int, grads: Optional[Sequence[torch.Tensor]] = None,
                                   dout: Optional[torch.Tensor] = None, out_factor: float = 2.0,

@@ -72,7 +72,7 @@ step host-bench 120 python benchmarks/bench_host.py --out "$out/host"
 # every launch plan (ops/launching.py) compared with Triton's binder, every call plan (ops/call_plans.py) with the
 # whole call, on the kernels' own tests
 step plans 300 env FLASHTRITON_VERIFY_PLANS=1 python -m pytest -q -n 12 -p no:cacheprovider -rfE \
-  tests/test_launch_plans.py tests/test_call_plans.py tests/test_dense.py tests/test_hopper_fwd.py \
+  tests/test_launch_plans.py tests/test_call_plans.py tests/test_dense.py tests/test_hopper_fwd.py tests/test_hopper_schedule.py \
   tests/test_hopper_bwd.py tests/test_varlen.py tests/test_kvcache.py
 # the four fuzz tests side by side (one process each, logs fuzz-<test>.log), new random cases each run;
 # hypothesis' statistics at the end of each log count the cases that ran
