@@ -22,21 +22,14 @@ import torch
 import flashtriton
 from flashtriton.bench import BASELINE_SHAPES, attention_flops, run_metadata, time_ms
 from flashtriton.reference import attention_reference
+from flashtriton.testing import quantize_e4m3
 
 FP8 = torch.float8_e4m3fn
 
 
-def quantize(x: torch.Tensor, group: int = 1):
-    """(e4m3 x, (B, heads / group) fp32 descale) with each (batch, group of heads) scaled onto e4m3's 448."""
-    batch, _, heads, _ = x.shape
-    amax = x.abs().amax(dim=(1, 3)).view(batch, heads // group, group).amax(-1).clamp(min=1e-6)
-    descale = (amax / 448).float()
-    return (x / descale.repeat_interleave(group, 1)[:, None, :, None]).to(FP8), descale
-
-
 def fp8_inputs(q, k, v):
     group = q.shape[2] // k.shape[2]
-    (q8, qd), (k8, kd), (v8, vd) = quantize(q, group), quantize(k), quantize(v)
+    (q8, qd), (k8, kd), (v8, vd) = quantize_e4m3(q, group), quantize_e4m3(k), quantize_e4m3(v)
     return q8, k8, v8, dict(q_descale=qd, k_descale=kd, v_descale=vd)
 
 

@@ -28,6 +28,7 @@ import flashtriton
 from flashtriton import configs
 from flashtriton.bench import attention_flops, median_ms, profiled_kernels, select_shapes
 from flashtriton.configs import HopperFwdConfig
+from flashtriton.testing import quantize_e4m3
 
 _CHUNKED_NARROW = [HopperFwdConfig(128, stages, 240, persistent=True, pingpong=pingpong, hold_schedule=hold,
                                    rescale_threshold=8.0)
@@ -55,10 +56,8 @@ GLUON_FORWARD_KERNEL = "attn_fwd_hopper_kernel"
 
 
 def quantized(x: torch.Tensor):
-    """(e4m3 x, (B, H) fp32 descale, the dequantized bf16 x): x (B, S, H, D) scaled per (batch, head) so its largest
-    magnitude lands on e4m3's 448."""
-    descale = (x.float().abs().amax(dim=(1, 3)).clamp(min=1e-6) / 448)
-    x8 = (x.float() / descale[:, None, :, None]).to(torch.float8_e4m3fn)
+    """(e4m3 x, (B, H) fp32 descale, the dequantized bf16 x): x (B, S, H, D) quantized per (batch, head)."""
+    x8, descale = quantize_e4m3(x)
     return x8, descale, (x8.float() * descale[:, None, :, None]).to(torch.bfloat16)
 
 

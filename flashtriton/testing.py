@@ -181,6 +181,16 @@ def strided_like(tensor: torch.Tensor, layout: str) -> torch.Tensor:
     raise ValueError(f"unknown layout {layout!r}")
 
 
+def quantize_e4m3(x: torch.Tensor, group: int = 1):
+    """(e4m3 x, (B, heads / group) fp32 descale) for FP8 calls (docs/api.md §4.12: x = e4m3 x * descale): x (B, S,
+    heads, D) scaled per (batch, group of heads) so that its largest magnitude lands on e4m3's 448."""
+    x = x.float()
+    batch, _, heads, _ = x.shape
+    amax = x.abs().amax(dim=(1, 3)).view(batch, heads // group, group).amax(-1).clamp(min=1e-6)
+    descale = amax / 448
+    return (x / descale.repeat_interleave(group, 1)[:, None, :, None]).to(torch.float8_e4m3fn), descale
+
+
 def make_case_inputs(case: Case, device="cpu", requires_grad: bool = False, scale: float = 1.0):
     """Fresh random (q, k, v, alibi_slopes) for a case, already rounded to its dtype."""
     shape_q = (case.batch, case.seqlen_q, case.num_heads, case.head_dim)

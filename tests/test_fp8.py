@@ -11,20 +11,10 @@ import flashtriton
 from flashtriton import configs, flash_attn_interface as fai
 from flashtriton.ops import hopper
 from flashtriton.reference import attention_reference, attention_reference_varlen, kvcache_reference
-from flashtriton.testing import check_lse, cu_seqlens, poisoned_outputs
+from flashtriton.testing import check_lse, cu_seqlens, poisoned_outputs, quantize_e4m3
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
-
-
-def quantize(x: torch.Tensor, group: int = 1):
-    """(e4m3 tensor, (B, heads / group) fp32 descale): x (B, S, heads, D) scaled per (batch, group of heads) so its
-    largest magnitude lands on e4m3's 448."""
-    batch, _, heads, _ = x.shape
-    amax = x.abs().amax(dim=(1, 3)).view(batch, heads // group, group).amax(-1).clamp(min=1e-6)
-    descale = (amax / 448).float()
-    scaled = x / descale.repeat_interleave(group, 1)[:, None, :, None]
-    return scaled.to(FP8), descale
 
 
 @dataclass
@@ -39,9 +29,9 @@ def make_inputs(batch=2, seqlen_q=70, seqlen_k=90, heads=4, heads_k=2, head_dim=
     generator = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(batch, s, h, head_dim, generator=generator)
                for s, h in ((seqlen_q, heads), (seqlen_k, heads_k), (seqlen_k, heads_k)))
-    q8, q_descale = quantize(q, heads // heads_k)
-    k8, k_descale = quantize(k)
-    v8, v_descale = quantize(v)
+    q8, q_descale = quantize_e4m3(q, heads // heads_k)
+    k8, k_descale = quantize_e4m3(k)
+    v8, v_descale = quantize_e4m3(v)
     return Inputs(*(t.to(DEVICE) for t in (q8, k8, v8)), tuple(d.to(DEVICE) for d in (q_descale, k_descale,
                                                                                      v_descale)))
 
@@ -142,7 +132,7 @@ def test_accuracy_next_to_bf16(causal):
     own inputs (the dequantized e4m3 ones, the bf16 ones): one e4m3 term of P would give about 10x."""
     generator = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, 192, 4, 64, generator=generator) for _ in range(3))
-    (q8, q_descale), (k8, k_descale), (v8, v_descale) = quantize(q), quantize(k), quantize(v)
+    (q8, q_descale), (k8, k_descale), (v8, v_descale) = quantize_e4m3(q), quantize_e4m3(k), quantize_e4m3(v)
     inputs = Inputs(*(t.to(DEVICE) for t in (q8, k8, v8)),
                     tuple(d.to(DEVICE) for d in (q_descale, k_descale, v_descale)))
     with poisoned_outputs():
