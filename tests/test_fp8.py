@@ -1,6 +1,7 @@
 """FP8 (e4m3) inputs with FA3's descales (docs/api.md §4.12): flash_attn_func, flash_attn_varlen_func and
-flash_attn_with_kvcache against the float64 emulation of the same rounding (P in fp16 relative to each row's max) and against the float64 attention of the dequantized inputs; accuracy next to the bf16 path's; bf16
-outputs; clear errors."""
+flash_attn_with_kvcache against the float64 emulation of the same rounding (P in fp16 relative to each row's max)
+and against the float64 attention of the dequantized inputs; accuracy next to the bf16 path's; bf16 outputs; clear
+errors."""
 
 from dataclasses import dataclass
 

@@ -147,7 +147,7 @@ def test_gluon_forward_matches_reference(seqlen_q, seqlen_k, head_dim, dtype, ca
     phases carried across tiles, Q / O tiles reused)."""
     with forced_hopper_grid(programs):
         checks, ran = run_forward_case(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
-                                       head_dim=head_dim, dtype=dtype, causal=causal))
+                                            head_dim=head_dim, dtype=dtype, causal=causal))
     assert ran, "the Gluon forward did not run"
     assert_checks_ok(checks)
 
@@ -174,9 +174,9 @@ def test_gluon_forward_alibi(name, dtype):
     gluon = causal or window[1] == 0
     for programs in (None, 3):
         with forced_hopper_grid(programs):
-            checks, ran = run_forward_case(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=4, num_heads_k=2,
-                                           head_dim=head_dim, dtype=dtype, causal=causal, window_size=window,
-                                           alibi=True))
+            checks, ran = run_forward_case(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=4,
+                                                num_heads_k=2, head_dim=head_dim, dtype=dtype, causal=causal,
+                                                window_size=window, alibi=True))
         assert ran == gluon, f"the Gluon forward {'did not run' if gluon else 'ran'}"
         assert_checks_ok(checks)
 
@@ -263,8 +263,9 @@ def test_gluon_forward_wide_head_dims(name, dtype):
     are wider than read zeros past D (q, k and v as the first D columns of NaN-filled wider rows) and store only
     out's own columns (NaN-poisoned out)."""
     head_dim, window, seqlen_q, seqlen_k, causal, heads, heads_k, layout = WIDE_CASES[name]
-    checks, ran = run_forward_case(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads, num_heads_k=heads_k,
-                                   head_dim=head_dim, dtype=dtype, causal=causal, window_size=window, layout=layout))
+    checks, ran = run_forward_case(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads,
+                                        num_heads_k=heads_k, head_dim=head_dim, dtype=dtype, causal=causal,
+                                        window_size=window, layout=layout))
     assert ran, "the Gluon forward did not run"
     assert_checks_ok(checks)
 
@@ -280,8 +281,9 @@ def test_gluon_forward_head_dims_between_tile_classes(seqlen_q, seqlen_k, head_d
     the configured grid and 3 programs."""
     for grid, layout in ((None, "contiguous"), (3, "contiguous"), (None, "wider-rows")):
         with forced_hopper_grid(grid):
-            checks, ran = run_forward_case(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
-                                           head_dim=head_dim, dtype=torch.bfloat16, causal=causal, layout=layout))
+            checks, ran = run_forward_case(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3,
+                                                num_heads_k=3, head_dim=head_dim, dtype=torch.bfloat16, causal=causal,
+                                                layout=layout))
         assert ran, f"the Gluon forward did not run ({layout})"
         assert_checks_ok(checks)
 
@@ -302,7 +304,7 @@ def test_gluon_forward_pingpong(monkeypatch, seqlen_q, seqlen_k, head_dim, causa
     monkeypatch.setitem(configs.HOPPER_FWD, (head_dim, causal), config)
     with forced_hopper_grid(programs):
         checks, ran = run_forward_case(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
-                                       head_dim=head_dim, dtype=torch.bfloat16, causal=causal))
+                                            head_dim=head_dim, dtype=torch.bfloat16, causal=causal))
     assert ran, "the Gluon forward did not run"
     assert_checks_ok(checks)
 
@@ -322,7 +324,7 @@ def test_gluon_forward_flipped_choices(monkeypatch, head_dim, causal, choice, se
     monkeypatch.setitem(configs.HOPPER_FWD, (head_dim, causal), flipped)
     with forced_hopper_grid(3):
         checks, ran = run_forward_case(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
-                                       head_dim=head_dim, dtype=torch.bfloat16, causal=causal))
+                                            head_dim=head_dim, dtype=torch.bfloat16, causal=causal))
     assert ran, "the Gluon forward did not run"
     assert_checks_ok(checks)
 
@@ -340,7 +342,7 @@ def test_gluon_forward_consumer_counts(monkeypatch, seqlen_q, seqlen_k, causal, 
     monkeypatch.setitem(configs.HOPPER_FWD, (64, causal), with_consumers(configs.HOPPER_FWD[64, causal], consumers))
     with forced_hopper_grid(programs):
         checks, ran = run_forward_case(Case(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=3, num_heads_k=3,
-                                       head_dim=64, dtype=torch.bfloat16, causal=causal))
+                                            head_dim=64, dtype=torch.bfloat16, causal=causal))
     assert ran, "the Gluon forward did not run"
     assert_checks_ok(checks)
 
@@ -429,7 +431,7 @@ def test_gluon_forward_launch_order_groups(heads_per_group, programs):
     configured grid and with 5 programs taking the 64 tiles in turn."""
     with forced_heads_per_group(heads_per_group), forced_hopper_grid(programs):
         checks, ran = run_forward_case(Case(batch=2, seqlen_q=1000, seqlen_k=1000, num_heads=4, num_heads_k=2,
-                                       head_dim=64, dtype=torch.bfloat16, causal=True))
+                                            head_dim=64, dtype=torch.bfloat16, causal=True))
     assert ran
     assert_checks_ok(checks)
 
@@ -437,7 +439,7 @@ def test_gluon_forward_launch_order_groups(heads_per_group, programs):
 @needs_hopper
 def test_gluon_forward_long_sequence():
     checks, ran = run_forward_case(Case(batch=1, seqlen_q=4096, seqlen_k=4096, num_heads=4, num_heads_k=4, head_dim=128,
-                                   dtype=torch.bfloat16, causal=True))
+                                        dtype=torch.bfloat16, causal=True))
     assert ran
     assert_checks_ok(checks)
 
@@ -622,7 +624,7 @@ def test_compiled_forwards_carry_no_line_info():
 
     for softcap, gluon in ((0.0, True), (5.0, False)):
         checks, ran = run_forward_case(Case(batch=1, seqlen_q=130, seqlen_k=130, head_dim=128, dtype=torch.bfloat16,
-                                       softcap=softcap))
+                                            softcap=softcap))
         assert ran == gluon
         assert_checks_ok(checks)
     for kernel in (hopper.attn_fwd_hopper_kernel, attn_fwd_kernel):

@@ -34,8 +34,8 @@ def test_grid_sizes(monkeypatch, persistent, causal):
 
 
 def _tail_pieces(split: hopper.TailSplit, programs: int, tile_blocks) -> dict:
-    """The model of kernels/hopper/schedule.next_piece's tail: {program: [(tail tile, first position, blocks, slot)]} for
-    tail tiles of tile_blocks[t] key blocks laid end to end (slot -1: the whole tile)."""
+    """The model of kernels/hopper/schedule.next_piece's tail: {program: [(tail tile, first position, blocks, slot)]}
+    for tail tiles of tile_blocks[t] key blocks laid end to end (slot -1: the whole tile)."""
     starts = [sum(tile_blocks[:t]) for t in range(len(tile_blocks))]
     pieces = {}
     for program in range(programs):
@@ -179,8 +179,8 @@ def test_gluon_forward_tail_split(monkeypatch, name):
     merges = hopper.tail_merge_count
     with forced_hopper_grid(programs):
         checks, ran = run_forward_case(Case(batch=2 if programs else 1, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                                       num_heads=heads, num_heads_k=heads_k, head_dim=head_dim, dtype=torch.bfloat16,
-                                       causal=causal))
+                                            num_heads=heads, num_heads_k=heads_k, head_dim=head_dim,
+                                            dtype=torch.bfloat16, causal=causal))
     assert ran, "the Gluon forward did not run"
     assert hopper.tail_merge_count > merges, "no tail was cut"
     assert_checks_ok(checks)

@@ -9,7 +9,8 @@
                                                        # (P, PP, H: persistent, ping-pong, hold_schedule, 0 or 1;
                                                        # T: the rescale skip's threshold, 0: none; C: consumers)
     python tools/offline_compile.py --kernel fwd-d512-hopper [--causal] [--local] [--hopper-config N,STAGES,REGS]
-                                                       # the Gluon forward at head dims 257-512 (configs.HOPPER_FWD_D512)
+                                                       # the Gluon forward at head dims 257-512
+                                                       # (configs.HOPPER_FWD_D512)
     python tools/offline_compile.py --kernel bwd-hopper [--head-dim 128] [--head-dim-v DV] [--causal] [--ordered] [--local]
                                     [--hopper-config ROWS,STAGES,REGS]
                                                        # the Gluon backward; default: its configs.HOPPER_BWD entry

@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def mma(a, b, acc=None):
     """tl.dot(a, b, acc) of fp16 / bf16 / fp8 (e4m3) tiles: exact products summed in fp32 onto acc (zeros when None).

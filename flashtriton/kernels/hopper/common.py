@@ -8,8 +8,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from .. import common as _triton_common
 
-# kernels/common's launch-order, key- and query-block-range and row-range helpers (plain integer arithmetic) compiled as
-# Gluon functions: the Gluon kernels take them from the same code as the Triton kernels
+# kernels/common's launch-order, key- and query-block-range and row-range helpers (plain integer arithmetic)
+# compiled as Gluon functions: the Gluon kernels take them from the same code as the Triton kernels
 grouped_tile_of = gluon.jit(_triton_common.grouped_tile_of.fn)
 q_block_range = gluon.jit(_triton_common.q_block_range.fn)
 kv_block_range = gluon.jit(_triton_common.kv_block_range.fn)
@@ -406,8 +406,8 @@ def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_
     caller's loop (key vectors held across it would spill ~40 registers of the d128 causal consumers). Query rows
     past seqlen_q are not masked: their Q, dO, lse and delta read as zeros, so P = 1 there but dS = 0 and dO = 0,
     and every product they enter adds zeros (with ALiBi P is at most 1, see below). Keys past seqlen_k are (their
-    K rows are zeros, so P would be exp2(-lse_log2), which may overflow). alibi: () or (slope_log2 of the rows' head, alibi_pure_causal): the logits
-    get kernels/common.alibi_bias_log2's bias (alibi_bias)."""
+    K rows are zeros, so P would be exp2(-lse_log2), which may overflow). alibi: () or (slope_log2 of the rows'
+    head, alibi_pure_causal): the logits get kernels/common.alibi_bias_log2's bias (alibi_bias)."""
     ROW_AXIS: gl.constexpr = 1 - KEY_AXIS
     ROWS: gl.constexpr = s.shape[ROW_AXIS]
     KEYS: gl.constexpr = s.shape[KEY_AXIS]
