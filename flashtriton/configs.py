@@ -259,6 +259,15 @@ HOPPER_FWD = ConfigTable({(64, False): HopperFwdConfig(128, 2, 160, persistent=T
                          (192, False): _HOPPER_FWD_D256_FULL, (192, True): _HOPPER_FWD_D256_CAUSAL,
                          (256, False): _HOPPER_FWD_D256_FULL, (256, True): _HOPPER_FWD_D256_CAUSAL})
 HOPPER_FWD_HEAD_DIMS = tuple(sorted({head_dim for head_dim, _ in HOPPER_FWD}))
+# Calls whose V tiles are narrower than Q's, keyed by (Q's tile dim, V's tile dim, causal), where HOPPER_FWD's entry
+# for Q's tile dim is not the best: (192, 128) (MLA-style) keeps d128's registers per consumer (a 64 x 128 output
+# and a 64 x 128 score accumulator) and takes its 128-key blocks, with O staged in Q's first chunk for shared memory
+# (kernels/hopper/fwd.py's O_IN_Q); no tail cut (ops/hopper.launch_fwd cuts none where V's tiles are not Q's). d192's
+# entry: 64-key blocks, 0.81-0.85x FA4 on this shape (BENCHMARKS.md).
+# python tools/offline_compile.py --kernel fwd-hopper --head-dim 192 --head-dim-v 128, 2026-12-07, sm_90 offline
+# (fits shared memory, no stack), not timed
+HOPPER_FWD_NARROW_V = ConfigTable({(192, 128, False): _HOPPER_FWD_D128,
+                                   (192, 128, True): _HOPPER_FWD_D128_CAUSAL})
 
 
 @dataclass(frozen=True)

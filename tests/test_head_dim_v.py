@@ -67,20 +67,39 @@ def test_head_dims_up_to_512(head_dim, head_dim_v):
               head_dim_v)
 
 
-def test_varlen_forward_and_backward():
-    lengths_q, lengths_k = [9, 0, 31], [12, 5, 40]
+def run_varlen(lengths_q, lengths_k, head_dim: int, head_dim_v: int, dtype=torch.float16, **options):
+    """flash_attn_varlen_func with v (Tk, Hk, head_dim_v) (two rows past the last sequence in q); outputs and
+    gradients against the reference."""
     cu_q, cu_k = cu_seqlens(lengths_q, DEVICE), cu_seqlens(lengths_k, DEVICE)
-    q = torch.randn(sum(lengths_q) + 2, 4, 32, device=DEVICE, dtype=torch.float16, requires_grad=True)
-    k = torch.randn(sum(lengths_k), 2, 32, device=DEVICE, dtype=torch.float16, requires_grad=True)
-    v = torch.randn(sum(lengths_k), 2, 64, device=DEVICE, dtype=torch.float16, requires_grad=True)
-    options = dict(causal=True, window_size=(20, 0))
+    q = torch.randn(sum(lengths_q) + 2, 4, head_dim, device=DEVICE, dtype=dtype, requires_grad=True)
+    k = torch.randn(sum(lengths_k), 2, head_dim, device=DEVICE, dtype=dtype, requires_grad=True)
+    v = torch.randn(sum(lengths_k), 2, head_dim_v, device=DEVICE, dtype=dtype, requires_grad=True)
     with poisoned_outputs():
-        out, lse, _ = flashtriton.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 31, 40, return_attn_probs=True,
-                                                         **options)
+        out, lse, _ = flashtriton.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                         return_attn_probs=True, **options)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
-    assert out.shape == (q.shape[0], 4, 64)
-    assert_checks_ok(compare_varlen_with_reference(out, lse, q, k, v, cu_q, cu_k, 40, grads, dout, **options))
+    assert out.shape == (q.shape[0], 4, head_dim_v)
+    assert_checks_ok(compare_varlen_with_reference(out, lse, q, k, v, cu_q, cu_k, max(lengths_k), grads, dout,
+                                                   **options))
+
+
+def test_varlen_forward_and_backward():
+    run_varlen([9, 0, 31], [12, 5, 40], 32, 64, causal=True, window_size=(20, 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="the Hopper kernels run on a GPU")
+@pytest.mark.parametrize("options", [dict(causal=True), dict(window_size=(150, 30))], ids=["causal", "window"])
+def test_mla_varlen_gpu(options):
+    """(192, 128) varlen calls on sm_90's forward for narrow V (configs.HOPPER_FWD_NARROW_V: 128-key blocks, O staged
+    in Q's first chunk): sequences shorter than a tile, empty ones, and ones across many key blocks; stores by
+    pointer at each sequence's end."""
+    launches = hopper.fwd_launch_count
+    run_varlen([130, 0, 257, 64, 700], [200, 7, 257, 300, 901], 192, 128, dtype=torch.bfloat16, **options)
+    on_hopper = (hopper.is_hopper(torch.device(DEVICE)) and hopper.attn_fwd_hopper_kernel is not None
+                 and configs.GLUON_ALLOWED)
+    assert hopper.fwd_launch_count == launches + int(on_hopper)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])

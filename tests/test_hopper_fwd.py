@@ -593,6 +593,28 @@ def test_key_block_loops_do_not_spill(key):
 
 
 @compiles_for_sm90
+@pytest.mark.parametrize("key", sorted(configs.HOPPER_FWD_NARROW_V),
+                         ids=lambda key: f"d{key[0]}-dv{key[1]}-{'causal' if key[2] else 'full'}")
+def test_narrow_v_entries_fit_and_loops_do_not_spill(key):
+    """Offline SASS of configs.HOPPER_FWD_NARROW_V's entries (O staged in Q's first chunk): within sm_90's shared
+    memory, no spill in the key-block loops, and the softmax's exp2s ahead of the P V wait in every consumer where
+    the entry holds the schedule."""
+    import offline_compile
+
+    from flashtriton import kernel_inspect
+
+    tile_dim, tile_dim_v, causal = key
+    config = configs.HOPPER_FWD_NARROW_V[key]
+    compiled = offline_compile.compile_hopper_fwd(tile_dim, causal, head_dim_v=tile_dim_v)
+    assert compiled.metadata.shared <= SM90_SHARED_BYTES
+    assert kernel_inspect.hot_loop_local_accesses(kernel_inspect.disassemble(compiled.asm["cubin"])) == 0
+    held = offline_compile.exp2_before_pv_wait(compiled.asm["cubin"])
+    assert len(held) == config.consumers
+    if config.hold_schedule:
+        assert all(count is not None and count >= config.block_n // 2 for count in held), held
+
+
+@compiles_for_sm90
 @pytest.mark.parametrize("key", sorted(configs.HOPPER_FWD), ids=config_ids)
 def test_only_causal_key_block_loops_hold_mask_code(key):
     """Offline SASS: key blocks are visited last first, so a non-causal kernel masks only its first step and its

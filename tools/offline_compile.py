@@ -170,19 +170,19 @@ def _compile_gluon(kernel, signature: dict, constexprs: dict):
 def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", local: bool = False,
                        head_dim_v: int = 0, varlen: bool = False, alibi: bool = False, dropout: bool = False,
                        sinks: bool = False, fp8: bool = False):
-    """The Gluon Hopper forward (kernels/hopper/fwd.py) with `config` (default configs.HOPPER_FWD[the wider tile
-    dim, causal]), as a dense launch (`varlen`: a varlen one) on the tiles of head_dim for Q / K and of head_dim_v
+    """The Gluon Hopper forward (kernels/hopper/fwd.py) with `config` (default ops/hopper.forward_config's, as the
+    launcher picks it), as a dense launch (`varlen`: a varlen one) on the tiles of head_dim for Q / K and of head_dim_v
     for V / O (0: head_dim's; head dims between the tile classes run on the next wider tiles,
     configs.hopper_fwd_tile_dim, as ops/hopper.launch_fwd does); `local`: a local window (LOCAL); `alibi`: ALiBi
     slopes; `dropout`: dropout's rng_state; `sinks`: learnable sinks; `fp8`: e4m3 q and k with descales, fp16 v, bf16
     out."""
     from flashtriton import configs
     from flashtriton.kernels.hopper.fwd import CONSUMER_ROWS, attn_fwd_hopper_kernel
-    from flashtriton.ops.hopper import forward_constexprs
+    from flashtriton.ops.hopper import forward_config, forward_constexprs
 
     head_dim = configs.hopper_fwd_tile_dim(head_dim)
     head_dim_v = configs.hopper_fwd_tile_dim(head_dim_v) if head_dim_v else head_dim
-    config = config or configs.HOPPER_FWD[max(head_dim, head_dim_v), causal]
+    config = config or forward_config(head_dim, head_dim_v, causal, dropout, fp8)
     rows = CONSUMER_ROWS.value
     signature = {"Lse": "*fp32", "Partial": "*fp32", "PartialLse": "*fp32"}
     constexprs = forward_constexprs(config, causal, local)

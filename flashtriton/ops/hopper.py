@@ -245,6 +245,21 @@ def forward_constexprs(config, causal: bool, local: bool = False) -> dict:
                 SPLIT_TAIL=cuts_tail(config), num_warps=4)
 
 
+def forward_config(tile_dim: int, tile_dim_v: int, causal_like: bool, dropout: bool = False, fp8: bool = False):
+    """The configs.HopperFwdConfig of a forward on Q / K tiles tile_dim and V / O tiles tile_dim_v wide: the narrow-V
+    table's entry where it has one (configs.HOPPER_FWD_NARROW_V), else the dropout or FP8 table's for the wider tile
+    dim where the call has those, else HOPPER_FWD's (launch_fwd and tools/offline_compile both pick it here)."""
+    narrow = configs.HOPPER_FWD_NARROW_V.get((tile_dim, tile_dim_v, causal_like))
+    if narrow is not None:
+        return narrow
+    key = (max(tile_dim, tile_dim_v), causal_like)
+    if dropout and key in configs.HOPPER_FWD_DROPOUT:
+        return configs.HOPPER_FWD_DROPOUT[key]
+    if fp8 and key in configs.HOPPER_FWD_FP8:
+        return configs.HOPPER_FWD_FP8[key]
+    return configs.HOPPER_FWD[key]
+
+
 def chunk_descriptors(tensor: torch.Tensor, rows: int, tile_dim: int) -> Tuple:
     """The descriptors of a (B, S, H, D) tensor's [1, rows, 1, width] tiles for each chunk of its head dim's tiles
     (configs.HOPPER_FWD_CHUNKS[tile_dim]), None for a second chunk where there is one only."""
@@ -277,12 +292,7 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
     # and v / out have tiles of their own widths (and chunks: configs.HOPPER_FWD_CHUNKS), the config is the wider
     # one's
     tile_dim, tile_dim_v = configs.hopper_fwd_tile_dim(head_dim), configs.hopper_fwd_tile_dim(head_dim_v)
-    config_key = (max(tile_dim, tile_dim_v), params.causal_like)
-    config = configs.HOPPER_FWD[config_key]
-    if dropout_p > 0.0:
-        config = configs.HOPPER_FWD_DROPOUT.get(config_key, config)
-    if descales is not None:
-        config = configs.HOPPER_FWD_FP8.get(config_key, config)
+    config = forward_config(tile_dim, tile_dim_v, params.causal_like, dropout_p > 0.0, descales is not None)
     local = local_window(params, seqlen_k)
     tile_rows = config.consumers * CONSUMER_ROWS.value
     num_tiles = triton_cdiv(seqlen_q, tile_rows)

@@ -590,7 +590,8 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_d
     HEAD_DIM: gl.constexpr = chunks_width(k_smem)
     HEAD_DIM_V: gl.constexpr = chunks_width(v_smem)
     # O gets tiles of its own where they fit next to Q and the K/V stages, so the next tile's Q can land while O is
-    # stored; else (head dim 256) O is staged in the consumer's Q tile (of the same shape: V's head dim is q's)
+    # stored; else (head dim 256; (192, 128) on 128-key blocks) O is staged in the consumer's Q tile, its chunks in
+    # Q's first ones (of the same widths)
     # bytes per element of each tensor (FP8: 1 for q and k, 2 for v and out)
     q_bytes: gl.constexpr = q_desc.dtype.primitive_bitwidth // 8
     k_bytes: gl.constexpr = k_desc.dtype.primitive_bitwidth // 8
@@ -603,9 +604,13 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_d
     num_batch_heads = batch * num_heads
     # per chunk of V's head dim: [CONSUMERS, 1, ROWS, 1, WIDTH] the consumers' O tiles
     if O_IN_Q:
-        gl.static_assert((HEAD_DIM == HEAD_DIM_V) & (len(q_descs) == len(o_descs)) & (q_bytes == o_bytes),
+        gl.static_assert((len(o_descs) <= len(q_descs)) & (q_bytes == o_bytes),
                          "O tiles of V's head dim must fit beside the Q tiles")
-        o_smem = q_smem
+        o_smem = ()
+        for chunk in gl.static_range(len(o_descs)):
+            gl.static_assert(q_smem[chunk].shape[4] == o_descs[chunk].block_type.shape[3],
+                             "O's chunks are staged in Q's chunks of the same widths")
+            o_smem = o_smem + (q_smem[chunk], )
     else:
         o_smem = allocate_chunks(o_descs, CONSUMERS)
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
