@@ -496,6 +496,8 @@ _FORWARD_VARIANTS = {
     "d256-causal-varlen": (256, True, dict(varlen=True)),
     "d128-causal-fp8": (128, True, dict(fp8=True)),
     "d96-varlen-fp8": (96, False, dict(varlen=True, fp8=True)),
+    "d128-causal-paged": (128, True, dict(paged=True)),
+    "d192-v128-paged-local": (192, False, dict(head_dim_v=128, paged=True, local=True)),
 }
 
 

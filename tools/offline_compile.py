@@ -169,20 +169,24 @@ def _compile_gluon(kernel, signature: dict, constexprs: dict):
 
 def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", local: bool = False,
                        head_dim_v: int = 0, varlen: bool = False, alibi: bool = False, dropout: bool = False,
-                       sinks: bool = False, fp8: bool = False):
+                       sinks: bool = False, fp8: bool = False, paged: bool = False):
     """The Gluon Hopper forward (kernels/hopper/fwd.py) with `config` (default ops/hopper.forward_config's, as the
     launcher picks it), as a dense launch (`varlen`: a varlen one) on the tiles of head_dim for Q / K and of head_dim_v
     for V / O (0: head_dim's; head dims between the tile classes run on the next wider tiles,
     configs.hopper_fwd_tile_dim, as ops/hopper.launch_fwd does); `local`: a local window (LOCAL); `alibi`: ALiBi
     slopes; `dropout`: dropout's rng_state; `sinks`: learnable sinks; `fp8`: e4m3 q and k with descales, fp16 v, bf16
-    out."""
+    out; `paged`: a varlen call's keys in a paged pool (its key blocks: 64 keys where the config's do not divide a
+    page, as ops/hopper.paged_config picks; pages of 64 here)."""
     from flashtriton import configs
     from flashtriton.kernels.hopper.fwd import CONSUMER_ROWS, attn_fwd_hopper_kernel
-    from flashtriton.ops.hopper import forward_config, forward_constexprs
+    from flashtriton.ops.hopper import PAGE_BLOCK, forward_config, forward_constexprs, paged_config
 
     head_dim = configs.hopper_fwd_tile_dim(head_dim)
     head_dim_v = configs.hopper_fwd_tile_dim(head_dim_v) if head_dim_v else head_dim
     config = config or forward_config(head_dim, head_dim_v, causal, dropout, fp8)
+    if paged:  # a varlen call's
+        config = paged_config(config, PAGE_BLOCK)
+        varlen = True
     rows = CONSUMER_ROWS.value
     signature = {"Lse": "*fp32", "Partial": "*fp32", "PartialLse": "*fp32"}
     constexprs = forward_constexprs(config, causal, local)
@@ -221,6 +225,10 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     signature["fp8_args"] = ("*fp32" if fp8 else "constexpr", ) * 3 + ("i32", )
     if not fp8:
         constexprs.update({(names.index("fp8_args"), element): None for element in range(3)})
+    # paged_args: (BlockTable, stride_bt, page_size, num_pages)
+    signature["paged_args"] = ("*i32" if paged else "constexpr", "i32", "i32", "i32")
+    if not paged:
+        constexprs[(names.index("paged_args"), 0)] = None
     signature = {name: signature[name] for name in names if name in signature}  # in the kernel's order
     return _compile_gluon(attn_fwd_hopper_kernel, signature, constexprs)
 
@@ -393,7 +401,8 @@ def main():
     parser.add_argument("--sinks", action="store_true", help="fwd-hopper: learnable sinks")
     parser.add_argument("--fp8", action="store_true", help="forward only: e4m3 q, k, v with descales (bf16 out)")
     parser.add_argument("--pack-gqa", action="store_true", help="forward only: packed GQA decode tiles")
-    parser.add_argument("--paged", action="store_true", help="forward only: paged K/V, one page per key tile")
+    parser.add_argument("--paged", action="store_true",
+                        help="forward / fwd-hopper: paged K/V (fwd: one page per key tile; fwd-hopper: pages of 64)")
     parser.add_argument("--tma-device", action="store_true",
                         help="in-kernel tensor descriptors (forward TMA_DEVICE, backward USE_TMA)")
     parser.add_argument("--packed", action="store_true",
@@ -454,9 +463,10 @@ def main():
             config = HopperFwdConfig(int(block_n), int(stages), int(regs), *flags, *threshold, *consumers)
         compiled = compile_hopper_fwd(args.head_dim, args.causal, config, local=args.local,
                                       head_dim_v=args.head_dim_v or 0, varlen=args.packed,
-                                      alibi=args.alibi, dropout=args.dropout, sinks=args.sinks)
+                                      alibi=args.alibi, dropout=args.dropout, sinks=args.sinks, paged=args.paged)
         print(f"fwd-hopper d{args.head_dim} dv{args.head_dim_v or args.head_dim} causal={args.causal} "
-              f"local={args.local} varlen={args.packed} alibi={args.alibi} dropout={args.dropout} sinks={args.sinks} "
+              f"local={args.local} varlen={args.packed or args.paged} paged={args.paged} alibi={args.alibi} "
+              f"dropout={args.dropout} sinks={args.sinks} "
               f"{args.hopper_config or 'table'}: "
               f"{resource_usage(compiled)} "
               f"shared {compiled.metadata.shared} wgmma {compiled.asm['ptx'].count('wgmma.mma_async')} "

@@ -183,8 +183,11 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
     # Gluon forward's registers (sm_90 offline compiles). Varlen calls without a query or key row: no tensor
     # descriptor has zero rows
     # Head dims above 256 (hopper.wide_forward's tiles): dense calls without ALiBi, dropout or sinks. FP8: not with
-    # ALiBi (the Gluon forward scales the scores, not ALiBi's logits, by the descales)
-    plain = not (is_paged or num_splits > 1 or seqused_k is not None or leftpad_k is not None
+    # ALiBi (the Gluon forward scales the scores, not ALiBi's logits, by the descales). Paged pools: varlen calls
+    # without dropout or FP8, pools the Gluon forward reads (hopper.takes_pages), a block table of unit entry stride
+    gluon_pages = (is_paged and is_varlen and dropout_p == 0.0 and descales is None and block_table.stride(1) == 1
+                   and hopper.takes_pages(k, v))
+    plain = not ((is_paged and not gluon_pages) or num_splits > 1 or seqused_k is not None or leftpad_k is not None
                  or cache_batch_idx is not None or (alibi_slopes is not None and not params.causal_like)
                  or (is_varlen and (q.shape[0] == 0 or k.shape[0] == 0))
                  or (max(head_dim, head_dim_v) > 256 and (is_varlen or alibi_slopes is not None or dropout_p > 0.0
@@ -202,7 +205,7 @@ def launch_fwd(q, k, v, out, lse, params: ScoreParams, alibi_slopes, lse_strides
         with device_guard(q):
             hopper.launch_fwd(q, k, v, out, lse, lse_strides, params, seqlen_q, seqlen_k, batch, heads_per_group,
                               cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_p, rng_state, learnable_sink,
-                              descales)
+                              descales, block_table)
         return
     q_strides = _varlen_strides if is_varlen else _bsh_strides
     kv_strides = _paged_strides if is_paged else q_strides

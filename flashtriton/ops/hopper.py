@@ -14,7 +14,7 @@ these kernels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Optional, Sequence, Tuple, Union
 
@@ -260,6 +260,25 @@ def forward_config(tile_dim: int, tile_dim_v: int, causal_like: bool, dropout: b
     return configs.HOPPER_FWD[key]
 
 
+PAGE_BLOCK = 64  # the paged forward's smallest key block: its pages hold a multiple of it
+
+
+def takes_pages(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the Gluon forward reads this paged pool (k, v: (num_pages, page_size, Hk, D)): pages of a multiple of
+    PAGE_BLOCK keys, laid one after another (each pool a (1, num_pages * page_size, Hk, D) view to the
+    descriptors), and a row just past the pool (where pages outside it read) within TMA's 32-bit coordinates."""
+    num_pages, page_size = k.shape[0], k.shape[1]
+    return (num_pages > 0 and page_size % PAGE_BLOCK == 0 and (num_pages + 1) * page_size < 2 ** 31
+            and all(t.stride(0) == page_size * t.stride(1) for t in (k, v)))
+
+
+@lru_cache(maxsize=None)
+def paged_config(config, page_size: int):
+    """config with the key block of a paged forward: its own where it divides page_size, else PAGE_BLOCK (a block
+    lies in one page)."""
+    return config if page_size % config.block_n == 0 else replace(config, block_n=PAGE_BLOCK)
+
+
 def chunk_descriptors(tensor: torch.Tensor, rows: int, tile_dim: int) -> Tuple:
     """The descriptors of a (B, S, H, D) tensor's [1, rows, 1, width] tiles for each chunk of its head dim's tiles
     (configs.HOPPER_FWD_CHUNKS[tile_dim]), None for a second chunk where there is one only."""
@@ -270,29 +289,38 @@ def chunk_descriptors(tensor: torch.Tensor, rows: int, tile_dim: int) -> Tuple:
 
 def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
                heads_per_group: int, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None, dropout_p: float = 0.0,
-               rng_state=None, learnable_sink=None, descales=None) -> None:
+               rng_state=None, learnable_sink=None, descales=None, block_table=None) -> None:
     """Run the Gluon forward into out (B, Sq, H, Dv) and lse (fp32, rows contiguous, strides lse_strides). Varlen
     (cu_seqlens given): q, k, v and out (T, H, D), batch sequences, seqlen_q / seqlen_k the longest lengths, lse
     (H, T) with lse_strides (0, T). alibi_slopes: fp32 (H,) or (B, H). dropout_p > 0: attention probabilities
     dropped by the mask of rng_state ((2,) int64: seed, offset; docs/api.md §4.7). learnable_sink (H,): folded into
     out and lse by the kernel (docs/api.md §4.11). descales: FP8's (q_descale, k_descale, v_descale), (B, Hk) fp32
-    contiguous, with e4m3 q and k, v in fp16 and a bf16 out (docs/api.md §4.12; no ALiBi)."""
+    contiguous, with e4m3 q and k, v in fp16 and a bf16 out (docs/api.md §4.12; no ALiBi). block_table (B, max
+    pages) int32, varlen calls: k and v are paged pools (num_pages, page_size, Hk, D) that `takes_pages`; each
+    sequence's keys are its cu_seqlens_k length, clamped to its row's capacity, from key 0 of its row."""
     global fwd_launch_count, tail_merge_count
     num_heads, head_dim, head_dim_v = q.shape[-2], q.shape[-1], v.shape[-1]
     if wide_forward(head_dim, head_dim_v):
         launch_fwd_d512(q, k, v, out, lse, lse_strides, params, seqlen_q, seqlen_k, batch, heads_per_group)
         return
     varlen = cu_seqlens_q is not None
-    # attn_fwd_hopper_kernel's varlen group, q_rows and k_rows
+    paged = block_table is not None
+    # attn_fwd_hopper_kernel's varlen group, q_rows and k_rows (paged: a block-table row's capacity), paged group
+    k_rows = block_table.shape[1] * k.shape[1] if paged else k.shape[0]
     varlen_args = ((cu_seqlens_q, cu_seqlens_k, out, out.stride(0), out.stride(1), head_dim_v), q.shape[0],
-                   k.shape[0]) if varlen else ((None, None, None, 0, 0, 0), 0, 0)
+                   k_rows) if varlen else ((None, None, None, 0, 0, 0), 0, 0)
+    paged_args = (block_table, block_table.stride(0), k.shape[1], k.shape[0]) if paged else (None, 0, 0, 0)
     if varlen:  # one batch entry of all the rows to the descriptors; each tile finds its sequence's rows
-        q, k, v, out = (t.unsqueeze(0) for t in (q, k, v, out))
+        q, out = q.unsqueeze(0), out.unsqueeze(0)
+        # a paged pool: its pages one after another
+        k, v = (t.view(1, -1, *t.shape[-2:]) if paged else t.unsqueeze(0) for t in (k, v))
     # head dims between the tile classes run on the next wider tiles (their missing columns read as zeros); q / k
     # and v / out have tiles of their own widths (and chunks: configs.HOPPER_FWD_CHUNKS), the config is the wider
     # one's
     tile_dim, tile_dim_v = configs.hopper_fwd_tile_dim(head_dim), configs.hopper_fwd_tile_dim(head_dim_v)
     config = forward_config(tile_dim, tile_dim_v, params.causal_like, dropout_p > 0.0, descales is not None)
+    if paged:
+        config = paged_config(config, paged_args[2])
     local = local_window(params, seqlen_k)
     tile_rows = config.consumers * CONSUMER_ROWS.value
     num_tiles = triton_cdiv(seqlen_q, tile_rows)
@@ -328,7 +356,7 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
         params.window_left, params.window_right, *varlen_args,
         (alibi_slopes, alibi_batch_stride(alibi_slopes), int(params.alibi_pure_causal), params.qk_scale_log2),
         (rng_state if dropout_p > 0.0 else None, *kernel_dropout(dropout_p)), learnable_sink,
-        (*(descales or (None, None, None)), num_heads // k.shape[-2]),
+        (*(descales or (None, None, None)), num_heads // k.shape[-2]), paged_args,
         **forward_constexprs(config, params.causal_like, local))
     if split is not None:
         launch(

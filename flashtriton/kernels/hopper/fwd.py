@@ -48,7 +48,7 @@ from .common import accumulate_register_products, allocate_chunks, arrive_after_
     zero_accumulators
 from .dropout import draw_words, dropout_key, kept_operand, row_draws
 from .fwd_softmax import hold_schedule, logits, mask_block, mask_local, operand_of, reciprocal, rescale, softmax_block
-from .schedule import first_cursor, more_work, next_piece
+from .schedule import block_row, first_cursor, mask_absent_page, more_work, next_piece, page_presence, sequence_pages
 
 SHARED_BYTES_FOR_TILES = gl.constexpr(220 * 1024)  # sm_90: 227 KiB per program, less barriers and the compiler's
 CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M tile); a tile has one per consumer
@@ -64,36 +64,36 @@ def _copy_out(descs, tiles, batch, row, head):
 
 
 @gluon.jit
-def _load_stage(descs, smem, ready, empty, load, batch, row0, block, head_k):
+def _load_stage(descs, smem, ready, empty, load, batch, row, head_k):
     """The producer's load number `load` of K or V (descs, smem: per chunk of the head dim, [STAGES, 1, BLOCK_N, 1,
-    WIDTH]): key block `block` (of the sequence whose first row is row0) into stage load % STAGES once every consumer
+    WIDTH]): the key block whose first row is `row` (schedule.block_row) into stage load % STAGES once every consumer
     released that stage's previous tile, landing on ready (TMA transaction bytes)."""
     STAGES: gl.constexpr = smem[0].shape[0]
-    BLOCK_N: gl.constexpr = smem[0].shape[2]
     stage = load % STAGES
     mbarrier.wait(empty.index(stage), ((load // STAGES) - 1) & 1, pred=load >= STAGES)
     mbarrier.expect(ready.index(stage), chunks_bytes(smem))
-    copy_pieces(descs, entries_of(smem, stage), batch, row0 + block * BLOCK_N, head_k, ready.index(stage))
+    copy_pieces(descs, entries_of(smem, stage), batch, row, head_k, ready.index(stage))
 
 
 @gluon.jit
-def _load_key_block(k_descs, v_descs, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch, row0, block,
+def _load_key_block(k_descs, v_descs, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch, row,
                     head_k):
-    """K, then V, of key block `block` as the producer's load number `load` (_load_stage)."""
-    _load_stage(k_descs, k_smem, k_ready, k_empty, load, batch, row0, block, head_k)
-    _load_stage(v_descs, v_smem, v_ready, v_empty, load, batch, row0, block, head_k)
+    """K, then V, of the key block whose first row is `row` as the producer's load number `load` (_load_stage)."""
+    _load_stage(k_descs, k_smem, k_ready, k_empty, load, batch, row, head_k)
+    _load_stage(v_descs, v_smem, v_ready, v_empty, load, batch, row, head_k)
 
 
 @gluon.jit
 def _producer(q_descs, k_descs, v_descs, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-              v_empty, group_size, tail, work):
+              v_empty, group_size, tail, work, pages):
     """One warp, per tile of this program's work items: K of the tile's first key block, the consumers' Q tiles (q_smem
     per chunk of the head dim: [CONSUMERS, 1, ROWS, 1, WIDTH]) once each consumer released its previous one, then V of
     the first block and K and V of the others; the program's load number l (counted across tiles) goes to stage l %
     STAGES once every consumer freed that stage's K (resp. V). The first K goes ahead of Q: its stage is free once the
     consumers' second-to-last S of the previous tile is done, Q's only after their last (loaded after Q, the first K
     would wait for both consumers' last S, and the tile's first S for its landing). Varlen tiles past their
-    sequence's end (no key block) are skipped, by the consumers too."""
+    sequence's end (no key block) are skipped, by the consumers too. pages: () or the paged pool's group
+    (schedule.sequence_pages): each block's rows come from its page (schedule.block_row)."""
     CONSUMERS: gl.constexpr = q_smem[0].shape[0]
     ROWS: gl.constexpr = q_smem[0].shape[2]
     BLOCK_N: gl.constexpr = k_smem[0].shape[2]
@@ -102,22 +102,25 @@ def _producer(q_descs, k_descs, v_descs, q_smem, k_smem, v_smem, q_ready, q_empt
     item, which, x_start, x_end = first_cursor(tail)
     x = x_start
     while more_work(item, x, x_end, tail):
-        _, head, m_start, top, count, slot, item, which, x, bounds = next_piece(item, which, x, x_start, x_end, tail,
-                                                                                work, CONSUMERS * ROWS, BLOCK_N)
+        batch, head, m_start, top, count, slot, item, which, x, bounds = next_piece(item, which, x, x_start, x_end,
+                                                                                    tail, work, CONSUMERS * ROWS,
+                                                                                    BLOCK_N)
         if count > 0:
             _, _, q_start, k_start, desc_batch = bounds
             head_k = head // group_size
+            row_pages = sequence_pages(pages, batch)
             # key blocks from the piece's last to its first (_key_blocks)
-            _load_stage(k_descs, k_smem, k_ready, k_empty, load, desc_batch, k_start, top, head_k)
+            top_row = block_row(row_pages, k_start, top, BLOCK_N)
+            _load_stage(k_descs, k_smem, k_ready, k_empty, load, desc_batch, top_row, head_k)
             for consumer in gl.static_range(CONSUMERS):
                 mbarrier.wait(q_empty.index(consumer), (done - 1) & 1, pred=done > 0)
                 mbarrier.expect(q_ready.index(consumer), chunks_bytes(q_smem))
                 copy_pieces(q_descs, entries_of(q_smem, consumer), desc_batch, q_start + m_start + consumer * ROWS,
                             head, q_ready.index(consumer))
-            _load_stage(v_descs, v_smem, v_ready, v_empty, load, desc_batch, k_start, top, head_k)
+            _load_stage(v_descs, v_smem, v_ready, v_empty, load, desc_batch, top_row, head_k)
             for j in range(1, count):
                 _load_key_block(k_descs, v_descs, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load + j,
-                                desc_batch, k_start, top - j, head_k)
+                                desc_batch, block_row(row_pages, k_start, top - j, BLOCK_N), head_k)
             load += count
             done += 1
 
@@ -184,7 +187,7 @@ def _rescale_chunks(acc, alpha, lag):
 @gluon.jit
 def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, release_q, first_load, top, count,
                 row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, alibi, causal, window, turns, lead, fences, lag,
-                residues, clear_v, draws):
+                residues, clear_v, draws, row_pages):
     """One consumer's pass over a work item's key blocks (the program's loads first_load, first_load + 1, ...) for its
     Q tile q ([ROWS, WIDTH] per chunk of the head dim, shared memory; k_smem and v_smem [STAGES, 1, BLOCK_N, 1, WIDTH]
     per chunk of their head dims): `count` key blocks from block `top` down (step j visits block top - j; a whole
@@ -200,9 +203,10 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     is given). clear_v: (0, ) for a varlen call, else (): V's rows past seqlen_k in block `top` (the only block that
     crosses it) are zeroed before its P V (_clear_rows_past). draws: () or (dropout.row_draws' of the rows, ):
     each block's Philox words are drawn while its S wgmma runs, and the dropped elements of P zeroed after the row
-    sum took them (the LSE ignores dropout). Returns the unnormalized
-    output ([ROWS, WIDTH] per
-    chunk of V's head dim), the running max (log2 units) and the row sum [ROWS]."""
+    sum took them (the LSE ignores dropout). row_pages: () or schedule.sequence_pages' entry: each block's page id is
+    read while its S wgmma runs, and a block on a page outside the pool is masked whole (schedule.mask_absent_page).
+    Returns the unnormalized output ([ROWS, WIDTH] per chunk of V's head dim), the running max (log2 units) and the
+    row sum [ROWS]."""
     ROWS: gl.constexpr = q[0].shape[0]
     STAGES: gl.constexpr = k_smem[0].shape[0]
     BLOCK_N: gl.constexpr = k_smem[0].shape[2]
@@ -228,8 +232,10 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     if len(draws) > 0:
         # [ROWS, BLOCK_N] the block's dropout draws, while its S wgmma runs
         words = draw_words(zero_s, top, draws[0], col_s)
+    presence = page_presence(row_pages, top, BLOCK_N)
     s = logits(warpgroup_mma_wait(0, deps=(s, )), top, offs_m, seqlen_q, seqlen_k, alibi, col_s)
     arrive_after_wgmma(k_empty.index(stage))
+    s = mask_absent_page(s, presence, zero_s)
     # [ROWS, BLOCK_N] probabilities of the block whose P.V is pending
     if len(window) > 0:
         s = mask_local(s, top, row0, offs_m, seqlen_q, seqlen_k, window, col_s)
@@ -259,9 +265,11 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         _pass_turn(turns)
         if len(draws) > 0:
             words = draw_words(zero_s, top - j, draws[0], col_s)
+        presence = page_presence(row_pages, top - j, BLOCK_N)
         # S_j done (wgmma groups complete in order); P_{j-1} V_{j-1} may still run
         s = logits(warpgroup_mma_wait(PV_GROUPS, deps=(s, )), top - j, offs_m, seqlen_q, seqlen_k, alibi, col_s)
         arrive_after_wgmma(k_empty.index(stage))
+        s = mask_absent_page(s, presence, zero_s)
         if len(window) > 0:
             s = mask_local(s, top - j, row0, offs_m, seqlen_q, seqlen_k, window, col_s)
         elif causal != 0:
@@ -385,7 +393,7 @@ def _store_partial_chunk(out, column0, Partial, slot, row_offset, TILE_ROWS: gl.
 @gluon.jit
 def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, Partial, PartialLse, k_smem, v_smem,
               k_ready, v_ready, k_empty, v_empty, team, fences, lag, residues, stride_lse_b, stride_lse_h, tail,
-              work, qk_scale_log2, alibi, o_in_q, rows_out, dropout, sinks, fp8):
+              work, qk_scale_log2, alibi, o_in_q, rows_out, dropout, sinks, fp8, pages):
     """One warpgroup: query rows [m_start + row_offset, + ROWS) of every piece of work of this program (a tile, or part
     of a tail tile's key blocks: next_piece). Per piece: wait for its Q tile (q_tile [1, ROWS, 1, WIDTH] per chunk,
     shared), run the key blocks, normalize, store the natural-log LSE and O (_store_output; a partial piece's to the
@@ -399,7 +407,7 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
     alibi_pure_causal, qk_scale_log2 of the logits) (_run_piece loads each tile's slope for logits); rows_out:
     _store_output's (varlen: O's pointer, strides and head dim; its length also tells _key_blocks to clear V past
     each sequence's keys); dropout: () or (RngState, keep_threshold, dropout_scale), sinks: () or (LearnableSink, ),
-    fp8: () or (QDescale, KDescale, VDescale, group_size) (_run_piece)."""
+    fp8: () or (QDescale, KDescale, VDescale, group_size) (_run_piece); pages: the producer's."""
     ROWS: gl.constexpr = q_tile[0].shape[1]
     TILE_ROWS: gl.constexpr = len(team) * ROWS
     BLOCK_N: gl.constexpr = k_smem[0].shape[2]
@@ -414,7 +422,7 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
     barriers = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
     outputs = (o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, rows_out)
     options = (row_offset, turns, lead, fences, lag, residues, clear_v, work[6], work[8], qk_scale_log2, alibi,
-               o_in_q, tail, team, dropout, work[3], sinks, fp8)
+               o_in_q, tail, team, dropout, work[3], sinks, fp8, pages)
     load = 0
     done = 0
     item, which, x_start, x_end = first_cursor(tail)
@@ -438,7 +446,7 @@ def _run_piece(piece, load, done, tiles, barriers, outputs, options):
     tiles: (q ([ROWS, WIDTH] per chunk, shared), o_tile, k_smem, v_smem); barriers: (q_ready, q_empty, k_ready, v_ready,
     k_empty, v_empty); outputs: (o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, rows_out); options:
     (row_offset, turns, lead, fences, lag, residues, clear_v, causal, window, qk_scale_log2, alibi, o_in_q, tail,
-    team, dropout, num_heads, sinks, fp8); dropout: () or (RngState, keep_threshold, dropout_scale); sinks: () or
+    team, dropout, num_heads, sinks, fp8, pages); dropout: () or (RngState, keep_threshold, dropout_scale); sinks: () or
     (LearnableSink, ): folded into the output and LSE (not into a partial piece's: launch_fwd cuts no tail then);
     fp8: () or (QDescale, KDescale, VDescale, group_size): the piece's scores scaled by its (batch, kv head)'s q and
     k descales, its output by the v descale."""
@@ -447,7 +455,7 @@ def _run_piece(piece, load, done, tiles, barriers, outputs, options):
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = barriers
     o_desc, Lse, Partial, PartialLse, stride_lse_b, stride_lse_h, rows_out = outputs
     (row_offset, turns, lead, fences, lag, residues, clear_v, causal, window, qk_scale_log2, alibi, o_in_q, tail,
-     team, dropout, num_heads, sinks, fp8) = options
+     team, dropout, num_heads, sinks, fp8, pages) = options
     ROWS: gl.constexpr = q[0].shape[0]
     TILE_ROWS: gl.constexpr = len(team) * ROWS
     BLOCK_N: gl.constexpr = k_smem[0].shape[2]
@@ -476,7 +484,8 @@ def _run_piece(piece, load, done, tiles, barriers, outputs, options):
     mbarrier.wait(q_ready, done & 1)
     acc, m_i, l_i = _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_empty, o_in_q == 0,
                                 load, top, count, row0, offs_m, seqlen_q, seqlen_k, scale_log2, alibi_row,
-                                causal, window, turns, lead, fences, lag, residues, clear_v, draws)
+                                causal, window, turns, lead, fences, lag, residues, clear_v, draws,
+                                sequence_pages(pages, batch))
     seen = l_i > 0.0
     if len(sinks) > 0:
         # the head's sink logit (log2 units) joins every row's sum; [ROWS] what the keys keep of it (0 for rows
@@ -532,11 +541,12 @@ def _consumer_args(consumer: gl.constexpr, q_smem, o_smem, q_ready, q_empty, tur
 
 @gluon.jit(do_not_specialize=["stride_lse_b", "stride_lse_h", "batch", "seqlen_q", "seqlen_k", "heads_per_group",
                               "paired", "full_items", "tail_programs", "tail_blocks", "item_blocks", "window_left",
-                              "window_right", "q_rows", "k_rows"])
+                              "window_right", "q_rows", "k_rows", "paged_args"])
 def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_desc2, o_desc2, Lse, Partial,
                            PartialLse, stride_lse_b, stride_lse_h, batch, num_heads, group_size, seqlen_q, seqlen_k, heads_per_group, paired, full_items,
                            tail_programs, tail_blocks, item_blocks, qk_scale_log2, rescale_threshold, window_left,
                            window_right, varlen, q_rows, k_rows, alibi_args, dropout_args, LearnableSink, fp8_args,
+                           paged_args,
                            CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
                            STAGES: gl.constexpr,
                            CONSUMERS: gl.constexpr,
@@ -577,7 +587,11 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_d
     fp8_args: (QDescale, KDescale, VDescale, group_size), the pointers None without FP8: e4m3 q and k (their product
     on fp8 tensor cores), V in fp16 (the launcher widens it), bf16 out; each tile's scores are scaled by its (batch,
     kv head)'s q and k descales and its output by the v descale ((B, Hk) fp32 each); P enters P V in fp16 as V's
-    dtype (docs/api.md §4.12). No ALiBi, no tail cut then."""
+    dtype (docs/api.md §4.12). No ALiBi, no tail cut then. paged_args: (BlockTable, stride_bt, page_size,
+    num_pages), BlockTable None without pages: a varlen call's K and V are a pool of num_pages pages of page_size
+    keys, (1, num_pages * page_size, Hk, D) to the descriptors, whose key blocks (BLOCK_N dividing page_size) the
+    producer reads from each sequence's block-table row (schedule.block_row); keys start at 0 of the row, k_rows is
+    its capacity (max pages per sequence * page_size); blocks on pages outside [0, num_pages) are absent."""
     ROWS: gl.constexpr = CONSUMER_ROWS
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
     q_descs, k_descs = chunk_descriptors(q_desc, q_desc2), chunk_descriptors(k_desc, k_desc2)
@@ -671,8 +685,13 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_d
     else:
         alibi = ()
     # the varlen sequences and O's rows by pointer, or () for a dense call (schedule.tile_work, _store_output)
+    # a varlen call's keys in a paged pool, or () (schedule.block_row)
+    if paged_args[0] is not None:
+        pages = paged_args
+    else:
+        pages = ()
     if varlen[0] is not None:
-        seqs = (varlen[0], varlen[1], q_rows, k_rows)
+        seqs = (varlen[0], varlen[1], q_rows, k_rows, pages)
         rows_out = (varlen[2], varlen[3], varlen[4], varlen[5])
     else:
         seqs = ()
@@ -699,9 +718,9 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_d
         tail = (full_items, )
     common = (o_descs, Lse, Partial, PartialLse, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, team, fences, lag,
               residues, stride_lse_b, stride_lse_h, tail, work, qk_scale_log2, alibi, o_in_q, rows_out, dropout, sinks,
-              fp8)
+              fp8, pages)
     producer_args = (q_descs, k_descs, v_descs, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, group_size, tail, work)
+                     v_empty, group_size, tail, work, pages)
     first = _consumer_args(0, q_smem, o_smem, q_ready, q_empty, turns, common)
     second = _consumer_args(1, q_smem, o_smem, q_ready, q_empty, turns, common)
     if CONSUMERS == 3:

@@ -5,6 +5,7 @@ Every partition of the forward holds this code: it is branch-free integer arithm
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from ..common import clamped_range
 from .common import grouped_tile_of, kv_block_range, sequence_rows
 
 
@@ -33,11 +34,12 @@ def tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, causal
     (kernels/common.kv_block_range's bounds: the blocks any of the tile's rows sees). At least one key block, even
     for a tile whose rows see no key (a causal tile whose rows all precede the first key, sq > sk; a window outside
     the keys): it comes back fully masked, so those rows see no key.
-    seqs: () for a dense (B, S, H, D) call, or (CuSeqlensQ, CuSeqlensK, q_rows, k_rows) for a varlen one, whose
-    tensors are (1, T, H, D) to the descriptors: the lengths are the sequence's own, seqlen_q and seqlen_k the
+    seqs: () for a dense (B, S, H, D) call, or (CuSeqlensQ, CuSeqlensK, q_rows, k_rows, pages) for a varlen one,
+    whose tensors are (1, T, H, D) to the descriptors: the lengths are the sequence's own, seqlen_q and seqlen_k the
     longest (num_tiles counts tiles of the longest); a tile past its sequence's end has no key block (the caller
-    skips it). bounds: (the sequence's query and key lengths, its first q and k rows, the descriptors' batch
-    coordinate)."""
+    skips it). pages: () or sequence_pages' group for keys in a paged pool (block_row): the sequence's keys start at
+    key 0 of its block-table row and their count is clamped to the row's capacity (k_rows). bounds: (the sequence's
+    query and key lengths, its first q and k rows, the descriptors' batch coordinate)."""
     batch = batch_head // num_heads
     m_start = (num_tiles - 1 - tile) * TILE_ROWS
     q_start = m_start * 0
@@ -45,7 +47,11 @@ def tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, causal
     desc_batch = batch
     if len(seqs) > 0:
         q_start, seqlen_q = sequence_rows(seqs[0], batch, seqs[2])
-        k_start, seqlen_k = sequence_rows(seqs[1], batch, seqs[3])
+        if len(seqs[4]) > 0:
+            key_start = gl.load(seqs[1] + batch)
+            k_start, seqlen_k = clamped_range(key_start * 0, gl.load(seqs[1] + batch + 1) - key_start, seqs[3])
+        else:
+            k_start, seqlen_k = sequence_rows(seqs[1], batch, seqs[3])
         desc_batch = q_start * 0
     key_end = seqlen_k
     if causal != 0:
@@ -146,3 +152,51 @@ def next_piece(item, which, x, x_start, x_end, tail, work, TILE_ROWS: gl.constex
         next_item = gl.where(last_of_item, item + gl.num_programs(0), item)
     next_which = gl.where(last_of_item, 0, which + 1)
     return batch, head, m_start, end_block - 1 - before, count, slot, next_item, next_which, x, bounds
+
+
+@gluon.jit
+def sequence_pages(pages, batch):
+    """pages with its block table moved to sequence `batch`'s row: () without pages, else (the row's first entry,
+    page_size, num_pages) from (BlockTable, stride_bt, page_size, num_pages) (docs/api.md §3.4: key t of the
+    sequence is row t % page_size of page row[t // page_size] of a (num_pages, page_size, Hk, D) pool)."""
+    row = ()
+    if len(pages) > 0:
+        row = (pages[0] + batch.to(gl.int64) * pages[1], pages[2], pages[3])
+    return row
+
+
+@gluon.jit
+def block_row(row_pages, row0, block, BLOCK_N: gl.constexpr):
+    """The descriptors' first row of key block `block` of a sequence whose keys start at row0: row0 + block *
+    BLOCK_N, or in a paged pool (row_pages: sequence_pages' entry; the pool is (1, num_pages * page_size, Hk, D) to
+    the descriptors, BLOCK_N divides page_size, so a block lies in one page) the block's row in its page. A page id
+    outside [0, num_pages) gives the row just past the pool: TMA reads zeros there, and the consumers mask the block
+    (page_presence)."""
+    row = row0 + block * BLOCK_N
+    if len(row_pages) > 0:
+        key = block * BLOCK_N
+        page = gl.load(row_pages[0] + key // row_pages[1])
+        present = (page >= 0) & (page < row_pages[2])
+        row = gl.where(present, page * row_pages[1] + key % row_pages[1], row_pages[2] * row_pages[1])
+    return row
+
+
+@gluon.jit
+def page_presence(row_pages, block, BLOCK_N: gl.constexpr):
+    """() without pages, else (whether key block `block`'s page is in the pool, ) (block_row's test)."""
+    presence = ()
+    if len(row_pages) > 0:
+        page = gl.load(row_pages[0] + block * BLOCK_N // row_pages[1])
+        presence = ((page >= 0) & (page < row_pages[2]), )
+    return presence
+
+
+@gluon.jit
+def mask_absent_page(s, presence, zero_s):
+    """Scores s [ROWS, BLOCK_N] of a key block, all -inf where its page is outside the pool (presence:
+    page_presence's; zero_s: zeros of s's shape and layout): such keys are absent, as in the Triton kernel (docs/
+    api.md §6). A warp-uniform branch: blocks in the pool run no per-score select."""
+    if len(presence) > 0:
+        if presence[0] == 0:
+            s = zero_s + float("-inf")
+    return s
