@@ -7,8 +7,9 @@ them to shared memory and adds the other consumer's: S = S_0 + S_1 (fp32 additio
 bits), both run the same online softmax on it, and each accumulates its half of O += P V[:, half w]. Each
 consumer issues the next block's partial-score wgmma before it waits for the other's scores, so the tensor cores
 work through the exchange and the softmax. A producer warp loads the program's Q once and streams K and V, each
-half into its own tile. One program per 64-row query tile of a (batch, head); key blocks and masks from
-kernels/common.kv_block_range (causal and local windows, keys past seqlen_k). Dense calls without softcap, ALiBi,
+half into its own tile. One program per 64-row query tile of a (batch, head); key blocks from
+kernels/common.kv_block_range (causal and local windows, keys past seqlen_k), the masks and the online softmax step
+those of the other Gluon forward (fwd_softmax: a block inside every row's keys takes no mask). Dense calls without softcap, ALiBi,
 dropout or sinks (ops/hopper.covers and ops/backend say which calls come here).
 """
 
@@ -18,7 +19,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from .common import arrive_after_wgmma, grouped_tile_of, kv_block_range
-from .fwd_softmax import reciprocal
+from .fwd_softmax import mask_block, mask_local, reciprocal, rescale, softmax_block
 
 ROWS = gl.constexpr(64)    # query rows per program: the wgmmas' M, shared by both consumers
 HALF = gl.constexpr(256)   # head-dim columns per consumer (a TMA box is at most 256 wide)
@@ -71,15 +72,14 @@ def _consumer(q_tile, k_tiles, v_tiles, o_desc, own_scores, other_scores, own_re
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     # [ROWS, HALF] this half of Q; [ROWS, BLOCK_N] the S wgmma's zero accumulator; [ROWS, HALF] this half of O
     q = q_tile.reshape([ROWS, HALF])
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     acc = gl.zeros([ROWS, HALF], gl.float32, o_layout)
-    # [ROWS] running max (log2 units) and row sum; each row's position on the keys
+    # [ROWS] running max (log2 units) and row sum; the tile's query rows
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([ROWS], gl.float32, row_s)
-    aligned = m_start + gl.arange(0, ROWS, row_s) + (seqlen_k - seqlen_q)
+    offs_m = m_start + gl.arange(0, ROWS, row_s)
     mbarrier.wait(q_ready, 0)
     # [ROWS, BLOCK_N] this half's partial scores of the next key block, issued a block ahead: its wgmma runs while
     # the current block's scores are exchanged and its softmax computed (the first block's here, waited for)
@@ -104,25 +104,18 @@ def _consumer(q_tile, k_tiles, v_tiles, o_desc, own_scores, other_scores, own_re
         mbarrier.wait(k_ready.index(next_stage), (following // STAGES) & 1, pred=following < n_blocks)
         s_next = warpgroup_mma(q, k_tiles.index(next_stage).reshape([BLOCK_N, HALF]).permute((1, 0)), zero_s,
                                use_acc=False, is_async=True)
-        # [ROWS, BLOCK_N] the whole scores of block j
+        # [ROWS, BLOCK_N] the whole scores of block j, masked where the block crosses seqlen_k or a window's edge
+        # (fwd_softmax's masks: blocks inside every row's keys come back untouched)
         mbarrier.wait(other_ready.index(parity), (j // 2) & 1)
         s = s + other_scores.index(parity).load(s_layout)
-        # [BLOCK_N] the block's keys; [ROWS, BLOCK_N] which each row sees
-        keys = (n_lo + j) * BLOCK_N + gl.arange(0, BLOCK_N, col_s)
-        visible = gl.expand_dims(keys < seqlen_k, 0)
         if LOCAL:
-            visible = visible & (gl.expand_dims(keys, 0) >= gl.expand_dims(aligned - window_left, 1)) & (
-                gl.expand_dims(keys, 0) <= gl.expand_dims(aligned + window_right, 1))
-        logits = gl.where(visible, s * qk_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(logits, 1))
-        pivot = gl.where(m_new == float("-inf"), 0.0, m_new)
+            s = mask_local(s, n_lo + j, m_start, offs_m, seqlen_q, seqlen_k, (window_left, window_right), col_s)
+        else:
+            s = mask_block(s, n_lo + j, m_start, offs_m, seqlen_q, seqlen_k, 0, (), col_s)
         # [ROWS, BLOCK_N] P relative to the new max; [ROWS] the old max's factor
-        p = gl.exp2(logits - gl.expand_dims(pivot, 1))
-        alpha = gl.exp2(m_i - pivot)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
+        p, m_i, l_i, alpha = softmax_block(s, m_i, l_i, qk_scale_log2, ())
         # the previous block's P V completed (waited for below), so acc holds its sum
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        acc = rescale(acc, alpha, ())
         mbarrier.wait(v_ready.index(stage), (j // STAGES) & 1)
         v = v_tiles.index(stage).reshape([BLOCK_N, HALF])
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v, acc, is_async=True)
@@ -132,17 +125,15 @@ def _consumer(q_tile, k_tiles, v_tiles, o_desc, own_scores, other_scores, own_re
         arrive_after_wgmma(k_empty.index(next_stage), pred=following < n_blocks)
     seen = l_i > 0.0
     # [ROWS] one reciprocal per row (a seen row's sum is >= 1: its max's own term)
-    inverse_sum = reciprocal(gl.where(seen, l_i, 1.0))
-    out = acc * gl.expand_dims(gl.convert_layout(inverse_sum, row_o), 1)
+    out = rescale(acc, reciprocal(gl.where(seen, l_i, 1.0)), ())
     # this consumer's last S wgmma, the only reader of its Q half, completed: O goes out through that tile
     q.store(out.to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [batch, m_start, head, column], q_tile)
     if stores_lse != 0:
-        rows = m_start + gl.arange(0, ROWS, row_s)
         lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("inf"))
-        gl.store(Lse + batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + rows, lse,
-                 mask=rows < seqlen_q)
+        gl.store(Lse + batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + offs_m, lse,
+                 mask=offs_m < seqlen_q)
     tma.store_wait(0)
 
 
