@@ -177,12 +177,14 @@ class _Operation:
 
 class _Launch:
     """A noted launch: its compiled kernel and grid, the arguments that do not change (`static`, the launcher's
-    keyword tail included) and those that hold tensors (`dynamic`: (position, template))."""
+    keyword tail included) and those that hold tensors (`dynamic`: (position, template)), and the launch plan's C
+    launcher where it has one (launching.c_launcher)."""
 
-    __slots__ = ("compiled", "grid", "static", "dynamic")
+    __slots__ = ("compiled", "grid", "static", "dynamic", "direct")
 
     def __init__(self, plan, grid: tuple, args: tuple, kwargs: dict, slots: dict):
         self.compiled = plan.compiled
+        self.direct = plan.direct
         self.grid = (*grid, 1, 1)[:3]
         templates = [_template(arg, slots) for arg in args]
         tail = [kwargs.get(name, default) for name, default in zip(plan.tail_names, plan.tail_defaults)]
@@ -196,6 +198,9 @@ class _Launch:
         for position, template in self.dynamic:
             args[position] = _filled(template, values)
         compiled = self.compiled
+        if self.direct is not None:
+            self.direct(*self.grid, stream, compiled, args)
+            return
         compiled.run(*self.grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
 
     def same_as(self, other) -> bool:

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import os
 import threading
+import types
 from typing import Optional
 
 import torch
@@ -210,15 +211,95 @@ def argument_kind(arg):
     return None if kinds is None else kinds[0]
 
 
-class _Plan:
-    """A compiled kernel and how a call's keyword arguments extend its positional ones into the launcher's."""
+DIRECT_ALLOWED = os.environ.get("FLASHTRITON_DIRECT_LAUNCHES", "1") != "0"
+MAPS_PER_DESCRIPTOR = 8  # encoded TMA maps a direct launch keeps per descriptor argument (by base address)
+direct_launches = 0  # planned launches that called the C launcher directly (tests read it)
 
-    __slots__ = ("compiled", "tail_names", "tail_defaults")
+
+class DirectLauncher:
+    """A compiled kernel's C launcher called without Triton's Python wrapper around it (triton.backends.nvidia.driver:
+    CudaLauncher.__call__, which allocates scratch, and wrap_handle_tensordesc's `inner`, which walks every argument
+    and encodes a TMA map per host descriptor on every launch). It passes what that wrapper passes: the 13 leading
+    values (grid, stream, function, cooperative and PDL flags, no scratch, the kernel's packed metadata, no launch
+    metadata or hooks), then the arguments with each host descriptor expanded into (its encoded map, shape, strides).
+    Encoded maps are kept per descriptor argument by base address, shape, strides and padding (a map encodes only
+    those and the kernel's fixed block and swizzle), MAPS_PER_DESCRIPTOR each, so a repeated call encodes none."""
+
+    __slots__ = ("c_launch", "cooperative", "pdl", "descriptors", "maps")
+
+    def __init__(self, c_launch, cooperative, pdl, descriptors):
+        self.c_launch = c_launch
+        self.cooperative = cooperative
+        self.pdl = pdl
+        self.descriptors = descriptors  # ((argument index, its tensordesc metadata), ...) by index
+        self.maps = tuple({} for _ in descriptors)
+
+    def __call__(self, grid_x, grid_y, grid_z, stream, compiled, args):
+        global direct_launches
+        direct_launches += 1
+        final = [grid_x, grid_y, grid_z, stream, compiled.function, self.cooperative, self.pdl, None, None,
+                 compiled.packed_metadata, None, None, None]
+        done = 0
+        for (index, meta), maps in zip(self.descriptors, self.maps):
+            final.extend(args[done:index])
+            final.extend(self._encoded(args[index], meta, maps))
+            done = index + 1
+        final.extend(args[done:])
+        self.c_launch(*final)
+
+    @staticmethod
+    def _encoded(descriptor, meta, maps):
+        key = (descriptor.base.data_ptr(), tuple(descriptor.shape), tuple(descriptor.strides), descriptor.padding)
+        encoded = maps.get(key)
+        if encoded is None:
+            from triton.backends.nvidia.driver import make_tensordesc_arg
+
+            if len(maps) >= MAPS_PER_DESCRIPTOR:
+                maps.clear()
+            encoded = maps[key] = make_tensordesc_arg(descriptor, meta)
+        return encoded
+
+
+_WRAPPER_CELLS = ("launcher", "tensordesc_indices", "tensordesc_meta")
+_C_FUNCTIONS = (types.BuiltinFunctionType, )  # what a C launcher is (tests add a recording Python function)
+
+
+def c_launcher(compiled) -> Optional[DirectLauncher]:
+    """A DirectLauncher for `compiled` where its `run` is the CudaLauncher this code knows (Triton 3.6's: no global or
+    profile scratch to allocate, its `launch` the C function or wrap_handle_tensordesc's closure over it with one
+    metadata entry per host descriptor), else None (the launch goes through `run`)."""
+    run = getattr(compiled, "run", None)
+    if not DIRECT_ALLOWED or type(run).__name__ != "CudaLauncher" or \
+            type(run).__module__ != "triton.backends.nvidia.driver" or \
+            getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None
+    launch = run.launch
+    code, closure = getattr(launch, "__code__", None), getattr(launch, "__closure__", None)
+    if code is not None and code.co_name == "inner" and closure is not None and \
+            tuple(sorted(code.co_freevars)) == tuple(sorted(_WRAPPER_CELLS)):
+        cells = {name: cell.cell_contents for name, cell in zip(code.co_freevars, closure)}
+        indices, metas = sorted(cells["tensordesc_indices"]), list(cells["tensordesc_meta"])
+        if len(indices) != len(metas) or any(meta is None for meta in metas) or \
+                not isinstance(cells["launcher"], _C_FUNCTIONS):
+            return None
+        return DirectLauncher(cells["launcher"], run.launch_cooperative_grid, run.launch_pdl,
+                              tuple(zip(indices, metas)))
+    if isinstance(launch, _C_FUNCTIONS):
+        return DirectLauncher(launch, run.launch_cooperative_grid, run.launch_pdl, ())
+    return None
+
+
+class _Plan:
+    """A compiled kernel, how a call's keyword arguments extend its positional ones into the launcher's, and its C
+    launcher where it can be called directly (c_launcher)."""
+
+    __slots__ = ("compiled", "tail_names", "tail_defaults", "direct")
 
     def __init__(self, compiled, tail_names, tail_defaults):
         self.compiled = compiled
         self.tail_names = tail_names
         self.tail_defaults = tail_defaults
+        self.direct = c_launcher(compiled)
 
 
 _plans: dict = {}  # JITFunction -> {launch key: _Plan}
@@ -291,5 +372,8 @@ def launch(kernel, grid, *args, **kwargs) -> None:
 
     stream = driver.active.get_current_stream(device)
     grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
+    if plan.direct is not None:
+        plan.direct(grid_x, grid_y, grid_z, stream, compiled, args + tail)
+        return
     compiled.run(grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, None, None, None,
                  *args, *tail)
