@@ -127,8 +127,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="launch plans se
 @cuda
 @pytest.mark.parametrize("causal", [False, True])
 def test_repeated_calls_launch_planned_kernels_with_the_same_results(monkeypatch, causal):
-    """The second call of a shape launches without Triton's binder; forward and backward give bitwise what the same
-    calls give through Triton's binder (plans switched off; deterministic=True: dQ is added in a fixed order)."""
+    """The second call of a shape launches without Triton's binder (and, with Triton 3.6's launcher, without its Python
+    wrapper); forward and backward give bitwise what the same calls give through Triton's binder (plans switched off;
+    deterministic=True: dQ is added in a fixed order)."""
     import flashtriton
 
     torch.manual_seed(0)
@@ -148,9 +149,12 @@ def test_repeated_calls_launch_planned_kernels_with_the_same_results(monkeypatch
     expected = step()
     monkeypatch.setattr(launching, "PLANS_ALLOWED", True)
     step()
-    before = launching.plan_hits
+    before, direct_before = launching.plan_hits, launching.direct_launches
     results = step()
     assert launching.plan_hits > before
+    # planned launches call their C launchers (launching.c_launcher) where Triton's launcher is the known one
+    if any(plan.direct is not None for plans in launching._plans.values() for plan in plans.values()):
+        assert launching.direct_launches > direct_before
     for got, want in zip(results, expected):
         assert torch.equal(got, want)
 
