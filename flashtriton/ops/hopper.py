@@ -76,10 +76,11 @@ def _multiprocessors(device: torch.device) -> int:
 def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seqlen_k: int, params, plain: bool,
            deterministic: bool = False, head_dim_v: Optional[int] = None) -> bool:
     """gluon_runs' rule on the call's shape and options alone (no device, layout or switch): whether the Gluon kernels
-    compute this forward ("fwd") or backward ("bwd"). `plain`: no paged cache, seqused_k / leftpad_k / cache_batch_idx
-    or split-KV; the forward's ALiBi on causal-like calls only, the backward's ALiBi and dropout only on tiles up to 128
-    wide (backward_takes_logit_options) and its varlen calls only there without deterministic=True, dropout or ALiBi
-    (the caller knows those). No softcap. Windows: any (local windows: LOCAL), except that deterministic=True with dQ in
+    compute this forward ("fwd") or backward ("bwd"). `plain`: no paged cache (but a varlen forward's pool that
+    `takes_pages`, without dropout or FP8), seqused_k / leftpad_k / cache_batch_idx or split-KV; the forward's ALiBi
+    on causal-like calls only, the backward's ALiBi and dropout only on tiles up to 128 wide
+    (backward_takes_logit_options) and its varlen calls only there without deterministic=True, dropout or ALiBi (the
+    caller knows those). No softcap. Windows: any (local windows: LOCAL), except that deterministic=True with dQ in
     a fixed order (`orders_dq`) takes no local window in the backward (its order assumes each key block's rows run to
     the last). Head dims up to 256 run on the next wider tiles of their direction (configs.hopper_fwd_tile_dim /
     hopper_bwd_tile_dim); the forward takes V's own head dim (head_dim_v, default head_dim), the backward equal ones or,
