@@ -166,28 +166,33 @@ def sequence_pages(pages, batch):
 
 
 @gluon.jit
+def _page_of(row_pages, key):
+    """(the pool row of key `key` of a sequence in a paged pool, whether its page is in the pool) (row_pages:
+    sequence_pages' entry). A page id outside [0, num_pages) gives the row just past the pool, where TMA reads
+    zeros."""
+    page = gl.load(row_pages[0] + key // row_pages[1])
+    present = (page >= 0) & (page < row_pages[2])
+    return gl.where(present, page * row_pages[1] + key % row_pages[1], row_pages[2] * row_pages[1]), present
+
+
+@gluon.jit
 def block_row(row_pages, row0, block, BLOCK_N: gl.constexpr):
     """The descriptors' first row of key block `block` of a sequence whose keys start at row0: row0 + block *
     BLOCK_N, or in a paged pool (row_pages: sequence_pages' entry; the pool is (1, num_pages * page_size, Hk, D) to
-    the descriptors, BLOCK_N divides page_size, so a block lies in one page) the block's row in its page. A page id
-    outside [0, num_pages) gives the row just past the pool: TMA reads zeros there, and the consumers mask the block
-    (page_presence)."""
+    the descriptors, BLOCK_N divides page_size, so a block lies in one page) the block's row in its page (_page_of:
+    a page outside the pool reads zeros, and the consumers mask the block: page_presence)."""
     row = row0 + block * BLOCK_N
     if len(row_pages) > 0:
-        key = block * BLOCK_N
-        page = gl.load(row_pages[0] + key // row_pages[1])
-        present = (page >= 0) & (page < row_pages[2])
-        row = gl.where(present, page * row_pages[1] + key % row_pages[1], row_pages[2] * row_pages[1])
+        row = _page_of(row_pages, block * BLOCK_N)[0]
     return row
 
 
 @gluon.jit
 def page_presence(row_pages, block, BLOCK_N: gl.constexpr):
-    """() without pages, else (whether key block `block`'s page is in the pool, ) (block_row's test)."""
+    """() without pages, else (whether key block `block`'s page is in the pool, ) (_page_of's test)."""
     presence = ()
     if len(row_pages) > 0:
-        page = gl.load(row_pages[0] + block * BLOCK_N // row_pages[1])
-        presence = ((page >= 0) & (page < row_pages[2]), )
+        presence = (_page_of(row_pages, block * BLOCK_N)[1], )
     return presence
 
 
