@@ -285,8 +285,15 @@ def _worker(rank: int, args, directory: str) -> None:
             dist.barrier()
         if rank == 0:
             Path(directory, "rows.json").write_text(json.dumps(rows))
-    finally:
+        dist.barrier()  # every rank past its last collective, rows.json written
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Leave without tearing the process group down: gloo's teardown has aborted a process (std::terminate, "terminate
+    # called without an active exception") after all of its work was done, failing the run; the OS closes the rest
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def markdown(rows, metadata: dict) -> str:
