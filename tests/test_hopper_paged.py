@@ -36,6 +36,15 @@ def test_pools_that_are_not_pages_in_a_row_are_refused():
     assert not hopper.takes_pages(pool(64, 0), pool(64, 0))
 
 
+def test_pools_past_32_bit_tma_rows_are_refused():
+    """TMA coordinates are 32-bit: a pool of 2^31 rows or more (the row past it included) stays on the Triton
+    kernel (meta tensors: only shapes and strides are read)."""
+    fits = torch.empty(2 ** 25 - 2, 64, 1, 8, device="meta")
+    assert hopper.takes_pages(fits, fits)
+    too_many = torch.empty(2 ** 25 - 1, 64, 1, 8, device="meta")
+    assert not hopper.takes_pages(too_many, too_many)
+
+
 @pytest.mark.parametrize("head_dim,causal", sorted(configs.HOPPER_FWD), ids=lambda value: str(value))
 def test_key_blocks_lie_in_one_page(head_dim, causal):
     """The paged forward's key block divides every page size it takes: the config's block where it divides the
