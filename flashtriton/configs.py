@@ -147,17 +147,24 @@ _DECODE_XL = FwdConfig(16, 32, 4, 2, _NO_SKIP)
 PAGED_DECODE_STAGES = 5
 
 
+def page_key_block(block_n: int, page_size: int) -> int:
+    """The key tile of a paged K/V cache for a kernel whose tile is block_n keys (a power of two): block_n where it
+    divides page_size, else the largest power of two dividing page_size, so that each tile lies in one page and
+    needs one block-table lookup (the Triton forward's paged_config and the Gluon forward's
+    ops/hopper.paged_config)."""
+    return block_n if page_size % block_n == 0 else page_size & -page_size
+
+
 def paged_config(config: FwdConfig, page_size: int) -> FwdConfig:
-    """The config for a paged K/V cache: key tiles shrink to the largest power of two dividing page_size
-    (at least 16), so each tile lies in one page and needs one block-table lookup, and such decode tiles
-    take PAGED_DECODE_STAGES; otherwise unchanged (keys are gathered row by row)."""
-    largest_divisor = page_size & -page_size
-    if page_size % config.block_n == 0 or largest_divisor < 16:
+    """The config for a paged K/V cache: key tiles shrink to page_key_block's (at least 16), and such decode tiles
+    take PAGED_DECODE_STAGES; otherwise unchanged (pages of fewer than 16 keys: keys are gathered row by row)."""
+    block_n = page_key_block(config.block_n, page_size)
+    if block_n == config.block_n or block_n < 16:
         return config
     stages = config.num_stages
     if config.block_m <= DECODE_MAX_ROWS:
         stages = max(stages, PAGED_DECODE_STAGES)
-    return replace(config, block_n=largest_divisor, num_stages=stages)
+    return replace(config, block_n=block_n, num_stages=stages)
 
 
 def pack_gqa(seqlen_q: int, group_size: int) -> bool:

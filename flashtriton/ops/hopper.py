@@ -275,9 +275,11 @@ def takes_pages(k: torch.Tensor, v: torch.Tensor) -> bool:
 
 @lru_cache(maxsize=None)
 def paged_config(config, page_size: int):
-    """config with the key block of a paged forward: its own where it divides page_size, else PAGE_BLOCK (a block
-    lies in one page)."""
-    return config if page_size % config.block_n == 0 else replace(config, block_n=PAGE_BLOCK)
+    """config with the key block of a paged forward, one that lies in one page (configs.page_key_block: its own
+    where it divides page_size, else the page's largest power-of-two divisor, PAGE_BLOCK for the pools that
+    `takes_pages` where the config's block, 128 keys at most, does not divide the page)."""
+    block_n = configs.page_key_block(config.block_n, page_size)
+    return config if block_n == config.block_n else replace(config, block_n=block_n)
 
 
 def chunk_descriptors(tensor: torch.Tensor, rows: int, tile_dim: int) -> Tuple:

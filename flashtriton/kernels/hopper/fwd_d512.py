@@ -9,8 +9,8 @@ consumer issues the next block's partial-score wgmma before it waits for the oth
 work through the exchange and the softmax. A producer warp loads the program's Q once and streams K and V, each
 half into its own tile. One program per 64-row query tile of a (batch, head); key blocks from
 kernels/common.kv_block_range (causal and local windows, keys past seqlen_k), the masks and the online softmax step
-those of the other Gluon forward (fwd_softmax: a block inside every row's keys takes no mask). Dense calls without softcap, ALiBi,
-dropout or sinks (ops/hopper.covers and ops/backend say which calls come here).
+those of the other Gluon forward (fwd_softmax: a block inside every row's keys takes no mask). Dense calls without
+softcap, ALiBi, dropout or sinks (ops/hopper.covers and ops/backend say which calls come here).
 """
 
 from triton.experimental import gluon
