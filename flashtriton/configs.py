@@ -150,8 +150,8 @@ PAGED_DECODE_STAGES = 5
 def page_key_block(block_n: int, page_size: int) -> int:
     """The key tile of a paged K/V cache for a kernel whose tile is block_n keys (a power of two): block_n where it
     divides page_size, else the largest power of two dividing page_size, so that each tile lies in one page and
-    needs one block-table lookup (the Triton forward's paged_config and the Gluon forward's
-    ops/hopper.paged_config)."""
+    needs one block-table lookup (the Triton forward's paged_config and the Gluon forward's K / V boxes,
+    ops/hopper.paged_key_rows)."""
     return block_n if page_size % block_n == 0 else page_size & -page_size
 
 

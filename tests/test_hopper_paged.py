@@ -1,5 +1,5 @@
 """Paged varlen calls (flash_attn_varlen_func with block_table) on the Gluon Hopper forward: the pool rules
-(ops/hopper.takes_pages, paged_config) on CPU; on an sm_90 GPU every case against the float64 reference with
+(ops/hopper.takes_pages, paged_key_rows) on CPU; on an sm_90 GPU every case against the float64 reference with
 NaN-poisoned outputs and NaN in every pool row no sequence owns, pages outside the pool against the Triton kernel,
 and no recompiles for new pools, block-table widths or lengths."""
 
@@ -46,14 +46,15 @@ def test_pools_past_32_bit_tma_rows_are_refused():
 
 
 @pytest.mark.parametrize("head_dim,causal", sorted(configs.HOPPER_FWD), ids=lambda value: str(value))
-def test_key_blocks_lie_in_one_page(head_dim, causal):
-    """The paged forward's key block divides every page size it takes: the config's block where it divides the
-    page, else 64."""
+def test_key_blocks_are_read_in_boxes_that_lie_in_one_page(head_dim, causal):
+    """The paged forward keeps the config's key block and reads it in boxes that divide every page size it takes:
+    the whole block where it divides the page, else boxes of 64 rows (each from its own page)."""
     config = configs.HOPPER_FWD[head_dim, causal]
     for page_size in (64, 128, 192, 256, 320, 512, 1024):
-        block_n = hopper.paged_config(config, page_size).block_n
-        assert page_size % block_n == 0 and block_n in (config.block_n, hopper.PAGE_BLOCK)
-        assert block_n == config.block_n or page_size % config.block_n
+        rows = hopper.paged_key_rows(config, page_size)
+        assert page_size % rows == 0 and config.block_n % rows == 0
+        assert rows == config.block_n or (rows == hopper.PAGE_BLOCK and page_size % config.block_n)
+        assert hopper.forward_constexprs(config, causal, key_rows=rows)["KEY_PIECES"] == config.block_n // rows
 
 
 def paged_problem(lengths_q, lengths_k, page_size, heads=4, heads_k=2, head_dim=128, head_dim_v=None,

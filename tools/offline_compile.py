@@ -175,25 +175,26 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     for V / O (0: head_dim's; head dims between the tile classes run on the next wider tiles,
     configs.hopper_fwd_tile_dim, as ops/hopper.launch_fwd does); `local`: a local window (LOCAL); `alibi`: ALiBi
     slopes; `dropout`: dropout's rng_state; `sinks`: learnable sinks; `fp8`: e4m3 q and k with descales, fp16 v, bf16
-    out; `paged`: a varlen call's keys in a paged pool (its key blocks: 64 keys where the config's do not divide a
-    page, as ops/hopper.paged_config picks; pages of 64 here)."""
+    out; `paged`: a varlen call's keys in a paged pool of pages of 64 keys (its key blocks read in boxes of 64 rows
+    where the config's block is wider, as ops/hopper.paged_key_rows picks)."""
     from flashtriton import configs
     from flashtriton.kernels.hopper.fwd import CONSUMER_ROWS, attn_fwd_hopper_kernel
-    from flashtriton.ops.hopper import PAGE_BLOCK, forward_config, forward_constexprs, paged_config
+    from flashtriton.ops.hopper import PAGE_BLOCK, forward_config, forward_constexprs, paged_key_rows
 
     head_dim = configs.hopper_fwd_tile_dim(head_dim)
     head_dim_v = configs.hopper_fwd_tile_dim(head_dim_v) if head_dim_v else head_dim
     config = config or forward_config(head_dim, head_dim_v, causal, dropout, fp8)
+    key_rows = config.block_n
     if paged:  # a varlen call's
-        config = paged_config(config, PAGE_BLOCK)
+        key_rows = paged_key_rows(config, PAGE_BLOCK)
         varlen = True
     rows = CONSUMER_ROWS.value
     signature = {"Lse": "*fp32", "Partial": "*fp32", "PartialLse": "*fp32"}
-    constexprs = forward_constexprs(config, causal, local)
+    constexprs = forward_constexprs(config, causal, local, key_rows)
     # the descriptors of each chunk of the head dims (configs.HOPPER_FWD_CHUNKS), a constexpr None for a missing
     # second chunk
-    for name, tile_rows, tile_dim in (("q", rows, head_dim), ("k", config.block_n, head_dim),
-                                      ("v", config.block_n, head_dim_v), ("o", rows, head_dim_v)):
+    for name, tile_rows, tile_dim in (("q", rows, head_dim), ("k", key_rows, head_dim),
+                                      ("v", key_rows, head_dim_v), ("o", rows, head_dim_v)):
         widths = configs.HOPPER_FWD_CHUNKS[tile_dim]
         for chunk, suffix in enumerate(("_desc", "_desc2")):
             if chunk < len(widths):

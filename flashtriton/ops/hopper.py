@@ -14,7 +14,7 @@ these kernels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional, Sequence, Tuple, Union
 
@@ -237,13 +237,14 @@ def cuts_tail(config) -> bool:
     return config.persistent and config.split_tail
 
 
-def forward_constexprs(config, causal: bool, local: bool = False) -> dict:
+def forward_constexprs(config, causal: bool, local: bool = False, key_rows: int = 0) -> dict:
     """attn_fwd_hopper_kernel's compile-time arguments for `config` (configs.HOPPER_FWD; tools/offline_compile builds
-    the same kernel)."""
+    the same kernel); key_rows: the K / V boxes' rows where a key block is read in several (paged_key_rows; 0: one
+    box per block)."""
     return dict(CAUSAL=causal, LOCAL=local, STAGES=config.stages, CONSUMERS=config.consumers,
                 CONSUMER_REGS=config.consumer_regs, PINGPONG=config.pingpong, HOLD_SCHEDULE=config.hold_schedule,
                 RESCALE_SKIP=config.rescale_threshold > 0.0, MASK_BY_RESIDUES=config.mask_by_residues,
-                SPLIT_TAIL=cuts_tail(config), num_warps=4)
+                SPLIT_TAIL=cuts_tail(config), KEY_PIECES=config.block_n // (key_rows or config.block_n), num_warps=4)
 
 
 def forward_config(tile_dim: int, tile_dim_v: int, causal_like: bool, dropout: bool = False, fp8: bool = False):
@@ -273,13 +274,11 @@ def takes_pages(k: torch.Tensor, v: torch.Tensor) -> bool:
             and all(t.stride(0) == page_size * t.stride(1) for t in (k, v)))
 
 
-@lru_cache(maxsize=None)
-def paged_config(config, page_size: int):
-    """config with the key block of a paged forward, one that lies in one page (configs.page_key_block: its own
-    where it divides page_size, else the page's largest power-of-two divisor, PAGE_BLOCK for the pools that
-    `takes_pages` where the config's block, 128 keys at most, does not divide the page)."""
-    block_n = configs.page_key_block(config.block_n, page_size)
-    return config if block_n == config.block_n else replace(config, block_n=block_n)
+def paged_key_rows(config, page_size: int) -> int:
+    """The rows of a paged forward's K / V boxes, ones that lie in one page (configs.page_key_block: the config's key
+    block where it divides page_size, else PAGE_BLOCK for the pools that `takes_pages`); a key block wider than that
+    is read in config.block_n / rows boxes, each from its own page (attn_fwd_hopper_kernel's KEY_PIECES)."""
+    return configs.page_key_block(config.block_n, page_size)
 
 
 def chunk_descriptors(tensor: torch.Tensor, rows: int, tile_dim: int) -> Tuple:
@@ -322,8 +321,7 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
     # one's
     tile_dim, tile_dim_v = configs.hopper_fwd_tile_dim(head_dim), configs.hopper_fwd_tile_dim(head_dim_v)
     config = forward_config(tile_dim, tile_dim_v, params.causal_like, dropout_p > 0.0, descales is not None)
-    if paged:
-        config = paged_config(config, paged_args[2])
+    key_rows = paged_key_rows(config, paged_args[2]) if paged else config.block_n
     local = local_window(params, seqlen_k)
     tile_rows = config.consumers * CONSUMER_ROWS.value
     num_tiles = triton_cdiv(seqlen_q, tile_rows)
@@ -349,8 +347,8 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
         work = (heads_per_group, int(paired), split.full_items, split.programs, split.blocks, split.item_blocks)
     # the first chunks' descriptors of q, k, v and out, then the second chunks'
     firsts, seconds = zip(chunk_descriptors(q, CONSUMER_ROWS.value, tile_dim),
-                          chunk_descriptors(k, config.block_n, tile_dim),
-                          chunk_descriptors(v, config.block_n, tile_dim_v),
+                          chunk_descriptors(k, key_rows, tile_dim),
+                          chunk_descriptors(v, key_rows, tile_dim_v),
                           chunk_descriptors(out, CONSUMER_ROWS.value, tile_dim_v))
     launch(
         attn_fwd_hopper_kernel, (programs,), *firsts, *seconds, lse, partial, partial_lse,
@@ -360,7 +358,7 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
         (alibi_slopes, alibi_batch_stride(alibi_slopes), int(params.alibi_pure_causal), params.qk_scale_log2),
         (rng_state if dropout_p > 0.0 else None, *kernel_dropout(dropout_p)), learnable_sink,
         (*(descales or (None, None, None)), num_heads // k.shape[-2]), paged_args,
-        **forward_constexprs(config, params.causal_like, local))
+        **forward_constexprs(config, params.causal_like, local, key_rows))
     if split is not None:
         launch(
             attn_tail_merge_kernel, (split.tiles * (tile_rows // tail_merge_rows(head_dim)),),

@@ -256,14 +256,26 @@ def chunk_descriptors(first, second):
 
 
 @gluon.jit
-def allocate_chunks(descs, entries: gl.constexpr):
+def allocate_chunks(descs, entries: gl.constexpr, rows: gl.constexpr = 0):
     """Shared memory for `entries` tiles of every chunk's descriptor (descs): [entries] + the descriptor's block
-    shape each."""
+    shape each, or with `rows` rows (dim 1 of a [1, rows, 1, WIDTH] block; 0: the block's) for tiles that several
+    boxes fill."""
     chunks = ()
     for chunk in gl.static_range(len(descs)):
-        chunks = chunks + (gl.allocate_shared_memory(descs[chunk].dtype, [entries] + descs[chunk].block_type.shape,
+        chunks = chunks + (gl.allocate_shared_memory(descs[chunk].dtype,
+                                                     _tiles_shape(entries, descs[chunk].block_type.shape, rows),
                                                      descs[chunk].layout), )
     return chunks
+
+
+@gluon.constexpr_function
+def _tiles_shape(entries, block_shape, rows):
+    """[entries] + block_shape, with dim 1 of the block `rows` where rows is not 0 (allocate_chunks)."""
+    shape = [int(getattr(size, "value", size)) for size in block_shape]
+    rows = int(getattr(rows, "value", rows))
+    if rows:
+        shape[1] = rows
+    return [int(getattr(entries, "value", entries))] + shape
 
 
 @gluon.jit

@@ -48,7 +48,7 @@ from .common import accumulate_register_products, allocate_chunks, arrive_after_
     zero_accumulators
 from .dropout import draw_words, dropout_key, kept_operand, row_draws
 from .fwd_softmax import hold_schedule, logits, mask_block, mask_local, operand_of, reciprocal, rescale, softmax_block
-from .schedule import block_row, first_cursor, mask_absent_page, more_work, next_piece, page_presence, sequence_pages
+from .schedule import block_rows, first_cursor, mask_absent_page, more_work, next_piece, page_presence, sequence_pages
 
 SHARED_BYTES_FOR_TILES = gl.constexpr(220 * 1024)  # sm_90: 227 KiB per program, less barriers and the compiler's
 CONSUMER_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M tile); a tile has one per consumer
@@ -64,23 +64,40 @@ def _copy_out(descs, tiles, batch, row, head):
 
 
 @gluon.jit
-def _load_stage(descs, smem, ready, empty, load, batch, row, head_k):
+def _load_stage(descs, smem, ready, empty, load, batch, rows, head_k):
     """The producer's load number `load` of K or V (descs, smem: per chunk of the head dim, [STAGES, 1, BLOCK_N, 1,
-    WIDTH]): the key block whose first row is `row` (schedule.block_row) into stage load % STAGES once every consumer
-    released that stage's previous tile, landing on ready (TMA transaction bytes)."""
+    WIDTH]): the key block whose pieces start at `rows` (schedule.block_rows: one row, or a paged block's pieces of
+    BLOCK_N / len(rows) rows each, the descriptors' box) into stage load % STAGES once every consumer released that
+    stage's previous tile, landing on ready (TMA transaction bytes)."""
     STAGES: gl.constexpr = smem[0].shape[0]
     stage = load % STAGES
     mbarrier.wait(empty.index(stage), ((load // STAGES) - 1) & 1, pred=load >= STAGES)
     mbarrier.expect(ready.index(stage), chunks_bytes(smem))
-    copy_pieces(descs, entries_of(smem, stage), batch, row, head_k, ready.index(stage))
+    tiles = entries_of(smem, stage)
+    if len(rows) == 1:
+        copy_pieces(descs, tiles, batch, rows[0], head_k, ready.index(stage))
+    else:
+        PIECE: gl.constexpr = smem[0].shape[2] // len(rows)
+        for piece in gl.static_range(len(rows)):
+            copy_pieces(descs, _tile_rows(tiles, piece * PIECE, PIECE), batch, rows[piece], head_k,
+                        ready.index(stage))
 
 
 @gluon.jit
-def _load_key_block(k_descs, v_descs, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch, row,
+def _tile_rows(tiles, first, count: gl.constexpr):
+    """Rows [first, + count) of every chunk's tile ([1, BLOCK_N, 1, WIDTH] each)."""
+    rows = ()
+    for chunk in gl.static_range(len(tiles)):
+        rows = rows + (tiles[chunk].slice(first, count, dim=1), )
+    return rows
+
+
+@gluon.jit
+def _load_key_block(k_descs, v_descs, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load, batch, rows,
                     head_k):
-    """K, then V, of the key block whose first row is `row` as the producer's load number `load` (_load_stage)."""
-    _load_stage(k_descs, k_smem, k_ready, k_empty, load, batch, row, head_k)
-    _load_stage(v_descs, v_smem, v_ready, v_empty, load, batch, row, head_k)
+    """K, then V, of the key block whose pieces start at `rows` as the producer's load number `load` (_load_stage)."""
+    _load_stage(k_descs, k_smem, k_ready, k_empty, load, batch, rows, head_k)
+    _load_stage(v_descs, v_smem, v_ready, v_empty, load, batch, rows, head_k)
 
 
 @gluon.jit
@@ -93,7 +110,7 @@ def _producer(q_descs, k_descs, v_descs, q_smem, k_smem, v_smem, q_ready, q_empt
     consumers' second-to-last S of the previous tile is done, Q's only after their last (loaded after Q, the first K
     would wait for both consumers' last S, and the tile's first S for its landing). Varlen tiles past their
     sequence's end (no key block) are skipped, by the consumers too. pages: () or the paged pool's group
-    (schedule.sequence_pages): each block's rows come from its page (schedule.block_row)."""
+    (schedule.sequence_pages): each block's rows come from its page or pages (schedule.block_rows)."""
     CONSUMERS: gl.constexpr = q_smem[0].shape[0]
     ROWS: gl.constexpr = q_smem[0].shape[2]
     BLOCK_N: gl.constexpr = k_smem[0].shape[2]
@@ -110,17 +127,17 @@ def _producer(q_descs, k_descs, v_descs, q_smem, k_smem, v_smem, q_ready, q_empt
             head_k = head // group_size
             row_pages = sequence_pages(pages, batch)
             # key blocks from the piece's last to its first (_key_blocks)
-            top_row = block_row(row_pages, k_start, top, BLOCK_N)
-            _load_stage(k_descs, k_smem, k_ready, k_empty, load, desc_batch, top_row, head_k)
+            top_rows = block_rows(row_pages, k_start, top, BLOCK_N)
+            _load_stage(k_descs, k_smem, k_ready, k_empty, load, desc_batch, top_rows, head_k)
             for consumer in gl.static_range(CONSUMERS):
                 mbarrier.wait(q_empty.index(consumer), (done - 1) & 1, pred=done > 0)
                 mbarrier.expect(q_ready.index(consumer), chunks_bytes(q_smem))
                 copy_pieces(q_descs, entries_of(q_smem, consumer), desc_batch, q_start + m_start + consumer * ROWS,
                             head, q_ready.index(consumer))
-            _load_stage(v_descs, v_smem, v_ready, v_empty, load, desc_batch, top_row, head_k)
+            _load_stage(v_descs, v_smem, v_ready, v_empty, load, desc_batch, top_rows, head_k)
             for j in range(1, count):
                 _load_key_block(k_descs, v_descs, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, load + j,
-                                desc_batch, block_row(row_pages, k_start, top - j, BLOCK_N), head_k)
+                                desc_batch, block_rows(row_pages, k_start, top - j, BLOCK_N), head_k)
             load += count
             done += 1
 
@@ -203,8 +220,8 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     is given). clear_v: (0, ) for a varlen call, else (): V's rows past seqlen_k in block `top` (the only block that
     crosses it) are zeroed before its P V (_clear_rows_past). draws: () or (dropout.row_draws' of the rows, ):
     each block's Philox words are drawn while its S wgmma runs, and the dropped elements of P zeroed after the row
-    sum took them (the LSE ignores dropout). row_pages: () or schedule.sequence_pages' entry: each block's page id is
-    read while its S wgmma runs, and a block on a page outside the pool is masked whole (schedule.mask_absent_page).
+    sum took them (the LSE ignores dropout). row_pages: () or schedule.sequence_pages' entry: each block's page ids
+    are read while its S wgmma runs, and keys on a page outside the pool are masked (schedule.mask_absent_page).
     Returns the unnormalized output ([ROWS, WIDTH] per chunk of V's head dim), the running max (log2 units) and the
     row sum [ROWS]."""
     ROWS: gl.constexpr = q[0].shape[0]
@@ -235,7 +252,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
     presence = page_presence(row_pages, top, BLOCK_N)
     s = logits(warpgroup_mma_wait(0, deps=(s, )), top, offs_m, seqlen_q, seqlen_k, alibi, col_s)
     arrive_after_wgmma(k_empty.index(stage))
-    s = mask_absent_page(s, presence, zero_s)
+    s = mask_absent_page(s, presence, zero_s, col_s)
     # [ROWS, BLOCK_N] probabilities of the block whose P.V is pending
     if len(window) > 0:
         s = mask_local(s, top, row0, offs_m, seqlen_q, seqlen_k, window, col_s)
@@ -269,7 +286,7 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         # S_j done (wgmma groups complete in order); P_{j-1} V_{j-1} may still run
         s = logits(warpgroup_mma_wait(PV_GROUPS, deps=(s, )), top - j, offs_m, seqlen_q, seqlen_k, alibi, col_s)
         arrive_after_wgmma(k_empty.index(stage))
-        s = mask_absent_page(s, presence, zero_s)
+        s = mask_absent_page(s, presence, zero_s, col_s)
         if len(window) > 0:
             s = mask_local(s, top - j, row0, offs_m, seqlen_q, seqlen_k, window, col_s)
         elif causal != 0:
@@ -552,7 +569,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_d
                            CONSUMERS: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, HOLD_SCHEDULE: gl.constexpr,
                            RESCALE_SKIP: gl.constexpr, MASK_BY_RESIDUES: gl.constexpr,
-                           SPLIT_TAIL: gl.constexpr, num_warps: gl.constexpr):
+                           SPLIT_TAIL: gl.constexpr, KEY_PIECES: gl.constexpr, num_warps: gl.constexpr):
     """q_desc, k_desc, v_desc, o_desc: the tensors' descriptors of the first chunk of their head dims (column 0 on);
     q_desc2 ... o_desc2: those of the second chunk (from the first one's width on), or None where one chunk covers the
     head dim (configs.HOPPER_FWD_CHUNKS: Gluon's shared tiles and wgmmas take power-of-two widths, so head dim 192 runs
@@ -589,18 +606,20 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_d
     kv head)'s q and k descales and its output by the v descale ((B, Hk) fp32 each); P enters P V in fp16 as V's
     dtype (docs/api.md §4.12). No ALiBi, no tail cut then. paged_args: (BlockTable, stride_bt, page_size,
     num_pages), BlockTable None without pages: a varlen call's K and V are a pool of num_pages pages of page_size
-    keys, (1, num_pages * page_size, Hk, D) to the descriptors, whose key blocks (BLOCK_N dividing page_size) the
-    producer reads from each sequence's block-table row (schedule.block_row); keys start at 0 of the row, k_rows is
-    its capacity (max pages per sequence * page_size); blocks on pages outside [0, num_pages) are absent."""
+    keys, (1, num_pages * page_size, Hk, D) to the descriptors, whose key blocks the producer reads from each
+    sequence's block-table row (schedule.block_rows), in KEY_PIECES boxes of the descriptors' rows where a block is
+    wider than a page (the descriptors' rows divide page_size); keys start at 0 of the row, k_rows is its capacity
+    (max pages per sequence * page_size); keys on pages outside [0, num_pages) are absent."""
     ROWS: gl.constexpr = CONSUMER_ROWS
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    # keys per K / V stage: KEY_PIECES boxes of the descriptors' rows (a paged block wider than a page: one per page)
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1] * KEY_PIECES
     q_descs, k_descs = chunk_descriptors(q_desc, q_desc2), chunk_descriptors(k_desc, k_desc2)
     v_descs, o_descs = chunk_descriptors(v_desc, v_desc2), chunk_descriptors(o_desc, o_desc2)
     # per chunk of the head dims: [CONSUMERS, 1, ROWS, 1, WIDTH] the consumers' Q tiles, [STAGES, 1, BLOCK_N, 1, WIDTH]
     # K and V
     q_smem = allocate_chunks(q_descs, CONSUMERS)
-    k_smem = allocate_chunks(k_descs, STAGES)
-    v_smem = allocate_chunks(v_descs, STAGES)
+    k_smem = allocate_chunks(k_descs, STAGES, BLOCK_N)
+    v_smem = allocate_chunks(v_descs, STAGES, BLOCK_N)
     HEAD_DIM: gl.constexpr = chunks_width(k_smem)
     HEAD_DIM_V: gl.constexpr = chunks_width(v_smem)
     # O gets tiles of its own where they fit next to Q and the K/V stages, so the next tile's Q can land while O is
@@ -687,8 +706,12 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_d
     # the varlen sequences and O's rows by pointer, or () for a dense call (schedule.tile_work, _store_output)
     # a varlen call's keys in a paged pool, or () (schedule.block_row)
     if paged_args[0] is not None:
-        pages = paged_args
+        pieces = ()  # one entry per piece of a key block (schedule.block_rows)
+        for _ in gl.static_range(KEY_PIECES):
+            pieces = pieces + (0, )
+        pages = paged_args + (pieces, )
     else:
+        gl.static_assert(KEY_PIECES == 1, "key blocks in pieces are paged blocks")
         pages = ()
     if varlen[0] is not None:
         seqs = (varlen[0], varlen[1], q_rows, k_rows, pages)

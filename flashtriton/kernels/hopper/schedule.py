@@ -157,11 +157,12 @@ def next_piece(item, which, x, x_start, x_end, tail, work, TILE_ROWS: gl.constex
 @gluon.jit
 def sequence_pages(pages, batch):
     """pages with its block table moved to sequence `batch`'s row: () without pages, else (the row's first entry,
-    page_size, num_pages) from (BlockTable, stride_bt, page_size, num_pages) (docs/api.md §3.4: key t of the
-    sequence is row t % page_size of page row[t // page_size] of a (num_pages, page_size, Hk, D) pool)."""
+    page_size, num_pages, pieces) from (BlockTable, stride_bt, page_size, num_pages, pieces) (docs/api.md §3.4: key
+    t of the sequence is row t % page_size of page row[t // page_size] of a (num_pages, page_size, Hk, D) pool;
+    pieces: one entry per part of a key block that lies in one page, block_rows')."""
     row = ()
     if len(pages) > 0:
-        row = (pages[0] + batch.to(gl.int64) * pages[1], pages[2], pages[3])
+        row = (pages[0] + batch.to(gl.int64) * pages[1], pages[2], pages[3], pages[4])
     return row
 
 
@@ -176,32 +177,52 @@ def _page_of(row_pages, key):
 
 
 @gluon.jit
-def block_row(row_pages, row0, block, BLOCK_N: gl.constexpr):
-    """The descriptors' first row of key block `block` of a sequence whose keys start at row0: row0 + block *
-    BLOCK_N, or in a paged pool (row_pages: sequence_pages' entry; the pool is (1, num_pages * page_size, Hk, D) to
-    the descriptors, BLOCK_N divides page_size, so a block lies in one page) the block's row in its page (_page_of:
-    a page outside the pool reads zeros, and the consumers mask the block: page_presence)."""
-    row = row0 + block * BLOCK_N
+def block_rows(row_pages, row0, block, BLOCK_N: gl.constexpr):
+    """The descriptors' first rows of the pieces of key block `block` of a sequence whose keys start at row0: (row0 +
+    block * BLOCK_N, ), or in a paged pool (row_pages: sequence_pages' entry; the pool is (1, num_pages * page_size,
+    Hk, D) to the descriptors) one row per piece of the block (len(row_pages[3]) pieces of BLOCK_N / pieces keys,
+    each in one page: a block wider than a page is read page by page). Pages outside the pool read zeros (_page_of;
+    the consumers mask those keys: page_presence)."""
+    rows = (row0 + block * BLOCK_N, )
     if len(row_pages) > 0:
-        row = _page_of(row_pages, block * BLOCK_N)[0]
-    return row
+        PIECE: gl.constexpr = BLOCK_N // len(row_pages[3])
+        rows = ()
+        for piece in gl.static_range(len(row_pages[3])):
+            rows = rows + (_page_of(row_pages, block * BLOCK_N + piece * PIECE)[0], )
+    return rows
 
 
 @gluon.jit
 def page_presence(row_pages, block, BLOCK_N: gl.constexpr):
-    """() without pages, else (whether key block `block`'s page is in the pool, ) (_page_of's test)."""
+    """() without pages, else whether each piece of key block `block` (block_rows') lies on a page in the pool
+    (_page_of's test)."""
     presence = ()
     if len(row_pages) > 0:
-        presence = (_page_of(row_pages, block * BLOCK_N)[1], )
+        PIECE: gl.constexpr = BLOCK_N // len(row_pages[3])
+        for piece in gl.static_range(len(row_pages[3])):
+            presence = presence + (_page_of(row_pages, block * BLOCK_N + piece * PIECE)[1], )
     return presence
 
 
 @gluon.jit
-def mask_absent_page(s, presence, zero_s):
-    """Scores s [ROWS, BLOCK_N] of a key block, all -inf where its page is outside the pool (presence:
-    page_presence's; zero_s: zeros of s's shape and layout): such keys are absent, as in the Triton kernel (docs/
-    api.md §6). A warp-uniform branch: blocks in the pool run no per-score select."""
-    if len(presence) > 0:
+def mask_absent_page(s, presence, zero_s, col_s: gl.constexpr):
+    """Scores s [ROWS, BLOCK_N] of a key block with the keys of its pieces on pages outside the pool at -inf
+    (presence: page_presence's; zero_s: zeros of s's shape and layout): such keys are absent, as in the Triton
+    kernel (docs/api.md §6). A warp-uniform branch: blocks whose pages are all in the pool run no per-score select."""
+    if len(presence) == 1:
         if presence[0] == 0:
             s = zero_s + float("-inf")
+    elif len(presence) > 1:
+        all_present = presence[0]
+        for piece in gl.static_range(1, len(presence)):
+            all_present = all_present & presence[piece]
+        if all_present == 0:
+            BLOCK_N: gl.constexpr = s.shape[1]
+            PIECE: gl.constexpr = BLOCK_N // len(presence)
+            # [BLOCK_N] each column's piece
+            piece_of = gl.arange(0, BLOCK_N, col_s) // PIECE
+            absent = piece_of < 0
+            for piece in gl.static_range(len(presence)):
+                absent = absent | ((piece_of == piece) & (presence[piece] == 0))
+            s = gl.where(gl.expand_dims(absent, 0), float("-inf"), s)
     return s
