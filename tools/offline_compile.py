@@ -281,6 +281,10 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
                 else:
                     signature[f"{name}_desc{suffix}"] = _gluon_tile_type(rows, columns, kind)
         signature["dq_counters"] = "*i32"
+        if ordered or not config.persistent:  # one program per key block
+            constexprs["item_counter"] = None
+        else:
+            signature["item_counter"] = "*i32"
         constexprs["ORDERED"] = ordered
         constexprs["KEY_MAJOR"] = key_major_scores(config, causal, alibi, dropout)
     names = list(inspect.signature(kernel.fn).parameters)

@@ -353,8 +353,9 @@ def _work_item(item, work, KEYS: gl.constexpr, ROWS: gl.constexpr):
     batch coordinate, kv head, first key, first query block, query blocks per head, loop iterations, bounds (first
     q row, query length, first k row, key length), a varlen call's `sequence` for the producer (() for a dense
     call), whether the block holds keys of its sequence, the loop's first position). work: (num_heads_k,
-    group_size, seqlen_q, seqlen_k, heads_per_group, num_batch_heads, window, seqs, sequence pointers, (causal flag,
-    ordered flag)); the flags are tuples, empty for False, so that they stay compile-time in the partitions."""
+    group_size, seqlen_q, seqlen_k, heads_per_group, num_batch_heads, window, seqs, sequence pointers ((): no
+    `sequence`, the consumers' copy), (causal flag, ordered flag)); the flags are tuples, empty for False, so that
+    they stay compile-time in the partitions."""
     num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, num_batch_heads, window, seqs, pointers, flags = work
     CAUSAL: gl.constexpr = len(flags[0]) > 0
     ORDERED: gl.constexpr = len(flags[1]) > 0
@@ -362,15 +363,16 @@ def _work_item(item, work, KEYS: gl.constexpr, ROWS: gl.constexpr):
         item, num_batch_heads, num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS,
         CAUSAL, ORDERED, seqs)
     q_start, seqlen_q, k_start, seqlen_k = bounds
+    sequence = ()
     if len(seqs) > 0:
-        # the producer makes the sequence's own descriptors (rows past it read zeros; common.backward_producer), at
-        # the descriptors' batch coordinate 0; K and V load only where the block holds keys of it
-        sequence = (pointers[0], pointers[1], pointers[2], pointers[3], q_start, seqlen_q, k_start, seqlen_k,
-                    pointers[4], pointers[5], pointers[6], pointers[7])
+        if len(pointers) > 0:
+            # the producer makes the sequence's own descriptors (rows past it read zeros; common.backward_producer)
+            sequence = (pointers[0], pointers[1], pointers[2], pointers[3], q_start, seqlen_q, k_start, seqlen_k,
+                        pointers[4], pointers[5], pointers[6], pointers[7])
+        # at the descriptors' batch coordinate 0; K and V load only where the block holds keys of it
         desc_batch = q_start * 0
         load_kv = (n_start < seqlen_k).to(gl.int32)
     else:
-        sequence = ()
         desc_batch = batch
         load_kv = n_start * 0 + 1
     if ORDERED:
@@ -383,40 +385,64 @@ def _work_item(item, work, KEYS: gl.constexpr, ROWS: gl.constexpr):
 
 
 @gluon.jit
-def _items(work, KEYS: gl.constexpr):
-    """This program's work items: range(first, end, step) over cdiv(seqlen_k, KEYS) * num_batch_heads (work:
-    _work_item's), the program's own item where the grid has one program per item."""
-    return gl.program_id(0), gl.cdiv(work[3], KEYS) * work[5], gl.num_programs(0)
+def _items_end(work, KEYS: gl.constexpr):
+    """How many work items there are: cdiv(seqlen_k, KEYS) * num_batch_heads (work: _work_item's)."""
+    return gl.cdiv(work[3], KEYS) * work[5]
 
 
 @gluon.jit
-def _producer(work, k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
-              lse_smem, delta_smem, kv_ready, kv_free, q_ready, q_empty, num_heads):
-    """common.backward_producer for each of the program's work items in turn; the next item's K and V wait for
-    kv_free (both consumers done with the previous item's), the Q / dO stages run on across items."""
+def _producer(work, item_counter, k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc, k_smem, v_smem, q_smem,
+              do_smem, lse_smem, delta_smem, item_smem, kv_ready, kv_free, q_ready, q_empty, num_heads):
+    """common.backward_producer for each of the program's work items in turn: its own (program id) first, then, in a
+    persistent grid (item_counter: a zeroed int32; () otherwise), the next item nobody has taken (an atomic
+    increment, so programs that drew short items take more). Each item's id goes to the consumers in item_smem with
+    kv_ready, once kv_free says both are done with the previous item's K and V; after the last an id past the items
+    ends their loops. The Q / dO stages run on across items."""
     KEYS: gl.constexpr = k_smem[0].shape[2]
     ROWS: gl.constexpr = q_smem[0].shape[2]
-    first, end, step = _items(work, KEYS)
-    base = first * 0
-    done = first * 0
-    for item in range(first, end, step):
+    # [1] the item id, one warp's copy
+    id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    end = _items_end(work, KEYS)
+    item = gl.program_id(0)
+    base = item * 0
+    done = item * 0
+    while item < end:
+        mbarrier.wait(kv_free, (done - 1) & 1, pred=done > 0)
+        item_smem.store(gl.full([1], item, gl.int32, id_layout))
         (_, desc_batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations, bounds, sequence, load_kv,
          first_visit) = _work_item(item, work, KEYS, ROWS)
         backward_producer(k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
                           lse_smem, delta_smem, kv_ready, q_ready, q_empty, desc_batch, head_k, n_start, num_heads,
                           work[1], m_block_lo, blocks_per_head, n_iterations, first_visit, bounds[0], load_kv,
-                          sequence, (kv_free, (done - 1) & 1, done > 0), base)
+                          sequence, base)
         base = base + n_iterations
         done = done + 1
+        if len(item_counter) > 0:
+            item = gl.atomic_add(item_counter[0], 1) + gl.num_programs(0)
+        else:
+            item = item + gl.num_programs(0)
+    mbarrier.wait(kv_free, (done - 1) & 1, pred=done > 0)
+    item_smem.store(gl.full([1], end, gl.int32, id_layout))
+    mbarrier.arrive(kv_ready)
+
+
+@gluon.jit
+def _next_item(kv_ready, item_smem, done):
+    """The id of the consumers' next work item (the producer's, in item_smem with kv_ready's phase `done`)."""
+    # [1] the id, each warpgroup thread's copy
+    id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    mbarrier.wait(kv_ready, done & 1)
+    return gl.max(item_smem.load(id_layout), 0)
 
 
 @gluon.jit
 def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p_own, ds_own, ds_lo, ds_hi, dq_tile,
-              kv_ready, kv_free, q_ready, q_empty, ds_ready, ds_free, dq_desc, DK, DV, stride_dk_b, stride_dk_n,
-              stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, head_dim, rows_masked, key0, feature0, work,
-              softmax_scale, qk_scale_log2, causal, ordered, dropout, alibi_args):
-    """One warpgroup: keys [n_start + key0, + OWN) of each of the program's key blocks (work items: _items; the
-    block's K and V are in kv_ready's buffers, handed back through kv_free once its last product read them) (k_own,
+              item_smem, kv_ready, kv_free, q_ready, q_empty, ds_ready, ds_free, dq_desc, DK, DV, stride_dk_b,
+              stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, head_dim, rows_masked, key0, feature0,
+              work, softmax_scale, qk_scale_log2, causal, ordered, dropout, alibi_args):
+    """One warpgroup: keys [n_start + key0, + OWN) of each of the program's key blocks (work items, ids from the
+    producer: _next_item; the block's K and V are in kv_ready's buffers, handed back through kv_free once its last
+    product read them) (k_own,
     v_own: their K and V rows [OWN, WIDTH] per chunk of the head dim; p_own: () with key-major scores, else (its
     [ROWS, OWN] P tile, ); ds_own: its two dS tiles in shared memory, [2, ROWS, OWN], or dS^T [2, OWN, ROWS] with
     key-major scores); dK / dV over every query block (an accumulator per chunk), and the dQ features [feature0, +
@@ -458,11 +484,12 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
         gl.static_assert(OVER_ALL_KEYS, "ordered dQ takes the split by features (head dim 128)")
     group_size = work[1]
     window = work[6]
-    first_item, end, step = _items(work, KEYS)
+    end = _items_end(work, KEYS)
     # the program's loop iterations and items before the current item
-    base = first_item * 0
-    done = first_item * 0
-    for item in range(first_item, end, step):
+    base = end * 0
+    done = end * 0
+    item = _next_item(kv_ready, item_smem, done)
+    while item < end:
         (batch, desc_batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations, bounds, _, _,
          first_visit) = _work_item(item, work, KEYS, ROWS)
         q_start, seqlen_q, k_start, seqlen_k = bounds
@@ -485,7 +512,6 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
             alibi = (alibi_args[0] + batch.to(gl.int64) * alibi_args[1], alibi_args[2])
         else:
             alibi = ()
-        mbarrier.wait(kv_ready, done & 1)
         for i in range(n_iterations):
             # the program's iteration count, which numbers the stages, the dS buffers and their phases
             step_i = base + i
@@ -553,13 +579,14 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
             column = column + dk[chunk].shape[1]
         base = base + n_iterations
         done = done + 1
+        item = _next_item(kv_ready, item_smem, done)
     tma.store_wait(0)
 
 
 @gluon.jit(do_not_specialize=["num_batch_heads", "seqlen_q", "seqlen_k", "head_dim", "heads_per_group", "window_left",
                               "window_right", "q_rows", "k_rows", "lse_row_stride", "delta_row_stride"])
 def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_desc2, q_desc2, do_desc2, dq_desc2,
-                           lse_desc, delta_desc, DK, DV, dq_counters,
+                           lse_desc, delta_desc, DK, DV, dq_counters, item_counter,
                            stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                            num_batch_heads, num_heads_k, group_size, seqlen_q, seqlen_k, head_dim, heads_per_group,
                            softmax_scale,
@@ -574,8 +601,9 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     splits dQ by 64-feature halves (dq_desc's width), 64 by keys.
     Work items: one per (128-key block, batch * kv head) (num_batch_heads: batch * kv heads), key blocks in order
     (under a causal mask the blocks seen by the most query rows first), in launch-order groups of heads_per_group
-    (batch, kv head) pairs; a program per item, or a persistent grid whose programs take items p, p + P, ... (the
-    next item's K / V and first Q / dO stages load while the consumers store the last one's dK / dV). num_warps (4)
+    (batch, kv head) pairs; a program per item (item_counter None), or a persistent grid whose programs take their
+    own item, then the next untaken one (item_counter: a zeroed int32 the producers increment; the next item's K / V
+    and first Q / dO stages load while the consumers store the last one's dK / dV). num_warps (4)
     is the first consumer's; the second consumer (4 warps, CONSUMER_REGS registers) and the producer (1 warp) are
     worker partitions, and with ORDERED the two releasers (1 warp each). ORDERED (head dim 128): every query
     block's dQ reductions come in one fixed order (_reduction_rank; dq_counters: zeroed int32, two per (batch, head,
@@ -656,6 +684,8 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
         dq_descs = (dq_desc, dq_desc)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    # [1] the id of the work item whose K / V kv_ready announces (_producer)
+    item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -707,7 +737,7 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
         alibi = alibi_args
     else:
         alibi = ()
-    barriers = (kv_ready, kv_free, q_ready, q_empty, ds_ready, ds_free)
+    barriers = (item_smem, kv_ready, kv_free, q_ready, q_empty, ds_ready, ds_free)
     # [OWN, WIDTH] per chunk: each consumer's key half of K and V
     k_halves = (key_rows(k_flat, 0, OWN), key_rows(k_flat, OWN, OWN))
     v_halves = (key_rows(v_flat, 0, OWN), key_rows(v_flat, OWN, OWN))
@@ -728,16 +758,24 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     staged = (q_smem, do_smem, lse_smem, delta_smem)
     pointers = (DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, head_dim,
                 rows_masked)
+    # the consumers' work tuple: without the sequence pointers, which only the producer reads
+    consumer_work = work[:8] + ((), ) + work[9:]
     first = (k_halves[0], v_halves[0]) + first_dq + staged + (p_tiles[0], ds_smem[0]) + ds_smem + (
-        dq_tiles[0], ) + barriers + (dq_descs[0], ) + pointers + (gl.to_tensor(0), gl.to_tensor(0), work,
+        dq_tiles[0], ) + barriers + (dq_descs[0], ) + pointers + (gl.to_tensor(0), gl.to_tensor(0), consumer_work,
                                                                  softmax_scale, qk_scale_log2, causal, order_of[0],
                                                                  dropout, alibi)
     second = (k_halves[1], v_halves[1]) + second_dq + staged + (p_tiles[1], ds_smem[1]) + ds_smem + (
         dq_tiles[1], ) + barriers + (dq_descs[1], ) + pointers + (gl.to_tensor(OWN), gl.to_tensor(second_feature),
-                                                                 work, softmax_scale, qk_scale_log2, causal,
+                                                                 consumer_work, softmax_scale, qk_scale_log2,
+                                                                 causal,
                                                                  order_of[1], dropout, alibi)
-    producer = (work, k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
-                lse_smem, delta_smem, kv_ready, kv_free, q_ready, q_empty, num_heads_k * group_size)
+    if item_counter is not None:
+        gl.static_assert(not ORDERED, "ordered dQ needs one program per key block")
+        counter = (item_counter, )
+    else:
+        counter = ()
+    producer = (work, counter, k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc, k_smem, v_smem, q_smem,
+                do_smem, lse_smem, delta_smem, item_smem, kv_ready, kv_free, q_ready, q_empty, num_heads_k * group_size)
     if ORDERED:
         placement = (first_visit, n_iterations, blocks_per_head, m_block_lo, n_query_blocks)
         gl.warp_specialize([(_consumer, first), (_consumer, second), (_producer, producer),

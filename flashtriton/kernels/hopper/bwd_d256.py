@@ -212,5 +212,5 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, k_desc2, v_desc
                              k_smem, v_smem, (q_lo, q_hi), (do_lo, do_hi), lse_smem, delta_smem, kv_ready,
                              q_ready, q_empty, batch, head_k, n_start, num_heads_k * group_size, group_size,
                              m_block_lo, blocks_per_head, n_iterations, gl.to_tensor(0), gl.to_tensor(0),
-                             gl.to_tensor(1), (), (), gl.to_tensor(0))),
+                             gl.to_tensor(1), (), gl.to_tensor(0))),
     ], [4, 1], [CONSUMER_REGS, 24])

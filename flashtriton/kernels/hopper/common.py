@@ -311,7 +311,7 @@ def sequence_descriptors(descs, base, start, length):
 def backward_producer(k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc, k_pieces, v_pieces, q_pieces,
                       do_pieces, lse_smem, delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads,
                       group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, q_start, load_kv, sequence,
-                      kv_free, base):
+                      base):
     """One warp: the key block's K and V once, then Q_i, dO_i and their rows' log2(e) * lse and delta of every
     iteration (loop_position(i)) into stage i % STAGES. Every tensor moves in feature pieces (a descriptor and a
     shared allocation per piece: k_pieces / v_pieces [1, 1, KEYS, 1, WIDTH], q_pieces / do_pieces [STAGES, 1, ROWS,
@@ -327,14 +327,11 @@ def backward_producer(k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc,
     (row_statistics): a sequence's rows start anywhere, and a TMA load's innermost coordinate must be 16-byte
     aligned (an unaligned one is an illegal instruction). Those loads run one iteration ahead: the rows of iteration
     i + 1 load while stage i's copies run and stage i + 1 frees, so the warp never waits on them before a TMA issue.
-    A persistent program calls this once per work item: kv_free () for a program of one item, else (the barrier
-    both consumers arrive on once done with the previous item's K and V, its phase, whether there was one), waited
-    for before this item's descriptors and K / V are written; base: the program's loop iterations before this item
-    (the Q / dO stages and their barriers' phases run on across items)."""
+    A persistent program calls this once per work item, once the consumers are done with the previous item's K and
+    V (and its descriptors' loads); base: the program's loop iterations before this item (the Q / dO stages and
+    their barriers' phases run on across items)."""
     ROWS: gl.constexpr = q_pieces[0].shape[2]
     STAGES: gl.constexpr = q_pieces[0].shape[0]
-    if len(kv_free) > 0:
-        mbarrier.wait(kv_free[0], kv_free[1], pred=kv_free[2])
     if len(sequence) > 0:
         q_descs = sequence_descriptors(q_descs, sequence[0], sequence[4], sequence[5])
         do_descs = sequence_descriptors(do_descs, sequence[1], sequence[4], sequence[5])
