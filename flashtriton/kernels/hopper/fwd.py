@@ -704,7 +704,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_d
     else:
         alibi = ()
     # the varlen sequences and O's rows by pointer, or () for a dense call (schedule.tile_work, _store_output)
-    # a varlen call's keys in a paged pool, or () (schedule.block_row)
+    # a varlen call's keys in a paged pool, or () (schedule.block_rows)
     if paged_args[0] is not None:
         pieces = ()  # one entry per piece of a key block (schedule.block_rows)
         for _ in gl.static_range(KEY_PIECES):

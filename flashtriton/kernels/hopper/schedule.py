@@ -37,7 +37,7 @@ def tile_work(tile, batch_head, num_tiles, num_heads, seqlen_q, seqlen_k, causal
     seqs: () for a dense (B, S, H, D) call, or (CuSeqlensQ, CuSeqlensK, q_rows, k_rows, pages) for a varlen one,
     whose tensors are (1, T, H, D) to the descriptors: the lengths are the sequence's own, seqlen_q and seqlen_k the
     longest (num_tiles counts tiles of the longest); a tile past its sequence's end has no key block (the caller
-    skips it). pages: () or sequence_pages' group for keys in a paged pool (block_row): the sequence's keys start at
+    skips it). pages: () or sequence_pages' group for keys in a paged pool (block_rows): the sequence's keys start at
     key 0 of its block-table row and their count is clamped to the row's capacity (k_rows). bounds: (the sequence's
     query and key lengths, its first q and k rows, the descriptors' batch coordinate)."""
     batch = batch_head // num_heads
