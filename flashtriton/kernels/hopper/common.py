@@ -279,11 +279,12 @@ def _tiles_shape(entries, block_shape, rows):
 
 
 @gluon.jit
-def key_rows(chunks, first, count: gl.constexpr):
-    """Rows [first, + count) of every chunk ([KEYS, WIDTH] each)."""
+def key_rows(chunks, first, count: gl.constexpr, ROW_DIM: gl.constexpr = 0):
+    """Rows [first, + count) of every chunk ([KEYS, WIDTH] each, or rows along ROW_DIM: [1, KEYS, 1, WIDTH] tiles
+    with ROW_DIM 1)."""
     rows = ()
     for chunk in gl.static_range(len(chunks)):
-        rows = rows + (chunks[chunk].slice(first, count, dim=0), )
+        rows = rows + (chunks[chunk].slice(first, count, dim=ROW_DIM), )
     return rows
 
 

@@ -44,7 +44,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 
 from .common import accumulate_register_products, allocate_chunks, arrive_after_wgmma, chained_products, \
-    chunk_descriptors, chunks_bytes, chunks_width, copy_pieces, entries_of, matrices_of, wait_products, \
+    chunk_descriptors, chunks_bytes, chunks_width, copy_pieces, entries_of, key_rows, matrices_of, wait_products, \
     zero_accumulators
 from .dropout import draw_words, dropout_key, kept_operand, row_draws
 from .fwd_softmax import hold_schedule, logits, mask_block, mask_local, operand_of, reciprocal, rescale, softmax_block
@@ -79,17 +79,8 @@ def _load_stage(descs, smem, ready, empty, load, batch, rows, head_k):
     else:
         PIECE: gl.constexpr = smem[0].shape[2] // len(rows)
         for piece in gl.static_range(len(rows)):
-            copy_pieces(descs, _tile_rows(tiles, piece * PIECE, PIECE), batch, rows[piece], head_k,
+            copy_pieces(descs, key_rows(tiles, piece * PIECE, PIECE, 1), batch, rows[piece], head_k,
                         ready.index(stage))
-
-
-@gluon.jit
-def _tile_rows(tiles, first, count: gl.constexpr):
-    """Rows [first, + count) of every chunk's tile ([1, BLOCK_N, 1, WIDTH] each)."""
-    rows = ()
-    for chunk in gl.static_range(len(tiles)):
-        rows = rows + (tiles[chunk].slice(first, count, dim=1), )
-    return rows
 
 
 @gluon.jit
