@@ -127,8 +127,10 @@ class BenchResult:
 
 def git_commit() -> Optional[str]:
     """$FLASHTRITON_COMMIT if set (copies without git history), else `git rev-parse --short HEAD` of the checkout
-    this package's files belong to; None where they belong to none (an installed wheel, or a copy inside another
-    repository's tree, which that repository does not track: its HEAD says nothing of the copy)."""
+    this package's files belong to, with "-dirty" where the package's tracked files differ from that commit (work
+    in progress, or files copied over an older checkout: HEAD alone would name a tree that did not run); None where
+    they belong to none (an installed wheel, or a copy inside another repository's tree, which that repository
+    does not track: its HEAD says nothing of the copy)."""
     if os.environ.get("FLASHTRITON_COMMIT"):
         return os.environ["FLASHTRITON_COMMIT"]
     here = Path(__file__).resolve()
@@ -137,11 +139,13 @@ def git_commit() -> Optional[str]:
                                  capture_output=True, text=True, timeout=10)
         done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here.parent, capture_output=True,
                               text=True, timeout=10)
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "."],
+                                 cwd=here.parent, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    if tracked.returncode != 0 or done.returncode != 0:
+    if tracked.returncode != 0 or done.returncode != 0 or not done.stdout.strip():
         return None
-    return done.stdout.strip() or None
+    return done.stdout.strip() + ("-dirty" if changed.returncode != 0 or changed.stdout.strip() else "")
 
 
 def run_metadata() -> dict:

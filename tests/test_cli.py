@@ -281,6 +281,9 @@ def test_git_commit_is_that_of_the_checkout_holding_the_package(tmp_path, monkey
 
     assert commit_of("tracked") == head
     assert commit_of("ignored") is None
+    # a tracked file changed since HEAD (files copied over an older checkout): HEAD did not run
+    (tmp_path / "tracked" / "bench.py").write_text("changed = True\n")
+    assert commit_of("tracked") == head + "-dirty"
     monkeypatch.setenv("FLASHTRITON_COMMIT", "abc1234")
     assert commit_of("ignored") == "abc1234"
 
