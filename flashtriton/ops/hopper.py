@@ -168,7 +168,7 @@ def tile_descriptor(tensor: torch.Tensor, rows: int, columns: int = 0):
 # Forward
 # ----------------------------------------------------------------------------------------------------------------
 
-# Tests cap the grid (testing.forced_hopper_grid) so that every program runs many work items.
+# Tests cap the persistent grids (testing.forced_hopper_grid) so that every program runs many work items.
 PROGRAMS_CAP = None
 
 
@@ -557,8 +557,12 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
     else:  # the dK / dV only kernel takes no varlen call
         varlen_args = ()
     config = configs.HOPPER_BWD[tile_dim]
-    grid = (triton_cdiv(seqlen_k, keys) * batch * num_heads_k,)
     ordered = orders_dq(head_dim, deterministic)
+    items = triton_cdiv(seqlen_k, keys) * batch * num_heads_k
+    persistent = config.persistent and dq_box is not None and not ordered
+    grid = (min(items, _multiprocessors(q.device), PROGRAMS_CAP or items) if persistent else items,)
+    # the persistent grid's count of items taken past the programs' first ones
+    item_counter = torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else None
     # per (batch, query head, query block of the kernel, feature half): reductions completed so far
     dq_counters = (torch.zeros(batch * num_heads * triton_cdiv(seqlen_q, config.query_rows) * 2, dtype=torch.int32,
                                device=q.device) if ordered else None)
@@ -583,9 +587,10 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
         statistics = tuple(_row_statistic_descriptor(stat, strides, batch, num_heads, seqlen_q, config.query_rows)
                            for stat, strides in ((lse, lse_strides), (delta, delta_strides)))
     launch(
-        kernel, grid, *descriptors, *statistics, dk, dv, *(() if dq_box is None else (dq_counters, )), dk.stride(0),
-        dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2), num_heads_k, num_heads // num_heads_k, seqlen_q, seqlen_k, head_dim,
+        kernel, grid, *descriptors, *statistics, dk, dv, *(() if dq_box is None else (dq_counters, item_counter)),
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        *(() if dq_box is None else (batch * num_heads_k, )), num_heads_k, num_heads // num_heads_k, seqlen_q,
+        seqlen_k, head_dim,
         *((head_dim_v, ) if dq_box is None else ()), 1 if ordered else heads_per_group, params.softmax_scale,
         params.qk_scale_log2, params.window_left, params.window_right, *logit_args, *varlen_args,
         CAUSAL=params.causal_like,
