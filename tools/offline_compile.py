@@ -230,6 +230,11 @@ def compile_hopper_fwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     signature["paged_args"] = ("*i32" if paged else "constexpr", "i32", "i32", "i32")
     if not paged:
         constexprs[(names.index("paged_args"), 0)] = None
+    # a persistent varlen grid's dynamic schedule (ops/hopper.launch_fwd)
+    if varlen and config.persistent:
+        signature["item_counter"] = "*i32"
+    else:
+        constexprs["item_counter"] = None
     signature = {name: signature[name] for name in names if name in signature}  # in the kernel's order
     return _compile_gluon(attn_fwd_hopper_kernel, signature, constexprs)
 

@@ -358,6 +358,8 @@ def launch_fwd(q, k, v, out, lse, lse_strides: Tuple[int, int], params, seqlen_q
         (alibi_slopes, alibi_batch_stride(alibi_slopes), int(params.alibi_pure_causal), params.qk_scale_log2),
         (rng_state if dropout_p > 0.0 else None, *kernel_dropout(dropout_p)), learnable_sink,
         (*(descales or (None, None, None)), num_heads // k.shape[-2]), paged_args,
+        # varlen tiles differ in length: a persistent grid's programs take the next tile when free
+        torch.zeros(1, dtype=torch.int32, device=q.device) if varlen and config.persistent and split is None else None,
         **forward_constexprs(config, params.causal_like, local, key_rows))
     if split is not None:
         launch(
