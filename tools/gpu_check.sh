@@ -4,10 +4,11 @@
 #
 #   bash tools/gpu_check.sh [STEPS]     STEPS: comma list of tests,reliability,sanitize,bench,triton,deterministic,
 #                                       sweep,hopper-sweep,l2-groups,decode,decode-sweep,varlen,dropout,cold,fa4,
-#                                       features,model,context-parallel,fp8,host,host-bench,plans,fuzz (default
-#                                       tests,reliability,decode)
+#                                       features,model,context-parallel,fp8,host,host-bench,plans,fuzz,compare
+#                                       (default tests,reliability,decode)
 # Environment: FLASHTRITON_COMMIT (the commit recorded in bench metadata), OUT, FUZZ_EXAMPLES (fuzz step, default
-# 120), TESTS_LIMIT (tests step seconds, default 300; a machine with an empty Triton cache needs ~400).
+# 120), TESTS_LIMIT (tests step seconds, default 300; a machine with an empty Triton cache needs ~400), COMPARE_ARGS
+# (compare step: the `flashtriton bench` arguments timed in both trees).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -15,6 +16,7 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 out="${OUT:-gpu-check}"
 mkdir -p "$out"
+out="$(cd "$out" && pwd)"
 steps=",${1:-tests,reliability,decode},"
 
 step() {  # step NAME SECONDS COMMAND...
@@ -80,3 +82,10 @@ step fuzz 330 bash -c 'for t in flash_attn_func flash_attn_varlen_func flash_att
     FLASHTRITON_FUZZ_EXAMPLES="${FUZZ_EXAMPLES:-120}" timeout 320 python -m pytest "tests/test_fuzz.py::test_fuzz_${t}" -q \
       -p no:cacheprovider --hypothesis-profile=long --hypothesis-show-statistics > "'"$out"'/fuzz-${t}.log" 2>&1 &
   done; wait; tail -n 15 "'"$out"'"/fuzz-*.log'
+# this tree against another commit's (bash tools/base_tree.sh REV beforehand puts it in .base/; carry .base), on
+# one machine back to back: COMPARE_ARGS (default: the backward and varlen rows of the feature matrix) in each
+step compare 420 bash -c 'test -f .base/COMMIT || { echo "no .base/: run bash tools/base_tree.sh REV here and carry .base"; exit 1; }
+  args="${COMPARE_ARGS:---features --modes fwd,bwd --rows plain,varlen-mixed,paged-64,window-1024 --providers flashtriton}"
+  python -m flashtriton bench $args --out "'"$out"'/compare-tree" \
+    && cd .base && FLASHTRITON_COMMIT="$(cat COMMIT)" PYTHONPATH="$PWD" python -m flashtriton bench $args \
+       --out "'"$out"'/compare-base"'
