@@ -132,7 +132,8 @@ def test_paged_varlen_on_the_gluon_forward(case):
 @needs_hopper
 @pytest.mark.gpu
 def test_paged_calls_outside_the_gluon_rules_run_the_triton_kernel():
-    """Pages of 16 keys, or a pool whose pages are not in a row, stay on the Triton kernel with the same result."""
+    """Pages of 16 keys stay on the Triton kernel with the same result (pools whose pages are not in a row: the CPU
+    rule test above)."""
     run_paged([200, 31], [260, 90], 16, expect_gluon=False, causal=True)
 
 

@@ -197,11 +197,7 @@ class _Launch:
         args = self.static.copy()
         for position, template in self.dynamic:
             args[position] = _filled(template, values)
-        compiled = self.compiled
-        if self.direct is not None:
-            self.direct(*self.grid, stream, compiled, args)
-            return
-        compiled.run(*self.grid, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+        launching.run_compiled(self.compiled, self.direct, *self.grid, stream, args)
 
     def same_as(self, other) -> bool:
         return (type(other) is _Launch and self.compiled is other.compiled and self.grid == other.grid

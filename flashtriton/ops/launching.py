@@ -371,9 +371,14 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     from triton.runtime import driver
 
     stream = driver.active.get_current_stream(device)
-    grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
-    if plan.direct is not None:
-        plan.direct(grid_x, grid_y, grid_z, stream, compiled, args + tail)
+    run_compiled(compiled, plan.direct, *(*grid, 1, 1)[:3], stream, args + tail)
+
+
+def run_compiled(compiled, direct: Optional[DirectLauncher], grid_x: int, grid_y: int, grid_z: int, stream,
+                 args) -> None:
+    """Launch `compiled` with the launcher's positional arguments `args` (keyword tail included): through its C
+    launcher where it has one (`direct`, c_launcher's), else through its `run`, as Triton's binder does."""
+    if direct is not None:
+        direct(grid_x, grid_y, grid_z, stream, compiled, args)
         return
-    compiled.run(grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                 *args, *tail)
+    compiled.run(grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
