@@ -199,7 +199,8 @@ def test_gluon_forward_varlen(name, dtype):
     query or key sequences, sq != sk both ways, GQA, windows, head dims between tile classes and V's own; rows past
     the last sequence hold NaN in q, k and v (a read of them would reach the output: V's rows past each sequence's
     keys are cleared before P V); NaN-poisoned outputs against the float64 reference, every row (uncovered rows: out
-    0, LSE +inf); the configured grid and 3 programs."""
+    0, LSE +inf); the configured grid and 3 programs (persistent varlen grids schedule dynamically: each program
+    takes the next untaken tile, its consumers learning it from the producer)."""
     lengths_q, lengths_k, heads, heads_k, head_dim, head_dim_v, options = VARLEN_CASES[name]
     cu_q, cu_k = cu_seqlens(lengths_q, "cuda"), cu_seqlens(lengths_k, "cuda")
     padding = 37

@@ -93,7 +93,7 @@ def _load_key_block(k_descs, v_descs, k_smem, v_smem, k_ready, v_ready, k_empty,
 
 @gluon.jit
 def _producer(q_descs, k_descs, v_descs, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-              v_empty, group_size, tail, work, pages):
+              v_empty, group_size, tail, work, pages, dynamic):
     """One warp, per tile of this program's work items: K of the tile's first key block, the consumers' Q tiles (q_smem
     per chunk of the head dim: [CONSUMERS, 1, ROWS, 1, WIDTH]) once each consumer released its previous one, then V of
     the first block and K and V of the others; the program's load number l (counted across tiles) goes to stage l %
@@ -101,7 +101,10 @@ def _producer(q_descs, k_descs, v_descs, q_smem, k_smem, v_smem, q_ready, q_empt
     consumers' second-to-last S of the previous tile is done, Q's only after their last (loaded after Q, the first K
     would wait for both consumers' last S, and the tile's first S for its landing). Varlen tiles past their
     sequence's end (no key block) are skipped, by the consumers too. pages: () or the paged pool's group
-    (schedule.sequence_pages): each block's rows come from its page or pages (schedule.block_rows)."""
+    (schedule.sequence_pages): each block's rows come from its page or pages (schedule.block_rows). dynamic: () or
+    (item counter, ids) (varlen tiles, one per item, no tail): after its own first item the program takes the next
+    one nobody has taken (an atomic increment of the zeroed counter), and hands each tile's item id to the consumers
+    in ids[done % 2] with their Q tiles (_published_item); -1 after the last."""
     CONSUMERS: gl.constexpr = q_smem[0].shape[0]
     ROWS: gl.constexpr = q_smem[0].shape[2]
     BLOCK_N: gl.constexpr = k_smem[0].shape[2]
@@ -109,11 +112,20 @@ def _producer(q_descs, k_descs, v_descs, q_smem, k_smem, v_smem, q_ready, q_empt
     done = 0
     item, which, x_start, x_end = first_cursor(tail)
     x = x_start
+    # [1] an item id, the warp's copy
+    id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     while more_work(item, x, x_end, tail):
+        current = item
         batch, head, m_start, top, count, slot, item, which, x, bounds = next_piece(item, which, x, x_start, x_end,
                                                                                     tail, work, CONSUMERS * ROWS,
                                                                                     BLOCK_N)
+        if len(dynamic) > 0:
+            item = gl.atomic_add(dynamic[0], 1) + gl.num_programs(0)
         if count > 0:
+            if len(dynamic) > 0:
+                # the consumers read it once the tile's Q landed: ids[done % 2] was last read two tiles ago, before
+                # the Q tiles this warp has since waited to be freed
+                dynamic[1].index(done % 2).store(gl.full([1], current, gl.int32, id_layout))
             _, _, q_start, k_start, desc_batch = bounds
             head_k = head // group_size
             row_pages = sequence_pages(pages, batch)
@@ -131,6 +143,21 @@ def _producer(q_descs, k_descs, v_descs, q_smem, k_smem, v_smem, q_ready, q_empt
                                 desc_batch, block_rows(row_pages, k_start, top - j, BLOCK_N), head_k)
             load += count
             done += 1
+    if len(dynamic) > 0:
+        dynamic[1].index(done % 2).store(gl.full([1], -1, gl.int32, id_layout))
+        for consumer in gl.static_range(CONSUMERS):
+            mbarrier.wait(q_empty.index(consumer), (done - 1) & 1, pred=done > 0)
+            mbarrier.arrive(q_ready.index(consumer))
+
+
+@gluon.jit
+def _published_item(q_ready, ids, done):
+    """The item id of this consumer's tile number `done` (its Q tile's barrier q_ready; -1: no more tiles), as the
+    producer hands it over with a dynamic schedule."""
+    # [1] the id, each warpgroup thread's copy
+    id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    mbarrier.wait(q_ready, done & 1)
+    return gl.max(ids.index(done % 2).load(id_layout), 0)
 
 
 @gluon.jit
@@ -401,7 +428,7 @@ def _store_partial_chunk(out, column0, Partial, slot, row_offset, TILE_ROWS: gl.
 @gluon.jit
 def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, Partial, PartialLse, k_smem, v_smem,
               k_ready, v_ready, k_empty, v_empty, team, fences, lag, residues, stride_lse_b, stride_lse_h, tail,
-              work, qk_scale_log2, alibi, o_in_q, rows_out, dropout, sinks, fp8, pages):
+              work, qk_scale_log2, alibi, o_in_q, rows_out, dropout, sinks, fp8, pages, dynamic):
     """One warpgroup: query rows [m_start + row_offset, + ROWS) of every piece of work of this program (a tile, or part
     of a tail tile's key blocks: next_piece). Per piece: wait for its Q tile (q_tile [1, ROWS, 1, WIDTH] per chunk,
     shared), run the key blocks, normalize, store the natural-log LSE and O (_store_output; a partial piece's to the
@@ -415,7 +442,8 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
     alibi_pure_causal, qk_scale_log2 of the logits) (_run_piece loads each tile's slope for logits); rows_out:
     _store_output's (varlen: O's pointer, strides and head dim; its length also tells _key_blocks to clear V past
     each sequence's keys); dropout: () or (RngState, keep_threshold, dropout_scale), sinks: () or (LearnableSink, ),
-    fp8: () or (QDescale, KDescale, VDescale, group_size) (_run_piece); pages: the producer's."""
+    fp8: () or (QDescale, KDescale, VDescale, group_size) (_run_piece); pages, dynamic: the producer's (with a
+    dynamic schedule each tile's item id comes from the producer: _published_item)."""
     ROWS: gl.constexpr = q_tile[0].shape[1]
     TILE_ROWS: gl.constexpr = len(team) * ROWS
     BLOCK_N: gl.constexpr = k_smem[0].shape[2]
@@ -435,15 +463,26 @@ def _consumer(q_tile, o_tile, q_ready, q_empty, turns, row_offset, o_desc, Lse, 
     done = 0
     item, which, x_start, x_end = first_cursor(tail)
     x = x_start
-    while more_work(item, x, x_end, tail):
-        batch, head, m_start, top, count, slot, item, which, x, bounds = next_piece(item, which, x, x_start, x_end,
-                                                                                    tail, work, TILE_ROWS, BLOCK_N)
-        piece = (batch, head, m_start, top, count, slot, bounds)
-        if len(rows_out) > 0:
-            if count > 0:  # a varlen tile past its sequence's end has no work
-                load, done = _run_piece(piece, load, done, tiles, barriers, outputs, options)
-        else:
+    if len(dynamic) > 0:
+        # the producer's items, each a tile with key blocks
+        item = _published_item(q_ready, dynamic[1], done)
+        while item >= 0:
+            batch, head, m_start, top, count, slot, _, _, _, bounds = next_piece(item, which, x, x_start, x_end, tail,
+                                                                                 work, TILE_ROWS, BLOCK_N)
+            piece = (batch, head, m_start, top, count, slot, bounds)
             load, done = _run_piece(piece, load, done, tiles, barriers, outputs, options)
+            item = _published_item(q_ready, dynamic[1], done)
+    else:
+        while more_work(item, x, x_end, tail):
+            batch, head, m_start, top, count, slot, item, which, x, bounds = next_piece(item, which, x, x_start,
+                                                                                        x_end, tail, work, TILE_ROWS,
+                                                                                        BLOCK_N)
+            piece = (batch, head, m_start, top, count, slot, bounds)
+            if len(rows_out) > 0:
+                if count > 0:  # a varlen tile past its sequence's end has no work
+                    load, done = _run_piece(piece, load, done, tiles, barriers, outputs, options)
+            else:
+                load, done = _run_piece(piece, load, done, tiles, barriers, outputs, options)
     tma.store_wait(0)
 
 
@@ -554,7 +593,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_d
                            PartialLse, stride_lse_b, stride_lse_h, batch, num_heads, group_size, seqlen_q, seqlen_k, heads_per_group, paired, full_items,
                            tail_programs, tail_blocks, item_blocks, qk_scale_log2, rescale_threshold, window_left,
                            window_right, varlen, q_rows, k_rows, alibi_args, dropout_args, LearnableSink, fp8_args,
-                           paged_args,
+                           paged_args, item_counter,
                            CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
                            STAGES: gl.constexpr,
                            CONSUMERS: gl.constexpr,
@@ -600,7 +639,10 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_d
     keys, (1, num_pages * page_size, Hk, D) to the descriptors, whose key blocks the producer reads from each
     sequence's block-table row (schedule.block_rows), in KEY_PIECES boxes of the descriptors' rows where a block is
     wider than a page (the descriptors' rows divide page_size); keys start at 0 of the row, k_rows is its capacity
-    (max pages per sequence * page_size); keys on pages outside [0, num_pages) are absent."""
+    (max pages per sequence * page_size); keys on pages outside [0, num_pages) are absent. item_counter (a zeroed
+    int32, or None): a persistent varlen grid's dynamic schedule, its tiles being of unequal lengths: after its own
+    first item a program takes the next one nobody has taken (_producer), the consumers learn each tile's item from
+    the producer (no tail: full_items = all items)."""
     ROWS: gl.constexpr = CONSUMER_ROWS
     # keys per K / V stage: KEY_PIECES boxes of the descriptors' rows (a paged block wider than a page: one per page)
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[1] * KEY_PIECES
@@ -730,11 +772,17 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_d
         tail = (full_items, tail_programs, tail_blocks, item_blocks)
     else:
         tail = (full_items, )
+    # the dynamic schedule's (item counter, [2, 1] the item ids of the tiles in flight), or ()
+    if item_counter is not None:
+        gl.static_assert(varlen[0] is not None, "the dynamic schedule is a varlen grid's")
+        dynamic = (item_counter, gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0])))
+    else:
+        dynamic = ()
     common = (o_descs, Lse, Partial, PartialLse, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, team, fences, lag,
               residues, stride_lse_b, stride_lse_h, tail, work, qk_scale_log2, alibi, o_in_q, rows_out, dropout, sinks,
-              fp8, pages)
+              fp8, pages, dynamic)
     producer_args = (q_descs, k_descs, v_descs, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, group_size, tail, work, pages)
+                     v_empty, group_size, tail, work, pages, dynamic)
     first = _consumer_args(0, q_smem, o_smem, q_ready, q_empty, turns, common)
     second = _consumer_args(1, q_smem, o_smem, q_ready, q_empty, turns, common)
     if CONSUMERS == 3:
