@@ -328,17 +328,14 @@ class HopperBwdConfig:
     # feed dV and dK from registers (kernels/hopper/bwd.py; calls with ALiBi always do, calls with dropout never: the
     # forward's mask follows the row-major tiles)
     key_major: tuple = ()
-    # one program per SM taking key blocks in turn (kernels/hopper/bwd.py; not with ordered dQ), so that a key
-    # block's K / V load while the consumers store the previous block's dK / dV
-    persistent: bool = False
 
 
 # keyed by head dim; 64-128: python benchmarks/sweep_hopper_bwd.py --head-dims 96,64,80 and --head-dims 128
 # --deterministic, 2026-12-07, c59df22, H100 (192 and 256: flashtriton bench --modes bwd, 2026-12-01, a536212, H200)
-HOPPER_BWD = ConfigTable({64: HopperBwdConfig(64, 3, 248, persistent=True),
-                          80: HopperBwdConfig(64, 2, 240, (False, True), persistent=True),
-                          96: HopperBwdConfig(64, 2, 240, (False, True), persistent=True),
-                          128: HopperBwdConfig(64, 2, 248, (False, True), persistent=True),
+HOPPER_BWD = ConfigTable({64: HopperBwdConfig(64, 3, 248),
+                          80: HopperBwdConfig(64, 2, 240, (False, True)),
+                          96: HopperBwdConfig(64, 2, 240, (False, True)),
+                          128: HopperBwdConfig(64, 2, 248, (False, True)),
                           192: HopperBwdConfig(64, 2, 240), 256: HopperBwdConfig(64, 2, 240)})
 HOPPER_BWD_HEAD_DIMS = tuple(sorted(HOPPER_BWD))
 # The Gluon backward's tiles by head dim (HOPPER_FWD_CHUNKS' rule): K, V, Q and dO move in these column chunks, S and

@@ -98,8 +98,8 @@ def forced_rescale_threshold(threshold: float):
 
 
 def forced_hopper_grid(programs: Optional[int]):
-    """Within this block the Gluon Hopper forward's grid and the persistent backward's have at most `programs`
-    programs (None: as configured), so each program runs many work items (ops/hopper.forward_grid, launch_bwd)."""
+    """Within this block the Gluon Hopper forward's grid has at most `programs` programs (None: as configured), so
+    each program runs many work items (ops/hopper.forward_grid)."""
     from .ops import hopper
 
     return _overridden(hopper, "PROGRAMS_CAP", programs)

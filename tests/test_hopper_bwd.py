@@ -19,7 +19,7 @@ from flashtriton.ops import hopper
 from flashtriton.ops.backend import KERNELS_INTERPRETED
 from flashtriton.scores import score_params
 from flashtriton.testing import Case, assert_checks_ok, compare_varlen_with_reference, compare_with_reference, \
-    forced_gluon, forced_hopper_grid, make_case_inputs, poisoned_outputs
+    forced_gluon, make_case_inputs, poisoned_outputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -383,44 +383,6 @@ def test_gluon_backward_varlen(name, dtype):
     GQA, a window, two-chunk tiles (96; 72 on 80-wide ones); rows past the last sequence hold NaN in q, k, v and
     dout (a read of them would reach the gradients); NaN-poisoned outputs against the float64 reference, every
     row."""
-    run_varlen_backward(name, dtype)
-
-
-PERSISTENT_CASES = {
-    "causal-gqa": dict(seqlen_q=1000, seqlen_k=1000, num_heads=6, num_heads_k=2, causal=True),
-    "sq333-sk200-d64": dict(seqlen_q=333, seqlen_k=200, head_dim=64),
-    "causal-window-d96": dict(causal=True, window_size=(100, 0), seqlen_q=700, seqlen_k=900, head_dim=96),
-    "window-misses-keys-d80": dict(window_size=(3, 0), seqlen_q=200, seqlen_k=1000, head_dim=80),
-    "alibi-causal": dict(alibi=True, causal=True, seqlen_q=500, seqlen_k=500),
-}
-
-
-@needs_hopper
-@pytest.mark.parametrize("name", list(PERSISTENT_CASES))
-def test_persistent_backward_programs_take_many_key_blocks(name):
-    """On a grid capped to 3 programs each program runs many key blocks in turn (of several heads, with loops of
-    different lengths, some with none): the Q / dO stages, dS buffers and K / V hand-over run on across them."""
-    case = Case(**{**dict(batch=2, num_heads=3, num_heads_k=3, head_dim=128, dtype=torch.bfloat16),
-                   **PERSISTENT_CASES[name]})
-    assert configs.HOPPER_BWD[configs.hopper_bwd_tile_dim(case.head_dim)].persistent
-    with forced_hopper_grid(3):
-        checks, ran = run_backward(case)
-    assert ran, "the Gluon backward did not run"
-    assert_checks_ok(checks)
-
-
-@needs_hopper
-@pytest.mark.parametrize("name", list(VARLEN_CASES))
-def test_persistent_varlen_backward(name):
-    """Varlen calls on a grid capped to 3 programs: each program makes the descriptors of many sequences in turn
-    (empty ones included) over the same global scratch."""
-    with forced_hopper_grid(3):
-        run_varlen_backward(name, torch.bfloat16)
-
-
-def run_varlen_backward(name, dtype):
-    """VARLEN_CASES[name] forward and backward (the Gluon backward forced) against the float64 reference; rows past
-    the sequences hold NaN and get zero gradients."""
     lengths_q, lengths_k, heads, heads_k, head_dim, options = VARLEN_CASES[name]
     cu_q, cu_k = (torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
                   for lengths in (lengths_q, lengths_k))

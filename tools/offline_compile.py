@@ -286,10 +286,6 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
                 else:
                     signature[f"{name}_desc{suffix}"] = _gluon_tile_type(rows, columns, kind)
         signature["dq_counters"] = "*i32"
-        if ordered or not config.persistent:  # one program per key block
-            constexprs["item_counter"] = None
-        else:
-            signature["item_counter"] = "*i32"
         constexprs["ORDERED"] = ordered
         constexprs["KEY_MAJOR"] = key_major_scores(config, causal, alibi, dropout)
     names = list(inspect.signature(kernel.fn).parameters)
@@ -307,8 +303,8 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
             signature["varlen"] = ("constexpr", ) * 8
             constexprs.update({(names.index("varlen"), element): None for element in range(8)})
     signature.update({name: "i32" for name in names if name.startswith("stride") or name in (
-        "num_batch_heads", "num_heads_k", "group_size", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v",
-        "heads_per_group", "window_left", "window_right")})
+        "num_heads_k", "group_size", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "heads_per_group",
+        "window_left", "window_right")})
     signature = {name: signature[name] for name in names if name in signature}  # in the kernel's order
     return _compile_gluon(kernel, signature, constexprs)
 

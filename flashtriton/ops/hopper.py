@@ -168,7 +168,7 @@ def tile_descriptor(tensor: torch.Tensor, rows: int, columns: int = 0):
 # Forward
 # ----------------------------------------------------------------------------------------------------------------
 
-# Tests cap the persistent grids (testing.forced_hopper_grid) so that every program runs many work items.
+# Tests cap the grid (testing.forced_hopper_grid) so that every program runs many work items.
 PROGRAMS_CAP = None
 
 
@@ -533,9 +533,9 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
                cu_seqlens_k=None, alibi_slopes=None) -> None:
     """dK, dV into dk, dv and dQ into dq (B, S, H, D each) from lse and delta (fp32, rows contiguous, (batch,
     head) strides lse_strides / delta_strides), which the kernel loads by TMA with each Q / dO block. The kernel
-    adds its dQ products (unscaled) into dq_accum (fp32, q's shape, contiguous, zeroed) by TMA reductions (which clip
-    rows past seqlen_q), scaled by the softmax scale into dq at the end; where it does not compute dQ
-    (`computes_dq`) dq_accum is None and dq is left to the caller. With ordered dQ (`orders_dq`) the reductions take turns on zeroed counters, and
+    adds its scaled dQ products into dq_accum (fp32, q's shape, contiguous, zeroed) by TMA reductions (which clip
+    rows past seqlen_q), copied into dq at the end; where it does not compute dQ (`computes_dq`) dq_accum is None
+    and dq is left to the caller. With ordered dQ (`orders_dq`) the reductions take turns on zeroed counters, and
     each (batch, kv head)'s key blocks launch together. dropout_p > 0 (`backward_takes_logit_options` head dims): the
     forward's mask, from the rng_state it returned. Varlen (cu_seqlens given; tiles up to 128 wide, not ordered, no
     dropout): q, k, v, dout, dq, dk, dv and dq_accum (T, H, D), batch sequences, seqlen_q / seqlen_k the longest
@@ -559,12 +559,8 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
     else:  # the dK / dV only kernel takes no varlen call
         varlen_args = ()
     config = configs.HOPPER_BWD[tile_dim]
+    grid = (triton_cdiv(seqlen_k, keys) * batch * num_heads_k,)
     ordered = orders_dq(head_dim, deterministic)
-    items = triton_cdiv(seqlen_k, keys) * batch * num_heads_k
-    persistent = config.persistent and dq_box is not None and not ordered
-    grid = (min(items, _multiprocessors(q.device), PROGRAMS_CAP or items) if persistent else items,)
-    # the persistent grid's count of items taken past the programs' first ones
-    item_counter = torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else None
     # per (batch, query head, query block of the kernel, feature half): reductions completed so far
     dq_counters = (torch.zeros(batch * num_heads * triton_cdiv(seqlen_q, config.query_rows) * 2, dtype=torch.int32,
                                device=q.device) if ordered else None)
@@ -589,17 +585,16 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
         statistics = tuple(_row_statistic_descriptor(stat, strides, batch, num_heads, seqlen_q, config.query_rows)
                            for stat, strides in ((lse, lse_strides), (delta, delta_strides)))
     launch(
-        kernel, grid, *descriptors, *statistics, dk, dv, *(() if dq_box is None else (dq_counters, item_counter)),
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        *(() if dq_box is None else (batch * num_heads_k, )), num_heads_k, num_heads // num_heads_k, seqlen_q,
-        seqlen_k, head_dim,
+        kernel, grid, *descriptors, *statistics, dk, dv, *(() if dq_box is None else (dq_counters, )), dk.stride(0),
+        dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2), num_heads_k, num_heads // num_heads_k, seqlen_q, seqlen_k, head_dim,
         *((head_dim_v, ) if dq_box is None else ()), 1 if ordered else heads_per_group, params.softmax_scale,
         params.qk_scale_log2, params.window_left, params.window_right, *logit_args, *varlen_args,
         CAUSAL=params.causal_like,
         LOCAL=local_window(params, seqlen_k), STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4,
         **kernel_args)
     if dq_accum is not None:
-        torch.mul(dq_accum.view(dq.shape), params.softmax_scale, out=dq)
+        dq.copy_(dq_accum.view(dq.shape))
     bwd_launch_count += 1
 
 

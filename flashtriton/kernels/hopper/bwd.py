@@ -22,9 +22,9 @@ Either way dQ_i is split one of two ways:
     their softmax phases drift apart and overlap each other's wgmmas;
   - head dim 64, by keys: consumer w computes every feature from its own keys, dS_w K_w, with no barrier
     between the consumers but twice the reductions.
-  Each consumer stores its [64 rows, 64 features] product (unscaled) to a shared fp32 tile and adds that to the fp32
-  dQ accumulator with one TMA reduction (cp.reduce.async.bulk.tensor .add, FA3's path; per element atomics would
-  cost about half of the kernel's time). The launcher scales the accumulator by the softmax scale into dq. dK is
+  Each consumer scales its [64 rows, 64 features] product by the softmax scale, stores it to a shared fp32 tile and
+  adds that to the fp32 dQ accumulator with one TMA reduction (cp.reduce.async.bulk.tensor .add, FA3's path; per
+  element atomics would cost about half of the kernel's time). The launcher converts the accumulator into dq. dK is
   scaled here. GQA: the loop runs over the group's query heads too (dK/dV summed in registers).
 
 Ordered dQ (ORDERED, head dim 128; deterministic=True, ops/hopper.orders_dq): the reductions into each (query
@@ -288,13 +288,12 @@ def _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_tile, ds_sync
 
 
 @gluon.jit
-def _finish_dq(block, base, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch,
-               q_start, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, seqlen_k,
-               causal, feature0, order, rows_masked, OVER_ALL_KEYS: gl.constexpr, KEY_MAJOR: gl.constexpr):
-    """Loop iteration `block`'s dQ (base + block: its number among the program's iterations, which picks its dS
-    buffer and phases): its product (_dq_product; waiting for it also completes every wgmma this
+def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch, q_start,
+               head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, seqlen_k, causal,
+               softmax_scale, feature0, order, rows_masked, OVER_ALL_KEYS: gl.constexpr, KEY_MAJOR: gl.constexpr):
+    """Loop iteration `block`'s dQ: its product (_dq_product; waiting for it also completes every wgmma this
     consumer issued before it, as wgmma groups complete in order), then, with the split by features, its dS buffer
-    released for block + 2 (ds_free), and the product added to the accumulator (_add_dq). With ordered dQ
+    released for block + 2 (ds_free), and the scaled product added to the accumulator (_add_dq). With ordered dQ
     (order: (counters of this program's (batch, kv head), key block, key blocks, query blocks, this consumer's
     reduced and freed barriers); empty otherwise) the previous block's reduction is reported completed while the
     products run (by then it has long completed), then this one waits for its turn (_reduction_rank) on its tile's
@@ -305,8 +304,8 @@ def _finish_dq(block, base, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free,
     ROWS: gl.constexpr = zero_dq.shape[0]
     FEATURES: gl.constexpr = zero_dq.shape[1]
     KEYS: gl.constexpr = 2 * k_lo.shape[0]
-    dq = _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, (base + block) % 2, (base + block) // 2, zero_dq,
-                     OVER_ALL_KEYS, KEY_MAJOR)
+    dq = _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, block % 2, block // 2, zero_dq, OVER_ALL_KEYS,
+                     KEY_MAJOR)
     visit = loop_position(block, first_visit, n_iterations)
     head, m_start = query_block(visit, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
     turn = ()
@@ -320,18 +319,18 @@ def _finish_dq(block, base, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free,
             _report_reduction(order[4], order[5], block - 1)
     dq = warpgroup_mma_wait(0, deps=(dq, ))
     if OVER_ALL_KEYS:
-        arrive_after_wgmma(ds_free.index((base + block) % 2))
+        arrive_after_wgmma(ds_free.index(block % 2))
     if len(rows_masked) > 0:
         if m_start + ROWS > seqlen_q:
             # [ROWS] the block's rows in the sequence
             rows = m_start + gl.arange(0, ROWS, gl.SliceLayout(1, dq.type.layout))
             dq = gl.where(gl.expand_dims(rows < seqlen_q, 1), dq, 0.0)
-    _add_dq(dq, dq_desc, dq_tile, batch, q_start + m_start, head, feature0, turn)
+    _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, q_start + m_start, head, feature0, turn)
 
 
 @gluon.jit
 def _add_dq(dq, dq_desc, dq_tile, batch, m_start, head, feature0, turn):
-    """Add the (unscaled) dQ product dq [ROWS, FEATURES] of query rows [m_start, + ROWS) of `head` into the fp32
+    """Add the (scaled) dQ product dq [ROWS, FEATURES] of query rows [m_start, + ROWS) of `head` into the fp32
     accumulator's features [feature0, + FEATURES): through dq_tile ([1, ROWS, 1, FEATURES], shared) by one TMA
     reduction, once the previous one has read dq_tile, and with ordered dQ (turn: (the tile's counter, this
     reduction's rank, a value of the counter read earlier); empty otherwise) once the reductions before it in the
@@ -347,122 +346,32 @@ def _add_dq(dq, dq_desc, dq_tile, batch, m_start, head, feature0, turn):
 
 
 @gluon.jit
-def _work_item(item, work, KEYS: gl.constexpr, ROWS: gl.constexpr):
-    """What every partition needs of work item `item` (common.key_block_of_program): (batch, the descriptors'
-    batch coordinate, kv head, first key, first query block, query blocks per head, loop iterations, bounds (first
-    q row, query length, first k row, key length), a varlen call's `sequence` for the producer (() for a dense
-    call), whether the block holds keys of its sequence, the loop's first position). work: (num_heads_k,
-    group_size, seqlen_q, seqlen_k, heads_per_group, num_batch_heads, window, seqs, sequence pointers ((): no
-    `sequence`, the consumers' copy), (causal flag, ordered flag)); the flags are tuples, empty for False, so that
-    they stay compile-time in the partitions."""
-    num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, num_batch_heads, window, seqs, pointers, flags = work
-    CAUSAL: gl.constexpr = len(flags[0]) > 0
-    ORDERED: gl.constexpr = len(flags[1]) > 0
-    batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations, bounds = key_block_of_program(
-        item, num_batch_heads, num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS,
-        CAUSAL, ORDERED, seqs)
-    q_start, seqlen_q, k_start, seqlen_k = bounds
-    sequence = ()
-    if len(seqs) > 0:
-        if len(pointers) > 0:
-            # the producer makes the sequence's own descriptors (rows past it read zeros; common.backward_producer)
-            sequence = (pointers[0], pointers[1], pointers[2], pointers[3], q_start, seqlen_q, k_start, seqlen_k,
-                        pointers[4], pointers[5], pointers[6], pointers[7])
-        # at the descriptors' batch coordinate 0; K and V load only where the block holds keys of it
-        desc_batch = q_start * 0
-        load_kv = (n_start < seqlen_k).to(gl.int32)
-    else:
-        desc_batch = batch
-        load_kv = n_start * 0 + 1
-    if ORDERED:
-        # the loop starts at position 2 n_block (not under the causal mask)
-        first_visit = _first_visit(n_start // KEYS, n_iterations, 1 - CAUSAL, KEYS // ROWS)
-    else:
-        first_visit = n_start * 0
-    return (batch, desc_batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations, bounds, sequence, load_kv,
-            first_visit)
-
-
-@gluon.jit
-def _items_end(work, KEYS: gl.constexpr):
-    """How many work items there are: cdiv(seqlen_k, KEYS) * num_batch_heads (work: _work_item's)."""
-    return gl.cdiv(work[3], KEYS) * work[5]
-
-
-@gluon.jit
-def _producer(work, item_counter, k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc, k_smem, v_smem, q_smem,
-              do_smem, lse_smem, delta_smem, item_smem, kv_ready, kv_free, q_ready, q_empty, num_heads):
-    """common.backward_producer for each of the program's work items in turn: its own (program id) first, then, in a
-    persistent grid (item_counter: a zeroed int32; () otherwise), the next item nobody has taken (an atomic
-    increment, so programs that drew short items take more). Each item's id goes to the consumers in item_smem with
-    kv_ready, once kv_free says both are done with the previous item's K and V; after the last an id past the items
-    ends their loops. The Q / dO stages run on across items."""
-    KEYS: gl.constexpr = k_smem[0].shape[2]
-    ROWS: gl.constexpr = q_smem[0].shape[2]
-    # [1] the item id, one warp's copy
-    id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    end = _items_end(work, KEYS)
-    item = gl.program_id(0)
-    base = item * 0
-    done = item * 0
-    while item < end:
-        mbarrier.wait(kv_free, (done - 1) & 1, pred=done > 0)
-        item_smem.store(gl.full([1], item, gl.int32, id_layout))
-        (_, desc_batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations, bounds, sequence, load_kv,
-         first_visit) = _work_item(item, work, KEYS, ROWS)
-        backward_producer(k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
-                          lse_smem, delta_smem, kv_ready, q_ready, q_empty, desc_batch, head_k, n_start, num_heads,
-                          work[1], m_block_lo, blocks_per_head, n_iterations, first_visit, bounds[0], load_kv,
-                          sequence, base)
-        base = base + n_iterations
-        done = done + 1
-        if len(item_counter) > 0:
-            item = gl.atomic_add(item_counter[0], 1) + gl.num_programs(0)
-        else:
-            item = item + gl.num_programs(0)
-    mbarrier.wait(kv_free, (done - 1) & 1, pred=done > 0)
-    item_smem.store(gl.full([1], end, gl.int32, id_layout))
-    mbarrier.arrive(kv_ready)
-
-
-@gluon.jit
-def _next_item(kv_ready, item_smem, done):
-    """The id of the consumers' next work item (the producer's, in item_smem with kv_ready's phase `done`)."""
-    # [1] the id, each warpgroup thread's copy
-    id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    mbarrier.wait(kv_ready, done & 1)
-    return gl.max(item_smem.load(id_layout), 0)
-
-
-@gluon.jit
 def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p_own, ds_own, ds_lo, ds_hi, dq_tile,
-              item_smem, kv_ready, kv_free, q_ready, q_empty, ds_ready, ds_free, dq_desc, DK, DV, stride_dk_b,
-              stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, head_dim, rows_masked, key0, feature0,
-              work, softmax_scale, qk_scale_log2, causal, ordered, dropout, alibi_args):
-    """One warpgroup: keys [n_start + key0, + OWN) of each of the program's key blocks (work items, ids from the
-    producer: _next_item; the block's K and V are in kv_ready's buffers, handed back through kv_free once its last
-    product read them) (k_own,
-    v_own: their K and V rows [OWN, WIDTH] per chunk of the head dim; p_own: () with key-major scores, else (its
-    [ROWS, OWN] P tile, ); ds_own: its two dS tiles in shared memory, [2, ROWS, OWN], or dS^T [2, OWN, ROWS] with
-    key-major scores); dK / dV over every query block (an accumulator per chunk), and the dQ features [feature0, +
-    FEATURES) of each block: with the split by features dS (both halves: ds_lo, ds_hi) times the K rows of each half
-    restricted to those features (k_lo, k_hi [OWN, FEATURES]); with the split by keys this consumer's dS times its K
-    rows (k_lo [OWN, HEAD_DIM]; k_hi and ds_hi unused). q_smem, do_smem: [STAGES, 1, ROWS, 1, WIDTH] per chunk,
-    numbered by the program's iterations across items. Each block's dQ product goes through dq_tile ([1, ROWS, 1,
-    FEATURES] fp32, shared) into the accumulator by a TMA reduction (dq_desc); with ordered dQ (ordered: (zeroed
-    counters, this consumer's reduced and freed barriers), () otherwise; one item per program; see _finish_dq) in a
-    fixed order, each reduction reported completed to this consumer's releaser partition while the next block's
-    products run (the next contributor reduces into that query block at least a block later). dropout: () or
-    (RngState, keep_threshold, dropout_scale, query heads): the forward's mask (dropout.dropped) scales P for dV and
-    dP for dS. alibi_args: () or (slopes, batch stride, pure-causal flag): each query block's logits get its head's
-    ALiBi bias (common.alibi_bias). Varlen (rows_masked (0, ); () for a dense call): the descriptors' batch
-    coordinate is 0, each item's bounds its sequence's first rows and lengths (the Q / dO stages' rows past its
-    seqlen_q read zeros, lse and delta 0, as a dense call's rows past its end do)."""
+              kv_ready, q_ready, q_empty, ds_ready, ds_free, dq_desc, DK, DV, stride_dk_b,
+              stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim,
+              q_start, k_start, rows_masked, key0, feature0,
+              group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
+              causal, first_visit, window, order, dropout, alibi):
+    """One warpgroup: keys [n_start + key0, + OWN) of the block (k_own, v_own: their K and V rows [OWN, WIDTH] per
+    chunk of the head dim; p_own: () with key-major scores, else (its [ROWS, OWN] P tile, ); ds_own: its two dS
+    tiles in shared memory, [2, ROWS, OWN], or dS^T [2, OWN, ROWS] with key-major scores); dK / dV over every query
+    block (an accumulator per chunk), and the dQ features [feature0, + FEATURES) of each block: with the split by
+    features dS (both halves: ds_lo, ds_hi) times the K rows of each half restricted to those features (k_lo, k_hi
+    [OWN, FEATURES]); with the split by keys this consumer's dS times its K rows (k_lo [OWN, HEAD_DIM]; k_hi and
+    ds_hi unused). q_smem, do_smem: [STAGES, 1, ROWS, 1, WIDTH] per chunk. Each block's dQ product goes through
+    dq_tile ([1, ROWS, 1, FEATURES] fp32, shared) into the accumulator by a TMA reduction (dq_desc); with ordered dQ
+    (`order`, see _finish_dq) in a fixed order, each reduction reported completed to this consumer's releaser
+    partition while the next block's products run (the next contributor reduces into that query block at least a
+    block later). dropout: () or (RngState, keep_threshold, dropout_scale, query heads): the forward's mask
+    (dropout.dropped) scales P for dV and dP for dS. alibi: () or (the slopes of the program's batch, pure-causal
+    flag): each query block's logits get its head's ALiBi bias (common.alibi_bias). Varlen (rows_masked (0, ); ()
+    for a dense call): batch is the descriptors' coordinate 0, q_start / k_start the sequence's first rows, seqlen_q
+    / seqlen_k its lengths (the Q / dO stages' rows past seqlen_q read zeros, lse and delta 0, as a dense call's rows
+    past its end do)."""
     STAGES: gl.constexpr = q_smem[0].shape[0]
     ROWS: gl.constexpr = q_smem[0].shape[2]
     HEAD_DIM: gl.constexpr = chunks_width(q_smem)
     OWN: gl.constexpr = k_own[0].shape[0]
-    KEYS: gl.constexpr = 2 * OWN
     FEATURES: gl.constexpr = k_lo.shape[1]
     # dQ over every key of the block (features split between the consumers), or over this consumer's keys
     OVER_ALL_KEYS: gl.constexpr = FEATURES < HEAD_DIM
@@ -475,120 +384,88 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, FEATURES, 16])
     zero_dq = gl.zeros([ROWS, FEATURES], gl.float32, dq_layout)
+    # [OWN, WIDTH] per chunk: dK, dV
+    dk = zero_accumulators(OWN, k_own)
+    dv = zero_accumulators(OWN, v_own)
+    first_key = n_start + key0
     if len(dropout) > 0:
         gl.static_assert(not KEY_MAJOR, "the forward's dropout mask follows the row-major score tiles")
-        # the key of the forward's mask
-        mask_key = dropout_key(dropout[0], dropout[1])
-    if len(ordered) > 0:
+        # the key of the forward's mask, the stream of this program's (batch, query head), its scale
+        dropout_draws = (dropout_key(dropout[0], dropout[1]), batch * dropout[3], dropout[2])
+    else:
+        dropout_draws = ()
+    if len(order) > 0:
         gl.static_assert(OVER_ALL_KEYS, "ordered dQ takes the split by features (head dim 128)")
-    group_size = work[1]
-    window = work[6]
-    end = _items_end(work, KEYS)
-    # the program's loop iterations and items before the current item
-    base = end * 0
-    done = end * 0
-    item = _next_item(kv_ready, item_smem, done)
-    while item < end:
-        (batch, desc_batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations, bounds, _, _,
-         first_visit) = _work_item(item, work, KEYS, ROWS)
-        q_start, seqlen_q, k_start, seqlen_k = bounds
-        # [OWN, WIDTH] per chunk: dK, dV
-        dk = zero_accumulators(OWN, k_own)
-        dv = zero_accumulators(OWN, v_own)
-        first_key = n_start + key0
-        if len(dropout) > 0:
-            # the key of the forward's mask, the stream of this item's (batch, query head), its scale
-            dropout_draws = (mask_key, batch * dropout[3], dropout[2])
-        else:
-            dropout_draws = ()
-        if len(ordered) > 0:
-            n_query_blocks = gl.cdiv(seqlen_q, ROWS)
-            counters = ordered[0] + (batch * work[0] + head_k) * (group_size * n_query_blocks * 2)
-            order = (counters, n_start // KEYS, gl.cdiv(seqlen_k, KEYS), n_query_blocks, ordered[1], ordered[2])
-        else:
-            order = ()
-        if len(alibi_args) > 0:
-            alibi = (alibi_args[0] + batch.to(gl.int64) * alibi_args[1], alibi_args[2])
-        else:
-            alibi = ()
-        for i in range(n_iterations):
-            # the program's iteration count, which numbers the stages, the dS buffers and their phases
-            step_i = base + i
-            stage = step_i % STAGES
-            head, m_start = query_block(loop_position(i, first_visit, n_iterations), blocks_per_head, m_block_lo,
-                                        head_k, group_size, ROWS)
-            mbarrier.wait(q_ready.index(stage), (step_i // STAGES) & 1)
-            # [ROWS, WIDTH] per chunk: Q_i, dO_i
-            q_tile = matrices_of(entries_of(q_smem, stage))
-            do_tile = matrices_of(entries_of(do_smem, stage))
-            # [1, ROWS] the rows' lse and delta; rows past seqlen_q read 0 for both, as their Q and dO rows do, so
-            # that every product they enter (dV, dK, and dQ rows the reduction clips) adds zeros
-            statistics = (lse_smem.index(stage), delta_smem.index(stage))
-            # dS buffer step_i % 2; its previous use is free once the dQ products of that block completed; with the
-            # split by features the other consumer waits for both dS of a block (ds_ready)
-            buffer = step_i % 2
-            if OVER_ALL_KEYS:
-                ds_sync = (ds_free.index(buffer), ((step_i // 2) - 1) & 1, step_i >= 2, ds_ready.index(buffer))
-            else:
-                ds_sync = ()
-            if len(alibi) > 0:
-                # the block's head's slope in log2 units, and the pure-causal flag
-                alibi_head = (gl.load(alibi[0] + head) * 1.4426950408889634, alibi[1])
-            else:
-                alibi_head = ()
-            if KEY_MAJOR:
-                dk, dv = _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_own.index(buffer), ds_sync,
-                                          dk, dv, first_key, m_start, seqlen_q, seqlen_k, qk_scale_log2, causal,
-                                          window, alibi_head)
-            else:
-                if len(dropout) > 0:
-                    draws = (dropout_draws[0], dropout_draws[1] + head, dropout_draws[2])
-                else:
-                    draws = ()
-                dk, dv = _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_own[0], ds_own.index(buffer),
-                                          ds_sync, dk, dv, first_key, m_start, seqlen_q, seqlen_k, qk_scale_log2,
-                                          causal, window, alibi_head, draws)
-            if i >= LAG:
-                # block i - LAG's dQ: with the split by features one block late, as the other consumer wrote its dS
-                # a block ago (not waiting for it lets the two consumers drift out of phase); its wait completes
-                # this block's dV and dK products too
-                _finish_dq(i - LAG, base, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc,
-                           dq_tile, desc_batch, q_start, head_k, group_size, m_block_lo, blocks_per_head,
-                           n_iterations, first_visit, seqlen_q, seqlen_k, causal, feature0, order,
-                           rows_masked, OVER_ALL_KEYS, KEY_MAJOR)
-            dk, dv = wait_accumulators(dk, dv)
-            arrive_after_wgmma(q_empty.index(stage))
+    mbarrier.wait(kv_ready, 0)
+    for i in range(n_iterations):
+        stage = i % STAGES
+        head, m_start = query_block(loop_position(i, first_visit, n_iterations), blocks_per_head, m_block_lo,
+                                    head_k, group_size, ROWS)
+        mbarrier.wait(q_ready.index(stage), (i // STAGES) & 1)
+        # [ROWS, WIDTH] per chunk: Q_i, dO_i
+        q_tile = matrices_of(entries_of(q_smem, stage))
+        do_tile = matrices_of(entries_of(do_smem, stage))
+        # [1, ROWS] the rows' lse and delta; rows past seqlen_q read 0 for both, as their Q and dO rows do, so that
+        # every product they enter (dV, dK, and dQ rows the reduction clips) adds zeros
+        statistics = (lse_smem.index(stage), delta_smem.index(stage))
+        # dS buffer i % 2; its previous use (block i - 2) is free once the dQ products of that block completed;
+        # with the split by features the other consumer waits for both dS of a block (ds_ready)
+        buffer = i % 2
         if OVER_ALL_KEYS:
-            # the last block's dQ
-            if n_iterations > 0:
-                _finish_dq(n_iterations - 1, base, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq,
-                           dq_desc, dq_tile, desc_batch, q_start, head_k, group_size, m_block_lo, blocks_per_head,
-                           n_iterations, first_visit, seqlen_q, seqlen_k, causal, feature0, order,
-                           rows_masked, OVER_ALL_KEYS, KEY_MAJOR)
-                if len(order) > 0:
-                    _report_reduction(order[4], order[5], n_iterations - 1)
-        # every product that read the block's K and V has completed: the producer may load the next item's
-        arrive_after_wgmma(kv_free)
-        # [OWN, WIDTH] per chunk: this consumer's key rows
-        column = 0
-        for chunk in gl.static_range(len(dk)):
-            store_key_rows(dk[chunk], dv[chunk], DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b,
-                           stride_dv_n, stride_dv_h, desc_batch, head_k, k_start + n_start + key0, column,
-                           k_start + seqlen_k, head_dim, softmax_scale)
-            column = column + dk[chunk].shape[1]
-        base = base + n_iterations
-        done = done + 1
-        item = _next_item(kv_ready, item_smem, done)
+            ds_sync = (ds_free.index(buffer), ((i // 2) - 1) & 1, i >= 2, ds_ready.index(buffer))
+        else:
+            ds_sync = ()
+        if len(alibi) > 0:
+            # the block's head's slope in log2 units, and the pure-causal flag
+            alibi_head = (gl.load(alibi[0] + head) * 1.4426950408889634, alibi[1])
+        else:
+            alibi_head = ()
+        if KEY_MAJOR:
+            dk, dv = _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_own.index(buffer), ds_sync, dk,
+                                      dv, first_key, m_start, seqlen_q, seqlen_k, qk_scale_log2, causal, window,
+                                      alibi_head)
+        else:
+            if len(dropout) > 0:
+                draws = (dropout_draws[0], dropout_draws[1] + head, dropout_draws[2])
+            else:
+                draws = ()
+            dk, dv = _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_own[0], ds_own.index(buffer),
+                                      ds_sync, dk, dv, first_key, m_start, seqlen_q, seqlen_k, qk_scale_log2, causal,
+                                      window, alibi_head, draws)
+        if i >= LAG:
+            # block i - LAG's dQ: with the split by features one block late, as the other consumer wrote its dS a
+            # block ago (not waiting for it lets the two consumers drift out of phase); its wait completes this
+            # block's dV and dK products too
+            _finish_dq(i - LAG, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch,
+                       q_start, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q,
+                       seqlen_k, causal, softmax_scale, feature0, order, rows_masked, OVER_ALL_KEYS, KEY_MAJOR)
+        dk, dv = wait_accumulators(dk, dv)
+        arrive_after_wgmma(q_empty.index(stage))
+    if OVER_ALL_KEYS:
+        # the last block's dQ (its ds_free arrival has no waiter)
+        if n_iterations > 0:
+            _finish_dq(n_iterations - 1, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc,
+                       dq_tile, batch, q_start, head_k, group_size, m_block_lo, blocks_per_head, n_iterations,
+                       first_visit, seqlen_q, seqlen_k, causal, softmax_scale, feature0, order, rows_masked,
+                       OVER_ALL_KEYS, KEY_MAJOR)
+            if len(order) > 0:
+                _report_reduction(order[4], order[5], n_iterations - 1)
+    # [OWN, WIDTH] per chunk: this consumer's key rows
+    column = 0
+    for chunk in gl.static_range(len(dk)):
+        store_key_rows(dk[chunk], dv[chunk], DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n,
+                       stride_dv_h, batch, head_k, k_start + n_start + key0, column, k_start + seqlen_k, head_dim,
+                       softmax_scale)
+        column = column + dk[chunk].shape[1]
     tma.store_wait(0)
 
 
-@gluon.jit(do_not_specialize=["num_batch_heads", "seqlen_q", "seqlen_k", "head_dim", "heads_per_group", "window_left",
-                              "window_right", "q_rows", "k_rows", "lse_row_stride", "delta_row_stride"])
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "head_dim", "heads_per_group", "window_left", "window_right",
+                              "q_rows", "k_rows", "lse_row_stride", "delta_row_stride"])
 def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_desc2, q_desc2, do_desc2, dq_desc2,
-                           lse_desc, delta_desc, DK, DV, dq_counters, item_counter,
+                           lse_desc, delta_desc, DK, DV, dq_counters,
                            stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
-                           num_batch_heads, num_heads_k, group_size, seqlen_q, seqlen_k, head_dim, heads_per_group,
-                           softmax_scale,
+                           num_heads_k, group_size, seqlen_q, seqlen_k, head_dim, heads_per_group, softmax_scale,
                            qk_scale_log2, window_left, window_right, dropout_args, alibi_args, varlen, q_rows, k_rows,
                            lse_row_stride, delta_row_stride, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
                            ORDERED: gl.constexpr, KEY_MAJOR: gl.constexpr,
@@ -598,11 +475,8 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     32), None where one chunk covers it: S and dP chain a wgmma per chunk, dK and dV keep an accumulator per chunk,
     and dQ is split by chunks, consumer w adding chunk w's features (dq_desc / dq_desc2). One chunk: head dim 128
     splits dQ by 64-feature halves (dq_desc's width), 64 by keys.
-    Work items: one per (128-key block, batch * kv head) (num_batch_heads: batch * kv heads), key blocks in order
-    (under a causal mask the blocks seen by the most query rows first), in launch-order groups of heads_per_group
-    (batch, kv head) pairs; a program per item (item_counter None), or a persistent grid whose programs take their
-    own item, then the next untaken one (item_counter: a zeroed int32 the producers increment; the next item's K / V
-    and first Q / dO stages load while the consumers store the last one's dK / dV). num_warps (4)
+    One program per (128-key block, batch * kv head), key blocks in order (under a causal mask the blocks seen
+    by the most query rows first), in launch-order groups of heads_per_group (batch, kv head) pairs. num_warps (4)
     is the first consumer's; the second consumer (4 warps, CONSUMER_REGS registers) and the producer (1 warp) are
     worker partitions, and with ORDERED the two releasers (1 warp each). ORDERED (head dim 128): every query
     block's dQ reductions come in one fixed order (_reduction_rank; dq_counters: zeroed int32, two per (batch, head,
@@ -638,19 +512,25 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
         gl.static_assert(not ORDERED, "ordered dQ takes no varlen call")
         gl.static_assert(dropout_args[0] is None, "the Gluon backward takes no varlen call with dropout")
         seqs = (varlen[0], varlen[1], q_rows, k_rows)
-        # the sequence's Q, dO, K, V, LSE, DELTA and the statistics' row strides (common.backward_producer)
-        sequence_pointers = (varlen[2], varlen[5], varlen[3], varlen[4], varlen[6], varlen[7], lse_row_stride,
-                             delta_row_stride)
-        # the consumers' flag for rows past the sequence
-        rows_masked = (0, )
     else:
         seqs = ()
-        sequence_pointers = ()
+    batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations, bounds = key_block_of_program(
+        num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS, CAUSAL, ORDERED, seqs)
+    q_start, seqlen_q, k_start, seqlen_k = bounds
+    if len(seqs) > 0:
+        # the producer makes the sequence's own descriptors (rows past it read zeros; common.backward_producer), at
+        # the descriptors' batch coordinate 0; K and V load only where the block holds keys of it; (0, ): the
+        # consumers' flag for rows past the sequence
+        sequence = (varlen[2], varlen[5], varlen[3], varlen[4], q_start, seqlen_q, k_start, seqlen_k, varlen[6],
+                    varlen[7], lse_row_stride, delta_row_stride)
+        desc_batch = q_start * 0
+        load_kv = (n_start < seqlen_k).to(gl.int32)
+        rows_masked = (0, )
+    else:
+        sequence = ()
+        desc_batch = batch
+        load_kv = gl.to_tensor(1)
         rows_masked = ()
-    # constexpr flags as tuples (empty: False), which reach the partitions as such (_work_item)
-    flags = ((1, ) if CAUSAL else (), (1, ) if ORDERED else ())
-    work = (num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, num_batch_heads, window, seqs,
-            sequence_pointers, flags)
     # per chunk: [1, 1, KEYS, 1, WIDTH] K, V; [STAGES, 1, ROWS, 1, WIDTH] Q, dO
     k_smem = allocate_chunks(k_descs, 1)
     v_smem = allocate_chunks(v_descs, 1)
@@ -682,15 +562,11 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
         dq_tiles = (dq_smem.index(0), dq_smem.index(1))
         dq_descs = (dq_desc, dq_desc)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    # [1] the id of the work item whose K / V kv_ready announces (_producer)
-    item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
-    mbarrier.init(kv_free, count=2)
     for stage in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(stage), count=1)
         mbarrier.init(q_empty.index(stage), count=2)
@@ -708,13 +584,15 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     # [KEYS, WIDTH] per chunk: K and V of the block
     k_flat = matrices_of(entries_of(k_smem, 0))
     v_flat = matrices_of(entries_of(v_smem, 0))
+    pointers = (DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, desc_batch,
+                head_k, n_start, head_dim, q_start, k_start, rows_masked)
     if ORDERED:
-        # one item per program (the launcher's grid): the releasers follow the program's own
-        (batch, _, head_k, n_start, m_block_lo, blocks_per_head, n_iterations, bounds, _, _,
-         first_visit) = _work_item(gl.program_id(0), work, KEYS, ROWS)
-        n_query_blocks = gl.cdiv(bounds[1], ROWS)
+        n_block = n_start // KEYS
+        n_query_blocks = gl.cdiv(seqlen_q, ROWS)
+        # the loop starts at position 2 n_block (not under the causal mask); the counters of this (batch, kv
+        # head)'s query heads; each consumer's reduced / freed barriers (_report_reduction, _releaser)
+        first_visit = _first_visit(n_block, n_iterations, 1 - causal, KEYS // ROWS)
         counters = dq_counters + (batch * num_heads_k + head_k) * (group_size * n_query_blocks * 2)
-        # each consumer's reduced / freed barriers (_report_reduction, _releaser)
         reduced = (gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()),
                    gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()))
         freed = (gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()),
@@ -723,20 +601,24 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
             for buffer in gl.static_range(2):
                 mbarrier.init(reduced[w].index(buffer), count=1)
                 mbarrier.init(freed[w].index(buffer), count=1)
-        order_of = ((dq_counters, reduced[0], freed[0]), (dq_counters, reduced[1], freed[1]))
+        common = (counters, n_block, gl.cdiv(seqlen_k, KEYS), n_query_blocks)
+        order_of = (common + (reduced[0], freed[0]), common + (reduced[1], freed[1]))
     else:
+        first_visit = gl.to_tensor(0)
         order_of = ((), ())
+    loop = (group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
+            causal, first_visit, window)
     # dropout's (RngState, keep_threshold, dropout_scale, query heads), or ()
     if dropout_args[0] is not None:
         dropout = dropout_args + (num_heads_k * group_size, )
     else:
         dropout = ()
-    # ALiBi's (slopes, batch stride, pure-causal flag), or ()
+    # ALiBi's (slopes of this program's batch, pure-causal flag), or ()
     if alibi_args[0] is not None:
-        alibi = alibi_args
+        alibi = (alibi_args[0] + batch.to(gl.int64) * alibi_args[1], alibi_args[2])
     else:
         alibi = ()
-    barriers = (item_smem, kv_ready, kv_free, q_ready, q_empty, ds_ready, ds_free)
+    barriers = (kv_ready, q_ready, q_empty, ds_ready, ds_free)
     # [OWN, WIDTH] per chunk: each consumer's key half of K and V
     k_halves = (key_rows(k_flat, 0, OWN), key_rows(k_flat, OWN, OWN))
     v_halves = (key_rows(v_flat, 0, OWN), key_rows(v_flat, OWN, OWN))
@@ -755,32 +637,24 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
         second_dq = (k_halves[1][0], k_halves[1][0])
         second_feature = 0
     staged = (q_smem, do_smem, lse_smem, delta_smem)
-    pointers = (DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, head_dim,
-                rows_masked)
-    # the consumers' work tuple: without the sequence pointers, which only the producer reads
-    consumer_work = work[:8] + ((), ) + work[9:]
     first = (k_halves[0], v_halves[0]) + first_dq + staged + (p_tiles[0], ds_smem[0]) + ds_smem + (
-        dq_tiles[0], ) + barriers + (dq_descs[0], ) + pointers + (gl.to_tensor(0), gl.to_tensor(0), consumer_work,
-                                                                 softmax_scale, qk_scale_log2, causal, order_of[0],
-                                                                 dropout, alibi)
+        dq_tiles[0], )
     second = (k_halves[1], v_halves[1]) + second_dq + staged + (p_tiles[1], ds_smem[1]) + ds_smem + (
-        dq_tiles[1], ) + barriers + (dq_descs[1], ) + pointers + (gl.to_tensor(OWN), gl.to_tensor(second_feature),
-                                                                 consumer_work, softmax_scale, qk_scale_log2,
-                                                                 causal,
-                                                                 order_of[1], dropout, alibi)
-    if item_counter is not None:
-        gl.static_assert(not ORDERED, "ordered dQ needs one program per key block")
-        counter = (item_counter, )
-    else:
-        counter = ()
-    producer = (work, counter, k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc, k_smem, v_smem, q_smem,
-                do_smem, lse_smem, delta_smem, item_smem, kv_ready, kv_free, q_ready, q_empty, num_heads_k * group_size)
+        dq_tiles[1], )
+    first = first + barriers + (dq_descs[0], ) + pointers + (gl.to_tensor(0), gl.to_tensor(0)) + loop + (
+        order_of[0], dropout, alibi)
+    second = second + barriers + (dq_descs[1], ) + pointers + (gl.to_tensor(OWN), gl.to_tensor(second_feature)) + \
+        loop + (order_of[1], dropout, alibi)
+    producer = (k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
+                lse_smem, delta_smem, kv_ready, q_ready, q_empty, desc_batch, head_k, n_start,
+                num_heads_k * group_size, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, q_start,
+                load_kv, sequence)
     if ORDERED:
         placement = (first_visit, n_iterations, blocks_per_head, m_block_lo, n_query_blocks)
-        gl.warp_specialize([(_consumer, first), (_consumer, second), (_producer, producer),
+        gl.warp_specialize([(_consumer, first), (_consumer, second), (backward_producer, producer),
                             (_releaser, (reduced[0], freed[0], counters, gl.to_tensor(0)) + placement),
                             (_releaser, (reduced[1], freed[1], counters, gl.to_tensor(1)) + placement)],
                            [4, 1, 1, 1], [CONSUMER_REGS, 24, 24, 24])
     else:
-        gl.warp_specialize([(_consumer, first), (_consumer, second), (_producer, producer)], [4, 1],
+        gl.warp_specialize([(_consumer, first), (_consumer, second), (backward_producer, producer)], [4, 1],
                            [CONSUMER_REGS, 24])

@@ -158,8 +158,7 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, k_desc2, v_desc
     else:
         window = ()
     batch, head_k, n_start, m_block_lo, blocks_per_head, n_iterations, _ = key_block_of_program(
-        gl.program_id(0), gl.num_programs(0) // gl.cdiv(seqlen_k, KEYS), num_heads_k, group_size, seqlen_q, seqlen_k,
-        heads_per_group, window, KEYS, ROWS, CAUSAL, False, ())
+        num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS, ROWS, CAUSAL, False, ())
     # K, V: [1, 1, KEYS, 1, WIDTH] per descriptor (whole rows, or the two chunks); Q, dO: [STAGES, 1, ROWS, 1, WIDTH]
     # per feature part
     k_descs, v_descs = chunk_descriptors(k_desc, k_desc2), chunk_descriptors(v_desc, v_desc2)
@@ -212,5 +211,5 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, k_desc2, v_desc
                              k_smem, v_smem, (q_lo, q_hi), (do_lo, do_hi), lse_smem, delta_smem, kv_ready,
                              q_ready, q_empty, batch, head_k, n_start, num_heads_k * group_size, group_size,
                              m_block_lo, blocks_per_head, n_iterations, gl.to_tensor(0), gl.to_tensor(0),
-                             gl.to_tensor(1), (), gl.to_tensor(0))),
+                             gl.to_tensor(1), ())),
     ], [4, 1], [CONSUMER_REGS, 24])

@@ -55,11 +55,10 @@ def sequence_rows(CuSeqlens, batch, rows):
 
 
 @gluon.jit
-def key_block_of_program(item, num_batch_heads, num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window,
-                         KEYS: gl.constexpr, ROWS: gl.constexpr, CAUSAL: gl.constexpr, LAST_FIRST: gl.constexpr, seqs):
-    """(batch, kv head, first key, first query block, query blocks per head, loop iterations, bounds) of work item
-    `item` of cdiv(seqlen_k, KEYS) * num_batch_heads (a program's own, or one of a persistent program's): key
-    blocks of KEYS keys in order (under a causal mask the blocks seen by the most query rows first;
+def key_block_of_program(num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_group, window, KEYS: gl.constexpr,
+                         ROWS: gl.constexpr, CAUSAL: gl.constexpr, LAST_FIRST: gl.constexpr, seqs):
+    """(batch, kv head, first key, first query block, query blocks per head, loop iterations, bounds) of this
+    program: key blocks of KEYS keys in order (under a causal mask the blocks seen by the most query rows first;
     LAST_FIRST: the last key block first, as ordered dQ needs: a block's reductions wait for the next block's), in
     launch-order groups of heads_per_group (batch, kv head) pairs; the query blocks of ROWS rows that see a key of
     the block, all or, under the causal mask (bottom-right aligned), those from row n_start - (seqlen_k - seqlen_q)
@@ -70,7 +69,8 @@ def key_block_of_program(item, num_batch_heads, num_heads_k, group_size, seqlen_
     key block past its sequence's keys has no iteration. bounds: (first q row, query length, first k row, key
     length) of the program's sequence ((0, seqlen_q, 0, seqlen_k) for a dense call)."""
     n_key_blocks = gl.cdiv(seqlen_k, KEYS)
-    n_block, batch_head = grouped_tile_of(item, n_key_blocks, num_batch_heads, heads_per_group)
+    n_block, batch_head = grouped_tile_of(gl.program_id(0), n_key_blocks, gl.num_programs(0) // n_key_blocks,
+                                          heads_per_group)
     if LAST_FIRST:
         n_block = n_key_blocks - 1 - n_block
     batch = batch_head // num_heads_k
@@ -311,8 +311,7 @@ def sequence_descriptors(descs, base, start, length):
 @gluon.jit
 def backward_producer(k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc, k_pieces, v_pieces, q_pieces,
                       do_pieces, lse_smem, delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads,
-                      group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, q_start, load_kv, sequence,
-                      base):
+                      group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, q_start, load_kv, sequence):
     """One warp: the key block's K and V once, then Q_i, dO_i and their rows' log2(e) * lse and delta of every
     iteration (loop_position(i)) into stage i % STAGES. Every tensor moves in feature pieces (a descriptor and a
     shared allocation per piece: k_pieces / v_pieces [1, 1, KEYS, 1, WIDTH], q_pieces / do_pieces [STAGES, 1, ROWS,
@@ -327,10 +326,7 @@ def backward_producer(k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc,
     loads makes them), and copies the rows' lse and delta from the (H, T) matrices LSE and DELTA with plain loads
     (row_statistics): a sequence's rows start anywhere, and a TMA load's innermost coordinate must be 16-byte
     aligned (an unaligned one is an illegal instruction). Those loads run one iteration ahead: the rows of iteration
-    i + 1 load while stage i's copies run and stage i + 1 frees, so the warp never waits on them before a TMA issue.
-    A persistent program calls this once per work item, once the consumers are done with the previous item's K and
-    V (and its descriptors' loads); base: the program's loop iterations before this item (the Q / dO stages and
-    their barriers' phases run on across items)."""
+    i + 1 load while stage i's copies run and stage i + 1 frees, so the warp never waits on them before a TMA issue."""
     ROWS: gl.constexpr = q_pieces[0].shape[2]
     STAGES: gl.constexpr = q_pieces[0].shape[0]
     if len(sequence) > 0:
@@ -349,10 +345,8 @@ def backward_producer(k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc,
         statistics = row_statistics(sequence, 0, first_visit, n_iterations, blocks_per_head, m_block_lo, head_k,
                                     group_size, q_start, ROWS)
     for i in range(n_iterations):
-        # the program's iteration count, which numbers the stages and their phases
-        step = base + i
-        stage = step % STAGES
-        mbarrier.wait(q_empty.index(stage), ((step // STAGES) - 1) & 1, pred=step >= STAGES)
+        stage = i % STAGES
+        mbarrier.wait(q_empty.index(stage), ((i // STAGES) - 1) & 1, pred=i >= STAGES)
         head, m_start = query_block(loop_position(i, first_visit, n_iterations), blocks_per_head, m_block_lo,
                                     head_k, group_size, ROWS)
         if len(sequence) > 0:
