@@ -22,9 +22,9 @@ Either way dQ_i is split one of two ways:
     their softmax phases drift apart and overlap each other's wgmmas;
   - head dim 64, by keys: consumer w computes every feature from its own keys, dS_w K_w, with no barrier
     between the consumers but twice the reductions.
-  Each consumer scales its [64 rows, 64 features] product by the softmax scale, stores it to a shared fp32 tile and
-  adds that to the fp32 dQ accumulator with one TMA reduction (cp.reduce.async.bulk.tensor .add, FA3's path; per
-  element atomics would cost about half of the kernel's time). The launcher converts the accumulator into dq. dK is
+  Each consumer stores its [64 rows, 64 features] product (unscaled) to a shared fp32 tile and adds that to the fp32
+  dQ accumulator with one TMA reduction (cp.reduce.async.bulk.tensor .add, FA3's path; per element atomics would
+  cost about half of the kernel's time). The launcher scales the accumulator by the softmax scale into dq. dK is
   scaled here. GQA: the loop runs over the group's query heads too (dK/dV summed in registers).
 
 Ordered dQ (ORDERED, head dim 128; deterministic=True, ops/hopper.orders_dq): the reductions into each (query
@@ -290,10 +290,10 @@ def _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_tile, ds_sync
 @gluon.jit
 def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch, q_start,
                head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, seqlen_k, causal,
-               softmax_scale, feature0, order, rows_masked, OVER_ALL_KEYS: gl.constexpr, KEY_MAJOR: gl.constexpr):
+               feature0, order, rows_masked, OVER_ALL_KEYS: gl.constexpr, KEY_MAJOR: gl.constexpr):
     """Loop iteration `block`'s dQ: its product (_dq_product; waiting for it also completes every wgmma this
     consumer issued before it, as wgmma groups complete in order), then, with the split by features, its dS buffer
-    released for block + 2 (ds_free), and the scaled product added to the accumulator (_add_dq). With ordered dQ
+    released for block + 2 (ds_free), and the product added to the accumulator (_add_dq). With ordered dQ
     (order: (counters of this program's (batch, kv head), key block, key blocks, query blocks, this consumer's
     reduced and freed barriers); empty otherwise) the previous block's reduction is reported completed while the
     products run (by then it has long completed), then this one waits for its turn (_reduction_rank) on its tile's
@@ -325,12 +325,12 @@ def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_
             # [ROWS] the block's rows in the sequence
             rows = m_start + gl.arange(0, ROWS, gl.SliceLayout(1, dq.type.layout))
             dq = gl.where(gl.expand_dims(rows < seqlen_q, 1), dq, 0.0)
-    _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, q_start + m_start, head, feature0, turn)
+    _add_dq(dq, dq_desc, dq_tile, batch, q_start + m_start, head, feature0, turn)
 
 
 @gluon.jit
 def _add_dq(dq, dq_desc, dq_tile, batch, m_start, head, feature0, turn):
-    """Add the (scaled) dQ product dq [ROWS, FEATURES] of query rows [m_start, + ROWS) of `head` into the fp32
+    """Add the (unscaled) dQ product dq [ROWS, FEATURES] of query rows [m_start, + ROWS) of `head` into the fp32
     accumulator's features [feature0, + FEATURES): through dq_tile ([1, ROWS, 1, FEATURES], shared) by one TMA
     reduction, once the previous one has read dq_tile, and with ordered dQ (turn: (the tile's counter, this
     reduction's rank, a value of the counter read earlier); empty otherwise) once the reductions before it in the
@@ -438,7 +438,7 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
             # block's dV and dK products too
             _finish_dq(i - LAG, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch,
                        q_start, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q,
-                       seqlen_k, causal, softmax_scale, feature0, order, rows_masked, OVER_ALL_KEYS, KEY_MAJOR)
+                       seqlen_k, causal, feature0, order, rows_masked, OVER_ALL_KEYS, KEY_MAJOR)
         dk, dv = wait_accumulators(dk, dv)
         arrive_after_wgmma(q_empty.index(stage))
     if OVER_ALL_KEYS:
@@ -446,8 +446,8 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
         if n_iterations > 0:
             _finish_dq(n_iterations - 1, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc,
                        dq_tile, batch, q_start, head_k, group_size, m_block_lo, blocks_per_head, n_iterations,
-                       first_visit, seqlen_q, seqlen_k, causal, softmax_scale, feature0, order, rows_masked,
-                       OVER_ALL_KEYS, KEY_MAJOR)
+                       first_visit, seqlen_q, seqlen_k, causal, feature0, order, rows_masked, OVER_ALL_KEYS,
+                       KEY_MAJOR)
             if len(order) > 0:
                 _report_reduction(order[4], order[5], n_iterations - 1)
     # [OWN, WIDTH] per chunk: this consumer's key rows
