@@ -97,7 +97,7 @@ def _ordered_schedule(seqlen_q, seqlen_k, group_size, causal, rows=64, keys=128)
         first = hopper_bwd._first_visit.fn(n, iterations, 0 if causal else 1, keys // rows)
         visits = []
         for i in range(iterations):
-            visit = hopper_common.loop_position.fn(i, (first, ), iterations)
+            visit = hopper_common.loop_position.fn(i, first, iterations)
             m = m_lo + visit % blocks
             visits.append((visit // blocks, m, hopper_bwd._reduction_rank.fn(
                 n, n_key_blocks, visit, m, seqlen_q, seqlen_k, int(causal), rows, keys)))

@@ -533,10 +533,10 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
                cu_seqlens_k=None, alibi_slopes=None) -> None:
     """dK, dV into dk, dv and dQ into dq (B, S, H, D each) from lse and delta (fp32, rows contiguous, (batch,
     head) strides lse_strides / delta_strides), which the kernel loads by TMA with each Q / dO block. The kernel
-    adds its dQ products (unscaled) into dq_accum (fp32, q's shape, contiguous, zeroed) by TMA reductions (which clip
-    rows past seqlen_q), scaled by the softmax scale into dq at the end; where it does not compute dQ
-    (`computes_dq`) dq_accum is None and dq is left to the caller. With ordered dQ (`orders_dq`) the reductions take
-    turns on zeroed counters, and each (batch, kv head)'s key blocks launch together. dropout_p > 0 (`backward_takes_logit_options` head dims): the
+    adds its scaled dQ products into dq_accum (fp32, q's shape, contiguous, zeroed) by TMA reductions (which clip
+    rows past seqlen_q), copied into dq at the end; where it does not compute dQ (`computes_dq`) dq_accum is None
+    and dq is left to the caller. With ordered dQ (`orders_dq`) the reductions take turns on zeroed counters, and
+    each (batch, kv head)'s key blocks launch together. dropout_p > 0 (`backward_takes_logit_options` head dims): the
     forward's mask, from the rng_state it returned. Varlen (cu_seqlens given; tiles up to 128 wide, not ordered, no
     dropout): q, k, v, dout, dq, dk, dv and dq_accum (T, H, D), batch sequences, seqlen_q / seqlen_k the longest
     lengths, lse and delta (H, T) matrices (lse_strides / delta_strides (0, row stride)). alibi_slopes: fp32 (H,) or
@@ -594,7 +594,7 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
         LOCAL=local_window(params, seqlen_k), STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4,
         **kernel_args)
     if dq_accum is not None:
-        torch.mul(dq_accum.view(dq.shape), params.softmax_scale, out=dq)
+        dq.copy_(dq_accum.view(dq.shape))
     bwd_launch_count += 1
 
 

@@ -22,9 +22,9 @@ Either way dQ_i is split one of two ways:
     their softmax phases drift apart and overlap each other's wgmmas;
   - head dim 64, by keys: consumer w computes every feature from its own keys, dS_w K_w, with no barrier
     between the consumers but twice the reductions.
-  Each consumer stores its [64 rows, 64 features] product (unscaled) to a shared fp32 tile and adds that to the fp32
-  dQ accumulator with one TMA reduction (cp.reduce.async.bulk.tensor .add, FA3's path; per element atomics would
-  cost about half of the kernel's time). The launcher scales the accumulator by the softmax scale into dq. dK is
+  Each consumer scales its [64 rows, 64 features] product by the softmax scale, stores it to a shared fp32 tile and
+  adds that to the fp32 dQ accumulator with one TMA reduction (cp.reduce.async.bulk.tensor .add, FA3's path; per
+  element atomics would cost about half of the kernel's time). The launcher converts the accumulator into dq. dK is
   scaled here. GQA: the loop runs over the group's query heads too (dK/dV summed in registers).
 
 Ordered dQ (ORDERED, head dim 128; deterministic=True, ops/hopper.orders_dq): the reductions into each (query
@@ -134,7 +134,7 @@ def _report_reduction(reduced, freed, block):
 
 
 @gluon.jit
-def _releaser(reduced, freed, counters, half, rotation, n_iterations, blocks_per_head, m_block_lo,
+def _releaser(reduced, freed, counters, half, first_visit, n_iterations, blocks_per_head, m_block_lo,
               n_query_blocks):
     """One warp per consumer with ordered dQ: as the consumer reports each block's reduction completed
     (_report_reduction), advance that tile's counter (a release at GPU scope: its fence waits for the reduction's
@@ -143,7 +143,7 @@ def _releaser(reduced, freed, counters, half, rotation, n_iterations, blocks_per
     the consumer's feature half."""
     for block in range(n_iterations):
         mbarrier.wait(reduced.index(block % 2), (block // 2) & 1)
-        visit = loop_position(block, rotation, n_iterations)
+        visit = loop_position(block, first_visit, n_iterations)
         counter = _counter(counters, visit, blocks_per_head, m_block_lo + visit % blocks_per_head, n_query_blocks, half)
         gl.atomic_add(counter, 1, sem="release", scope="gpu")
         mbarrier.arrive(freed.index(block % 2))
@@ -289,11 +289,11 @@ def _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_tile, ds_sync
 
 @gluon.jit
 def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch, q_start,
-               head_k, group_size, m_block_lo, blocks_per_head, n_iterations, rotation, seqlen_q, seqlen_k, causal,
-               feature0, order, rows_masked, OVER_ALL_KEYS: gl.constexpr, KEY_MAJOR: gl.constexpr):
+               head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, seqlen_k, causal,
+               softmax_scale, feature0, order, rows_masked, OVER_ALL_KEYS: gl.constexpr, KEY_MAJOR: gl.constexpr):
     """Loop iteration `block`'s dQ: its product (_dq_product; waiting for it also completes every wgmma this
     consumer issued before it, as wgmma groups complete in order), then, with the split by features, its dS buffer
-    released for block + 2 (ds_free), and the product added to the accumulator (_add_dq). With ordered dQ
+    released for block + 2 (ds_free), and the scaled product added to the accumulator (_add_dq). With ordered dQ
     (order: (counters of this program's (batch, kv head), key block, key blocks, query blocks, this consumer's
     reduced and freed barriers); empty otherwise) the previous block's reduction is reported completed while the
     products run (by then it has long completed), then this one waits for its turn (_reduction_rank) on its tile's
@@ -306,7 +306,7 @@ def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_
     KEYS: gl.constexpr = 2 * k_lo.shape[0]
     dq = _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, block % 2, block // 2, zero_dq, OVER_ALL_KEYS,
                      KEY_MAJOR)
-    visit = loop_position(block, rotation, n_iterations)
+    visit = loop_position(block, first_visit, n_iterations)
     head, m_start = query_block(visit, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
     turn = ()
     if len(order) > 0:
@@ -325,12 +325,12 @@ def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_
             # [ROWS] the block's rows in the sequence
             rows = m_start + gl.arange(0, ROWS, gl.SliceLayout(1, dq.type.layout))
             dq = gl.where(gl.expand_dims(rows < seqlen_q, 1), dq, 0.0)
-    _add_dq(dq, dq_desc, dq_tile, batch, q_start + m_start, head, feature0, turn)
+    _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, q_start + m_start, head, feature0, turn)
 
 
 @gluon.jit
 def _add_dq(dq, dq_desc, dq_tile, batch, m_start, head, feature0, turn):
-    """Add the (unscaled) dQ product dq [ROWS, FEATURES] of query rows [m_start, + ROWS) of `head` into the fp32
+    """Add the (scaled) dQ product dq [ROWS, FEATURES] of query rows [m_start, + ROWS) of `head` into the fp32
     accumulator's features [feature0, + FEATURES): through dq_tile ([1, ROWS, 1, FEATURES], shared) by one TMA
     reduction, once the previous one has read dq_tile, and with ordered dQ (turn: (the tile's counter, this
     reduction's rank, a value of the counter read earlier); empty otherwise) once the reductions before it in the
@@ -351,7 +351,7 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
               stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim,
               q_start, k_start, rows_masked, key0, feature0,
               group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
-              causal, rotation, window, order, dropout, alibi):
+              causal, first_visit, window, order, dropout, alibi):
     """One warpgroup: keys [n_start + key0, + OWN) of the block (k_own, v_own: their K and V rows [OWN, WIDTH] per
     chunk of the head dim; p_own: () with key-major scores, else (its [ROWS, OWN] P tile, ); ds_own: its two dS
     tiles in shared memory, [2, ROWS, OWN], or dS^T [2, OWN, ROWS] with key-major scores); dK / dV over every query
@@ -399,7 +399,7 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     mbarrier.wait(kv_ready, 0)
     for i in range(n_iterations):
         stage = i % STAGES
-        head, m_start = query_block(loop_position(i, rotation, n_iterations), blocks_per_head, m_block_lo,
+        head, m_start = query_block(loop_position(i, first_visit, n_iterations), blocks_per_head, m_block_lo,
                                     head_k, group_size, ROWS)
         mbarrier.wait(q_ready.index(stage), (i // STAGES) & 1)
         # [ROWS, WIDTH] per chunk: Q_i, dO_i
@@ -437,8 +437,8 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
             # block ago (not waiting for it lets the two consumers drift out of phase); its wait completes this
             # block's dV and dK products too
             _finish_dq(i - LAG, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch,
-                       q_start, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, rotation, seqlen_q,
-                       seqlen_k, causal, feature0, order, rows_masked, OVER_ALL_KEYS, KEY_MAJOR)
+                       q_start, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q,
+                       seqlen_k, causal, softmax_scale, feature0, order, rows_masked, OVER_ALL_KEYS, KEY_MAJOR)
         dk, dv = wait_accumulators(dk, dv)
         arrive_after_wgmma(q_empty.index(stage))
     if OVER_ALL_KEYS:
@@ -446,8 +446,8 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
         if n_iterations > 0:
             _finish_dq(n_iterations - 1, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc,
                        dq_tile, batch, q_start, head_k, group_size, m_block_lo, blocks_per_head, n_iterations,
-                       rotation, seqlen_q, seqlen_k, causal, feature0, order, rows_masked, OVER_ALL_KEYS,
-                       KEY_MAJOR)
+                       first_visit, seqlen_q, seqlen_k, causal, softmax_scale, feature0, order, rows_masked,
+                       OVER_ALL_KEYS, KEY_MAJOR)
             if len(order) > 0:
                 _report_reduction(order[4], order[5], n_iterations - 1)
     # [OWN, WIDTH] per chunk: this consumer's key rows
@@ -591,7 +591,7 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
         n_query_blocks = gl.cdiv(seqlen_q, ROWS)
         # the loop starts at position 2 n_block (not under the causal mask); the counters of this (batch, kv
         # head)'s query heads; each consumer's reduced / freed barriers (_report_reduction, _releaser)
-        rotation = (_first_visit(n_block, n_iterations, 1 - causal, KEYS // ROWS), )
+        first_visit = _first_visit(n_block, n_iterations, 1 - causal, KEYS // ROWS)
         counters = dq_counters + (batch * num_heads_k + head_k) * (group_size * n_query_blocks * 2)
         reduced = (gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()),
                    gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()))
@@ -604,10 +604,10 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
         common = (counters, n_block, gl.cdiv(seqlen_k, KEYS), n_query_blocks)
         order_of = (common + (reduced[0], freed[0]), common + (reduced[1], freed[1]))
     else:
-        rotation = ()
+        first_visit = gl.to_tensor(0)
         order_of = ((), ())
     loop = (group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
-            causal, rotation, window)
+            causal, first_visit, window)
     # dropout's (RngState, keep_threshold, dropout_scale, query heads), or ()
     if dropout_args[0] is not None:
         dropout = dropout_args + (num_heads_k * group_size, )
@@ -647,10 +647,10 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
         loop + (order_of[1], dropout, alibi)
     producer = (k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
                 lse_smem, delta_smem, kv_ready, q_ready, q_empty, desc_batch, head_k, n_start,
-                num_heads_k * group_size, group_size, m_block_lo, blocks_per_head, n_iterations, rotation, q_start,
+                num_heads_k * group_size, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, q_start,
                 load_kv, sequence)
     if ORDERED:
-        placement = (rotation, n_iterations, blocks_per_head, m_block_lo, n_query_blocks)
+        placement = (first_visit, n_iterations, blocks_per_head, m_block_lo, n_query_blocks)
         gl.warp_specialize([(_consumer, first), (_consumer, second), (backward_producer, producer),
                             (_releaser, (reduced[0], freed[0], counters, gl.to_tensor(0)) + placement),
                             (_releaser, (reduced[1], freed[1], counters, gl.to_tensor(1)) + placement)],

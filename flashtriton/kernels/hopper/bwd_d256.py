@@ -210,6 +210,6 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, k_desc2, v_desc
         (backward_producer, (k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc,
                              k_smem, v_smem, (q_lo, q_hi), (do_lo, do_hi), lse_smem, delta_smem, kv_ready,
                              q_ready, q_empty, batch, head_k, n_start, num_heads_k * group_size, group_size,
-                             m_block_lo, blocks_per_head, n_iterations, (), gl.to_tensor(0),
+                             m_block_lo, blocks_per_head, n_iterations, gl.to_tensor(0), gl.to_tensor(0),
                              gl.to_tensor(1), ())),
     ], [4, 1], [CONSUMER_REGS, 24])

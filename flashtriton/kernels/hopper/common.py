@@ -39,14 +39,10 @@ def query_block(iteration, blocks_per_head, m_block_lo, head_k, group_size, ROWS
 
 
 @gluon.jit
-def loop_position(i, rotation, n_iterations):
-    """The loop position (query block of the group's heads, as query_block counts them) of iteration i in
-    [0, n_iterations): i itself, or with a rotation ((first position, ): ordered dQ's) the program's positions in turn
-    from that one."""
-    position = i
-    if len(rotation) > 0:
-        position = (rotation[0] + i) % n_iterations
-    return position
+def loop_position(i, first_visit, n_iterations):
+    """The loop position (query block of the group's heads, as query_block counts them) of iteration i: the
+    program's n_iterations positions in turn from first_visit."""
+    return (first_visit + i) % n_iterations
 
 
 @gluon.jit
@@ -315,7 +311,7 @@ def sequence_descriptors(descs, base, start, length):
 @gluon.jit
 def backward_producer(k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc, k_pieces, v_pieces, q_pieces,
                       do_pieces, lse_smem, delta_smem, kv_ready, q_ready, q_empty, batch, head_k, n_start, num_heads,
-                      group_size, m_block_lo, blocks_per_head, n_iterations, rotation, q_start, load_kv, sequence):
+                      group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, q_start, load_kv, sequence):
     """One warp: the key block's K and V once, then Q_i, dO_i and their rows' log2(e) * lse and delta of every
     iteration (loop_position(i)) into stage i % STAGES. Every tensor moves in feature pieces (a descriptor and a
     shared allocation per piece: k_pieces / v_pieces [1, 1, KEYS, 1, WIDTH], q_pieces / do_pieces [STAGES, 1, ROWS,
@@ -346,12 +342,12 @@ def backward_producer(k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc,
         mbarrier.arrive(kv_ready)
     if len(sequence) > 0:
         # ([ROWS], [ROWS]) lse and delta of the next iteration's rows (the first's here), loads in flight
-        statistics = row_statistics(sequence, 0, rotation, n_iterations, blocks_per_head, m_block_lo, head_k,
+        statistics = row_statistics(sequence, 0, first_visit, n_iterations, blocks_per_head, m_block_lo, head_k,
                                     group_size, q_start, ROWS)
     for i in range(n_iterations):
         stage = i % STAGES
         mbarrier.wait(q_empty.index(stage), ((i // STAGES) - 1) & 1, pred=i >= STAGES)
-        head, m_start = query_block(loop_position(i, rotation, n_iterations), blocks_per_head, m_block_lo,
+        head, m_start = query_block(loop_position(i, first_visit, n_iterations), blocks_per_head, m_block_lo,
                                     head_k, group_size, ROWS)
         if len(sequence) > 0:
             lse_smem.index(stage).reshape([ROWS]).store(statistics[0])
@@ -367,20 +363,19 @@ def backward_producer(k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc,
             tma.async_copy_global_to_shared(lse_desc, [row, m_start], q_ready.index(stage), lse_smem.index(stage))
             tma.async_copy_global_to_shared(delta_desc, [row, m_start], q_ready.index(stage), delta_smem.index(stage))
         else:
-            statistics = row_statistics(sequence, i + 1, rotation, n_iterations, blocks_per_head, m_block_lo,
+            statistics = row_statistics(sequence, i + 1, first_visit, n_iterations, blocks_per_head, m_block_lo,
                                         head_k, group_size, q_start, ROWS)
 
 
 @gluon.jit
-def row_statistics(sequence, i, rotation, n_iterations, blocks_per_head, m_block_lo, head_k, group_size, q_start,
+def row_statistics(sequence, i, first_visit, n_iterations, blocks_per_head, m_block_lo, head_k, group_size, q_start,
                    ROWS: gl.constexpr):
     """([ROWS], [ROWS]) one warp's plain loads of the lse and delta rows of a varlen program's iteration i (the
     position after the last wraps to the first; none without iterations) from the (H, T) fp32 matrices of
     backward_producer's `sequence` (the sequence from column q_start); rows past its seqlen_q get 0, as a dense
     call's rows past its end do."""
     layout: gl.constexpr = gl.BlockedLayout([ROWS // 32], [32], [1], [0])
-    positions = gl.maximum(n_iterations, 1)
-    head, m_start = query_block(loop_position(i % positions, rotation, positions),
+    head, m_start = query_block(loop_position(i, first_visit, gl.maximum(n_iterations, 1)),
                                 gl.maximum(blocks_per_head, 1), m_block_lo, head_k, group_size, ROWS)
     # [ROWS] rows of the block
     rows = m_start + gl.arange(0, ROWS, layout)
