@@ -13,15 +13,16 @@ rounded to V's dtype, natural-log LSE, +inf for rows that see no key; the A-1 re
 configs.HOPPER_FWD has a rescale_threshold, decided per warp (fwd_softmax.rescale).
 
 Work: the grid's programs take work items in turn, p, p + P, p + 2P, ... (ops/hopper.forward_grid sizes the grid:
-one program per item, or persistent: as many as fit the GPU at once). An item is one tile, or for persistent
-causal grids a pair of tiles (the longest and the shortest left) so that every item has the same number of key
-blocks. Where configs.HopperFwdConfig.split_tail says, the items of a persistent grid's last, partial wave (the
-tail) are cut by key blocks evenly among all programs (stream-K style, next_piece): a piece short of its tile
-writes its normalized partial output and LSE to a workspace, and attn_tail_merge_kernel merges them by LSE
-weights after the kernel. The producer loads the next tile's Q and K/V blocks while the consumers finish the
-current one (their last wgmmas, normalization, O store). A tile's key blocks are visited from the last to the
-first (FA2's order): the blocks that can need a mask come first, so non-causal kernels mask only the first one
-visited and their key-block loop holds no mask code (_key_blocks).
+one program per item, or persistent: as many as fit the GPU at once); a persistent varlen grid's tiles differ in
+length, so there each program takes the next untaken tile from a counter instead (the dynamic schedule). An item is
+one tile, or for persistent causal grids a pair of tiles (the longest and the shortest left) so that every item has
+the same number of key blocks. Where configs.HopperFwdConfig.split_tail says, the items of a persistent grid's last,
+partial wave (the tail) are cut by key blocks evenly among all programs (stream-K style, next_piece): a piece short
+of its tile writes its normalized partial output and LSE to a workspace, and attn_tail_merge_kernel merges them by
+LSE weights after the kernel. The producer loads the next tile's Q and K/V blocks while the consumers finish the
+current one (their last wgmmas, normalization, O store). A tile's key blocks are visited from the last to the first
+(FA2's order): the blocks that can need a mask come first, so non-causal kernels mask only the first one visited and
+their key-block loop holds no mask code (_key_blocks).
 
 Synchronisation: q_ready[c] completes when consumer c's Q tile has landed, q_empty[c] when consumer c no longer
 reads it (after its last S wgmma; where O is staged in the Q tile, after O's store). k_ready[s] / v_ready[s]
