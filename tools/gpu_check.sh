@@ -4,7 +4,8 @@
 #
 #   bash tools/gpu_check.sh [STEPS]     STEPS: comma list of tests,reliability,sanitize,bench,triton,deterministic,
 #                                       sweep,hopper-sweep,l2-groups,decode,decode-sweep,varlen,dropout,cold,fa4,
-#                                       features,model,context-parallel,fp8,host,host-bench,plans,fuzz,compare
+#                                       features,model,context-parallel,fp8,host,host-bench,plans,fuzz,ncu-bwd,
+#                                       compare
 #                                       (default tests,reliability,decode)
 # Environment: FLASHTRITON_COMMIT (the commit recorded in bench metadata), OUT, FUZZ_EXAMPLES (fuzz step, default
 # 120), TESTS_LIMIT (tests step seconds, default 300; a machine with an empty Triton cache needs ~400), COMPARE_ARGS
@@ -82,6 +83,15 @@ step fuzz 330 bash -c 'for t in flash_attn_func flash_attn_varlen_func flash_att
     FLASHTRITON_FUZZ_EXAMPLES="${FUZZ_EXAMPLES:-120}" timeout 320 python -m pytest "tests/test_fuzz.py::test_fuzz_${t}" -q \
       -p no:cacheprovider --hypothesis-profile=long --hypothesis-show-statistics > "'"$out"'/fuzz-${t}.log" 2>&1 &
   done; wait; tail -n 15 "'"$out"'"/fuzz-*.log'
+# Nsight Compute on the backward: warp stalls and instruction mix per SASS instruction of flashtriton's main
+# backward kernel beside cuDNN's kernels (4 x 4096 x 16, d128, bf16, not causal; compiled before ncu starts), by
+# tools/ncu_sass_summary.py; the report (ncu-bwd.ncu-rep) and its SASS table (ncu-bwd-sass.csv) stay in OUT
+step ncu-bwd 300 bash -c "python tools/ncu_forward_pair.py --shapes 1 --backward --calls 1 \
+  && ncu --clock-control none -k regex:'attn_bwd_hopper_kernel|cudnn_generated' --section SourceCounters \
+       --section WarpStateStats --section InstructionStats -f -o '$out/ncu-bwd' \
+       python tools/ncu_forward_pair.py --shapes 1 --backward --calls 1 \
+  && ncu -i '$out/ncu-bwd.ncu-rep' --page source --print-source sass --csv > '$out/ncu-bwd-sass.csv' \
+  && python tools/ncu_sass_summary.py '$out/ncu-bwd-sass.csv' --by-count"
 # this tree against another commit's (bash tools/base_tree.sh REV beforehand puts it in .base/; carry .base), on
 # one machine back to back: COMPARE_ARGS (default: the backward and varlen rows of the feature matrix) in each
 step compare 420 bash -c 'test -f .base/COMMIT || { echo "no .base/: run bash tools/base_tree.sh REV here and carry .base"; exit 1; }
