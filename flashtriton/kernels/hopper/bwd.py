@@ -22,18 +22,19 @@ Either way dQ_i is split one of two ways:
     their softmax phases drift apart and overlap each other's wgmmas;
   - head dim 64, by keys: consumer w computes every feature from its own keys, dS_w K_w, with no barrier
     between the consumers but twice the reductions.
-  Each consumer scales its [64 rows, 64 features] product by the softmax scale, stores it to a shared fp32 tile and
-  adds that to the fp32 dQ accumulator with one TMA reduction (cp.reduce.async.bulk.tensor .add, FA3's path; per
-  element atomics would cost about half of the kernel's time). The launcher converts the accumulator into dq. dK is
-  scaled here. GQA: the loop runs over the group's query heads too (dK/dV summed in registers).
+  Each consumer scales its [64 rows, 64 features] product by the softmax scale and stores it to a shared fp32 tile;
+  a one-warp writer partition of its own (_dq_writer, FA3's dQ writer) adds that to the fp32 dQ accumulator with
+  one TMA reduction (cp.reduce.async.bulk.tensor .add; per element atomics would cost about half of the kernel's
+  time) and hands the tile back once the reduction has read it, so the consumer neither issues nor waits for the
+  reduction. The launcher converts the accumulator into dq. dK is scaled here. GQA: the loop runs over the group's query heads too (dK/dV summed in registers).
 
 Ordered dQ (ORDERED, head dim 128; deterministic=True, ops/hopper.orders_dq): the reductions into each (query
 block, feature half) come in one fixed order, so dQ is the same bits on every call. A zeroed int32 counter per tile
-counts the reductions that have completed; a reduction waits until it reads its rank (_reduction_rank; the counter
-is read while the dQ product runs, and spun on only if the turn has not come). When a consumer starts its next
-block's dQ it reports the previous reduction (cp.async.bulk.wait_group 0: its writes have landed) to a one-warp
-releaser partition of its own (_releaser), which advances the counter with a GPU-scope release: that fence costs
-the issuing warp over a microsecond under load, too much for the consumer's loop. Without the causal mask the key
+counts the reductions that have completed; the writer issues a reduction once the counter reads its rank
+(_reduction_rank; the counter is read while the consumer finishes the product, and spun on only if the turn has not
+come), and once the reduction has completed (cp.async.bulk.wait_group 0: its writes have landed) advances the
+counter with a GPU-scope release: that fence costs the issuing warp over a microsecond under load, which the writer
+pays after handing the tile back, off the consumer's loop. Without the causal mask the key
 blocks' loops are a rotation, two query blocks apart, and under it they start at the diagonal, so each contributor
 finds the one before it (a later key block) released: the later key blocks launch first and all of a head's key
 blocks must be resident together (the launcher's groups of one head, at most one key block per SM).
@@ -50,7 +51,8 @@ Synchronisation: kv_ready (K and V landed), q_ready[s] (Q_i, dO_i, lse_i and del
 (both consumers are done with stage s, count 2), with the feature split ds_ready (both consumers' dS written, count
 2) and ds_free (both consumers' dQ products of a block completed, count 2: its dS buffer may be rewritten), one of
 each per dS buffer. A row-major consumer's P tile is read only by its own dV product, which it waits for before the
-next iteration; its dQ tile is rewritten after tma.store_wait(0) says the previous reduction has read it.
+next iteration. dq_full[w] (consumer w's dQ tile staged) and dq_empty[w] (its writer's reduction has read it: the
+consumer may stage the next block's).
 """
 
 from triton._C.libtriton import gluon_ir, ir
@@ -121,32 +123,39 @@ def _counter(counters, visit, blocks_per_head, m_block, n_query_blocks, half):
 
 
 @gluon.jit
-def _report_reduction(reduced, freed, block):
-    """Tell this consumer's releaser (_releaser) that block `block`'s dQ reduction has completed: cp.async.bulk.
-    wait_group 0 waits for its global writes (tma.store_wait waits with .read, for its reads of shared memory only),
-    the proxy fence orders them before the generic-proxy arrival, which a warpgroup barrier puts after every
-    thread's wait (mbarrier.arrive). reduced / freed: [2, 1] barriers used by blocks in turn; the releaser must have
-    taken block - 2's report first (freed), or a barrier would complete two phases before it looks."""
-    mbarrier.wait(freed.index(block % 2), ((block // 2) - 1) & 1, pred=block >= 2)
-    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [],
-                              dtype=gl.int32, is_pure=False, pack=1)
-    mbarrier.arrive(reduced.index(block % 2))
-
-
-@gluon.jit
-def _releaser(reduced, freed, counters, half, first_visit, n_iterations, blocks_per_head, m_block_lo,
-              n_query_blocks):
-    """One warp per consumer with ordered dQ: as the consumer reports each block's reduction completed
-    (_report_reduction), advance that tile's counter (a release at GPU scope: its fence waits for the reduction's
-    writes to be visible everywhere, which takes the issuing warp over a microsecond under load; here it costs the
-    consumers nothing) and hand the report barrier back (freed). counters: this program's (batch, kv head); half:
-    the consumer's feature half."""
+def _dq_writer(dq_tile, dq_full, dq_empty, dq_desc, batch, q_start, head_k, group_size, m_block_lo, blocks_per_head,
+               n_iterations, first_visit, feature0, order):
+    """One warp per consumer: adds each block's dQ product, staged by the consumer in dq_tile ([1, ROWS, 1, FEATURES]
+    fp32, shared; full when dq_full completes), into the fp32 accumulator's features [feature0, + FEATURES) with one
+    TMA reduction (cp.reduce.async.bulk.tensor .add, FA3's path; rows past seqlen_q are clipped) and hands the tile
+    back (dq_empty) once the reduction has read it, so that neither the reduction's issue nor its wait is on the
+    consumers' path. batch, q_start: the accumulator's batch coordinate and the sequence's first row in it (a varlen
+    call's: 0 and its first row; a dense call's: its batch and 0). With ordered dQ (order: (counters of this program's
+    (batch, kv head), key block, key blocks, query blocks, seqlen_q, seqlen_k, causal, KEYS); () otherwise) each
+    reduction waits for its turn on its tile's counter (_reduction_rank), and once it has completed (cp.async.bulk.
+    wait_group 0: its writes have landed) advances the counter with a GPU-scope release, whose fence takes the issuing
+    warp over a microsecond under load: here it delays no consumer (the next block's tile is handed back before it)."""
+    ROWS: gl.constexpr = dq_tile.shape[1]
+    FEATURES: gl.constexpr = dq_tile.shape[3]
     for block in range(n_iterations):
-        mbarrier.wait(reduced.index(block % 2), (block // 2) & 1)
         visit = loop_position(block, first_visit, n_iterations)
-        counter = _counter(counters, visit, blocks_per_head, m_block_lo + visit % blocks_per_head, n_query_blocks, half)
-        gl.atomic_add(counter, 1, sem="release", scope="gpu")
-        mbarrier.arrive(freed.index(block % 2))
+        head, m_start = query_block(visit, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
+        if len(order) > 0:
+            m_block = m_start // ROWS
+            counter = _counter(order[0], visit, blocks_per_head, m_block, order[3], feature0 // FEATURES)
+            rank = _reduction_rank(order[1], order[2], visit, m_block, order[4], order[5], order[6], ROWS, order[7])
+            # read while the consumer finishes the product: its latency is off the path when the turn has come
+            seen = gl.load(counter, volatile=True)
+        mbarrier.wait(dq_full, block & 1)
+        if len(order) > 0:
+            _wait_turn(counter, rank, seen)
+        _async_reduce_add(dq_desc, [batch, q_start + m_start, head, feature0], dq_tile)
+        tma.store_wait(0)
+        mbarrier.arrive(dq_empty)
+        if len(order) > 0:
+            gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;",
+                                      "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+            gl.atomic_add(counter, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -288,84 +297,53 @@ def _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_tile, ds_sync
 
 
 @gluon.jit
-def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch, q_start,
-               head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, seqlen_k, causal,
-               softmax_scale, feature0, order, rows_masked, OVER_ALL_KEYS: gl.constexpr, KEY_MAJOR: gl.constexpr):
+def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_tile, dq_full, dq_empty,
+               head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, softmax_scale,
+               rows_masked, OVER_ALL_KEYS: gl.constexpr, KEY_MAJOR: gl.constexpr):
     """Loop iteration `block`'s dQ: its product (_dq_product; waiting for it also completes every wgmma this
     consumer issued before it, as wgmma groups complete in order), then, with the split by features, its dS buffer
-    released for block + 2 (ds_free), and the scaled product added to the accumulator (_add_dq). With ordered dQ
-    (order: (counters of this program's (batch, kv head), key block, key blocks, query blocks, this consumer's
-    reduced and freed barriers); empty otherwise) the previous block's reduction is reported completed while the
-    products run (by then it has long completed), then this one waits for its turn (_reduction_rank) on its tile's
-    counter. batch, q_start: the accumulator's batch coordinate and the sequence's first row in it (a varlen
-    call's: 0 and its first row; a dense call's: its batch and 0). rows_masked (0, ) for a varlen call: a block that
-    runs past the sequence's end adds zeros to the rows past it, which are the next sequence's in the accumulator
-    (its dS rows there are 0, but 0 times a K row that is not finite is not)."""
+    released for block + 2 (ds_free), and the scaled product staged in dq_tile for this consumer's writer warp
+    (_dq_writer), once the writer has handed back the tile of the block before (dq_empty). rows_masked (0, ) for a
+    varlen call: a block that runs past the sequence's end adds zeros to the rows past it, which are the next
+    sequence's in the accumulator (its dS rows there are 0, but 0 times a K row that is not finite is not)."""
     ROWS: gl.constexpr = zero_dq.shape[0]
     FEATURES: gl.constexpr = zero_dq.shape[1]
-    KEYS: gl.constexpr = 2 * k_lo.shape[0]
     dq = _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, block % 2, block // 2, zero_dq, OVER_ALL_KEYS,
                      KEY_MAJOR)
-    visit = loop_position(block, first_visit, n_iterations)
-    head, m_start = query_block(visit, blocks_per_head, m_block_lo, head_k, group_size, ROWS)
-    turn = ()
-    if len(order) > 0:
-        m_block = m_start // ROWS
-        counter = _counter(order[0], visit, blocks_per_head, m_block, order[3], feature0 // FEATURES)
-        # read while the products complete: its latency is off the path when the turn has come
-        turn = (counter, _reduction_rank(order[1], order[2], visit, m_block, seqlen_q, seqlen_k, causal, ROWS, KEYS),
-                gl.load(counter, volatile=True))
-        if block > 0:
-            _report_reduction(order[4], order[5], block - 1)
     dq = warpgroup_mma_wait(0, deps=(dq, ))
     if OVER_ALL_KEYS:
         arrive_after_wgmma(ds_free.index(block % 2))
     if len(rows_masked) > 0:
+        head, m_start = query_block(loop_position(block, first_visit, n_iterations), blocks_per_head, m_block_lo,
+                                    head_k, group_size, ROWS)
         if m_start + ROWS > seqlen_q:
             # [ROWS] the block's rows in the sequence
             rows = m_start + gl.arange(0, ROWS, gl.SliceLayout(1, dq.type.layout))
             dq = gl.where(gl.expand_dims(rows < seqlen_q, 1), dq, 0.0)
-    _add_dq(dq * softmax_scale, dq_desc, dq_tile, batch, q_start + m_start, head, feature0, turn)
-
-
-@gluon.jit
-def _add_dq(dq, dq_desc, dq_tile, batch, m_start, head, feature0, turn):
-    """Add the (scaled) dQ product dq [ROWS, FEATURES] of query rows [m_start, + ROWS) of `head` into the fp32
-    accumulator's features [feature0, + FEATURES): through dq_tile ([1, ROWS, 1, FEATURES], shared) by one TMA
-    reduction, once the previous one has read dq_tile, and with ordered dQ (turn: (the tile's counter, this
-    reduction's rank, a value of the counter read earlier); empty otherwise) once the reductions before it in the
-    fixed order have completed. Rows past seqlen_q are clipped by the reduction."""
-    ROWS: gl.constexpr = dq.shape[0]
-    FEATURES: gl.constexpr = dq.shape[1]
-    tma.store_wait(0)
-    dq_tile.reshape([ROWS, FEATURES]).store(dq)
+    mbarrier.wait(dq_empty, (block - 1) & 1, pred=block > 0)
+    dq_tile.reshape([ROWS, FEATURES]).store(dq * softmax_scale)
     fence_async_shared()
-    if len(turn) > 0:
-        _wait_turn(turn[0], turn[1], turn[2])
-    _async_reduce_add(dq_desc, [batch, m_start, head, feature0], dq_tile)
+    mbarrier.arrive(dq_full)
 
 
 @gluon.jit
 def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p_own, ds_own, ds_lo, ds_hi, dq_tile,
-              kv_ready, q_ready, q_empty, ds_ready, ds_free, dq_desc, DK, DV, stride_dk_b,
-              stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim,
-              q_start, k_start, rows_masked, key0, feature0,
-              group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
-              causal, first_visit, window, order, dropout, alibi):
+              kv_ready, q_ready, q_empty, ds_ready, ds_free, dq_full, dq_empty, DK, DV, stride_dk_b, stride_dk_n,
+              stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim, k_start,
+              rows_masked, key0, group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k,
+              softmax_scale, qk_scale_log2, causal, first_visit, window, dropout, alibi):
     """One warpgroup: keys [n_start + key0, + OWN) of the block (k_own, v_own: their K and V rows [OWN, WIDTH] per
     chunk of the head dim; p_own: () with key-major scores, else (its [ROWS, OWN] P tile, ); ds_own: its two dS
     tiles in shared memory, [2, ROWS, OWN], or dS^T [2, OWN, ROWS] with key-major scores); dK / dV over every query
-    block (an accumulator per chunk), and the dQ features [feature0, + FEATURES) of each block: with the split by
+    block (an accumulator per chunk), and its share of each block's dQ (FEATURES columns): with the split by
     features dS (both halves: ds_lo, ds_hi) times the K rows of each half restricted to those features (k_lo, k_hi
     [OWN, FEATURES]); with the split by keys this consumer's dS times its K rows (k_lo [OWN, HEAD_DIM]; k_hi and
-    ds_hi unused). q_smem, do_smem: [STAGES, 1, ROWS, 1, WIDTH] per chunk. Each block's dQ product goes through
-    dq_tile ([1, ROWS, 1, FEATURES] fp32, shared) into the accumulator by a TMA reduction (dq_desc); with ordered dQ
-    (`order`, see _finish_dq) in a fixed order, each reduction reported completed to this consumer's releaser
-    partition while the next block's products run (the next contributor reduces into that query block at least a
-    block later). dropout: () or (RngState, keep_threshold, dropout_scale, query heads): the forward's mask
+    ds_hi unused). q_smem, do_smem: [STAGES, 1, ROWS, 1, WIDTH] per chunk. Each block's scaled dQ product is staged
+    in dq_tile ([1, ROWS, 1, FEATURES] fp32, shared; dq_full / dq_empty: its hand-over) for this consumer's writer
+    warp (_dq_writer), which adds it into the accumulator. dropout: () or (RngState, keep_threshold, dropout_scale, query heads): the forward's mask
     (dropout.dropped) scales P for dV and dP for dS. alibi: () or (the slopes of the program's batch, pure-causal
     flag): each query block's logits get its head's ALiBi bias (common.alibi_bias). Varlen (rows_masked (0, ); ()
-    for a dense call): batch is the descriptors' coordinate 0, q_start / k_start the sequence's first rows, seqlen_q
+    for a dense call): batch is the descriptors' coordinate 0, k_start the sequence's first key row, seqlen_q
     / seqlen_k its lengths (the Q / dO stages' rows past seqlen_q read zeros, lse and delta 0, as a dense call's rows
     past its end do)."""
     STAGES: gl.constexpr = q_smem[0].shape[0]
@@ -394,8 +372,6 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
         dropout_draws = (dropout_key(dropout[0], dropout[1]), batch * dropout[3], dropout[2])
     else:
         dropout_draws = ()
-    if len(order) > 0:
-        gl.static_assert(OVER_ALL_KEYS, "ordered dQ takes the split by features (head dim 128)")
     mbarrier.wait(kv_ready, 0)
     for i in range(n_iterations):
         stage = i % STAGES
@@ -436,20 +412,17 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
             # block i - LAG's dQ: with the split by features one block late, as the other consumer wrote its dS a
             # block ago (not waiting for it lets the two consumers drift out of phase); its wait completes this
             # block's dV and dK products too
-            _finish_dq(i - LAG, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc, dq_tile, batch,
-                       q_start, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q,
-                       seqlen_k, causal, softmax_scale, feature0, order, rows_masked, OVER_ALL_KEYS, KEY_MAJOR)
+            _finish_dq(i - LAG, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_tile, dq_full,
+                       dq_empty, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q,
+                       softmax_scale, rows_masked, OVER_ALL_KEYS, KEY_MAJOR)
         dk, dv = wait_accumulators(dk, dv)
         arrive_after_wgmma(q_empty.index(stage))
     if OVER_ALL_KEYS:
         # the last block's dQ (its ds_free arrival has no waiter)
         if n_iterations > 0:
-            _finish_dq(n_iterations - 1, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_desc,
-                       dq_tile, batch, q_start, head_k, group_size, m_block_lo, blocks_per_head, n_iterations,
-                       first_visit, seqlen_q, seqlen_k, causal, softmax_scale, feature0, order, rows_masked,
-                       OVER_ALL_KEYS, KEY_MAJOR)
-            if len(order) > 0:
-                _report_reduction(order[4], order[5], n_iterations - 1)
+            _finish_dq(n_iterations - 1, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_tile,
+                       dq_full, dq_empty, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit,
+                       seqlen_q, softmax_scale, rows_masked, OVER_ALL_KEYS, KEY_MAJOR)
     # [OWN, WIDTH] per chunk: this consumer's key rows
     column = 0
     for chunk in gl.static_range(len(dk)):
@@ -457,7 +430,6 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
                        stride_dv_h, batch, head_k, k_start + n_start + key0, column, k_start + seqlen_k, head_dim,
                        softmax_scale)
         column = column + dk[chunk].shape[1]
-    tma.store_wait(0)
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "head_dim", "heads_per_group", "window_left", "window_right",
@@ -478,7 +450,7 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     One program per (128-key block, batch * kv head), key blocks in order (under a causal mask the blocks seen
     by the most query rows first), in launch-order groups of heads_per_group (batch, kv head) pairs. num_warps (4)
     is the first consumer's; the second consumer (4 warps, CONSUMER_REGS registers) and the producer (1 warp) are
-    worker partitions, and with ORDERED the two releasers (1 warp each). ORDERED (head dim 128): every query
+    worker partitions, and so are the two dQ writers (1 warp each). ORDERED (head dim 128): every query
     block's dQ reductions come in one fixed order (_reduction_rank; dq_counters: zeroed int32, two per (batch, head,
     64-row query block), one per feature half), so dQ is the same bits every call; a key block's reductions wait for
     the next key block's, so those launch first (LAST_FIRST), and without the causal mask the first key block's for
@@ -585,27 +557,19 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     k_flat = matrices_of(entries_of(k_smem, 0))
     v_flat = matrices_of(entries_of(v_smem, 0))
     pointers = (DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, desc_batch,
-                head_k, n_start, head_dim, q_start, k_start, rows_masked)
+                head_k, n_start, head_dim, k_start, rows_masked)
     if ORDERED:
         n_block = n_start // KEYS
         n_query_blocks = gl.cdiv(seqlen_q, ROWS)
+        gl.static_assert(SPLIT_FEATURES & (not CHUNKED), "ordered dQ takes the split by features (head dim 128)")
         # the loop starts at position 2 n_block (not under the causal mask); the counters of this (batch, kv
-        # head)'s query heads; each consumer's reduced / freed barriers (_report_reduction, _releaser)
+        # head)'s query heads, and what the writers' _reduction_rank needs
         first_visit = _first_visit(n_block, n_iterations, 1 - causal, KEYS // ROWS)
         counters = dq_counters + (batch * num_heads_k + head_k) * (group_size * n_query_blocks * 2)
-        reduced = (gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()),
-                   gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()))
-        freed = (gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()),
-                 gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()))
-        for w in gl.static_range(2):
-            for buffer in gl.static_range(2):
-                mbarrier.init(reduced[w].index(buffer), count=1)
-                mbarrier.init(freed[w].index(buffer), count=1)
-        common = (counters, n_block, gl.cdiv(seqlen_k, KEYS), n_query_blocks)
-        order_of = (common + (reduced[0], freed[0]), common + (reduced[1], freed[1]))
+        order = (counters, n_block, gl.cdiv(seqlen_k, KEYS), n_query_blocks, seqlen_q, seqlen_k, causal, KEYS)
     else:
         first_visit = gl.to_tensor(0)
-        order_of = ((), ())
+        order = ()
     loop = (group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
             causal, first_visit, window)
     # dropout's (RngState, keep_threshold, dropout_scale, query heads), or ()
@@ -619,6 +583,14 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     else:
         alibi = ()
     barriers = (kv_ready, q_ready, q_empty, ds_ready, ds_free)
+    # each consumer's staged dQ tile full / handed back by its writer warp
+    dq_full = (gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout()),
+               gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout()))
+    dq_empty = (gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout()),
+                gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout()))
+    for w in gl.static_range(2):
+        mbarrier.init(dq_full[w], count=1)
+        mbarrier.init(dq_empty[w], count=1)
     # [OWN, WIDTH] per chunk: each consumer's key half of K and V
     k_halves = (key_rows(k_flat, 0, OWN), key_rows(k_flat, OWN, OWN))
     v_halves = (key_rows(v_flat, 0, OWN), key_rows(v_flat, OWN, OWN))
@@ -641,20 +613,15 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
         dq_tiles[0], )
     second = (k_halves[1], v_halves[1]) + second_dq + staged + (p_tiles[1], ds_smem[1]) + ds_smem + (
         dq_tiles[1], )
-    first = first + barriers + (dq_descs[0], ) + pointers + (gl.to_tensor(0), gl.to_tensor(0)) + loop + (
-        order_of[0], dropout, alibi)
-    second = second + barriers + (dq_descs[1], ) + pointers + (gl.to_tensor(OWN), gl.to_tensor(second_feature)) + \
-        loop + (order_of[1], dropout, alibi)
+    first = first + barriers + (dq_full[0], dq_empty[0]) + pointers + (gl.to_tensor(0), ) + loop + (dropout, alibi)
+    second = second + barriers + (dq_full[1], dq_empty[1]) + pointers + (gl.to_tensor(OWN), ) + loop + (dropout,
+                                                                                                         alibi)
+    placement = (desc_batch, q_start, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit)
+    writers = ((dq_tiles[0], dq_full[0], dq_empty[0], dq_descs[0]) + placement + (gl.to_tensor(0), order),
+               (dq_tiles[1], dq_full[1], dq_empty[1], dq_descs[1]) + placement + (gl.to_tensor(second_feature), order))
     producer = (k_descs, v_descs, q_descs, do_descs, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
                 lse_smem, delta_smem, kv_ready, q_ready, q_empty, desc_batch, head_k, n_start,
                 num_heads_k * group_size, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, q_start,
                 load_kv, sequence)
-    if ORDERED:
-        placement = (first_visit, n_iterations, blocks_per_head, m_block_lo, n_query_blocks)
-        gl.warp_specialize([(_consumer, first), (_consumer, second), (backward_producer, producer),
-                            (_releaser, (reduced[0], freed[0], counters, gl.to_tensor(0)) + placement),
-                            (_releaser, (reduced[1], freed[1], counters, gl.to_tensor(1)) + placement)],
-                           [4, 1, 1, 1], [CONSUMER_REGS, 24, 24, 24])
-    else:
-        gl.warp_specialize([(_consumer, first), (_consumer, second), (backward_producer, producer)], [4, 1],
-                           [CONSUMER_REGS, 24])
+    gl.warp_specialize([(_consumer, first), (_consumer, second), (backward_producer, producer),
+                        (_dq_writer, writers[0]), (_dq_writer, writers[1])], [4, 1, 1, 1], [CONSUMER_REGS, 24, 24, 24])
