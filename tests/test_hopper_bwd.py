@@ -277,6 +277,28 @@ def test_gluon_backward_into_unaligned_gradients(head_dim):
     assert torch.isfinite(grads[1][0].float()).all()
 
 
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+def test_unswapped_dq_reads_the_swapped_staging_order_back(head_dim):
+    """hopper.unswapped_dq inverts the SWAPPED_DQ order (kernels/hopper/bwd._staging_order): in each whole group of
+    64 columns the accumulator holds feature c at the column with c's bits 2 and 4 swapped, the rest in order; into
+    a strided dq (a packed tensor's view)."""
+    def swapped(column):
+        if column >= head_dim // 64 * 64:
+            return column
+        low = column % 64
+        bit2, bit4 = (low >> 2) & 1, (low >> 4) & 1
+        return column - low + (low & ~0b10100) + (bit2 << 4) + (bit4 << 2)
+
+    dq_logical = torch.randn(2, 7, 3, head_dim)
+    dq_accum = torch.empty_like(dq_logical)
+    for column in range(head_dim):
+        dq_accum[..., swapped(column)] = dq_logical[..., column]
+    packed = torch.full((2, 7, 2, 3, head_dim), float("nan"), dtype=torch.bfloat16)
+    hopper.unswapped_dq(packed[:, :, 0], dq_accum)
+    assert torch.equal(packed[:, :, 0], dq_logical.to(torch.bfloat16))
+    assert torch.isnan(packed[:, :, 1].float()).all()
+
+
 def test_head_dims_between_tile_classes_take_the_next_wider_backward_tiles():
     assert [configs.hopper_bwd_tile_dim(d) for d in (8, 64, 72, 80, 96, 112, 128, 160, 192, 200, 256, 264)] == \
         [64, 64, 80, 80, 96, 128, 128, 192, 192, 256, 256, None]

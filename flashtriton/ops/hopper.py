@@ -573,7 +573,10 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
     dq_counters = (torch.zeros(batch * num_heads * triton_cdiv(seqlen_q, config.query_rows) * 2, dtype=torch.int32,
                                device=q.device) if ordered else None)
     key_major = key_major_scores(config, params.causal_like, alibi_slopes is not None, dropout_p > 0.0)
-    kernel_args = {} if dq_box is None else dict(ORDERED=ordered, KEY_MAJOR=key_major)
+    # dQ's 64-feature boxes in the kernel's conflict-free staging order, where the accumulator is as wide as the tiles
+    # (its columns past the head dim would be clipped, and in that order they hold features below it)
+    swapped_dq = dq_box is not None and head_dim == tile_dim
+    kernel_args = {} if dq_box is None else dict(ORDERED=ordered, KEY_MAJOR=key_major, SWAPPED_DQ=swapped_dq)
     if alibi_slopes is not None and dq_box is None:
         raise ValueError("the Gluon backward takes ALiBi on tiles up to 128 wide")
     # the kernel's dropout_args and alibi_args (not the dK / dV only kernel's: it has neither)
@@ -602,8 +605,23 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
         ALIGNED_ROWS=aligned_rows((dk, head_dim), (dv, head_dim_v)), STAGES=config.stages,
         CONSUMER_REGS=config.consumer_regs, num_warps=4, **kernel_args)
     if dq_accum is not None:
-        dq.copy_(dq_accum.view(dq.shape))
+        if swapped_dq:
+            unswapped_dq(dq, dq_accum.view(dq.shape))
+        else:
+            dq.copy_(dq_accum.view(dq.shape))
     bwd_launch_count += 1
+
+
+def unswapped_dq(dq: torch.Tensor, dq_accum: torch.Tensor) -> None:
+    """dq = dq_accum read back from the Gluon backward's SWAPPED_DQ order (kernels/hopper/bwd._staging_order): each
+    whole group of 64 columns holds feature c at the column whose index has c's bits 2 and 4 swapped (an involution);
+    columns past the last whole group are in order. dq_accum: dq's shape; dq's last dim contiguous."""
+    groups = dq.shape[-1] // 64
+    if groups > 0:
+        bits = (*dq.shape[:-1], groups, 2, 2, 2, 2, 2, 2)
+        dq[..., :64 * groups].view(bits).copy_(dq_accum[..., :64 * groups].view(bits).transpose(-5, -3))
+    if dq.shape[-1] > 64 * groups:
+        dq[..., 64 * groups:].copy_(dq_accum[..., 64 * groups:])
 
 
 def launch_bwd_dq(q, k, v, dout, lse, delta, dq, lse_strides: Tuple[int, int], delta_strides: Tuple[int, int], params,

@@ -311,13 +311,14 @@ def _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_tile, ds_sync
 @gluon.jit
 def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_tile, dq_full, dq_empty,
                head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, softmax_scale,
-               rows_masked, OVER_ALL_KEYS: gl.constexpr, KEY_MAJOR: gl.constexpr):
+               rows_masked, swapped_dq, OVER_ALL_KEYS: gl.constexpr, KEY_MAJOR: gl.constexpr):
     """Loop iteration `block`'s dQ: its product (_dq_product; waiting for it also completes every wgmma this
     consumer issued before it, as wgmma groups complete in order), then, with the split by features, its dS buffer
     released for block + 2 (ds_free), and the scaled product staged in dq_tile for this consumer's writer warp
     (_dq_writer), once the writer has handed back the tile of the block before (dq_empty). rows_masked (0, ) for a
     varlen call: a block that runs past the sequence's end adds zeros to the rows past it, which are the next
-    sequence's in the accumulator (its dS rows there are 0, but 0 times a K row that is not finite is not)."""
+    sequence's in the accumulator (its dS rows there are 0, but 0 times a K row that is not finite is not).
+    swapped_dq: _staging_order's."""
     ROWS: gl.constexpr = zero_dq.shape[0]
     FEATURES: gl.constexpr = zero_dq.shape[1]
     dq = _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, block % 2, block // 2, zero_dq, OVER_ALL_KEYS,
@@ -333,17 +334,35 @@ def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_
             rows = m_start + gl.arange(0, ROWS, gl.SliceLayout(1, dq.type.layout))
             dq = gl.where(gl.expand_dims(rows < seqlen_q, 1), dq, 0.0)
     mbarrier.wait(dq_empty, (block - 1) & 1, pred=block > 0)
-    dq_tile.reshape([ROWS, FEATURES]).store(dq * softmax_scale)
+    dq_tile.reshape([ROWS, FEATURES]).store(_staging_order(dq * softmax_scale, swapped_dq))
     fence_async_shared()
     mbarrier.arrive(dq_full)
+
+
+@gluon.jit
+def _staging_order(dq, swapped_dq):
+    """dq [ROWS, FEATURES] as staged for its reduction: with swapped_dq ((0, ): the launcher's SWAPPED_DQ) and 64
+    features, column c at the column whose index has c's bits 2 and 4 swapped (the accumulator's 64-column groups
+    hold that order; ops/hopper.unswapped_dq reads them back), so that its 64-bit shared stores are conflict-free: a
+    store is served per half-warp, whose lanes hold 4 rows of 2 x 4 columns, and the 128-byte swizzle XORs a 16-byte
+    chunk's index with its row, which puts rows r and r ^ 1 on the same banks in the plain order (two wavefronts
+    where one does); swapped, the lane-held column bit (2) selects the chunk index's top bit. Registers are only
+    relabeled (a permuted layout, no data moves)."""
+    ROWS: gl.constexpr = dq.shape[0]
+    FEATURES: gl.constexpr = dq.shape[1]
+    if len(swapped_dq) > 0 and FEATURES == 64:
+        # [ROWS, 2, 2, 2, 2, 2, 2]: column bits 5 .. 0, bits 4 and 2 swapped
+        bits = gl.permute(gl.reshape(dq, [ROWS, 2, 2, 2, 2, 2, 2]), (0, 1, 4, 3, 2, 5, 6))
+        dq = gl.reshape(bits, [ROWS, FEATURES])
+    return dq
 
 
 @gluon.jit
 def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p_own, ds_own, ds_lo, ds_hi, dq_tile,
               kv_ready, q_ready, q_empty, ds_ready, ds_free, dq_full, dq_empty, DK, DV, stride_dk_b, stride_dk_n,
               stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim, aligned, k_start,
-              rows_masked, key0, group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k,
-              softmax_scale, qk_scale_log2, causal, first_visit, window, dropout, alibi):
+              rows_masked, swapped_dq, key0, group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q,
+              seqlen_k, softmax_scale, qk_scale_log2, causal, first_visit, window, dropout, alibi):
     """One warpgroup: keys [n_start + key0, + OWN) of the block (k_own, v_own: their K and V rows [OWN, WIDTH] per
     chunk of the head dim; p_own: () with key-major scores, else (its [ROWS, OWN] P tile, ); ds_own: its two dS
     tiles in shared memory, [2, ROWS, OWN], or dS^T [2, OWN, ROWS] with key-major scores); dK / dV over every query
@@ -426,7 +445,7 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
             # block's dV and dK products too
             _finish_dq(i - LAG, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_tile, dq_full,
                        dq_empty, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q,
-                       softmax_scale, rows_masked, OVER_ALL_KEYS, KEY_MAJOR)
+                       softmax_scale, rows_masked, swapped_dq, OVER_ALL_KEYS, KEY_MAJOR)
         dk, dv = wait_accumulators(dk, dv)
         arrive_after_wgmma(q_empty.index(stage))
     if OVER_ALL_KEYS:
@@ -434,7 +453,7 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
         if n_iterations > 0:
             _finish_dq(n_iterations - 1, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_tile,
                        dq_full, dq_empty, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit,
-                       seqlen_q, softmax_scale, rows_masked, OVER_ALL_KEYS, KEY_MAJOR)
+                       seqlen_q, softmax_scale, rows_masked, swapped_dq, OVER_ALL_KEYS, KEY_MAJOR)
     # [OWN, WIDTH] per chunk: this consumer's key rows
     column = 0
     for chunk in gl.static_range(len(dk)):
@@ -453,7 +472,8 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
                            qk_scale_log2, window_left, window_right, dropout_args, alibi_args, varlen, q_rows, k_rows,
                            lse_row_stride, delta_row_stride, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
                            ORDERED: gl.constexpr, KEY_MAJOR: gl.constexpr, ALIGNED_ROWS: gl.constexpr,
-                           STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                           SWAPPED_DQ: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                           num_warps: gl.constexpr):
     """k_desc ... dq_desc: the descriptors of the first chunk of the head dim's tiles (column 0 on), k_desc2 ...
     dq_desc2 those of the second (from the first one's width on; configs.HOPPER_BWD_CHUNKS: 80 = 64 + 16, 96 = 64 +
     32), None where one chunk covers it: S and dP chain a wgmma per chunk, dK and dV keep an accumulator per chunk,
@@ -480,7 +500,8 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     rows past its end do; dQ is reduced at the sequence's rows of the accumulator (rows past it add zeros), dK / dV
     stored at its key rows, and lse / delta copied by the producer from its rows of the (H, T) matrices LSE and DELTA
     (rows lse_row_stride / delta_row_stride apart; lse_desc and delta_desc then only type the stage buffers).
-    ALIGNED_ROWS: DK and DV take 16-byte stores (common.store_rows' `aligned`)."""
+    ALIGNED_ROWS: DK and DV take 16-byte stores (common.store_rows' `aligned`). SWAPPED_DQ: dQ's 64-feature boxes
+    enter the accumulator in _staging_order's order (ops/hopper.unswapped_dq reads it back)."""
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
@@ -570,7 +591,8 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     k_flat = matrices_of(entries_of(k_smem, 0))
     v_flat = matrices_of(entries_of(v_smem, 0))
     pointers = (DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, desc_batch,
-                head_k, n_start, head_dim, (0, ) if ALIGNED_ROWS else (), k_start, rows_masked)
+                head_k, n_start, head_dim, (0, ) if ALIGNED_ROWS else (), k_start, rows_masked,
+                (0, ) if SWAPPED_DQ else ())
     if ORDERED:
         n_block = n_start // KEYS
         n_query_blocks = gl.cdiv(seqlen_q, ROWS)
