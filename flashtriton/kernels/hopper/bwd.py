@@ -26,7 +26,8 @@ Either way dQ_i is split one of two ways:
   a one-warp writer partition of its own (_dq_writer, FA3's dQ writer) adds that to the fp32 dQ accumulator with
   one TMA reduction (cp.reduce.async.bulk.tensor .add; per element atomics would cost about half of the kernel's
   time) and hands the tile back once the reduction has read it, so the consumer neither issues nor waits for the
-  reduction. The launcher converts the accumulator into dq. dK is scaled here. GQA: the loop runs over the group's query heads too (dK/dV summed in registers).
+  reduction. The launcher converts the accumulator into dq. dK is scaled here. GQA: the loop runs over the group's
+  query heads too (dK/dV summed in registers).
 
 Ordered dQ (ORDERED, head dim 128; deterministic=True, ops/hopper.orders_dq): the reductions into each (query
 block, feature half) come in one fixed order, so dQ is the same bits on every call. A zeroed int32 counter per tile
@@ -340,12 +341,12 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     [OWN, FEATURES]); with the split by keys this consumer's dS times its K rows (k_lo [OWN, HEAD_DIM]; k_hi and
     ds_hi unused). q_smem, do_smem: [STAGES, 1, ROWS, 1, WIDTH] per chunk. Each block's scaled dQ product is staged
     in dq_tile ([1, ROWS, 1, FEATURES] fp32, shared; dq_full / dq_empty: its hand-over) for this consumer's writer
-    warp (_dq_writer), which adds it into the accumulator. dropout: () or (RngState, keep_threshold, dropout_scale, query heads): the forward's mask
-    (dropout.dropped) scales P for dV and dP for dS. alibi: () or (the slopes of the program's batch, pure-causal
-    flag): each query block's logits get its head's ALiBi bias (common.alibi_bias). Varlen (rows_masked (0, ); ()
-    for a dense call): batch is the descriptors' coordinate 0, k_start the sequence's first key row, seqlen_q
-    / seqlen_k its lengths (the Q / dO stages' rows past seqlen_q read zeros, lse and delta 0, as a dense call's rows
-    past its end do)."""
+    warp (_dq_writer), which adds it into the accumulator. dropout: () or (RngState, keep_threshold, dropout_scale,
+    query heads): the forward's mask (dropout.dropped) scales P for dV and dP for dS. alibi: () or (the slopes of
+    the program's batch, pure-causal flag): each query block's logits get its head's ALiBi bias (common.alibi_bias).
+    Varlen (rows_masked (0, ); () for a dense call): batch is the descriptors' coordinate 0, k_start the sequence's
+    first key row, seqlen_q / seqlen_k its lengths (the Q / dO stages' rows past seqlen_q read zeros, lse and delta
+    0, as a dense call's rows past its end do)."""
     STAGES: gl.constexpr = q_smem[0].shape[0]
     ROWS: gl.constexpr = q_smem[0].shape[2]
     HEAD_DIM: gl.constexpr = chunks_width(q_smem)
