@@ -1,6 +1,6 @@
 """Sweep the Gluon Hopper backward's configurations (configs.HopperBwdConfig: Q / dO stages, consumer registers,
-key-major scores) on the feature rows' shapes (B=4, S=4096, 2048 // D heads), causal and not, with SDPA FLASH and
-CUDNN's backward timed in the same process.
+key-major scores, where dQ runs) on the feature rows' shapes (B=4, S=4096, 2048 // D heads), causal and not, with SDPA
+FLASH and CUDNN's backward timed in the same process.
 
     python benchmarks/sweep_hopper_bwd.py [--head-dims 64,80,96,128] [--deterministic] [--out DIR]
 
@@ -37,9 +37,11 @@ CONSUMER_REGS = (240, 248)
 
 
 def candidates(causal: bool) -> list:
-    """The configs swept on a row (the key-major ones name the row's causal value)."""
-    return [HopperBwdConfig(64, stages, regs, (causal, ) if key_major else ())
-            for stages in STAGES for regs in CONSUMER_REGS for key_major in (False, True)]
+    """The configs swept on a row (the key-major ones name the row's causal value, each with dQ one block late and
+    between dV and dK: late_dq)."""
+    return [HopperBwdConfig(64, stages, regs, (causal, ) if key_major else (), late_dq)
+            for stages in STAGES for regs in CONSUMER_REGS for key_major in (False, True)
+            for late_dq in ((True, False) if key_major else (True, ))]
 
 GLUON_BACKWARD_KERNEL = "attn_bwd_hopper_kernel"
 

@@ -230,6 +230,75 @@ ORDERED_CASES = {
 }
 
 
+def test_aligned_rows_needs_sixteen_byte_rows_and_head_dims_of_eight():
+    """hopper.aligned_rows (the backward kernels' ALIGNED_ROWS: 16-byte dK / dV / dQ stores): every output's
+    address and strides but the last multiples of 16 bytes, and its head dim a multiple of 8."""
+    contiguous = torch.empty(2, 5, 3, 64, dtype=torch.bfloat16)
+    assert hopper.aligned_rows((contiguous, 64))
+    assert hopper.aligned_rows((torch.empty(2, 5, 3, 72, dtype=torch.bfloat16)[..., :64], 64))
+    assert not hopper.aligned_rows((torch.empty(2, 5, 3, 68, dtype=torch.bfloat16)[..., :64], 64))
+    assert not hopper.aligned_rows((torch.empty(2 * 5 * 3 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 5, 3, 64), 64))
+    assert not hopper.aligned_rows((torch.empty(2, 5, 3, 70, dtype=torch.bfloat16), 70))
+    assert not hopper.aligned_rows((contiguous, 64), (contiguous, 60))
+
+
+@needs_hopper
+@pytest.mark.parametrize("head_dim", [64, 128, 192], ids=lambda d: f"d{d}")
+def test_gluon_backward_into_unaligned_gradients(head_dim):
+    """dq / dk / dv given to the low-level backward at a 2-byte offset (hopper.aligned_rows False: the kernels store
+    them in 2-byte pieces) get the same dK / dV bits as 16-byte aligned ones and the same dQ up to the order of its
+    fp32 additions; nothing is written outside them (NaN guard elements around each)."""
+    from flashtriton.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
+
+    torch.manual_seed(0)
+    shape = (2, 200, 4, head_dim)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    scale = head_dim ** -0.5
+    with forced_gluon():
+        out, lse, _, rng_state = _flash_attn_forward(q, k, v, 0.0, scale, True, -1, 0, 0.0, None, False)
+        dout = torch.randn_like(out)
+        elements = q.numel()
+        grads = {}
+        for offset in (0, 1):
+            buffers = [torch.full((elements + 2 * 8,), float("nan"), device="cuda", dtype=torch.bfloat16)
+                       for _ in range(3)]
+            dq, dk, dv = (buffer[8 + offset:8 + offset + elements].view(shape) for buffer in buffers)
+            assert hopper.aligned_rows((dk, head_dim), (dv, head_dim)) == (offset == 0)
+            before = hopper.bwd_launch_count
+            _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0, scale, True, -1, 0, 0.0, None, False,
+                                 rng_state)
+            assert hopper.bwd_launch_count == before + 1, "the Gluon backward did not run"
+            for buffer in buffers:
+                guard = torch.cat((buffer[:8 + offset], buffer[8 + offset + elements:]))
+                assert torch.isnan(guard.float()).all(), "a gradient was written outside its tensor"
+            grads[offset] = (dq, dk, dv)
+    assert torch.equal(grads[0][1], grads[1][1]) and torch.equal(grads[0][2], grads[1][2])
+    torch.testing.assert_close(grads[0][0], grads[1][0], atol=2e-2, rtol=2e-2)
+    assert torch.isfinite(grads[1][0].float()).all()
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+def test_unswapped_dq_reads_the_swapped_staging_order_back(head_dim):
+    """hopper.unswapped_dq inverts the SWAPPED_DQ order (kernels/hopper/bwd._staging_order): in each whole group of
+    64 columns the accumulator holds feature c at the column with c's bits 2 and 4 swapped, the rest in order; into
+    a strided dq (a packed tensor's view)."""
+    def swapped(column):
+        if column >= head_dim // 64 * 64:
+            return column
+        low = column % 64
+        bit2, bit4 = (low >> 2) & 1, (low >> 4) & 1
+        return column - low + (low & ~0b10100) + (bit2 << 4) + (bit4 << 2)
+
+    dq_logical = torch.randn(2, 7, 3, head_dim)
+    dq_accum = torch.empty_like(dq_logical)
+    for column in range(head_dim):
+        dq_accum[..., swapped(column)] = dq_logical[..., column]
+    packed = torch.full((2, 7, 2, 3, head_dim), float("nan"), dtype=torch.bfloat16)
+    hopper.unswapped_dq(packed[:, :, 0], dq_accum)
+    assert torch.equal(packed[:, :, 0], dq_logical.to(torch.bfloat16))
+    assert torch.isnan(packed[:, :, 1].float()).all()
+
+
 def test_head_dims_between_tile_classes_take_the_next_wider_backward_tiles():
     assert [configs.hopper_bwd_tile_dim(d) for d in (8, 64, 72, 80, 96, 112, 128, 160, 192, 200, 256, 264)] == \
         [64, 64, 80, 80, 96, 128, 128, 192, 192, 256, 256, None]

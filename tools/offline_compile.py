@@ -263,7 +263,8 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
     signature = {"lse_desc": _gluon_descriptor_type([1, config.query_rows], "fp32"),
                  "delta_desc": _gluon_descriptor_type([1, config.query_rows], "fp32"),
                  "DK": f"*{dtype}", "DV": f"*{dtype}", "softmax_scale": "fp32", "qk_scale_log2": "fp32"}
-    constexprs = dict(CAUSAL=causal, LOCAL=local, STAGES=config.stages,
+    # ALIGNED_ROWS: contiguous dK / dV at a head dim that is a multiple of 8 (ops/hopper.aligned_rows)
+    constexprs = dict(CAUSAL=causal, LOCAL=local, ALIGNED_ROWS=True, STAGES=config.stages,
                       CONSUMER_REGS=config.consumer_regs, num_warps=4)
     if dq_box is None:  # the dK / dV only kernel: each side whole rows and halves, or two chunks (dk_dv_only_boxes)
         boxes = dk_dv_only_boxes(tile_dim, configs.hopper_bwd_tile_dim(head_dim_v or head_dim))
@@ -288,6 +289,8 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
         signature["dq_counters"] = "*i32"
         constexprs["ORDERED"] = ordered
         constexprs["KEY_MAJOR"] = key_major_scores(config, causal, alibi, dropout)
+        constexprs["SWAPPED_DQ"] = head_dim == tile_dim  # as ops/hopper.launch_bwd decides
+        constexprs["LATE_DQ"] = config.late_dq
     names = list(inspect.signature(kernel.fn).parameters)
     if "dropout_args" in names:
         _dropout_group(signature, constexprs, names, dropout)
@@ -322,8 +325,8 @@ def compile_hopper_bwd_dq(head_dim: int, causal: bool, config=None, dtype: str =
     signature = {"lse_desc": _gluon_descriptor_type([1, rows], "fp32"),
                  "delta_desc": _gluon_descriptor_type([1, rows], "fp32"),
                  "DQ": f"*{dtype}", "softmax_scale": "fp32", "qk_scale_log2": "fp32"}
-    constexprs = dict(CAUSAL=causal, LOCAL=local, STAGES=config.stages, CONSUMER_REGS=config.consumer_regs,
-                      num_warps=4)
+    constexprs = dict(CAUSAL=causal, LOCAL=local, ALIGNED_ROWS=True, STAGES=config.stages,
+                      CONSUMER_REGS=config.consumer_regs, num_warps=4)
     widths = configs.HOPPER_BWD_CHUNKS[tile_dim]
     widths_v = configs.HOPPER_BWD_CHUNKS[configs.hopper_bwd_tile_dim(head_dim_v or head_dim)]
     for chunk, suffix in enumerate(("", "2")):

@@ -527,6 +527,14 @@ def _stage_type_descriptor(scratch: torch.Tensor, rows: int):
     return checked_descriptor(scratch, [1, 1], [4, 1], [1, rows], shared_layout((1, rows), torch.float32))
 
 
+def aligned_rows(*outputs) -> bool:
+    """Whether every (tensor, head dim) of outputs (16-bit, stored by kernels/hopper/common.store_rows) takes 16-byte
+    stores: its address and every stride but the last a multiple of 16 bytes, and the head dim one of 8 elements."""
+    return all(tensor.data_ptr() % 16 == 0 and head_dim % 8 == 0 and all(stride % 8 == 0 for stride in
+                                                                           tensor.stride()[:-1])
+               for tensor, head_dim in outputs)
+
+
 def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tuple[int, int],
                delta_strides: Tuple[int, int], params, seqlen_q: int, seqlen_k: int, batch: int,
                heads_per_group: int, deterministic: bool, dropout_p: float = 0.0, rng_state=None, cu_seqlens_q=None,
@@ -565,7 +573,11 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
     dq_counters = (torch.zeros(batch * num_heads * triton_cdiv(seqlen_q, config.query_rows) * 2, dtype=torch.int32,
                                device=q.device) if ordered else None)
     key_major = key_major_scores(config, params.causal_like, alibi_slopes is not None, dropout_p > 0.0)
-    kernel_args = {} if dq_box is None else dict(ORDERED=ordered, KEY_MAJOR=key_major)
+    # dQ's 64-feature boxes in the kernel's conflict-free staging order, where the accumulator is as wide as the tiles
+    # (its columns past the head dim would be clipped, and in that order they hold features below it)
+    swapped_dq = dq_box is not None and head_dim == tile_dim
+    kernel_args = {} if dq_box is None else dict(ORDERED=ordered, KEY_MAJOR=key_major, SWAPPED_DQ=swapped_dq,
+                                                 LATE_DQ=config.late_dq)
     if alibi_slopes is not None and dq_box is None:
         raise ValueError("the Gluon backward takes ALiBi on tiles up to 128 wide")
     # the kernel's dropout_args and alibi_args (not the dK / dV only kernel's: it has neither)
@@ -590,12 +602,27 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
         dv.stride(0), dv.stride(1), dv.stride(2), num_heads_k, num_heads // num_heads_k, seqlen_q, seqlen_k, head_dim,
         *((head_dim_v, ) if dq_box is None else ()), 1 if ordered else heads_per_group, params.softmax_scale,
         params.qk_scale_log2, params.window_left, params.window_right, *logit_args, *varlen_args,
-        CAUSAL=params.causal_like,
-        LOCAL=local_window(params, seqlen_k), STAGES=config.stages, CONSUMER_REGS=config.consumer_regs, num_warps=4,
-        **kernel_args)
+        CAUSAL=params.causal_like, LOCAL=local_window(params, seqlen_k),
+        ALIGNED_ROWS=aligned_rows((dk, head_dim), (dv, head_dim_v)), STAGES=config.stages,
+        CONSUMER_REGS=config.consumer_regs, num_warps=4, **kernel_args)
     if dq_accum is not None:
-        dq.copy_(dq_accum.view(dq.shape))
+        if swapped_dq:
+            unswapped_dq(dq, dq_accum.view(dq.shape))
+        else:
+            dq.copy_(dq_accum.view(dq.shape))
     bwd_launch_count += 1
+
+
+def unswapped_dq(dq: torch.Tensor, dq_accum: torch.Tensor) -> None:
+    """dq = dq_accum read back from the Gluon backward's SWAPPED_DQ order (kernels/hopper/bwd._staging_order): each
+    whole group of 64 columns holds feature c at the column whose index has c's bits 2 and 4 swapped (an involution);
+    columns past the last whole group are in order. dq_accum: dq's shape; dq's last dim contiguous."""
+    groups = dq.shape[-1] // 64
+    if groups > 0:
+        bits = (*dq.shape[:-1], groups, 2, 2, 2, 2, 2, 2)
+        dq[..., :64 * groups].view(bits).copy_(dq_accum[..., :64 * groups].view(bits).transpose(-5, -3))
+    if dq.shape[-1] > 64 * groups:
+        dq[..., 64 * groups:].copy_(dq_accum[..., 64 * groups:])
 
 
 def launch_bwd_dq(q, k, v, dout, lse, delta, dq, lse_strides: Tuple[int, int], delta_strides: Tuple[int, int], params,
@@ -625,6 +652,7 @@ def launch_bwd_dq(q, k, v, dout, lse, delta, dq, lse_strides: Tuple[int, int], d
           for stat, strides in ((lse, lse_strides), (delta, delta_strides))),
         dq, dq.stride(0), dq.stride(1), dq.stride(2), num_heads, num_heads // k.shape[-2], seqlen_q, seqlen_k,
         head_dim, heads_per_group, params.softmax_scale, params.qk_scale_log2, params.window_left,
-        params.window_right, CAUSAL=params.causal_like, LOCAL=local_window(params, seqlen_k), STAGES=config.stages,
-        CONSUMER_REGS=config.consumer_regs, num_warps=4)
+        params.window_right, CAUSAL=params.causal_like, LOCAL=local_window(params, seqlen_k),
+        ALIGNED_ROWS=aligned_rows((dq, head_dim)), STAGES=config.stages, CONSUMER_REGS=config.consumer_regs,
+        num_warps=4)
     bwd_dq_launch_count += 1

@@ -211,11 +211,12 @@ def _publish_ds(ds, ds_tile, ds_sync):
 
 
 @gluon.jit
-def _scores(s_left, s_right, dp_left, dp_right, lse_tile, KEY_AXIS: gl.constexpr):
+def _scores(s_left, s_right, dp_left, dp_right, lse_tile, KEY_AXIS: gl.constexpr, EARLY_LSE: gl.constexpr):
     """S = s_left s_right^T and dP = dp_left dp_right^T [M, N] (operands [M, WIDTH] / [N, WIDTH] per chunk, shared;
     M: s_left's rows) issued together, S waited for while dP's wgmmas (one per chunk) stay in flight, and log2(e)
     * lse along S's query axis (lse_tile: the rows' [1, ROWS] shared lse; KEY_AXIS: S's key axis, 1 for Q K^T, 0
-    for K Q^T). Returns (S, dP, lse_log2)."""
+    for K Q^T), loaded before S is waited for with EARLY_LSE (its latency hidden; calls with ALiBi load it after,
+    which keeps their bias arithmetic from spilling). Returns (S, dP, lse_log2)."""
     M: gl.constexpr = s_left[0].shape[0]
     N: gl.constexpr = s_right[0].shape[0]
     ROWS: gl.constexpr = N if KEY_AXIS == 0 else M
@@ -224,10 +225,14 @@ def _scores(s_left, s_right, dp_left, dp_right, lse_tile, KEY_AXIS: gl.constexpr
     zero = gl.zeros([M, N], gl.float32, layout)
     s = chained_products(s_left, s_right, zero)
     dp = chained_products(dp_left, dp_right, zero)
-    s = warpgroup_mma_wait(len(dp_left), deps=(s, ))
-    # [ROWS]
-    lse_log2 = lse_tile.reshape([ROWS]).load(gl.SliceLayout(KEY_AXIS, layout)) * 1.4426950408889634
-    return s, dp, lse_log2
+    if EARLY_LSE:
+        # [ROWS] loaded while S is computed, so that its latency is not added to the softmax's
+        lse = lse_tile.reshape([ROWS]).load(gl.SliceLayout(KEY_AXIS, layout))
+        s = warpgroup_mma_wait(len(dp_left), deps=(s, ))
+    else:
+        s = warpgroup_mma_wait(len(dp_left), deps=(s, ))
+        lse = lse_tile.reshape([ROWS]).load(gl.SliceLayout(KEY_AXIS, layout))
+    return s, dp, lse * 1.4426950408889634
 
 
 @gluon.jit
@@ -242,7 +247,7 @@ def _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_tile, ds_tile,
     OWN: gl.constexpr = k_own[0].shape[0]
     dtype: gl.constexpr = k_own[0].dtype
     # [ROWS, OWN] S and dP (in flight); [ROWS] log2(e) * lse
-    s, dp, lse_log2 = _scores(q_tile, k_own, do_tile, v_own, statistics[0], 1)
+    s, dp, lse_log2 = _scores(q_tile, k_own, do_tile, v_own, statistics[0], 1, len(alibi) == 0)
     s_layout: gl.constexpr = s.type.layout
     row_of_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     # [ROWS, OWN] P
@@ -272,46 +277,66 @@ def _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_tile, ds_tile,
 
 @gluon.jit
 def _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_tile, ds_sync, dk, dv, first_key, m_start,
-                     seqlen_q, seqlen_k, qk_scale_log2, causal, window, alibi):
+                     seqlen_q, seqlen_k, qk_scale_log2, causal, window, alibi, same_block_dq):
     """One query block's dK / dV products (issued, not waited for) from key-major scores: S^T = K Q^T and dP^T =
     V dO^T [OWN, ROWS], so that P^T and dS^T are in registers as the A operands of dV += P^T dO and dK += dS^T Q
     (no P tile; the dV product is issued before dP is waited for); dS^T goes to ds_tile [OWN, ROWS] for the dQ
     products (_publish_ds). statistics: the rows' ([1, ROWS] shared) lse and delta, read per column. alibi:
-    masked_probabilities'."""
+    masked_probabilities'. same_block_dq: () or _dq_product's arguments for this block (FA4's order: dS^T published
+    first, then this block's dQ product issued before dK, so that staging dQ overlaps dK). Returns (dK, dV, () or
+    (the issued dQ product, ))."""
     ROWS: gl.constexpr = q_tile[0].shape[0]
     dtype: gl.constexpr = k_own[0].dtype
+    # delta loaded before dP is waited for where the dK / dV accumulators leave the registers for it (below head dim
+    # 128: at 128 the consumers would spill)
+    EARLY_DELTA: gl.constexpr = chunks_width(q_tile) < 128
     # [OWN, ROWS] S^T and dP^T (in flight); [ROWS] log2(e) * lse
-    s_t, dp_t, lse_log2 = _scores(k_own, q_tile, v_own, do_tile, statistics[0], 0)
+    s_t, dp_t, lse_log2 = _scores(k_own, q_tile, v_own, do_tile, statistics[0], 0, len(alibi) == 0)
     column_of_t: gl.constexpr = gl.SliceLayout(0, s_t.type.layout)
     # [OWN, ROWS] P^T
     p_t = masked_probabilities(s_t, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window,
                                0, alibi)
     dv = accumulate_register_products(p_t.to(dtype), do_tile, dv)
-    # the dV wgmmas (one per chunk) stay in flight
-    dp_t = warpgroup_mma_wait(len(dv), deps=(dp_t, ))
-    delta = statistics[1].reshape([ROWS]).load(column_of_t)
+    # [ROWS] delta; the dV wgmmas (one per chunk) stay in flight
+    if EARLY_DELTA:
+        delta = statistics[1].reshape([ROWS]).load(column_of_t)
+        dp_t = warpgroup_mma_wait(len(dv), deps=(dp_t, ))
+    else:
+        dp_t = warpgroup_mma_wait(len(dv), deps=(dp_t, ))
+        delta = statistics[1].reshape([ROWS]).load(column_of_t)
     # [OWN, ROWS] dS^T
     ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
-    dk = accumulate_register_products(ds_t, q_tile, dk)
-    _publish_ds(ds_t, ds_tile, ds_sync)
-    return dk, dv
+    if len(same_block_dq) > 0:
+        _publish_ds(ds_t, ds_tile, ds_sync)
+        dq = (_dq_product(*same_block_dq, True, True), )
+        dk = accumulate_register_products(ds_t, q_tile, dk)
+    else:
+        dk = accumulate_register_products(ds_t, q_tile, dk)
+        _publish_ds(ds_t, ds_tile, ds_sync)
+        dq = ()
+    return dk, dv, dq
 
 
 @gluon.jit
 def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_tile, dq_full, dq_empty,
                head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, softmax_scale,
-               rows_masked, OVER_ALL_KEYS: gl.constexpr, KEY_MAJOR: gl.constexpr):
-    """Loop iteration `block`'s dQ: its product (_dq_product; waiting for it also completes every wgmma this
-    consumer issued before it, as wgmma groups complete in order), then, with the split by features, its dS buffer
+               rows_masked, swapped_dq, issued, in_flight, OVER_ALL_KEYS: gl.constexpr, KEY_MAJOR: gl.constexpr):
+    """Loop iteration `block`'s dQ: its product (_dq_product, or issued[0] where the caller issued it; waiting
+    for it also completes every wgmma this consumer issued before it, as wgmma groups complete in order, and leaves
+    the len(in_flight) groups issued after it running), then, with the split by features, its dS buffer
     released for block + 2 (ds_free), and the scaled product staged in dq_tile for this consumer's writer warp
     (_dq_writer), once the writer has handed back the tile of the block before (dq_empty). rows_masked (0, ) for a
     varlen call: a block that runs past the sequence's end adds zeros to the rows past it, which are the next
-    sequence's in the accumulator (its dS rows there are 0, but 0 times a K row that is not finite is not)."""
+    sequence's in the accumulator (its dS rows there are 0, but 0 times a K row that is not finite is not).
+    swapped_dq: _staging_order's."""
     ROWS: gl.constexpr = zero_dq.shape[0]
     FEATURES: gl.constexpr = zero_dq.shape[1]
-    dq = _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, block % 2, block // 2, zero_dq, OVER_ALL_KEYS,
-                     KEY_MAJOR)
-    dq = warpgroup_mma_wait(0, deps=(dq, ))
+    if len(issued) > 0:
+        dq = issued[0]
+    else:
+        dq = _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, block % 2, block // 2, zero_dq, OVER_ALL_KEYS,
+                         KEY_MAJOR)
+    dq = warpgroup_mma_wait(len(in_flight), deps=(dq, ))
     if OVER_ALL_KEYS:
         arrive_after_wgmma(ds_free.index(block % 2))
     if len(rows_masked) > 0:
@@ -322,17 +347,35 @@ def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_
             rows = m_start + gl.arange(0, ROWS, gl.SliceLayout(1, dq.type.layout))
             dq = gl.where(gl.expand_dims(rows < seqlen_q, 1), dq, 0.0)
     mbarrier.wait(dq_empty, (block - 1) & 1, pred=block > 0)
-    dq_tile.reshape([ROWS, FEATURES]).store(dq * softmax_scale)
+    dq_tile.reshape([ROWS, FEATURES]).store(_staging_order(dq * softmax_scale, swapped_dq))
     fence_async_shared()
     mbarrier.arrive(dq_full)
 
 
 @gluon.jit
+def _staging_order(dq, swapped_dq):
+    """dq [ROWS, FEATURES] as staged for its reduction: with swapped_dq ((0, ): the launcher's SWAPPED_DQ) and 64
+    features, column c at the column whose index has c's bits 2 and 4 swapped (the accumulator's 64-column groups
+    hold that order; ops/hopper.unswapped_dq reads them back), so that its 64-bit shared stores are conflict-free: a
+    store is served per half-warp, whose lanes hold 4 rows of 2 x 4 columns, and the 128-byte swizzle XORs a 16-byte
+    chunk's index with its row, which puts rows r and r ^ 1 on the same banks in the plain order (two wavefronts
+    where one does); swapped, the lane-held column bit (2) selects the chunk index's top bit. Registers are only
+    relabeled (a permuted layout, no data moves)."""
+    ROWS: gl.constexpr = dq.shape[0]
+    FEATURES: gl.constexpr = dq.shape[1]
+    if len(swapped_dq) > 0 and FEATURES == 64:
+        # [ROWS, 2, 2, 2, 2, 2, 2]: column bits 5 .. 0, bits 4 and 2 swapped
+        bits = gl.permute(gl.reshape(dq, [ROWS, 2, 2, 2, 2, 2, 2]), (0, 1, 4, 3, 2, 5, 6))
+        dq = gl.reshape(bits, [ROWS, FEATURES])
+    return dq
+
+
+@gluon.jit
 def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p_own, ds_own, ds_lo, ds_hi, dq_tile,
               kv_ready, q_ready, q_empty, ds_ready, ds_free, dq_full, dq_empty, DK, DV, stride_dk_b, stride_dk_n,
-              stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim, k_start,
-              rows_masked, key0, group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k,
-              softmax_scale, qk_scale_log2, causal, first_visit, window, dropout, alibi):
+              stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim, aligned, k_start,
+              rows_masked, swapped_dq, key0, group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q,
+              seqlen_k, softmax_scale, qk_scale_log2, causal, first_visit, window, dropout, alibi, dq_between):
     """One warpgroup: keys [n_start + key0, + OWN) of the block (k_own, v_own: their K and V rows [OWN, WIDTH] per
     chunk of the head dim; p_own: () with key-major scores, else (its [ROWS, OWN] P tile, ); ds_own: its two dS
     tiles in shared memory, [2, ROWS, OWN], or dS^T [2, OWN, ROWS] with key-major scores); dK / dV over every query
@@ -354,11 +397,14 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     FEATURES: gl.constexpr = k_lo.shape[1]
     # dQ over every key of the block (features split between the consumers), or over this consumer's keys
     OVER_ALL_KEYS: gl.constexpr = FEATURES < HEAD_DIM
-    # blocks between a block's dS and its dQ product
-    LAG: gl.constexpr = 1 if OVER_ALL_KEYS else 0
     # scores K Q^T [OWN, ROWS] (P^T and dS^T feed dV and dK from registers), or Q K^T [ROWS, OWN] (P and dS go
     # through shared memory): p_own is () or the [ROWS, OWN] P tile
     KEY_MAJOR: gl.constexpr = len(p_own) == 0
+    # with the split by features and key-major scores: each block's dQ product issued between its dV and dK
+    # (dq_between (0, ): FA4's order; the consumers wait for each other's dS of the same block), or one block late
+    BETWEEN: gl.constexpr = OVER_ALL_KEYS and KEY_MAJOR and len(dq_between) > 0
+    # blocks between a block's dS and its dQ product
+    LAG: gl.constexpr = 1 if OVER_ALL_KEYS and not BETWEEN else 0
     # [ROWS, FEATURES] dQ
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, FEATURES, 16])
@@ -398,9 +444,13 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
         else:
             alibi_head = ()
         if KEY_MAJOR:
-            dk, dv = _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_own.index(buffer), ds_sync, dk,
-                                      dv, first_key, m_start, seqlen_q, seqlen_k, qk_scale_log2, causal, window,
-                                      alibi_head)
+            if BETWEEN:
+                same_block_dq = (ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, buffer, i // 2, zero_dq)
+            else:
+                same_block_dq = ()
+            dk, dv, issued = _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_own.index(buffer),
+                                              ds_sync, dk, dv, first_key, m_start, seqlen_q, seqlen_k, qk_scale_log2,
+                                              causal, window, alibi_head, same_block_dq)
         else:
             if len(dropout) > 0:
                 draws = (dropout_draws[0], dropout_draws[1] + head, dropout_draws[2])
@@ -409,27 +459,33 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
             dk, dv = _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_own[0], ds_own.index(buffer),
                                       ds_sync, dk, dv, first_key, m_start, seqlen_q, seqlen_k, qk_scale_log2, causal,
                                       window, alibi_head, draws)
-        if i >= LAG:
+            issued = ()
+        if BETWEEN:
+            # this block's dQ, issued before dK: staged while dK runs
+            _finish_dq(i, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_tile, dq_full, dq_empty,
+                       head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q,
+                       softmax_scale, rows_masked, swapped_dq, issued, dk, OVER_ALL_KEYS, KEY_MAJOR)
+        elif i >= LAG:
             # block i - LAG's dQ: with the split by features one block late, as the other consumer wrote its dS a
             # block ago (not waiting for it lets the two consumers drift out of phase); its wait completes this
             # block's dV and dK products too
             _finish_dq(i - LAG, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_tile, dq_full,
                        dq_empty, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q,
-                       softmax_scale, rows_masked, OVER_ALL_KEYS, KEY_MAJOR)
+                       softmax_scale, rows_masked, swapped_dq, (), (), OVER_ALL_KEYS, KEY_MAJOR)
         dk, dv = wait_accumulators(dk, dv)
         arrive_after_wgmma(q_empty.index(stage))
-    if OVER_ALL_KEYS:
+    if LAG > 0:
         # the last block's dQ (its ds_free arrival has no waiter)
         if n_iterations > 0:
             _finish_dq(n_iterations - 1, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_tile,
                        dq_full, dq_empty, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit,
-                       seqlen_q, softmax_scale, rows_masked, OVER_ALL_KEYS, KEY_MAJOR)
+                       seqlen_q, softmax_scale, rows_masked, swapped_dq, (), (), OVER_ALL_KEYS, KEY_MAJOR)
     # [OWN, WIDTH] per chunk: this consumer's key rows
     column = 0
     for chunk in gl.static_range(len(dk)):
         store_key_rows(dk[chunk], dv[chunk], DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n,
                        stride_dv_h, batch, head_k, k_start + n_start + key0, column, k_start + seqlen_k, head_dim,
-                       softmax_scale)
+                       aligned, softmax_scale)
         column = column + dk[chunk].shape[1]
 
 
@@ -441,8 +497,9 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
                            num_heads_k, group_size, seqlen_q, seqlen_k, head_dim, heads_per_group, softmax_scale,
                            qk_scale_log2, window_left, window_right, dropout_args, alibi_args, varlen, q_rows, k_rows,
                            lse_row_stride, delta_row_stride, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
-                           ORDERED: gl.constexpr, KEY_MAJOR: gl.constexpr,
-                           STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                           ORDERED: gl.constexpr, KEY_MAJOR: gl.constexpr, ALIGNED_ROWS: gl.constexpr,
+                           SWAPPED_DQ: gl.constexpr, LATE_DQ: gl.constexpr, STAGES: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """k_desc ... dq_desc: the descriptors of the first chunk of the head dim's tiles (column 0 on), k_desc2 ...
     dq_desc2 those of the second (from the first one's width on; configs.HOPPER_BWD_CHUNKS: 80 = 64 + 16, 96 = 64 +
     32), None where one chunk covers it: S and dP chain a wgmma per chunk, dK and dV keep an accumulator per chunk,
@@ -468,7 +525,12 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     producer (the partition whose TMA loads use them) over its rows only, so rows past it read zeros as a dense call's
     rows past its end do; dQ is reduced at the sequence's rows of the accumulator (rows past it add zeros), dK / dV
     stored at its key rows, and lse / delta copied by the producer from its rows of the (H, T) matrices LSE and DELTA
-    (rows lse_row_stride / delta_row_stride apart; lse_desc and delta_desc then only type the stage buffers)."""
+    (rows lse_row_stride / delta_row_stride apart; lse_desc and delta_desc then only type the stage buffers).
+    ALIGNED_ROWS: DK and DV take 16-byte stores (common.store_rows' `aligned`). SWAPPED_DQ: dQ's 64-feature boxes
+    enter the accumulator in _staging_order's order (ops/hopper.unswapped_dq reads it back). LATE_DQ
+    (configs.HopperBwdConfig.late_dq): with the split by features and key-major scores, each block's dQ product runs
+    one block late (the consumers drift apart), else between its dV and dK (FA4's order: dQ staged while dK runs,
+    the consumers in step)."""
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
@@ -558,7 +620,8 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     k_flat = matrices_of(entries_of(k_smem, 0))
     v_flat = matrices_of(entries_of(v_smem, 0))
     pointers = (DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, desc_batch,
-                head_k, n_start, head_dim, k_start, rows_masked)
+                head_k, n_start, head_dim, (0, ) if ALIGNED_ROWS else (), k_start, rows_masked,
+                (0, ) if SWAPPED_DQ else ())
     if ORDERED:
         n_block = n_start // KEYS
         n_query_blocks = gl.cdiv(seqlen_q, ROWS)
@@ -614,9 +677,12 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
         dq_tiles[0], )
     second = (k_halves[1], v_halves[1]) + second_dq + staged + (p_tiles[1], ds_smem[1]) + ds_smem + (
         dq_tiles[1], )
-    first = first + barriers + (dq_full[0], dq_empty[0]) + pointers + (gl.to_tensor(0), ) + loop + (dropout, alibi)
-    second = second + barriers + (dq_full[1], dq_empty[1]) + pointers + (gl.to_tensor(OWN), ) + loop + (dropout,
-                                                                                                         alibi)
+    # () or (0, ): each block's dQ one block late, or between its dV and dK (_consumer's BETWEEN)
+    dq_between = () if LATE_DQ else (0, )
+    first = first + barriers + (dq_full[0], dq_empty[0]) + pointers + (gl.to_tensor(0), ) + loop + (
+        dropout, alibi, dq_between)
+    second = second + barriers + (dq_full[1], dq_empty[1]) + pointers + (gl.to_tensor(OWN), ) + loop + (
+        dropout, alibi, dq_between)
     placement = (desc_batch, q_start, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit)
     writers = ((dq_tiles[0], dq_full[0], dq_empty[0], dq_descs[0]) + placement + (gl.to_tensor(0), order),
                (dq_tiles[1], dq_full[1], dq_empty[1], dq_descs[1]) + placement + (gl.to_tensor(second_feature), order))

@@ -62,8 +62,8 @@ def _feature_descriptors(first, second):
 def _consumer(k_own, v_own, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse_smem, delta_smem, p_smem, ds_smem,
               p_own, ds_own, kv_ready, q_ready, q_empty, pds_ready, pds_free, DK, DV, stride_dk_b,
               stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim,
-              head_dim_v, key0, feature_k0, feature_v0, group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
-              causal, window):
+              head_dim_v, aligned, key0, feature_k0, feature_v0, group_size, m_block_lo, blocks_per_head,
+              n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2, causal, window):
     """One warpgroup: S / dP of keys [n_start + key0, + OWN) (k_own, v_own: their rows [OWN, WIDTH] of each feature
     part; p_own, ds_own: its [ROWS, OWN] halves of the P and dS tiles), dK of features [feature_k0, + FEAT_K) and dV
     of features [feature_v0, + FEAT_V) (q_own, do_own: the staged Q / dO part holding them). q_lo / q_hi, do_lo / do_hi: both feature parts of every Q / dO
@@ -125,9 +125,9 @@ def _consumer(k_own, v_own, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse_smem, d
         arrive_after_wgmma(q_empty.index(stage))
     # [KEYS, FEAT_K] and [KEYS, FEAT_V]: this consumer's features of the key rows
     store_rows(dk * softmax_scale, DK, stride_dk_b, stride_dk_n, stride_dk_h, batch, head_k, n_start, feature_k0,
-               seqlen_k, head_dim)
+               seqlen_k, head_dim, aligned)
     store_rows(dv, DV, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, feature_v0, seqlen_k,
-               head_dim_v)
+               head_dim_v, aligned)
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "heads_per_group", "window_left",
@@ -137,13 +137,14 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, k_desc2, v_desc
                                 stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                                 num_heads_k, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v, heads_per_group,
                                 softmax_scale, qk_scale_log2, window_left, window_right, CAUSAL: gl.constexpr,
-                                LOCAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                num_warps: gl.constexpr):
+                                LOCAL: gl.constexpr, ALIGNED_ROWS: gl.constexpr, STAGES: gl.constexpr,
+                                CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """One program per (64-key block, batch * kv head), in bwd.py's order and launch-order groups (LOCAL: bwd.py's).
     Q / K and dO / V each take one of two forms by their tiles' head dim: one chunk (k_desc2 / q_desc2, or v_desc2 /
     do_desc2, None), whose K (V) descriptor moves whole [1, KEYS, 1, WIDTH] rows and whose Q (dO) descriptor
     [1, ROWS, 1, WIDTH / 2] feature halves (256: halves of 128; V's own 128: halves of 64), or two column chunks
-    (192: 128 + 64), every descriptor pair moving one each. head_dim and head_dim_v bound the dK and dV stores.
+    (192: 128 + 64), every descriptor pair moving one each. head_dim and head_dim_v bound the dK and dV stores;
+    ALIGNED_ROWS: both take 16-byte stores (common.store_rows' `aligned`).
     num_warps (4) is the first consumer's; the second consumer (4 warps, CONSUMER_REGS registers) and the producer
     (1 warp, common.backward_producer) are worker partitions."""
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
@@ -193,7 +194,7 @@ def attn_bwd_hopper_d256_kernel(k_desc, v_desc, q_desc, do_desc, k_desc2, v_desc
     k_parts = _feature_parts(matrices_of(entries_of(k_smem, 0)), FEAT_K)
     v_parts = _feature_parts(matrices_of(entries_of(v_smem, 0)), FEAT_V)
     pointers = (DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch,
-                head_k, n_start, head_dim, head_dim_v)
+                head_k, n_start, head_dim, head_dim_v, (0, ) if ALIGNED_ROWS else ())
     loop = (group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2,
             causal, window)
     barriers = (kv_ready, q_ready, q_empty, pds_ready, pds_free)

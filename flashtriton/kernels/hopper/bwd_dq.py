@@ -60,7 +60,7 @@ def _producer(q_descs, do_descs, k_descs, v_descs, lse_desc, delta_desc, q_piece
 
 @gluon.jit
 def _consumer(q_own, do_own, lse_own, delta_own, k_pieces, v_pieces, q_ready, kv_ready, kv_empty, DQ, stride_dq_b,
-              stride_dq_m, stride_dq_h, batch, head, m_start, end_block, count, seqlen_q, seqlen_k, head_dim,
+              stride_dq_m, stride_dq_h, batch, head, m_start, end_block, count, seqlen_q, seqlen_k, head_dim, aligned,
               softmax_scale, qk_scale_log2, causal, window):
     """One warpgroup: dQ of query rows [m_start, + ROWS) (q_own / do_own: their [1, ROWS, 1, WIDTH] tiles per chunk;
     lse_own / delta_own: [1, ROWS]) over key blocks end_block - 1 down to end_block - count."""
@@ -106,7 +106,7 @@ def _consumer(q_own, do_own, lse_own, delta_own, k_pieces, v_pieces, q_ready, kv
     column = 0
     for chunk in gl.static_range(CHUNKS):
         store_rows(dq[chunk] * softmax_scale, DQ, stride_dq_b, stride_dq_m, stride_dq_h, batch, head, m_start,
-                   column, seqlen_q, head_dim)
+                   column, seqlen_q, head_dim, aligned)
         column = column + k_pieces[chunk].shape[4]
 
 
@@ -114,14 +114,15 @@ def _consumer(q_own, do_own, lse_own, delta_own, k_pieces, v_pieces, q_ready, kv
 def attn_bwd_hopper_dq_kernel(q_desc, do_desc, k_desc, v_desc, q_desc2, do_desc2, k_desc2, v_desc2, lse_desc,
                               delta_desc, DQ, stride_dq_b, stride_dq_m, stride_dq_h, num_heads, group_size, seqlen_q,
                               seqlen_k, head_dim, heads_per_group, softmax_scale, qk_scale_log2, window_left,
-                              window_right, CAUSAL: gl.constexpr, LOCAL: gl.constexpr, STAGES: gl.constexpr,
-                              CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                              window_right, CAUSAL: gl.constexpr, LOCAL: gl.constexpr, ALIGNED_ROWS: gl.constexpr,
+                              STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """One program per (query tile of 2 x 64 rows, batch * head), tiles numbered longest first in launch-order
     groups of heads_per_group (batch, head) pairs (kernels/common.grouped_tile_of). Every descriptor pair moves the
     first and the second column chunk of its head dim (configs.HOPPER_BWD_CHUNKS; the second None for one chunk), Q /
     K by q's, dO / V by v's (V's own head dim: MLA-style (192, 128)): Q / dO [1, 64, 1, WIDTH], K / V [1, KEYS, 1,
-    WIDTH]; lse_desc / delta_desc the (B * H, Sq) statistics in [1, 64] blocks. num_warps (4) is the first consumer's; the second consumer (4 warps, CONSUMER_REGS registers) and the
-    producer (1 warp) are worker partitions."""
+    WIDTH]; lse_desc / delta_desc the (B * H, Sq) statistics in [1, 64] blocks. num_warps (4) is the first
+    consumer's; the second consumer (4 warps, CONSUMER_REGS registers) and the producer (1 warp) are worker
+    partitions. ALIGNED_ROWS: DQ takes 16-byte stores (common.store_rows' `aligned`)."""
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
     gl.static_assert(ROWS == CONSUMER_ROWS, "64 query rows per consumer")
@@ -154,7 +155,8 @@ def attn_bwd_hopper_dq_kernel(q_desc, do_desc, k_desc, v_desc, q_desc2, do_desc2
     for stage in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(stage), count=1)
         mbarrier.init(kv_empty.index(stage), count=2)
-    limits = (seqlen_q, seqlen_k, head_dim, softmax_scale, qk_scale_log2, causal, window)
+    limits = (seqlen_q, seqlen_k, head_dim, (0, ) if ALIGNED_ROWS else (), softmax_scale, qk_scale_log2, causal,
+              window)
     shared = (k_pieces, v_pieces, q_ready, kv_ready, kv_empty, DQ, stride_dq_b, stride_dq_m, stride_dq_h, batch, head)
     gl.warp_specialize([
         (_consumer, (entries_of(q_pieces, 0), entries_of(do_pieces, 0), lse_smem.index(0), delta_smem.index(0))

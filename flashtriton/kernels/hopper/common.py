@@ -98,20 +98,25 @@ def key_block_of_program(num_heads_k, group_size, seqlen_q, seqlen_k, heads_per_
 
 @gluon.jit
 def store_key_rows(dk, dv, DK, DV, stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
-                   batch, head_k, first_row, feature0, seqlen_k, head_dim, softmax_scale):
+                   batch, head_k, first_row, feature0, seqlen_k, head_dim, aligned, softmax_scale):
     """Store dk * softmax_scale and dv ([KEY_ROWS, FEATURES] fp32 accumulators) into key rows [first_row, +
     KEY_ROWS) below seqlen_k and features [feature0, + FEATURES) below head_dim of DK and DV (store_rows)."""
     store_rows(dk * softmax_scale, DK, stride_dk_b, stride_dk_n, stride_dk_h, batch, head_k, first_row, feature0,
-               seqlen_k, head_dim)
-    store_rows(dv, DV, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, first_row, feature0, seqlen_k, head_dim)
+               seqlen_k, head_dim, aligned)
+    store_rows(dv, DV, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, first_row, feature0, seqlen_k, head_dim,
+               aligned)
 
 
 @gluon.jit
-def store_rows(values, Out, stride_b, stride_n, stride_h, batch, head, first_row, feature0, seqlen, head_dim):
+def store_rows(values, Out, stride_b, stride_n, stride_h, batch, head, first_row, feature0, seqlen, head_dim,
+               aligned):
     """Store values ([ROWS, FEATURES] fp32, any layout) into rows [first_row, + ROWS) below seqlen and features
     [feature0, + FEATURES) below head_dim (Out's own, where the tiles are wider) of Out (B, S, H, D) at (batch,
     head), in Out's dtype. The rows go out in 16-byte pieces (a blocked layout, converted through shared memory):
-    stored straight from the wgmma layout, every 32-byte sector would be written in two halves."""
+    stored straight from the wgmma layout, every 32-byte sector would be written in two halves. aligned: (0, ) where
+    Out's address and strides but the last are multiples of 16 bytes and head_dim one of a piece (ops/hopper.
+    aligned_rows): the compiler is told so (partition arguments carry no alignment) and the feature mask is taken
+    per piece, so that each piece is one 16-byte store; () otherwise: 2-byte stores."""
     ROWS: gl.constexpr = values.shape[0]
     FEATURES: gl.constexpr = values.shape[1]
     dtype: gl.constexpr = Out.dtype.element_ty
@@ -122,9 +127,15 @@ def store_rows(values, Out, stride_b, stride_n, stride_h, batch, head, first_row
     # [ROWS] rows, [FEATURES] features
     rows = first_row + gl.arange(0, ROWS, gl.SliceLayout(1, layout))
     features = feature0 + gl.arange(0, FEATURES, gl.SliceLayout(0, layout))
-    store_mask = gl.expand_dims(rows < seqlen, 1) & gl.expand_dims(features < head_dim, 0)
     ptrs = (Out + batch.to(gl.int64) * stride_b + head.to(gl.int64) * stride_h
             + gl.expand_dims(rows.to(gl.int64) * stride_n, 1) + gl.expand_dims(features, 0))
+    if len(aligned) > 0:
+        # a piece's features are all below head_dim or none is (head_dim is a multiple of VECTOR)
+        stored = (features // VECTOR) * VECTOR < head_dim
+        ptrs = gl.max_contiguous(gl.multiple_of(ptrs, [1, 16]), [1, VECTOR])
+    else:
+        stored = features < head_dim
+    store_mask = gl.expand_dims(rows < seqlen, 1) & gl.expand_dims(stored, 0)
     gl.store(ptrs, gl.convert_layout(values.to(dtype), layout), mask=store_mask)
 
 
