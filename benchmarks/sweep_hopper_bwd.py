@@ -2,7 +2,7 @@
 key-major scores, where dQ runs) on the feature rows' shapes (B=4, S=4096, 2048 // D heads), causal and not, with SDPA
 FLASH and CUDNN's backward timed in the same process.
 
-    python benchmarks/sweep_hopper_bwd.py [--head-dims 64,80,96,128] [--deterministic] [--out DIR]
+    python benchmarks/sweep_hopper_bwd.py [--head-dims 64,80,96,128] [--deterministic] [--late-dq-only] [--out DIR]
 
 Each candidate's gradients are compared with the table config's (max abs difference printed: key-major and
 row-major tiles add in other orders, so a few units in the last place; a broken candidate shows as a large one); a
@@ -18,7 +18,7 @@ import argparse
 import json
 import math
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +64,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dims", default="64,80,96,128", help="comma-separated head dims (configs.HOPPER_BWD)")
     parser.add_argument("--deterministic", action="store_true", help="time deterministic=True calls too")
+    parser.add_argument("--late-dq-only", action="store_true",
+                        help="only the table's config and the same with late_dq flipped (key-major head dims)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     dims = [int(value) for value in args.head_dims.split(",")]
@@ -89,7 +91,10 @@ def main():
 
                 configs.HOPPER_BWD[dim] = original[dim]
                 reference = backward()
-                for candidate in candidates(causal):
+                table = original[dim]
+                swept = ([table, replace(table, late_dq=not table.late_dq)] if args.late_dq_only
+                         else candidates(causal))
+                for candidate in swept:
                     configs.HOPPER_BWD[dim] = candidate
                     try:
                         error = max(float((got.float() - want.float()).abs().max())
