@@ -1,8 +1,8 @@
 """Sweep the Gluon Hopper backward's configurations (configs.HopperBwdConfig: Q / dO stages, consumer registers,
-key-major scores, where dQ runs) on the feature rows' shapes (B=4, S=4096, 2048 // D heads), causal and not, with SDPA
-FLASH and CUDNN's backward timed in the same process.
+key-major scores) on the feature rows' shapes (B=4, S=4096, 2048 // D heads), causal and not, with SDPA FLASH and
+CUDNN's backward timed in the same process.
 
-    python benchmarks/sweep_hopper_bwd.py [--head-dims 64,80,96,128] [--deterministic] [--late-dq-only] [--out DIR]
+    python benchmarks/sweep_hopper_bwd.py [--head-dims 64,80,96,128] [--deterministic] [--out DIR]
 
 Each candidate's gradients are compared with the table config's (max abs difference printed: key-major and
 row-major tiles add in other orders, so a few units in the last place; a broken candidate shows as a large one); a
@@ -18,7 +18,7 @@ import argparse
 import json
 import math
 import os
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
@@ -37,11 +37,9 @@ CONSUMER_REGS = (240, 248)
 
 
 def candidates(causal: bool) -> list:
-    """The configs swept on a row (the key-major ones name the row's causal value, each with dQ one block late and
-    between dV and dK: late_dq)."""
-    return [HopperBwdConfig(64, stages, regs, (causal, ) if key_major else (), late_dq)
-            for stages in STAGES for regs in CONSUMER_REGS for key_major in (False, True)
-            for late_dq in ((True, False) if key_major else (True, ))]
+    """The configs swept on a row (the key-major ones name the row's causal value)."""
+    return [HopperBwdConfig(64, stages, regs, (causal, ) if key_major else ())
+            for stages in STAGES for regs in CONSUMER_REGS for key_major in (False, True)]
 
 GLUON_BACKWARD_KERNEL = "attn_bwd_hopper_kernel"
 
@@ -64,8 +62,6 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dims", default="64,80,96,128", help="comma-separated head dims (configs.HOPPER_BWD)")
     parser.add_argument("--deterministic", action="store_true", help="time deterministic=True calls too")
-    parser.add_argument("--late-dq-only", action="store_true",
-                        help="only the table's config and the same with late_dq flipped (key-major head dims)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     dims = [int(value) for value in args.head_dims.split(",")]
@@ -91,10 +87,7 @@ def main():
 
                 configs.HOPPER_BWD[dim] = original[dim]
                 reference = backward()
-                table = original[dim]
-                swept = ([table, replace(table, late_dq=not table.late_dq)] if args.late_dq_only
-                         else candidates(causal))
-                for candidate in swept:
+                for candidate in candidates(causal):
                     configs.HOPPER_BWD[dim] = candidate
                     try:
                         error = max(float((got.float() - want.float()).abs().max())

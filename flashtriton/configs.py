@@ -328,10 +328,6 @@ class HopperBwdConfig:
     # feed dV and dK from registers (kernels/hopper/bwd.py; calls with ALiBi always do, calls with dropout never: the
     # forward's mask follows the row-major tiles)
     key_major: tuple = ()
-    # with key-major scores and dQ split by features (head dims 80-128): each block's dQ product one block late, so
-    # that the consumers drift apart (True), or between the block's dV and dK, FA4's order (False: dQ is staged
-    # while dK runs, and the consumers wait for each other's dS of the same block)
-    late_dq: bool = True
 
 
 # keyed by head dim; 64-128: python benchmarks/sweep_hopper_bwd.py --head-dims 96,64,80 and --head-dims 128

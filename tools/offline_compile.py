@@ -290,7 +290,6 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
         constexprs["ORDERED"] = ordered
         constexprs["KEY_MAJOR"] = key_major_scores(config, causal, alibi, dropout)
         constexprs["SWAPPED_DQ"] = head_dim == tile_dim  # as ops/hopper.launch_bwd decides
-        constexprs["LATE_DQ"] = config.late_dq
     names = list(inspect.signature(kernel.fn).parameters)
     if "dropout_args" in names:
         _dropout_group(signature, constexprs, names, dropout)

@@ -576,8 +576,7 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
     # dQ's 64-feature boxes in the kernel's conflict-free staging order, where the accumulator is as wide as the tiles
     # (its columns past the head dim would be clipped, and in that order they hold features below it)
     swapped_dq = dq_box is not None and head_dim == tile_dim
-    kernel_args = {} if dq_box is None else dict(ORDERED=ordered, KEY_MAJOR=key_major, SWAPPED_DQ=swapped_dq,
-                                                 LATE_DQ=config.late_dq)
+    kernel_args = {} if dq_box is None else dict(ORDERED=ordered, KEY_MAJOR=key_major, SWAPPED_DQ=swapped_dq)
     if alibi_slopes is not None and dq_box is None:
         raise ValueError("the Gluon backward takes ALiBi on tiles up to 128 wide")
     # the kernel's dropout_args and alibi_args (not the dK / dV only kernel's: it has neither)

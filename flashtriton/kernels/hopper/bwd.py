@@ -277,14 +277,12 @@ def _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_tile, ds_tile,
 
 @gluon.jit
 def _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_tile, ds_sync, dk, dv, first_key, m_start,
-                     seqlen_q, seqlen_k, qk_scale_log2, causal, window, alibi, same_block_dq):
+                     seqlen_q, seqlen_k, qk_scale_log2, causal, window, alibi):
     """One query block's dK / dV products (issued, not waited for) from key-major scores: S^T = K Q^T and dP^T =
     V dO^T [OWN, ROWS], so that P^T and dS^T are in registers as the A operands of dV += P^T dO and dK += dS^T Q
     (no P tile; the dV product is issued before dP is waited for); dS^T goes to ds_tile [OWN, ROWS] for the dQ
     products (_publish_ds). statistics: the rows' ([1, ROWS] shared) lse and delta, read per column. alibi:
-    masked_probabilities'. same_block_dq: () or _dq_product's arguments for this block (FA4's order: dS^T published
-    first, then this block's dQ product issued before dK, so that staging dQ overlaps dK). Returns (dK, dV, () or
-    (the issued dQ product, ))."""
+    masked_probabilities'."""
     ROWS: gl.constexpr = q_tile[0].shape[0]
     dtype: gl.constexpr = k_own[0].dtype
     # delta loaded before dP is waited for where the dK / dV accumulators leave the registers for it (below head dim
@@ -306,24 +304,17 @@ def _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_tile, ds_sync
         delta = statistics[1].reshape([ROWS]).load(column_of_t)
     # [OWN, ROWS] dS^T
     ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
-    if len(same_block_dq) > 0:
-        _publish_ds(ds_t, ds_tile, ds_sync)
-        dq = (_dq_product(*same_block_dq, True, True), )
-        dk = accumulate_register_products(ds_t, q_tile, dk)
-    else:
-        dk = accumulate_register_products(ds_t, q_tile, dk)
-        _publish_ds(ds_t, ds_tile, ds_sync)
-        dq = ()
-    return dk, dv, dq
+    dk = accumulate_register_products(ds_t, q_tile, dk)
+    _publish_ds(ds_t, ds_tile, ds_sync)
+    return dk, dv
 
 
 @gluon.jit
 def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_tile, dq_full, dq_empty,
                head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, softmax_scale,
-               rows_masked, swapped_dq, issued, in_flight, OVER_ALL_KEYS: gl.constexpr, KEY_MAJOR: gl.constexpr):
-    """Loop iteration `block`'s dQ: its product (_dq_product, or issued[0] where the caller issued it; waiting
-    for it also completes every wgmma this consumer issued before it, as wgmma groups complete in order, and leaves
-    the len(in_flight) groups issued after it running), then, with the split by features, its dS buffer
+               rows_masked, swapped_dq, OVER_ALL_KEYS: gl.constexpr, KEY_MAJOR: gl.constexpr):
+    """Loop iteration `block`'s dQ: its product (_dq_product; waiting for it also completes every wgmma this
+    consumer issued before it, as wgmma groups complete in order), then, with the split by features, its dS buffer
     released for block + 2 (ds_free), and the scaled product staged in dq_tile for this consumer's writer warp
     (_dq_writer), once the writer has handed back the tile of the block before (dq_empty). rows_masked (0, ) for a
     varlen call: a block that runs past the sequence's end adds zeros to the rows past it, which are the next
@@ -331,12 +322,9 @@ def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_
     swapped_dq: _staging_order's."""
     ROWS: gl.constexpr = zero_dq.shape[0]
     FEATURES: gl.constexpr = zero_dq.shape[1]
-    if len(issued) > 0:
-        dq = issued[0]
-    else:
-        dq = _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, block % 2, block // 2, zero_dq, OVER_ALL_KEYS,
-                         KEY_MAJOR)
-    dq = warpgroup_mma_wait(len(in_flight), deps=(dq, ))
+    dq = _dq_product(ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, block % 2, block // 2, zero_dq, OVER_ALL_KEYS,
+                     KEY_MAJOR)
+    dq = warpgroup_mma_wait(0, deps=(dq, ))
     if OVER_ALL_KEYS:
         arrive_after_wgmma(ds_free.index(block % 2))
     if len(rows_masked) > 0:
@@ -375,7 +363,7 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
               kv_ready, q_ready, q_empty, ds_ready, ds_free, dq_full, dq_empty, DK, DV, stride_dk_b, stride_dk_n,
               stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim, aligned, k_start,
               rows_masked, swapped_dq, key0, group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q,
-              seqlen_k, softmax_scale, qk_scale_log2, causal, first_visit, window, dropout, alibi, dq_between):
+              seqlen_k, softmax_scale, qk_scale_log2, causal, first_visit, window, dropout, alibi):
     """One warpgroup: keys [n_start + key0, + OWN) of the block (k_own, v_own: their K and V rows [OWN, WIDTH] per
     chunk of the head dim; p_own: () with key-major scores, else (its [ROWS, OWN] P tile, ); ds_own: its two dS
     tiles in shared memory, [2, ROWS, OWN], or dS^T [2, OWN, ROWS] with key-major scores); dK / dV over every query
@@ -397,14 +385,11 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     FEATURES: gl.constexpr = k_lo.shape[1]
     # dQ over every key of the block (features split between the consumers), or over this consumer's keys
     OVER_ALL_KEYS: gl.constexpr = FEATURES < HEAD_DIM
+    # blocks between a block's dS and its dQ product
+    LAG: gl.constexpr = 1 if OVER_ALL_KEYS else 0
     # scores K Q^T [OWN, ROWS] (P^T and dS^T feed dV and dK from registers), or Q K^T [ROWS, OWN] (P and dS go
     # through shared memory): p_own is () or the [ROWS, OWN] P tile
     KEY_MAJOR: gl.constexpr = len(p_own) == 0
-    # with the split by features and key-major scores: each block's dQ product issued between its dV and dK
-    # (dq_between (0, ): FA4's order; the consumers wait for each other's dS of the same block), or one block late
-    BETWEEN: gl.constexpr = OVER_ALL_KEYS and KEY_MAJOR and len(dq_between) > 0
-    # blocks between a block's dS and its dQ product
-    LAG: gl.constexpr = 1 if OVER_ALL_KEYS and not BETWEEN else 0
     # [ROWS, FEATURES] dQ
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, FEATURES, 16])
@@ -444,13 +429,9 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
         else:
             alibi_head = ()
         if KEY_MAJOR:
-            if BETWEEN:
-                same_block_dq = (ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, buffer, i // 2, zero_dq)
-            else:
-                same_block_dq = ()
-            dk, dv, issued = _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_own.index(buffer),
-                                              ds_sync, dk, dv, first_key, m_start, seqlen_q, seqlen_k, qk_scale_log2,
-                                              causal, window, alibi_head, same_block_dq)
+            dk, dv = _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_own.index(buffer), ds_sync, dk,
+                                      dv, first_key, m_start, seqlen_q, seqlen_k, qk_scale_log2, causal, window,
+                                      alibi_head)
         else:
             if len(dropout) > 0:
                 draws = (dropout_draws[0], dropout_draws[1] + head, dropout_draws[2])
@@ -459,27 +440,21 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
             dk, dv = _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_own[0], ds_own.index(buffer),
                                       ds_sync, dk, dv, first_key, m_start, seqlen_q, seqlen_k, qk_scale_log2, causal,
                                       window, alibi_head, draws)
-            issued = ()
-        if BETWEEN:
-            # this block's dQ, issued before dK: staged while dK runs
-            _finish_dq(i, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_tile, dq_full, dq_empty,
-                       head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q,
-                       softmax_scale, rows_masked, swapped_dq, issued, dk, OVER_ALL_KEYS, KEY_MAJOR)
-        elif i >= LAG:
+        if i >= LAG:
             # block i - LAG's dQ: with the split by features one block late, as the other consumer wrote its dS a
             # block ago (not waiting for it lets the two consumers drift out of phase); its wait completes this
             # block's dV and dK products too
             _finish_dq(i - LAG, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_tile, dq_full,
                        dq_empty, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q,
-                       softmax_scale, rows_masked, swapped_dq, (), (), OVER_ALL_KEYS, KEY_MAJOR)
+                       softmax_scale, rows_masked, swapped_dq, OVER_ALL_KEYS, KEY_MAJOR)
         dk, dv = wait_accumulators(dk, dv)
         arrive_after_wgmma(q_empty.index(stage))
-    if LAG > 0:
+    if OVER_ALL_KEYS:
         # the last block's dQ (its ds_free arrival has no waiter)
         if n_iterations > 0:
             _finish_dq(n_iterations - 1, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_tile,
                        dq_full, dq_empty, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit,
-                       seqlen_q, softmax_scale, rows_masked, swapped_dq, (), (), OVER_ALL_KEYS, KEY_MAJOR)
+                       seqlen_q, softmax_scale, rows_masked, swapped_dq, OVER_ALL_KEYS, KEY_MAJOR)
     # [OWN, WIDTH] per chunk: this consumer's key rows
     column = 0
     for chunk in gl.static_range(len(dk)):
@@ -498,8 +473,8 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
                            qk_scale_log2, window_left, window_right, dropout_args, alibi_args, varlen, q_rows, k_rows,
                            lse_row_stride, delta_row_stride, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
                            ORDERED: gl.constexpr, KEY_MAJOR: gl.constexpr, ALIGNED_ROWS: gl.constexpr,
-                           SWAPPED_DQ: gl.constexpr, LATE_DQ: gl.constexpr, STAGES: gl.constexpr,
-                           CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                           SWAPPED_DQ: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                           num_warps: gl.constexpr):
     """k_desc ... dq_desc: the descriptors of the first chunk of the head dim's tiles (column 0 on), k_desc2 ...
     dq_desc2 those of the second (from the first one's width on; configs.HOPPER_BWD_CHUNKS: 80 = 64 + 16, 96 = 64 +
     32), None where one chunk covers it: S and dP chain a wgmma per chunk, dK and dV keep an accumulator per chunk,
@@ -527,10 +502,7 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     stored at its key rows, and lse / delta copied by the producer from its rows of the (H, T) matrices LSE and DELTA
     (rows lse_row_stride / delta_row_stride apart; lse_desc and delta_desc then only type the stage buffers).
     ALIGNED_ROWS: DK and DV take 16-byte stores (common.store_rows' `aligned`). SWAPPED_DQ: dQ's 64-feature boxes
-    enter the accumulator in _staging_order's order (ops/hopper.unswapped_dq reads it back). LATE_DQ
-    (configs.HopperBwdConfig.late_dq): with the split by features and key-major scores, each block's dQ product runs
-    one block late (the consumers drift apart), else between its dV and dK (FA4's order: dQ staged while dK runs,
-    the consumers in step)."""
+    enter the accumulator in _staging_order's order (ops/hopper.unswapped_dq reads it back)."""
     KEYS: gl.constexpr = k_desc.block_type.shape[1]
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
@@ -677,12 +649,9 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
         dq_tiles[0], )
     second = (k_halves[1], v_halves[1]) + second_dq + staged + (p_tiles[1], ds_smem[1]) + ds_smem + (
         dq_tiles[1], )
-    # () or (0, ): each block's dQ one block late, or between its dV and dK (_consumer's BETWEEN)
-    dq_between = () if LATE_DQ else (0, )
-    first = first + barriers + (dq_full[0], dq_empty[0]) + pointers + (gl.to_tensor(0), ) + loop + (
-        dropout, alibi, dq_between)
-    second = second + barriers + (dq_full[1], dq_empty[1]) + pointers + (gl.to_tensor(OWN), ) + loop + (
-        dropout, alibi, dq_between)
+    first = first + barriers + (dq_full[0], dq_empty[0]) + pointers + (gl.to_tensor(0), ) + loop + (dropout, alibi)
+    second = second + barriers + (dq_full[1], dq_empty[1]) + pointers + (gl.to_tensor(OWN), ) + loop + (dropout,
+                                                                                                         alibi)
     placement = (desc_batch, q_start, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit)
     writers = ((dq_tiles[0], dq_full[0], dq_empty[0], dq_descs[0]) + placement + (gl.to_tensor(0), order),
                (dq_tiles[1], dq_full[1], dq_empty[1], dq_descs[1]) + placement + (gl.to_tensor(second_feature), order))
