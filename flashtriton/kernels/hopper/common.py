@@ -420,24 +420,72 @@ def alibi_bias(s, alibi, first_key, m_start, seqlen_q, seqlen_k, KEY_AXIS: gl.co
 
 
 @gluon.jit
+def block_needs_mask(first_key, KEYS: gl.constexpr, m_start, ROWS: gl.constexpr, seqlen_q, seqlen_k, causal,
+                     window):
+    """Whether some row of the block (ROWS query rows from m_start, KEYS keys from first_key) must not see some key
+    of it: a key past seqlen_k, or, causal (bottom-right aligned), after the row's last key, or outside the row's
+    local window (window: (window_left, window_right), or ()). Scalar: blocks without it skip the mask."""
+    last_key = first_key + KEYS - 1
+    if len(window) > 0:
+        offset = seqlen_k - seqlen_q
+        # the first row's last visible key, the last row's first
+        needs = (last_key >= seqlen_k) | (last_key > m_start + offset + window[1]) | (
+            first_key < m_start + ROWS - 1 + offset - window[0])
+    else:
+        needs = (last_key >= seqlen_k) | ((causal != 0) & (last_key > m_start + (seqlen_k - seqlen_q)))
+    return needs
+
+
+@gluon.jit
+def unmasked_query_blocks(first_key, KEYS: gl.constexpr, m_block_lo, blocks_per_head, seqlen_q, seqlen_k, causal,
+                          window, ROWS: gl.constexpr):
+    """(a, b): of the query blocks m_block_lo + j, j in [0, blocks_per_head) (ROWS rows each), against the KEYS keys
+    from first_key, those with a in [a, b) need no mask (block_needs_mask is false for them and true for the others):
+    under the causal mask or a window's right edge the blocks before a see keys after their rows' last ones, under a
+    window's left edge the blocks from b on miss keys before their rows' first ones, and a key block that runs past
+    seqlen_k needs the mask everywhere (a = b = 0). No division of a negative number. Plain arithmetic (tests run it
+    on ints against block_needs_mask)."""
+    last_key = first_key + KEYS - 1
+    offset = seqlen_k - seqlen_q
+    # rows before which a block masks keys on the right: a row r sees last_key once r + offset + right >= last_key
+    right = 0
+    if len(window) > 0:
+        right = window[1]
+    # [lo * ROWS, before) hold the blocks that mask on the right: m * ROWS < last_key - offset - right
+    before = last_key - offset - right - m_block_lo * ROWS
+    a = (before + ROWS - 1) // ROWS * (before > 0)
+    if len(window) == 0:
+        a = a * (causal != 0)
+    a = a + (blocks_per_head - a) * (a > blocks_per_head)
+    b = blocks_per_head
+    if len(window) > 0:
+        # blocks mask keys on the left once m * ROWS > first_key - ROWS + 1 - offset + window_left
+        after = first_key - ROWS + 1 - offset + window[0] - m_block_lo * ROWS
+        b = (after // ROWS + 1) * (after >= 0)
+        b = b + (blocks_per_head - b) * (b > blocks_per_head)
+        b = b + (a - b) * (b < a)
+    # 0 where the block runs past seqlen_k
+    inside = last_key < seqlen_k
+    return a * inside, b * inside
+
+
+@gluon.jit
 def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window,
-                         KEY_AXIS: gl.constexpr, alibi):
+                         KEY_AXIS: gl.constexpr, alibi, MASK: gl.constexpr = None):
     """P = exp2(s * qk_scale_log2 - lse_log2) of scores s (query rows from m_start, keys from first_key; [ROWS, KEYS],
     or [KEYS, ROWS] with KEY_AXIS 0: the transposed scores K Q^T), 0 where a key is past seqlen_k or, causal
     (bottom-right aligned), after the row's last key, or outside the row's local window (window: (window_left,
-    window_right), or ()); blocks that need none of it come back without mask arithmetic. lse_log2: [ROWS] along
-    s's row axis. One comparison per element against each row's last visible key, and nothing kept live across the
-    caller's loop (key vectors held across it would spill ~40 registers of the d128 causal consumers). Query rows
-    past seqlen_q are not masked: their Q, dO, lse and delta read as zeros, so P = 1 there but dS = 0 and dO = 0,
-    and every product they enter adds zeros (with ALiBi P is at most 1, see below). Keys past seqlen_k are (their
-    K rows are zeros, so P would be exp2(-lse_log2), which may overflow). alibi: () or (slope_log2 of the rows'
-    head, alibi_pure_causal): the logits get kernels/common.alibi_bias_log2's bias (alibi_bias)."""
+    window_right), or ()); blocks that need none of it (block_needs_mask) come back without mask arithmetic, found
+    at run time, or MASK (True / False) where the caller knows. lse_log2: [ROWS] along s's row axis. One comparison
+    per element against each row's last visible key, and nothing kept live across the caller's loop (key vectors
+    held across it would spill ~40 registers of the d128 causal consumers). Query rows past seqlen_q are not masked:
+    their Q, dO, lse and delta read as zeros, so P = 1 there but dS = 0 and dO = 0, and every product they enter
+    adds zeros (with ALiBi P is at most 1, see below). Keys past seqlen_k are (their K rows are zeros, so P would be
+    exp2(-lse_log2), which may overflow). alibi: () or (slope_log2 of the rows' head, alibi_pure_causal): the logits
+    get kernels/common.alibi_bias_log2's bias (alibi_bias)."""
     ROW_AXIS: gl.constexpr = 1 - KEY_AXIS
     ROWS: gl.constexpr = s.shape[ROW_AXIS]
     KEYS: gl.constexpr = s.shape[KEY_AXIS]
-    # [ROWS] a value per query row; [KEYS] a value per key
-    row_layout: gl.constexpr = gl.SliceLayout(KEY_AXIS, s.type.layout)
-    key_layout: gl.constexpr = gl.SliceLayout(ROW_AXIS, s.type.layout)
     logits = s * qk_scale_log2
     if len(alibi) > 0:
         logits = logits + alibi_bias(s, alibi, first_key, m_start, seqlen_q, seqlen_k, KEY_AXIS)
@@ -447,27 +495,36 @@ def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_
         # more is inf, and inf * their zero dO is NaN); a visible key's exponent exceeds 0 by rounding only
         exponent = gl.minimum(exponent, 0.0)
     p = gl.exp2(exponent)
-    last_key = first_key + KEYS - 1
+    if MASK is None:
+        if block_needs_mask(first_key, KEYS, m_start, ROWS, seqlen_q, seqlen_k, causal, window):
+            p = _masked(p, first_key, m_start, seqlen_q, seqlen_k, causal, window, KEY_AXIS)
+    elif MASK:
+        p = _masked(p, first_key, m_start, seqlen_q, seqlen_k, causal, window, KEY_AXIS)
+    return p
+
+
+@gluon.jit
+def _masked(p, first_key, m_start, seqlen_q, seqlen_k, causal, window, KEY_AXIS: gl.constexpr):
+    """p with the keys masked_probabilities masks set to 0."""
+    ROW_AXIS: gl.constexpr = 1 - KEY_AXIS
+    ROWS: gl.constexpr = p.shape[ROW_AXIS]
+    KEYS: gl.constexpr = p.shape[KEY_AXIS]
+    # [ROWS] a value per query row; [KEYS] a value per key
+    row_layout: gl.constexpr = gl.SliceLayout(KEY_AXIS, p.type.layout)
+    key_layout: gl.constexpr = gl.SliceLayout(ROW_AXIS, p.type.layout)
     if len(window) > 0:
-        offset = seqlen_k - seqlen_q
-        # the first row's last visible key, the last row's first
-        if (last_key >= seqlen_k) | (last_key > m_start + offset + window[1]) | (
-                first_key < m_start + ROWS - 1 + offset - window[0]):
-            # [ROWS] each row's position on the keys, counted from first_key
-            aligned = m_start + gl.arange(0, ROWS, row_layout) + offset - first_key
-            row_last = gl.minimum(aligned + window[1], seqlen_k - 1 - first_key)
-            # like s: each key's position in the block
-            keys = gl.expand_dims(gl.arange(0, KEYS, key_layout), ROW_AXIS)
-            visible = (keys <= gl.expand_dims(row_last, KEY_AXIS)) & (
-                keys >= gl.expand_dims(aligned - window[0], KEY_AXIS))
-            p = gl.where(visible, p, 0.0)
-    elif (last_key >= seqlen_k) | ((causal != 0) & (last_key > m_start + (seqlen_k - seqlen_q))):
+        # [ROWS] each row's position on the keys, counted from first_key
+        aligned = m_start + gl.arange(0, ROWS, row_layout) + (seqlen_k - seqlen_q) - first_key
+        row_last = gl.minimum(aligned + window[1], seqlen_k - 1 - first_key)
+        # like p: each key's position in the block
+        keys = gl.expand_dims(gl.arange(0, KEYS, key_layout), ROW_AXIS)
+        visible = (keys <= gl.expand_dims(row_last, KEY_AXIS)) & (keys >= gl.expand_dims(aligned - window[0], KEY_AXIS))
+    else:
         # [ROWS] each row's last visible key, counted from first_key
         row_last = gl.full([ROWS], seqlen_k - 1 - first_key, gl.int32, row_layout)
         if causal != 0:
             diagonal = m_start + gl.arange(0, ROWS, row_layout) + (seqlen_k - seqlen_q) - first_key
             row_last = gl.minimum(row_last, diagonal)
-        # like s
+        # like p
         visible = gl.expand_dims(gl.arange(0, KEYS, key_layout), ROW_AXIS) <= gl.expand_dims(row_last, KEY_AXIS)
-        p = gl.where(visible, p, 0.0)
-    return p
+    return gl.where(visible, p, 0.0)
