@@ -29,6 +29,12 @@ Either way dQ_i is split one of two ways:
   reduction. The launcher converts the accumulator into dq. dK is scaled here. GQA: the loop runs over the group's
   query heads too (dK/dV summed in registers).
 
+Under the causal mask or a window (and in varlen calls) each consumer runs three loops per query head: the blocks
+that see keys after their rows' last ones, the blocks that see all of its 64 keys (no mask arithmetic), the blocks
+that miss keys before their rows' first ones (common.unmasked_query_blocks), each block's head and rows counted
+rather than divided out of the iteration number. Calls with ALiBi or dropout, and the others, run one loop that
+finds per block whether it needs the mask.
+
 Ordered dQ (ORDERED, head dim 128; deterministic=True, ops/hopper.orders_dq): the reductions into each (query
 block, feature half) come in one fixed order, so dQ is the same bits on every call. A zeroed int32 counter per tile
 counts the reductions that have completed; the writer issues a reduction once the counter reads its rank
@@ -310,15 +316,15 @@ def _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_tile, ds_sync
 
 
 @gluon.jit
-def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_tile, dq_full, dq_empty,
-               head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, softmax_scale,
-               rows_masked, swapped_dq, OVER_ALL_KEYS: gl.constexpr, KEY_MAJOR: gl.constexpr):
-    """Loop iteration `block`'s dQ: its product (_dq_product; waiting for it also completes every wgmma this
-    consumer issued before it, as wgmma groups complete in order), then, with the split by features, its dS buffer
-    released for block + 2 (ds_free), and the scaled product staged in dq_tile for this consumer's writer warp
-    (_dq_writer), once the writer has handed back the tile of the block before (dq_empty). rows_masked (0, ) for a
-    varlen call: a block that runs past the sequence's end adds zeros to the rows past it, which are the next
-    sequence's in the accumulator (its dS rows there are 0, but 0 times a K row that is not finite is not).
+def _finish_dq(block, m_start, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_tile, dq_full,
+               dq_empty, seqlen_q, softmax_scale, rows_masked, swapped_dq, OVER_ALL_KEYS: gl.constexpr,
+               KEY_MAJOR: gl.constexpr):
+    """Loop iteration `block`'s dQ (its first row m_start): its product (_dq_product; waiting for it also completes
+    every wgmma this consumer issued before it, as wgmma groups complete in order), then, with the split by features,
+    its dS buffer released for block + 2 (ds_free), and the scaled product staged in dq_tile for this consumer's
+    writer warp (_dq_writer), once the writer has handed back the tile of the block before (dq_empty). rows_masked
+    (0, ) for a varlen call: a block that runs past the sequence's end adds zeros to the rows past it, which are the
+    next sequence's in the accumulator (its dS rows there are 0, but 0 times a K row that is not finite is not).
     swapped_dq: _staging_order's."""
     ROWS: gl.constexpr = zero_dq.shape[0]
     FEATURES: gl.constexpr = zero_dq.shape[1]
@@ -328,8 +334,6 @@ def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_
     if OVER_ALL_KEYS:
         arrive_after_wgmma(ds_free.index(block % 2))
     if len(rows_masked) > 0:
-        head, m_start = query_block(loop_position(block, first_visit, n_iterations), blocks_per_head, m_block_lo,
-                                    head_k, group_size, ROWS)
         if m_start + ROWS > seqlen_q:
             # [ROWS] the block's rows in the sequence
             rows = m_start + gl.arange(0, ROWS, gl.SliceLayout(1, dq.type.layout))
@@ -359,13 +363,13 @@ def _staging_order(dq, swapped_dq):
 
 
 @gluon.jit
-def _consumer_block(i, dk, dv, context, MASK: gl.constexpr):
-    """Loop iteration i of _consumer (context: its arguments the iteration reads): query block i's dK / dV products
-    and block i - LAG's dQ; MASK: whether block i needs the mask. Returns dK, dV with every product completed."""
+def _consumer_block(i, head, m_start, dq_m_start, dk, dv, context, MASK: gl.constexpr):
+    """Loop iteration i of _consumer (context: its arguments the iteration reads): the dK / dV products of query
+    block i (query head `head`, rows from m_start) and the dQ of block i - LAG (rows from dq_m_start); MASK: whether
+    block i needs the mask (masked_probabilities'). Returns dK, dV with every product completed."""
     k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p_own, ds_own, ds_lo, ds_hi, dq_tile, \
-        q_ready, q_empty, ds_ready, ds_free, dq_full, dq_empty, head_k, rows_masked, swapped_dq, first_key, \
-        group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale, qk_scale_log2, \
-        causal, first_visit, window, dropout_draws, alibi, zero_dq = context
+        q_ready, q_empty, ds_ready, ds_free, dq_full, dq_empty, rows_masked, swapped_dq, first_key, seqlen_q, \
+        seqlen_k, softmax_scale, qk_scale_log2, causal, window, dropout_draws, alibi, zero_dq = context
     STAGES: gl.constexpr = q_smem[0].shape[0]
     ROWS: gl.constexpr = q_smem[0].shape[2]
     FEATURES: gl.constexpr = k_lo.shape[1]
@@ -373,8 +377,6 @@ def _consumer_block(i, dk, dv, context, MASK: gl.constexpr):
     LAG: gl.constexpr = 1 if OVER_ALL_KEYS else 0
     KEY_MAJOR: gl.constexpr = len(p_own) == 0
     stage = i % STAGES
-    head, m_start = query_block(loop_position(i, first_visit, n_iterations), blocks_per_head, m_block_lo,
-                                head_k, group_size, ROWS)
     mbarrier.wait(q_ready.index(stage), (i // STAGES) & 1)
     # [ROWS, WIDTH] per chunk: Q_i, dO_i
     q_tile = matrices_of(entries_of(q_smem, stage))
@@ -410,9 +412,9 @@ def _consumer_block(i, dk, dv, context, MASK: gl.constexpr):
         # block i - LAG's dQ: with the split by features one block late, as the other consumer wrote its dS a
         # block ago (not waiting for it lets the two consumers drift out of phase); its wait completes this
         # block's dV and dK products too
-        _finish_dq(i - LAG, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_tile, dq_full,
-                   dq_empty, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q,
-                   softmax_scale, rows_masked, swapped_dq, OVER_ALL_KEYS, KEY_MAJOR)
+        _finish_dq(i - LAG, dq_m_start if LAG > 0 else m_start, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready,
+                   ds_free, zero_dq, dq_tile, dq_full, dq_empty, seqlen_q, softmax_scale, rows_masked, swapped_dq,
+                   OVER_ALL_KEYS, KEY_MAJOR)
     dk, dv = wait_accumulators(dk, dv)
     arrive_after_wgmma(q_empty.index(stage))
     return dk, dv
@@ -466,32 +468,41 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
         dropout_draws = ()
     mbarrier.wait(kv_ready, 0)
     context = (k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p_own, ds_own, ds_lo, ds_hi, dq_tile,
-               q_ready, q_empty, ds_ready, ds_free, dq_full, dq_empty, head_k, rows_masked, swapped_dq, first_key,
-               group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q, seqlen_k, softmax_scale,
-               qk_scale_log2, causal, first_visit, window, dropout_draws, alibi, zero_dq)
+               q_ready, q_empty, ds_ready, ds_free, dq_full, dq_empty, rows_masked, swapped_dq, first_key, seqlen_q,
+               seqlen_k, softmax_scale, qk_scale_log2, causal, window, dropout_draws, alibi, zero_dq)
+    # the first row of the block whose dQ an iteration finishes (varlen's rows_masked reads it)
+    dq_m_start = m_block_lo * ROWS
     if len(split_loops) > 0 and len(alibi) == 0 and len(dropout) == 0:
-        # under the causal mask or a window, each query head's blocks [a, b) see every key of this consumer's without
-        # a mask and the others need it: three loops, the middle one without the mask's arithmetic (ALiBi and dropout
-        # keep one loop that finds it per block: their consumers spill more when split)
+        # each query head's blocks [a, b) see every key of this consumer's without a mask and the others need it:
+        # three loops, the middle one without the mask's arithmetic, each block's head and rows counted, not divided
+        # out of the iteration (ALiBi and dropout keep one loop that finds the mask per block: their consumers spill
+        # more when split)
         a, b = unmasked_query_blocks(first_key, OWN, m_block_lo, blocks_per_head, seqlen_q, seqlen_k, causal, window,
                                      ROWS)
-        for head in range(group_size):
-            base = head * blocks_per_head
-            for i in range(base, base + a):
-                dk, dv = _consumer_block(i, dk, dv, context, True)
-            for i in range(base + a, base + b):
-                dk, dv = _consumer_block(i, dk, dv, context, False)
-            for i in range(base + b, base + blocks_per_head):
-                dk, dv = _consumer_block(i, dk, dv, context, True)
+        for h in range(group_size):
+            head = head_k * group_size + h
+            base = h * blocks_per_head - m_block_lo
+            for m in range(m_block_lo, m_block_lo + a):
+                dk, dv = _consumer_block(base + m, head, m * ROWS, dq_m_start, dk, dv, context, True)
+                dq_m_start = m * ROWS
+            for m in range(m_block_lo + a, m_block_lo + b):
+                dk, dv = _consumer_block(base + m, head, m * ROWS, dq_m_start, dk, dv, context, False)
+                dq_m_start = m * ROWS
+            for m in range(m_block_lo + b, m_block_lo + blocks_per_head):
+                dk, dv = _consumer_block(base + m, head, m * ROWS, dq_m_start, dk, dv, context, True)
+                dq_m_start = m * ROWS
     else:
         for i in range(n_iterations):
-            dk, dv = _consumer_block(i, dk, dv, context, None)
+            head, m_start = query_block(loop_position(i, first_visit, n_iterations), blocks_per_head, m_block_lo,
+                                        head_k, group_size, ROWS)
+            dk, dv = _consumer_block(i, head, m_start, dq_m_start, dk, dv, context, None)
+            dq_m_start = m_start
     if OVER_ALL_KEYS:
         # the last block's dQ (its ds_free arrival has no waiter)
         if n_iterations > 0:
-            _finish_dq(n_iterations - 1, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_tile,
-                       dq_full, dq_empty, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit,
-                       seqlen_q, softmax_scale, rows_masked, swapped_dq, OVER_ALL_KEYS, KEY_MAJOR)
+            _finish_dq(n_iterations - 1, dq_m_start, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq,
+                       dq_tile, dq_full, dq_empty, seqlen_q, softmax_scale, rows_masked, swapped_dq, OVER_ALL_KEYS,
+                       KEY_MAJOR)
     # [OWN, WIDTH] per chunk: this consumer's key rows
     column = 0
     for chunk in gl.static_range(len(dk)):
@@ -687,7 +698,7 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     second = (k_halves[1], v_halves[1]) + second_dq + staged + (p_tiles[1], ds_smem[1]) + ds_smem + (
         dq_tiles[1], )
     # (0, ) where blocks may need the mask and others not: the consumers' loops split by it (_consumer)
-    split_loops = (0, ) if CAUSAL or LOCAL else ()
+    split_loops = (0, ) if CAUSAL or LOCAL or len(rows_masked) > 0 else ()
     first = first + barriers + (dq_full[0], dq_empty[0]) + pointers + (gl.to_tensor(0), ) + loop + (
         dropout, alibi, split_loops)
     second = second + barriers + (dq_full[1], dq_empty[1]) + pointers + (gl.to_tensor(OWN), ) + loop + (
