@@ -44,7 +44,9 @@ COVERS = {
     "deterministic-d64": (dict(deterministic=True, head_dim=64), False),
     "deterministic-d256": (dict(deterministic=True, head_dim=256), True),
     "not-plain": (dict(plain=False), False),
-    "softcap": (dict(params=_params(softcap=3.0)), False),
+    "softcap": (dict(params=_params(softcap=3.0)), True),
+    "softcap-d256": (dict(params=_params(softcap=3.0), head_dim=256), False),
+    "softcap-deterministic-d96": (dict(params=_params(softcap=3.0), head_dim=96, deterministic=True), True),
     "local-window": (dict(params=_params(window=(10, 0))), True),
     "two-sided-window-d256": (dict(params=_params(window=(10, 30)), head_dim=256), True),
     "local-window-deterministic": (dict(params=_params(window=(10, 0)), deterministic=True), False),
@@ -220,8 +222,8 @@ def run_backward(case: Case, deterministic: bool = False, repeats: int = 1):
     before = hopper.bwd_launch_count
     with poisoned_outputs(), forced_gluon():
         out, lse, _ = flashtriton.flash_attn_func(q, k, v, 0.0, case.softmax_scale, case.causal, case.window_size,
-                                                  alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                                  return_attn_probs=True)
+                                                  softcap=case.softcap, alibi_slopes=alibi_slopes,
+                                                  deterministic=deterministic, return_attn_probs=True)
         dout = torch.randn_like(out)
         runs = [torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) for _ in range(repeats)]
     ran = hopper.bwd_launch_count >= before + repeats
@@ -268,6 +270,7 @@ ORDERED_CASES = {
     "sq300-sk700-gqa-causal": dict(seqlen_q=300, seqlen_k=700, num_heads=6, num_heads_k=2, causal=True),
     "sq700-sk300-mqa-causal": dict(seqlen_q=700, seqlen_k=300, num_heads=4, num_heads_k=1, causal=True),
     "sq17-sk17": dict(seqlen_q=17, seqlen_k=17),
+    "softcap-causal": dict(seqlen_q=700, seqlen_k=700, causal=True, softcap=5.0),
 }
 
 
@@ -438,6 +441,12 @@ FEATURES = {
     "alibi-causal-sq-over-sk-d64": dict(alibi=True, causal=True, head_dim=64, seqlen_q=400, seqlen_k=300),
     "alibi-window-d96": dict(alibi=True, window_size=(50, 0), head_dim=96, seqlen_q=333, seqlen_k=500),
     "alibi-two-sided-window-d80": dict(alibi=True, window_size=(40, 90), head_dim=80),
+    # softcap (Gemma 2's 50 and small caps that saturate): capped logits, dS times 1 - tanh^2
+    "softcap": dict(softcap=3.0),
+    "softcap-50-causal-gqa": dict(softcap=50.0, causal=True, num_heads=6, num_heads_k=2, seqlen_q=700, seqlen_k=700),
+    "softcap-d64-causal": dict(softcap=3.0, causal=True, head_dim=64, seqlen_q=400, seqlen_k=300),
+    "softcap-window-d96": dict(softcap=3.0, window_size=(50, 0), head_dim=96, seqlen_q=333, seqlen_k=500),
+    "softcap-alibi-causal": dict(softcap=5.0, alibi=True, causal=True),
 }
 
 
@@ -481,6 +490,7 @@ VARLEN_CASES = {  # name: (lengths of q, lengths of k, heads, kv heads, head dim
     "sq-over-sk-causal": ([400, 70, 129], [100, 300, 64], 2, 1, 128, dict(causal=True)),
     "window-d96": ([700, 333, 18], [700, 333, 18], 4, 2, 96, dict(window_size=(100, 20))),
     "causal-d72": ([129, 7, 640], [129, 7, 640], 5, 5, 72, dict(causal=True)),
+    "softcap-causal-gqa": ([300, 1, 0, 700], [300, 1, 0, 700], 4, 2, 128, dict(causal=True, softcap=5.0)),
 }
 
 
@@ -555,6 +565,8 @@ _BACKWARD_VARIANTS = {
     "d96-varlen-local": ("bwd", 96, dict(causal=False, varlen=True, local=True)),
     "d128-causal-dropout": ("bwd", 128, dict(causal=True, dropout=True)),
     "d128-ordered": ("bwd", 128, dict(causal=False, ordered=True)),
+    "d128-causal-softcap": ("bwd", 128, dict(causal=True, softcap=True)),
+    "d64-softcap": ("bwd", 64, dict(causal=False, softcap=True)),
     "d192-local": ("bwd", 192, dict(causal=False, local=True)),
     "d192-v128-causal": ("bwd", 192, dict(causal=True, head_dim_v=128)),
     "d256-causal": ("bwd", 256, dict(causal=True)),

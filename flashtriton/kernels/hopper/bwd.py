@@ -243,12 +243,13 @@ def _scores(s_left, s_right, dp_left, dp_right, lse_tile, KEY_AXIS: gl.constexpr
 
 @gluon.jit
 def _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_tile, ds_tile, ds_sync, dk, dv, first_key, m_start,
-                     seqlen_q, seqlen_k, qk_scale_log2, causal, window, alibi, draws, MASK: gl.constexpr):
+                     seqlen_q, seqlen_k, qk_scale_log2, causal, window, alibi, softcap, draws, MASK: gl.constexpr):
     """One query block's dK / dV products (issued, not waited for) from row-major scores: S = Q K^T and dP = dO V^T
     [ROWS, OWN], P and dS through shared memory (p_tile [ROWS, OWN]; ds_tile, published by _publish_ds) as the
     transposed A operands of dV += P^T dO and dK += dS^T Q. statistics: the rows' ([1, ROWS] shared) lse and delta.
     draws: () or dropout's (key, stream, 1 / (1 - p)): the forward's mask (dropout.dropped) scales P for dV and dP
-    for dS. alibi: masked_probabilities'. MASK: whether the block needs the mask (masked_probabilities')."""
+    for dS. alibi, softcap (not with dropout): masked_probabilities'; with softcap dS takes P (1 - tanh^2). MASK:
+    whether the block needs the mask (masked_probabilities')."""
     ROWS: gl.constexpr = q_tile[0].shape[0]
     OWN: gl.constexpr = k_own[0].shape[0]
     dtype: gl.constexpr = k_own[0].dtype
@@ -257,10 +258,11 @@ def _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_tile, ds_tile,
     s_layout: gl.constexpr = s.type.layout
     row_of_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     # [ROWS, OWN] P
-    p = masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window,
-                             1, alibi, MASK)
+    p, tanh_factor = masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k,
+                                          causal, window, 1, alibi, softcap, MASK)
     delta = statistics[1].reshape([ROWS]).load(row_of_s)
     if len(draws) > 0:
+        gl.static_assert(len(softcap) == 0, "the Gluon backward takes softcap without dropout")
         # [ROWS, OWN] P where the forward kept it times 1 / (1 - p), 0 where it dropped it
         kept = dropped(p, first_key // OWN, row_draws(draws[0], draws[1], m_start + gl.arange(0, ROWS, row_of_s)),
                        gl.SliceLayout(0, s_layout)) * draws[2]
@@ -273,6 +275,9 @@ def _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_tile, ds_tile,
         ds = (kept * dp - p).to(dtype)
     else:
         p_tile.store(p.to(dtype))
+        if len(softcap) > 0:
+            # [ROWS, OWN] P (1 - tanh^2): the capped logits' derivative, for dS only
+            p = p * tanh_factor
         dp = warpgroup_mma_wait(0, deps=(dp, ))
         ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
     _publish_ds(ds, ds_tile, ds_sync)
@@ -283,12 +288,12 @@ def _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_tile, ds_tile,
 
 @gluon.jit
 def _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_tile, ds_sync, dk, dv, first_key, m_start,
-                     seqlen_q, seqlen_k, qk_scale_log2, causal, window, alibi, MASK: gl.constexpr):
+                     seqlen_q, seqlen_k, qk_scale_log2, causal, window, alibi, softcap, MASK: gl.constexpr):
     """One query block's dK / dV products (issued, not waited for) from key-major scores: S^T = K Q^T and dP^T =
     V dO^T [OWN, ROWS], so that P^T and dS^T are in registers as the A operands of dV += P^T dO and dK += dS^T Q
     (no P tile; the dV product is issued before dP is waited for); dS^T goes to ds_tile [OWN, ROWS] for the dQ
-    products (_publish_ds). statistics: the rows' ([1, ROWS] shared) lse and delta, read per column. alibi:
-    masked_probabilities'. MASK: whether the block needs the mask (masked_probabilities')."""
+    products (_publish_ds). statistics: the rows' ([1, ROWS] shared) lse and delta, read per column. alibi, softcap:
+    masked_probabilities' (with softcap dS takes P (1 - tanh^2)). MASK: whether the block needs the mask."""
     ROWS: gl.constexpr = q_tile[0].shape[0]
     dtype: gl.constexpr = k_own[0].dtype
     # delta loaded before dP is waited for where the dK / dV accumulators leave the registers for it (below head dim
@@ -298,9 +303,12 @@ def _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_tile, ds_sync
     s_t, dp_t, lse_log2 = _scores(k_own, q_tile, v_own, do_tile, statistics[0], 0, len(alibi) == 0)
     column_of_t: gl.constexpr = gl.SliceLayout(0, s_t.type.layout)
     # [OWN, ROWS] P^T
-    p_t = masked_probabilities(s_t, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window,
-                               0, alibi, MASK)
+    p_t, tanh_factor = masked_probabilities(s_t, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k,
+                                            causal, window, 0, alibi, softcap, MASK)
     dv = accumulate_register_products(p_t.to(dtype), do_tile, dv)
+    if len(softcap) > 0:
+        # [OWN, ROWS] P^T (1 - tanh^2): the capped logits' derivative, for dS^T only
+        p_t = p_t * tanh_factor
     # [ROWS] delta; the dV wgmmas (one per chunk) stay in flight
     if EARLY_DELTA:
         delta = statistics[1].reshape([ROWS]).load(column_of_t)
@@ -369,7 +377,7 @@ def _consumer_block(i, head, m_start, dq_m_start, dk, dv, context, MASK: gl.cons
     block i needs the mask (masked_probabilities'). Returns dK, dV with every product completed."""
     k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p_own, ds_own, ds_lo, ds_hi, dq_tile, \
         q_ready, q_empty, ds_ready, ds_free, dq_full, dq_empty, rows_masked, swapped_dq, first_key, seqlen_q, \
-        seqlen_k, softmax_scale, qk_scale_log2, causal, window, dropout_draws, alibi, zero_dq = context
+        seqlen_k, softmax_scale, qk_scale_log2, causal, window, dropout_draws, alibi, softcap, zero_dq = context
     STAGES: gl.constexpr = q_smem[0].shape[0]
     ROWS: gl.constexpr = q_smem[0].shape[2]
     FEATURES: gl.constexpr = k_lo.shape[1]
@@ -399,7 +407,7 @@ def _consumer_block(i, head, m_start, dq_m_start, dk, dv, context, MASK: gl.cons
     if KEY_MAJOR:
         dk, dv = _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_own.index(buffer), ds_sync, dk,
                                   dv, first_key, m_start, seqlen_q, seqlen_k, qk_scale_log2, causal, window,
-                                  alibi_head, MASK)
+                                  alibi_head, softcap, MASK)
     else:
         if len(dropout_draws) > 0:
             draws = (dropout_draws[0], dropout_draws[1] + head, dropout_draws[2])
@@ -407,7 +415,7 @@ def _consumer_block(i, head, m_start, dq_m_start, dk, dv, context, MASK: gl.cons
             draws = ()
         dk, dv = _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_own[0], ds_own.index(buffer),
                                   ds_sync, dk, dv, first_key, m_start, seqlen_q, seqlen_k, qk_scale_log2, causal,
-                                  window, alibi_head, draws, MASK)
+                                  window, alibi_head, softcap, draws, MASK)
     if i >= LAG:
         # block i - LAG's dQ: with the split by features one block late, as the other consumer wrote its dS a
         # block ago (not waiting for it lets the two consumers drift out of phase); its wait completes this
@@ -425,7 +433,8 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
               kv_ready, q_ready, q_empty, ds_ready, ds_free, dq_full, dq_empty, DK, DV, stride_dk_b, stride_dk_n,
               stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim, aligned, k_start,
               rows_masked, swapped_dq, key0, group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q,
-              seqlen_k, softmax_scale, qk_scale_log2, causal, first_visit, window, dropout, alibi, split_loops):
+              seqlen_k, softmax_scale, qk_scale_log2, causal, first_visit, window, dropout, alibi, softcap,
+              split_loops):
     """One warpgroup: keys [n_start + key0, + OWN) of the block (k_own, v_own: their K and V rows [OWN, WIDTH] per
     chunk of the head dim; p_own: () with key-major scores, else (its [ROWS, OWN] P tile, ); ds_own: its two dS
     tiles in shared memory, [2, ROWS, OWN], or dS^T [2, OWN, ROWS] with key-major scores); dK / dV over every query
@@ -437,6 +446,7 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     warp (_dq_writer), which adds it into the accumulator. dropout: () or (RngState, keep_threshold, dropout_scale,
     query heads): the forward's mask (dropout.dropped) scales P for dV and dP for dS. alibi: () or (the slopes of
     the program's batch, pure-causal flag): each query block's logits get its head's ALiBi bias (common.alibi_bias).
+    softcap: () or (softcap_in_scale, softcap_out_log2): capped logits (common.capped_logits).
     Varlen (rows_masked (0, ); () for a dense call): batch is the descriptors' coordinate 0, k_start the sequence's
     first key row, seqlen_q / seqlen_k its lengths (the Q / dO stages' rows past seqlen_q read zeros, lse and delta
     0, as a dense call's rows past its end do)."""
@@ -469,7 +479,7 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     mbarrier.wait(kv_ready, 0)
     context = (k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p_own, ds_own, ds_lo, ds_hi, dq_tile,
                q_ready, q_empty, ds_ready, ds_free, dq_full, dq_empty, rows_masked, swapped_dq, first_key, seqlen_q,
-               seqlen_k, softmax_scale, qk_scale_log2, causal, window, dropout_draws, alibi, zero_dq)
+               seqlen_k, softmax_scale, qk_scale_log2, causal, window, dropout_draws, alibi, softcap, zero_dq)
     # the first row of the block whose dQ an iteration finishes (varlen's rows_masked reads it)
     dq_m_start = m_block_lo * ROWS
     if len(split_loops) > 0 and len(alibi) == 0 and len(dropout) == 0:
@@ -518,11 +528,11 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
                            lse_desc, delta_desc, DK, DV, dq_counters,
                            stride_dk_b, stride_dk_n, stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h,
                            num_heads_k, group_size, seqlen_q, seqlen_k, head_dim, heads_per_group, softmax_scale,
-                           qk_scale_log2, window_left, window_right, dropout_args, alibi_args, varlen, q_rows, k_rows,
-                           lse_row_stride, delta_row_stride, CAUSAL: gl.constexpr, LOCAL: gl.constexpr,
-                           ORDERED: gl.constexpr, KEY_MAJOR: gl.constexpr, ALIGNED_ROWS: gl.constexpr,
-                           SWAPPED_DQ: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           qk_scale_log2, window_left, window_right, dropout_args, alibi_args, softcap_args, varlen,
+                           q_rows, k_rows, lse_row_stride, delta_row_stride, CAUSAL: gl.constexpr,
+                           LOCAL: gl.constexpr, ORDERED: gl.constexpr, KEY_MAJOR: gl.constexpr,
+                           ALIGNED_ROWS: gl.constexpr, SWAPPED_DQ: gl.constexpr, SOFTCAP: gl.constexpr,
+                           STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """k_desc ... dq_desc: the descriptors of the first chunk of the head dim's tiles (column 0 on), k_desc2 ...
     dq_desc2 those of the second (from the first one's width on; configs.HOPPER_BWD_CHUNKS: 80 = 64 + 16, 96 = 64 +
     32), None where one chunk covers it: S and dP chain a wgmma per chunk, dK and dV keep an accumulator per chunk,
@@ -541,7 +551,9 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     and masks both edges (common.masked_probabilities); not with ORDERED. dropout_args: (RngState, keep_threshold,
     dropout_scale), RngState None without dropout: the forward's mask (kernels/hopper/dropout.py) drops P and dP.
     alibi_args: (AlibiSlopes, stride_alibi_b, alibi_pure_causal), AlibiSlopes None without ALiBi (stride_alibi_b 0 for
-    (H,) slopes): the logits get kernels/common.alibi_bias_log2's bias. Varlen (varlen: (CuSeqlensQ, CuSeqlensK, Q, K,
+    (H,) slopes): the logits get kernels/common.alibi_bias_log2's bias. softcap_args: (softcap_in_scale,
+    softcap_out_log2), read with SOFTCAP (not with dropout): capped logits (ScoreParams.kernel_scores'), dS times
+    1 - tanh^2. Varlen (varlen: (CuSeqlensQ, CuSeqlensK, Q, K,
     V, DOut, LSE, DELTA), None pointers for a dense call; not with ORDERED or dropout): q, k, v, dout, dq's accumulator,
     dk and dv are (1, T, H, D) to the descriptors (q_rows / k_rows: T of q / k), seqlen_q / seqlen_k the longest
     lengths; each program's sequence (common.key_block_of_program's bounds) gets its own descriptors, made by the
@@ -666,6 +678,11 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
         alibi = (alibi_args[0] + batch.to(gl.int64) * alibi_args[1], alibi_args[2])
     else:
         alibi = ()
+    # softcap's (softcap_in_scale, softcap_out_log2), or ()
+    if SOFTCAP:
+        softcap = softcap_args
+    else:
+        softcap = ()
     barriers = (kv_ready, q_ready, q_empty, ds_ready, ds_free)
     # each consumer's staged dQ tile full / handed back by its writer warp
     dq_full = (gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout()),
@@ -700,9 +717,9 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
     # (0, ) where blocks may need the mask and others not: the consumers' loops split by it (_consumer)
     split_loops = (0, ) if CAUSAL or LOCAL or len(rows_masked) > 0 else ()
     first = first + barriers + (dq_full[0], dq_empty[0]) + pointers + (gl.to_tensor(0), ) + loop + (
-        dropout, alibi, split_loops)
+        dropout, alibi, softcap, split_loops)
     second = second + barriers + (dq_full[1], dq_empty[1]) + pointers + (gl.to_tensor(OWN), ) + loop + (
-        dropout, alibi, split_loops)
+        dropout, alibi, softcap, split_loops)
     placement = (desc_batch, q_start, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit)
     writers = ((dq_tiles[0], dq_full[0], dq_empty[0], dq_descs[0]) + placement + (gl.to_tensor(0), order),
                (dq_tiles[1], dq_full[1], dq_empty[1], dq_descs[1]) + placement + (gl.to_tensor(second_feature), order))

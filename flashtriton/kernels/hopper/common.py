@@ -470,8 +470,17 @@ def unmasked_query_blocks(first_key, KEYS: gl.constexpr, m_block_lo, blocks_per_
 
 
 @gluon.jit
+def capped_logits(s, softcap):
+    """Scores s (fp32) to log2-domain logits under softcap (softcap_in_scale, softcap_out_log2): softcap_out_log2 *
+    tanh(s * softcap_in_scale), tanh from exp2 as kernels/common.tanh computes it; and like s, the derivative's
+    factor 1 - tanh^2 that dS takes (kernels/bwd.py's)."""
+    t = 1.0 - 2.0 / (gl.exp2(s * (softcap[0] * 2.8853900817779268)) + 1.0)
+    return t * softcap[1], 1.0 - t * t
+
+
+@gluon.jit
 def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window,
-                         KEY_AXIS: gl.constexpr, alibi, MASK: gl.constexpr = None):
+                         KEY_AXIS: gl.constexpr, alibi, softcap, MASK: gl.constexpr = None):
     """P = exp2(s * qk_scale_log2 - lse_log2) of scores s (query rows from m_start, keys from first_key; [ROWS, KEYS],
     or [KEYS, ROWS] with KEY_AXIS 0: the transposed scores K Q^T), 0 where a key is past seqlen_k or, causal
     (bottom-right aligned), after the row's last key, or outside the row's local window (window: (window_left,
@@ -482,11 +491,16 @@ def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_
     their Q, dO, lse and delta read as zeros, so P = 1 there but dS = 0 and dO = 0, and every product they enter
     adds zeros (with ALiBi P is at most 1, see below). Keys past seqlen_k are (their K rows are zeros, so P would be
     exp2(-lse_log2), which may overflow). alibi: () or (slope_log2 of the rows' head, alibi_pure_causal): the logits
-    get kernels/common.alibi_bias_log2's bias (alibi_bias)."""
+    get kernels/common.alibi_bias_log2's bias (alibi_bias). softcap: () or (softcap_in_scale, softcap_out_log2): the
+    logits are capped first (capped_logits). Returns (P, () or, with softcap, like s the factor 1 - tanh^2)."""
     ROW_AXIS: gl.constexpr = 1 - KEY_AXIS
     ROWS: gl.constexpr = s.shape[ROW_AXIS]
     KEYS: gl.constexpr = s.shape[KEY_AXIS]
-    logits = s * qk_scale_log2
+    if len(softcap) > 0:
+        logits, tanh_factor = capped_logits(s, softcap)
+    else:
+        logits = s * qk_scale_log2
+        tanh_factor = ()
     if len(alibi) > 0:
         logits = logits + alibi_bias(s, alibi, first_key, m_start, seqlen_q, seqlen_k, KEY_AXIS)
     exponent = logits - gl.expand_dims(lse_log2, KEY_AXIS)
@@ -500,7 +514,7 @@ def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_
             p = _masked(p, first_key, m_start, seqlen_q, seqlen_k, causal, window, KEY_AXIS)
     elif MASK:
         p = _masked(p, first_key, m_start, seqlen_q, seqlen_k, causal, window, KEY_AXIS)
-    return p
+    return p, tanh_factor
 
 
 @gluon.jit
