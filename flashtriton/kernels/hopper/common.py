@@ -4,7 +4,8 @@ backward kernels share."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
+    warpgroup_mma_wait
 
 from .. import common as _triton_common
 
@@ -542,3 +543,62 @@ def _masked(p, first_key, m_start, seqlen_q, seqlen_k, causal, window, KEY_AXIS:
         # like p
         visible = gl.expand_dims(gl.arange(0, KEYS, key_layout), ROW_AXIS) <= gl.expand_dims(row_last, KEY_AXIS)
     return gl.where(visible, p, 0.0)
+
+
+@gluon.jit
+def store_sequence_rows(out, rows_out, rows, head, row_in):
+    """out ([ROWS, WIDTH] per chunk of V's head dim, wgmma layouts) into rows `rows` [ROWS] (row_in: which to store) of
+    a varlen output by pointer; rows_out: (Out, stride_om, stride_oh, head_dim_v), its columns past head_dim_v (the
+    tile's padding) left alone."""
+    column = 0
+    for chunk in gl.static_range(len(out)):
+        _store_chunk_rows(out[chunk], column, rows_out, rows, head, row_in)
+        column = column + out[chunk].shape[1]
+
+
+@gluon.jit
+def _store_chunk_rows(out, column0, rows_out, rows, head, row_in):
+    """store_sequence_rows of one chunk out [ROWS, WIDTH] into columns from column0."""
+    WIDTH: gl.constexpr = out.shape[1]
+    Out, stride_om, stride_oh, head_dim_v = rows_out
+    layout: gl.constexpr = out.type.layout
+    # [ROWS] rows, [WIDTH] columns, in the accumulator's layout
+    rows = gl.convert_layout(rows, gl.SliceLayout(1, layout))
+    row_in = gl.convert_layout(row_in, gl.SliceLayout(1, layout))
+    columns = column0 + gl.arange(0, WIDTH, gl.SliceLayout(0, layout))
+    pointers = (Out + head.to(gl.int64) * stride_oh + gl.expand_dims(rows.to(gl.int64) * stride_om, 1)
+                + gl.expand_dims(columns, 0))
+    gl.store(pointers, out.to(Out.dtype.element_ty),
+             mask=gl.expand_dims(row_in, 1) & gl.expand_dims(columns < head_dim_v, 0))
+
+
+@gluon.jit
+def clear_rows_past(v_stage, valid_rows):
+    """Zero the rows from valid_rows on of a V stage (v_stage: [BLOCK_N, WIDTH] per chunk of V's head dim, shared
+    memory) and make the stores visible to the wgmmas (async proxy) of the whole warpgroup. A varlen sequence's last
+    key block reads past its end: the next sequence's rows, or whatever lies past the last one (garbage, NaN). Its
+    scores are masked to -inf, so P is 0 there, but 0 * NaN in P V is NaN: such rows must hold zeros. Both consumers
+    clear the stage they share; they write the same values."""
+    for chunk in gl.static_range(len(v_stage)):
+        _clear_chunk_rows_past(v_stage[chunk], valid_rows)
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _clear_chunk_rows_past(v_chunk, valid_rows):
+    """clear_rows_past on one chunk v_chunk [BLOCK_N, WIDTH], 16 rows at a time."""
+    BLOCK_N: gl.constexpr = v_chunk.shape[0]
+    WIDTH: gl.constexpr = v_chunk.shape[1]
+    CHUNK_ROWS: gl.constexpr = 16
+    # 8 elements (16 bytes) per thread and row, the warpgroup's 128 threads over [CHUNK_ROWS, WIDTH] (narrow chunks
+    # hold some rows in more than one thread: they store the same values)
+    THREADS_PER_ROW: gl.constexpr = WIDTH // 8 if WIDTH // 8 < 32 else 32
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // THREADS_PER_ROW, THREADS_PER_ROW], [4, 1], [1, 0])
+    for step in gl.static_range(BLOCK_N // CHUNK_ROWS):
+        if (step + 1) * CHUNK_ROWS > valid_rows:
+            rows = v_chunk.slice(step * CHUNK_ROWS, CHUNK_ROWS, dim=0)
+            # [CHUNK_ROWS, WIDTH] the rows' values, those from valid_rows on zeroed
+            values = rows.load(layout)
+            row = step * CHUNK_ROWS + gl.arange(0, CHUNK_ROWS, gl.SliceLayout(1, layout))
+            rows.store(gl.where(gl.expand_dims(row < valid_rows, 1), values, gl.zeros_like(values)))
