@@ -19,7 +19,7 @@ from flashtriton.ops import hopper
 from flashtriton.ops.backend import KERNELS_INTERPRETED
 from flashtriton.scores import score_params
 from flashtriton.testing import Case, assert_checks_ok, compare_varlen_with_reference, compare_with_reference, \
-    forced_gluon, make_case_inputs, poisoned_outputs
+    forced_gluon, make_case_inputs, poisoned_outputs, random_visibility, sees_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -159,16 +159,6 @@ ROW_LAYOUTS = {
 }
 
 
-def _visible(row, key, seqlen_q, seqlen_k, causal, window):
-    """Whether query row `row` sees key `key` (bottom-right aligned): the mask's definition, element by element."""
-    aligned = row + seqlen_k - seqlen_q
-    if key >= seqlen_k:
-        return False
-    if window:
-        return aligned - window[0] <= key <= aligned + window[1]
-    return not causal or key <= aligned
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_unmasked_query_blocks_are_the_blocks_without_a_masked_key(seed):
     """kernels/hopper/common.unmasked_query_blocks (the consumers' loops without the mask) against
@@ -177,12 +167,7 @@ def test_unmasked_query_blocks_are_the_blocks_without_a_masked_key(seed):
     rng = torch.Generator().manual_seed(seed)
     rows, keys = 64, 64
     for _ in range(120):
-        seqlen_q, seqlen_k = (int(x) for x in torch.randint(1, 700, (2, ), generator=rng))
-        causal = bool(torch.randint(0, 2, (1, ), generator=rng))
-        window = ()
-        if torch.randint(0, 3, (1, ), generator=rng) == 0:
-            window = tuple(int(x) for x in torch.randint(0, 300, (2, ), generator=rng))
-            window = (window[0], 0) if causal else window
+        seqlen_q, seqlen_k, causal, window = random_visibility(rng, max_length=700, max_window=300)
         n_blocks_q = -(-seqlen_q // rows)
         for first_key in range(0, seqlen_k, keys):
             lo = int(torch.randint(0, n_blocks_q, (1, ), generator=rng))
@@ -196,7 +181,7 @@ def test_unmasked_query_blocks_are_the_blocks_without_a_masked_key(seed):
                                                           int(causal), window)
                 assert bool(needs) == (not a <= j < b), (seqlen_q, seqlen_k, causal, window, first_key, lo, j, a, b)
                 if a <= j < b:
-                    assert all(_visible(row, key, seqlen_q, seqlen_k, causal, window)
+                    assert all(sees_key(row, key, seqlen_q, seqlen_k, causal, window)
                                for row in range(m_start, m_start + rows) for key in range(first_key, first_key + keys))
 
 

@@ -20,7 +20,7 @@ from flashtriton.ops.backend import KERNELS_INTERPRETED
 from flashtriton.scores import score_params
 from flashtriton.testing import Case, assert_checks_ok, compare_varlen_with_reference, cu_seqlens, \
     compare_with_reference, forced_heads_per_group, forced_hopper_grid, make_case_inputs, poisoned_outputs, \
-    run_forward_case
+    random_visibility, run_forward_case, sees_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -28,16 +28,6 @@ needs_hopper = pytest.mark.skipif(not ON_HOPPER or hopper.attn_fwd_hopper_kernel
                                   reason="the Gluon forward runs on sm_90 only")
 # shared memory per program on sm_90 (227 KiB opt-in) minus what the kernel's barriers take
 SM90_SHARED_BYTES = 227 * 1024 - 1024
-
-
-def _sees(row, key, seqlen_q, seqlen_k, causal, window):
-    """Whether query row `row` sees key `key` (bottom-right aligned), element by element."""
-    aligned = row + seqlen_k - seqlen_q
-    if not 0 <= key < seqlen_k:
-        return False
-    if window:
-        return aligned - window[0] <= key <= aligned + window[1]
-    return not causal or key <= aligned
 
 
 @pytest.mark.skipif(hopper.attn_fwd_hopper_kernel is None, reason="this Triton has no Gluon Hopper API")
@@ -52,12 +42,7 @@ def test_unmasked_steps_see_every_key_of_their_block(seed):
     rng = torch.Generator().manual_seed(seed)
     rows = 64
     for _ in range(150):
-        seqlen_q, seqlen_k = (int(x) for x in torch.randint(1, 900, (2, ), generator=rng))
-        causal = bool(torch.randint(0, 2, (1, ), generator=rng))
-        window = ()
-        if torch.randint(0, 2, (1, ), generator=rng) == 0:
-            window = tuple(int(x) for x in torch.randint(0, 400, (2, ), generator=rng))
-            window = (window[0], 0) if causal else window
+        seqlen_q, seqlen_k, causal, window = random_visibility(rng, max_length=900, max_window=400)
         block_n = (64, 128)[int(torch.randint(0, 2, (1, ), generator=rng))]
         row0 = int(torch.randint(0, seqlen_q, (1, ), generator=rng))
         top = int(torch.randint(0, -(-seqlen_k // block_n), (1, ), generator=rng))
@@ -68,8 +53,8 @@ def test_unmasked_steps_see_every_key_of_their_block(seed):
         wholly_visible = []
         for j in range(count):
             block = top - j
-            visible = all(_sees(row, key, seqlen_q, seqlen_k, causal, window) for row in range(row0, row0 + rows)
-                          for key in range(block * block_n, (block + 1) * block_n))
+            visible = all(sees_key(row, key, seqlen_q, seqlen_k, causal, window)
+                          for row in range(row0, row0 + rows) for key in range(block * block_n, (block + 1) * block_n))
             wholly_visible.append(visible)
             if a <= j < b:
                 assert visible, (seqlen_q, seqlen_k, causal, window, block_n, row0, top, count, j, a, b)
@@ -591,8 +576,9 @@ def test_softmax_runs_under_its_p_v_product(key):
     """Offline SASS (tools/offline_compile.exp2_before_pv_wait): where the table holds the schedule, the exp2s of a
     block's probabilities come before the wait for the previous block's P V product in every consumer's loop (the
     in-warpgroup overlap the kernel is written for); the two rescale factors' exp2s may follow it (ptxas has put
-    them after the wait in some loops; they are needed only by the rescale after the wait). Built without the fence, this Triton's ptxas waits first (no
-    or few exp2s before the wait): if that stops being true, the fence may no longer be needed (re-measure)."""
+    them after the wait in some loops; they are needed only by the rescale after the wait). Built without the fence,
+    this Triton's ptxas waits first (no or few exp2s before the wait): if that stops being true, the fence may no
+    longer be needed (re-measure)."""
     import offline_compile
 
     (head_dim, causal), config = key, configs.HOPPER_FWD[key]
