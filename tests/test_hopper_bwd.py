@@ -19,7 +19,7 @@ from flashtriton.ops import hopper
 from flashtriton.ops.backend import KERNELS_INTERPRETED
 from flashtriton.scores import score_params
 from flashtriton.testing import Case, assert_checks_ok, compare_varlen_with_reference, compare_with_reference, \
-    forced_gluon, make_case_inputs, poisoned_outputs
+    forced_gluon, make_case_inputs, poisoned_outputs, random_visibility, sees_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -44,7 +44,9 @@ COVERS = {
     "deterministic-d64": (dict(deterministic=True, head_dim=64), False),
     "deterministic-d256": (dict(deterministic=True, head_dim=256), True),
     "not-plain": (dict(plain=False), False),
-    "softcap": (dict(params=_params(softcap=3.0)), False),
+    "softcap": (dict(params=_params(softcap=3.0)), True),
+    "softcap-d256": (dict(params=_params(softcap=3.0), head_dim=256), False),
+    "softcap-deterministic-d96": (dict(params=_params(softcap=3.0), head_dim=96, deterministic=True), True),
     "local-window": (dict(params=_params(window=(10, 0))), True),
     "two-sided-window-d256": (dict(params=_params(window=(10, 30)), head_dim=256), True),
     "local-window-deterministic": (dict(params=_params(window=(10, 0)), deterministic=True), False),
@@ -157,6 +159,32 @@ ROW_LAYOUTS = {
 }
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_unmasked_query_blocks_are_the_blocks_without_a_masked_key(seed):
+    """kernels/hopper/common.unmasked_query_blocks (the consumers' loops without the mask) against
+    block_needs_mask block by block, and the blocks it leaves unmasked against the mask element by element: every
+    row of them (rows past seqlen_q included: they read zeros) sees every key of the consumer's 64."""
+    rng = torch.Generator().manual_seed(seed)
+    rows, keys = 64, 64
+    for _ in range(120):
+        seqlen_q, seqlen_k, causal, window = random_visibility(rng, max_length=700, max_window=300)
+        n_blocks_q = -(-seqlen_q // rows)
+        for first_key in range(0, seqlen_k, keys):
+            lo = int(torch.randint(0, n_blocks_q, (1, ), generator=rng))
+            count = int(torch.randint(0, n_blocks_q - lo + 1, (1, ), generator=rng))
+            a, b = hopper_common.unmasked_query_blocks.fn(first_key, keys, lo, count, seqlen_q, seqlen_k, int(causal),
+                                                          window, rows)
+            assert 0 <= a <= b <= count or (a, b) == (0, 0)
+            for j in range(count):
+                m_start = (lo + j) * rows
+                needs = hopper_common.block_needs_mask.fn(first_key, keys, m_start, rows, seqlen_q, seqlen_k,
+                                                          int(causal), window)
+                assert bool(needs) == (not a <= j < b), (seqlen_q, seqlen_k, causal, window, first_key, lo, j, a, b)
+                if a <= j < b:
+                    assert all(sees_key(row, key, seqlen_q, seqlen_k, causal, window)
+                               for row in range(m_start, m_start + rows) for key in range(first_key, first_key + keys))
+
+
 @pytest.mark.skipif(hopper.attn_bwd_hopper_kernel is None, reason="this Triton has no Gluon Hopper API")
 @pytest.mark.parametrize("layout", list(ROW_LAYOUTS))
 def test_row_statistic_descriptor_covers_every_row(layout):
@@ -179,8 +207,8 @@ def run_backward(case: Case, deterministic: bool = False, repeats: int = 1):
     before = hopper.bwd_launch_count
     with poisoned_outputs(), forced_gluon():
         out, lse, _ = flashtriton.flash_attn_func(q, k, v, 0.0, case.softmax_scale, case.causal, case.window_size,
-                                                  alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                                  return_attn_probs=True)
+                                                  softcap=case.softcap, alibi_slopes=alibi_slopes,
+                                                  deterministic=deterministic, return_attn_probs=True)
         dout = torch.randn_like(out)
         runs = [torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) for _ in range(repeats)]
     ran = hopper.bwd_launch_count >= before + repeats
@@ -227,6 +255,7 @@ ORDERED_CASES = {
     "sq300-sk700-gqa-causal": dict(seqlen_q=300, seqlen_k=700, num_heads=6, num_heads_k=2, causal=True),
     "sq700-sk300-mqa-causal": dict(seqlen_q=700, seqlen_k=300, num_heads=4, num_heads_k=1, causal=True),
     "sq17-sk17": dict(seqlen_q=17, seqlen_k=17),
+    "softcap-causal": dict(seqlen_q=700, seqlen_k=700, causal=True, softcap=5.0),
 }
 
 
@@ -397,6 +426,12 @@ FEATURES = {
     "alibi-causal-sq-over-sk-d64": dict(alibi=True, causal=True, head_dim=64, seqlen_q=400, seqlen_k=300),
     "alibi-window-d96": dict(alibi=True, window_size=(50, 0), head_dim=96, seqlen_q=333, seqlen_k=500),
     "alibi-two-sided-window-d80": dict(alibi=True, window_size=(40, 90), head_dim=80),
+    # softcap (Gemma 2's 50 and small caps that saturate): capped logits, dS times 1 - tanh^2
+    "softcap": dict(softcap=3.0),
+    "softcap-50-causal-gqa": dict(softcap=50.0, causal=True, num_heads=6, num_heads_k=2, seqlen_q=700, seqlen_k=700),
+    "softcap-d64-causal": dict(softcap=3.0, causal=True, head_dim=64, seqlen_q=400, seqlen_k=300),
+    "softcap-window-d96": dict(softcap=3.0, window_size=(50, 0), head_dim=96, seqlen_q=333, seqlen_k=500),
+    "softcap-alibi-causal": dict(softcap=5.0, alibi=True, causal=True),
 }
 
 
@@ -440,6 +475,7 @@ VARLEN_CASES = {  # name: (lengths of q, lengths of k, heads, kv heads, head dim
     "sq-over-sk-causal": ([400, 70, 129], [100, 300, 64], 2, 1, 128, dict(causal=True)),
     "window-d96": ([700, 333, 18], [700, 333, 18], 4, 2, 96, dict(window_size=(100, 20))),
     "causal-d72": ([129, 7, 640], [129, 7, 640], 5, 5, 72, dict(causal=True)),
+    "softcap-causal-gqa": ([300, 1, 0, 700], [300, 1, 0, 700], 4, 2, 128, dict(causal=True, softcap=5.0)),
 }
 
 
@@ -514,6 +550,8 @@ _BACKWARD_VARIANTS = {
     "d96-varlen-local": ("bwd", 96, dict(causal=False, varlen=True, local=True)),
     "d128-causal-dropout": ("bwd", 128, dict(causal=True, dropout=True)),
     "d128-ordered": ("bwd", 128, dict(causal=False, ordered=True)),
+    "d128-causal-softcap": ("bwd", 128, dict(causal=True, softcap=True)),
+    "d64-softcap": ("bwd", 64, dict(causal=False, softcap=True)),
     "d192-local": ("bwd", 192, dict(causal=False, local=True)),
     "d192-v128-causal": ("bwd", 192, dict(causal=True, head_dim_v=128)),
     "d256-causal": ("bwd", 256, dict(causal=True)),
@@ -553,5 +591,7 @@ def test_probabilities_run_under_the_dp_product(head_dim):
         cubin = offline_compile.compile_hopper_bwd(head_dim, causal).asm["cubin"]
         key_major = hopper.key_major_scores(config, causal, False, False)
         counts = offline_compile.exp2_before_pv_wait(cubin, until_product=key_major)
-        # key-major: the dP wait (the dV product in flight) starts a walk of its own, to the dK product, with no exp2
-        assert counts == ([per_block, 0] * 2 if key_major else [per_block, per_block]), causal
+        # key-major: the dP wait (the dV product in flight) starts a walk of its own, to the dK product, with no exp2;
+        # per loop (under the causal mask each consumer runs three: masked, unmasked, masked)
+        pattern = [per_block, 0] if key_major else [per_block]
+        assert len(counts) >= 2 * len(pattern) and counts == pattern * (len(counts) // len(pattern)), (causal, counts)

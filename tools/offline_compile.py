@@ -249,12 +249,12 @@ def _dropout_group(signature: dict, constexprs: dict, names: list, dropout: bool
 
 def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "bf16", ordered: bool = False,
                        local: bool = False, head_dim_v: int = 0, dropout: bool = False, varlen: bool = False,
-                       alibi: bool = False):
+                       alibi: bool = False, softcap: bool = False):
     """The Gluon Hopper backward (kernels/hopper/bwd.py; kernels/hopper/bwd_d256.py at head dims 192 and 256) with
     `config` (default configs.HOPPER_BWD[head_dim]); `ordered`: dQ reductions in a fixed order (head dim 128);
     `local`: a local window (LOCAL); head_dim_v: V's own head dim (0: head_dim's; the dK / dV only kernel);
-    `dropout`: dropout's rng_state (kernels/hopper/bwd.py's tiles); `varlen`: a varlen launch and `alibi`: ALiBi slopes
-    (both on those tiles)."""
+    `dropout`: dropout's rng_state (kernels/hopper/bwd.py's tiles); `varlen`: a varlen launch, `alibi`: ALiBi slopes
+    and `softcap` (SOFTCAP; all on those tiles)."""
     from flashtriton import configs
     from flashtriton.ops.hopper import backward_division, dk_dv_only_boxes, key_major_scores
 
@@ -290,6 +290,8 @@ def compile_hopper_bwd(head_dim: int, causal: bool, config=None, dtype: str = "b
         constexprs["ORDERED"] = ordered
         constexprs["KEY_MAJOR"] = key_major_scores(config, causal, alibi, dropout)
         constexprs["SWAPPED_DQ"] = head_dim == tile_dim  # as ops/hopper.launch_bwd decides
+        constexprs["SOFTCAP"] = softcap
+        signature["softcap_args"] = ("fp32", "fp32")
     names = list(inspect.signature(kernel.fn).parameters)
     if "dropout_args" in names:
         _dropout_group(signature, constexprs, names, dropout)

@@ -80,7 +80,8 @@ def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seq
     `takes_pages`, without dropout or FP8), seqused_k / leftpad_k / cache_batch_idx or split-KV; the forward's ALiBi
     on causal-like calls only, the backward's ALiBi and dropout only on tiles up to 128 wide
     (backward_takes_logit_options) and its varlen calls only there without deterministic=True, dropout or ALiBi (the
-    caller knows those). No softcap. Windows: any (local windows: LOCAL), except that deterministic=True with dQ in
+    caller knows those); softcap in the backward on those tiles (without dropout: the caller knows), not in the
+    forward. Windows: any (local windows: LOCAL), except that deterministic=True with dQ in
     a fixed order (`orders_dq`) takes no local window in the backward (its order assumes each key block's rows run to
     the last). Head dims up to 256 run on the next wider tiles of their direction (configs.hopper_fwd_tile_dim /
     hopper_bwd_tile_dim); the forward takes V's own head dim (head_dim_v, default head_dim), the backward equal ones or,
@@ -100,9 +101,9 @@ def covers(direction: str, head_dim: int, dtype: torch.dtype, seqlen_q: int, seq
         return False
     if dtype == torch.float8_e4m3fn and not (direction == "fwd" and fp8_forward_tiles(head_dim, head_dim_v)):
         return False
+    softcap_fits = not params.has_softcap or (direction == "bwd" and backward_takes_logit_options(head_dim))
     return (plain and dtype in (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
-            and seqlen_q > configs.DECODE_MAX_ROWS and seqlen_k > 0 and params.softmax_scale > 0.0
-            and not params.has_softcap)
+            and seqlen_q > configs.DECODE_MAX_ROWS and seqlen_k > 0 and params.softmax_scale > 0.0 and softcap_fits)
 
 
 def wide_forward(head_dim: int, head_dim_v: int) -> bool:
@@ -545,7 +546,8 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
     rows past seqlen_q), copied into dq at the end; where it does not compute dQ (`computes_dq`) dq_accum is None
     and dq is left to the caller. With ordered dQ (`orders_dq`) the reductions take turns on zeroed counters, and
     each (batch, kv head)'s key blocks launch together. dropout_p > 0 (`backward_takes_logit_options` head dims): the
-    forward's mask, from the rng_state it returned. Varlen (cu_seqlens given; tiles up to 128 wide, not ordered, no
+    forward's mask, from the rng_state it returned. Softcap (params; those head dims, without dropout): capped
+    logits. Varlen (cu_seqlens given; tiles up to 128 wide, not ordered, no
     dropout): q, k, v, dout, dq, dk, dv and dq_accum (T, H, D), batch sequences, seqlen_q / seqlen_k the longest
     lengths, lse and delta (H, T) matrices (lse_strides / delta_strides (0, row stride)). alibi_slopes: fp32 (H,) or
     (B, H), on tiles up to 128 wide."""
@@ -576,13 +578,16 @@ def launch_bwd(q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, lse_strides: Tup
     # dQ's 64-feature boxes in the kernel's conflict-free staging order, where the accumulator is as wide as the tiles
     # (its columns past the head dim would be clipped, and in that order they hold features below it)
     swapped_dq = dq_box is not None and head_dim == tile_dim
-    kernel_args = {} if dq_box is None else dict(ORDERED=ordered, KEY_MAJOR=key_major, SWAPPED_DQ=swapped_dq)
+    kernel_args = {} if dq_box is None else dict(ORDERED=ordered, KEY_MAJOR=key_major, SWAPPED_DQ=swapped_dq,
+                                                 SOFTCAP=params.has_softcap)
+    if params.has_softcap and (dq_box is None or dropout_p > 0.0):
+        raise ValueError("the Gluon backward takes softcap on tiles up to 128 wide, without dropout")
     if alibi_slopes is not None and dq_box is None:
         raise ValueError("the Gluon backward takes ALiBi on tiles up to 128 wide")
-    # the kernel's dropout_args and alibi_args (not the dK / dV only kernel's: it has neither)
+    # the kernel's dropout_args, alibi_args and softcap_args (not the dK / dV only kernel's: it has none)
     logit_args = () if dq_box is None else ((rng_state if dropout_p > 0.0 else None, *kernel_dropout(dropout_p)),
                                             (alibi_slopes, alibi_batch_stride(alibi_slopes),
-                                             int(params.alibi_pure_causal)))
+                                             int(params.alibi_pure_causal)), params.kernel_scores()[1:])
     if dq_box is None:  # the dK / dV only kernel: each side (Q / K, dO / V) whole rows and halves, or two chunks
         tensors = dict(k=k, v=v, q=q, do=dout)
         descriptors = tuple(None if box is None else

@@ -100,8 +100,8 @@ def _consumer(k_own, v_own, q_own, do_own, q_lo, q_hi, do_lo, do_hi, lse_smem, d
         dp = chained_products(do_parts, v_own, zero_s)
         s = warpgroup_mma_wait(2, deps=(s, ))
         # [ROWS, OWN] P
-        p = masked_probabilities(s, lse_log2, qk_scale_log2, n_start + key0, m_start, seqlen_q, seqlen_k, causal,
-                                 window, 1, ())
+        p, _ = masked_probabilities(s, lse_log2, qk_scale_log2, n_start + key0, m_start, seqlen_q, seqlen_k, causal,
+                                    window, 1, (), ())
         # both consumers' products of the previous block (readers of P and dS) completed
         mbarrier.wait(pds_free, (i - 1) & 1, pred=i >= 1)
         p_own.store(p.to(dtype))

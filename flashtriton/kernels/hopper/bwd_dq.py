@@ -96,8 +96,8 @@ def _consumer(q_own, do_own, lse_own, delta_own, k_pieces, v_pieces, q_ready, kv
         s = warpgroup_mma_wait(V_CHUNKS, deps=(s, ))
         arrive_after_wgmma(kv_empty.index((j + STAGES - 1) % STAGES), pred=j >= 1)
         # [ROWS, KEYS] P
-        p = masked_probabilities(s, lse_log2, qk_scale_log2, n_start, m_start, seqlen_q, seqlen_k, causal, window,
-                                 1, ())
+        p, _ = masked_probabilities(s, lse_log2, qk_scale_log2, n_start, m_start, seqlen_q, seqlen_k, causal,
+                                    window, 1, (), ())
         dp = warpgroup_mma_wait(0, deps=(dp, ))
         # [ROWS, KEYS] dS
         ds = (p * (dp - gl.expand_dims(delta, 1))).to(dtype)
