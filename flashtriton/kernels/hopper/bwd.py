@@ -47,12 +47,11 @@ finds the one before it (a later key block) released: the later key blocks launc
 blocks must be resident together (the launcher's groups of one head, at most one key block per SM).
 
 Scope (ops/hopper.covers): dense and varlen bf16/fp16 calls, any window (bottom-right aligned; local ones not with
-ORDERED), ALiBi, dropout (dense calls; the forward's mask), no softcap; head dim 64 / 80 / 96 / 128 (narrower ones
-on these tiles). Keys past
-seqlen_k are masked out of P (their dK/dV rows are never stored; their K rows read as zeros, but P would not be 0);
-query rows past seqlen_q read Q, dO, lse and delta as zeros (TMA fills them), so P = 1 there but dS = 0 and every
-product they enter adds zeros (dQ rows past a dense call's seqlen_q are clipped by the reduction; a varlen call's, the
-next sequence's rows in the accumulator, get zeros: _finish_dq).
+ORDERED), ALiBi, dropout (dense calls; the forward's mask), softcap (not with dropout); head dim 64 / 80 / 96 / 128
+(narrower ones on these tiles). Keys past seqlen_k are masked out of P (their dK/dV rows are never stored; their K
+rows read as zeros, but P would not be 0); query rows past seqlen_q read Q, dO, lse and delta as zeros (TMA fills
+them), so P = 1 there but dS = 0 and every product they enter adds zeros (dQ rows past a dense call's seqlen_q are
+clipped by the reduction; a varlen call's, the next sequence's rows in the accumulator, get zeros: _finish_dq).
 
 Synchronisation: kv_ready (K and V landed), q_ready[s] (Q_i, dO_i, lse_i and delta_i of stage s landed), q_empty[s]
 (both consumers are done with stage s, count 2), with the feature split ds_ready (both consumers' dS written, count
