@@ -115,30 +115,6 @@ def unchecked_indices():
     return _overridden(checks, "index_tensors_to_check", lambda device, tensors: None)
 
 
-def random_visibility(generator: torch.Generator, max_length: int, max_window: int):
-    """(seqlen_q, seqlen_k, causal, window) drawn from generator: lengths in [1, max_length), causal or not, and half
-    the time a local window (window_left, window_right) with sides below max_window (the right one 0 when causal),
-    else (); sees_key's arguments."""
-    seqlen_q, seqlen_k = (int(x) for x in torch.randint(1, max_length, (2, ), generator=generator))
-    causal = bool(torch.randint(0, 2, (1, ), generator=generator))
-    window = ()
-    if torch.randint(0, 2, (1, ), generator=generator) == 0:
-        left, right = (int(x) for x in torch.randint(0, max_window, (2, ), generator=generator))
-        window = (left, 0 if causal else right)
-    return seqlen_q, seqlen_k, causal, window
-
-
-def sees_key(row: int, key: int, seqlen_q: int, seqlen_k: int, causal: bool, window: tuple) -> bool:
-    """Whether query row `row` sees key `key`, element by element (bottom-right aligned; window: (window_left,
-    window_right) of a local window, or ()): the definition the kernels' block ranges are tested against."""
-    aligned = row + seqlen_k - seqlen_q
-    if not 0 <= key < seqlen_k:
-        return False
-    if window:
-        return aligned - window[0] <= key <= aligned + window[1]
-    return not causal or key <= aligned
-
-
 def cu_seqlens(lengths: Sequence[int], device="cpu", dtype: torch.dtype = torch.int32) -> torch.Tensor:
     """flash_attn's cu_seqlens for these sequence lengths: cumulative starts (0, l0, l0 + l1, ...), int32."""
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=dtype, device=device)

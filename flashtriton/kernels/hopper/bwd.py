@@ -29,12 +29,6 @@ Either way dQ_i is split one of two ways:
   reduction. The launcher converts the accumulator into dq. dK is scaled here. GQA: the loop runs over the group's
   query heads too (dK/dV summed in registers).
 
-Under the causal mask or a window (and in varlen calls) each consumer runs three loops per query head: the blocks
-that see keys after their rows' last ones, the blocks that see all of its 64 keys (no mask arithmetic), the blocks
-that miss keys before their rows' first ones (common.unmasked_query_blocks), each block's head and rows counted
-rather than divided out of the iteration number. Calls with ALiBi or dropout, and the others, run one loop that
-finds per block whether it needs the mask.
-
 Ordered dQ (ORDERED, head dim 128; deterministic=True, ops/hopper.orders_dq): the reductions into each (query
 block, feature half) come in one fixed order, so dQ is the same bits on every call. A zeroed int32 counter per tile
 counts the reductions that have completed; the writer issues a reduction once the counter reads its rank
@@ -71,8 +65,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .dropout import dropout_key, dropped, row_draws
 from .common import accumulate_products, accumulate_register_products, allocate_chunks, arrive_after_wgmma, \
     backward_producer, chained_products, chunk_descriptors, chunks_width, entries_of, key_block_of_program, key_rows, \
-    loop_position, masked_probabilities, matrices_of, query_block, store_key_rows, unmasked_query_blocks, \
-    wait_accumulators, zero_accumulators
+    loop_position, masked_probabilities, matrices_of, query_block, store_key_rows, wait_accumulators, \
+    zero_accumulators
 
 if not hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce"):
     raise ImportError("this Triton's Gluon has no TMA reduction; the Triton backward runs instead")
@@ -242,13 +236,12 @@ def _scores(s_left, s_right, dp_left, dp_right, lse_tile, KEY_AXIS: gl.constexpr
 
 @gluon.jit
 def _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_tile, ds_tile, ds_sync, dk, dv, first_key, m_start,
-                     seqlen_q, seqlen_k, qk_scale_log2, causal, window, alibi, softcap, draws, MASK: gl.constexpr):
+                     seqlen_q, seqlen_k, qk_scale_log2, causal, window, alibi, softcap, draws):
     """One query block's dK / dV products (issued, not waited for) from row-major scores: S = Q K^T and dP = dO V^T
     [ROWS, OWN], P and dS through shared memory (p_tile [ROWS, OWN]; ds_tile, published by _publish_ds) as the
     transposed A operands of dV += P^T dO and dK += dS^T Q. statistics: the rows' ([1, ROWS] shared) lse and delta.
     draws: () or dropout's (key, stream, 1 / (1 - p)): the forward's mask (dropout.dropped) scales P for dV and dP
-    for dS. alibi, softcap (not with dropout): masked_probabilities'; with softcap dS takes P (1 - tanh^2). MASK:
-    whether the block needs the mask (masked_probabilities')."""
+    for dS. alibi, softcap (not with dropout): masked_probabilities'; with softcap dS takes P (1 - tanh^2)."""
     ROWS: gl.constexpr = q_tile[0].shape[0]
     OWN: gl.constexpr = k_own[0].shape[0]
     dtype: gl.constexpr = k_own[0].dtype
@@ -258,7 +251,7 @@ def _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_tile, ds_tile,
     row_of_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     # [ROWS, OWN] P
     p, tanh_factor = masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k,
-                                          causal, window, 1, alibi, softcap, MASK)
+                                          causal, window, 1, alibi, softcap)
     delta = statistics[1].reshape([ROWS]).load(row_of_s)
     if len(draws) > 0:
         gl.static_assert(len(softcap) == 0, "the Gluon backward takes softcap without dropout")
@@ -287,12 +280,12 @@ def _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_tile, ds_tile,
 
 @gluon.jit
 def _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_tile, ds_sync, dk, dv, first_key, m_start,
-                     seqlen_q, seqlen_k, qk_scale_log2, causal, window, alibi, softcap, MASK: gl.constexpr):
+                     seqlen_q, seqlen_k, qk_scale_log2, causal, window, alibi, softcap):
     """One query block's dK / dV products (issued, not waited for) from key-major scores: S^T = K Q^T and dP^T =
     V dO^T [OWN, ROWS], so that P^T and dS^T are in registers as the A operands of dV += P^T dO and dK += dS^T Q
     (no P tile; the dV product is issued before dP is waited for); dS^T goes to ds_tile [OWN, ROWS] for the dQ
     products (_publish_ds). statistics: the rows' ([1, ROWS] shared) lse and delta, read per column. alibi, softcap:
-    masked_probabilities' (with softcap dS takes P (1 - tanh^2)). MASK: whether the block needs the mask."""
+    masked_probabilities' (with softcap dS takes P (1 - tanh^2))."""
     ROWS: gl.constexpr = q_tile[0].shape[0]
     dtype: gl.constexpr = k_own[0].dtype
     # delta loaded before dP is waited for where the dK / dV accumulators leave the registers for it (below head dim
@@ -303,7 +296,7 @@ def _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_tile, ds_sync
     column_of_t: gl.constexpr = gl.SliceLayout(0, s_t.type.layout)
     # [OWN, ROWS] P^T
     p_t, tanh_factor = masked_probabilities(s_t, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k,
-                                            causal, window, 0, alibi, softcap, MASK)
+                                            causal, window, 0, alibi, softcap)
     dv = accumulate_register_products(p_t.to(dtype), do_tile, dv)
     if len(softcap) > 0:
         # [OWN, ROWS] P^T (1 - tanh^2): the capped logits' derivative, for dS^T only
@@ -323,15 +316,15 @@ def _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_tile, ds_sync
 
 
 @gluon.jit
-def _finish_dq(block, m_start, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_tile, dq_full,
-               dq_empty, seqlen_q, softmax_scale, rows_masked, swapped_dq, OVER_ALL_KEYS: gl.constexpr,
-               KEY_MAJOR: gl.constexpr):
-    """Loop iteration `block`'s dQ (its first row m_start): its product (_dq_product; waiting for it also completes
-    every wgmma this consumer issued before it, as wgmma groups complete in order), then, with the split by features,
-    its dS buffer released for block + 2 (ds_free), and the scaled product staged in dq_tile for this consumer's
-    writer warp (_dq_writer), once the writer has handed back the tile of the block before (dq_empty). rows_masked
-    (0, ) for a varlen call: a block that runs past the sequence's end adds zeros to the rows past it, which are the
-    next sequence's in the accumulator (its dS rows there are 0, but 0 times a K row that is not finite is not).
+def _finish_dq(block, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_tile, dq_full, dq_empty,
+               head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q, softmax_scale,
+               rows_masked, swapped_dq, OVER_ALL_KEYS: gl.constexpr, KEY_MAJOR: gl.constexpr):
+    """Loop iteration `block`'s dQ: its product (_dq_product; waiting for it also completes every wgmma this
+    consumer issued before it, as wgmma groups complete in order), then, with the split by features, its dS buffer
+    released for block + 2 (ds_free), and the scaled product staged in dq_tile for this consumer's writer warp
+    (_dq_writer), once the writer has handed back the tile of the block before (dq_empty). rows_masked (0, ) for a
+    varlen call: a block that runs past the sequence's end adds zeros to the rows past it, which are the next
+    sequence's in the accumulator (its dS rows there are 0, but 0 times a K row that is not finite is not).
     swapped_dq: _staging_order's."""
     ROWS: gl.constexpr = zero_dq.shape[0]
     FEATURES: gl.constexpr = zero_dq.shape[1]
@@ -341,6 +334,8 @@ def _finish_dq(block, m_start, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_fr
     if OVER_ALL_KEYS:
         arrive_after_wgmma(ds_free.index(block % 2))
     if len(rows_masked) > 0:
+        head, m_start = query_block(loop_position(block, first_visit, n_iterations), blocks_per_head, m_block_lo,
+                                    head_k, group_size, ROWS)
         if m_start + ROWS > seqlen_q:
             # [ROWS] the block's rows in the sequence
             rows = m_start + gl.arange(0, ROWS, gl.SliceLayout(1, dq.type.layout))
@@ -370,70 +365,11 @@ def _staging_order(dq, swapped_dq):
 
 
 @gluon.jit
-def _consumer_block(i, head, m_start, dq_m_start, dk, dv, context, MASK: gl.constexpr):
-    """Loop iteration i of _consumer (context: its arguments the iteration reads): the dK / dV products of query
-    block i (query head `head`, rows from m_start) and the dQ of block i - LAG (rows from dq_m_start); MASK: whether
-    block i needs the mask (masked_probabilities'). Returns dK, dV with every product completed."""
-    k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p_own, ds_own, ds_lo, ds_hi, dq_tile, \
-        q_ready, q_empty, ds_ready, ds_free, dq_full, dq_empty, rows_masked, swapped_dq, first_key, seqlen_q, \
-        seqlen_k, softmax_scale, qk_scale_log2, causal, window, dropout_draws, alibi, softcap, zero_dq = context
-    STAGES: gl.constexpr = q_smem[0].shape[0]
-    ROWS: gl.constexpr = q_smem[0].shape[2]
-    FEATURES: gl.constexpr = k_lo.shape[1]
-    OVER_ALL_KEYS: gl.constexpr = FEATURES < chunks_width(q_smem)
-    LAG: gl.constexpr = 1 if OVER_ALL_KEYS else 0
-    KEY_MAJOR: gl.constexpr = len(p_own) == 0
-    stage = i % STAGES
-    mbarrier.wait(q_ready.index(stage), (i // STAGES) & 1)
-    # [ROWS, WIDTH] per chunk: Q_i, dO_i
-    q_tile = matrices_of(entries_of(q_smem, stage))
-    do_tile = matrices_of(entries_of(do_smem, stage))
-    # [1, ROWS] the rows' lse and delta; rows past seqlen_q read 0 for both, as their Q and dO rows do, so that
-    # every product they enter (dV, dK, and dQ rows the reduction clips) adds zeros
-    statistics = (lse_smem.index(stage), delta_smem.index(stage))
-    # dS buffer i % 2; its previous use (block i - 2) is free once the dQ products of that block completed;
-    # with the split by features the other consumer waits for both dS of a block (ds_ready)
-    buffer = i % 2
-    if OVER_ALL_KEYS:
-        ds_sync = (ds_free.index(buffer), ((i // 2) - 1) & 1, i >= 2, ds_ready.index(buffer))
-    else:
-        ds_sync = ()
-    if len(alibi) > 0:
-        # the block's head's slope in log2 units, and the pure-causal flag
-        alibi_head = (gl.load(alibi[0] + head) * 1.4426950408889634, alibi[1])
-    else:
-        alibi_head = ()
-    if KEY_MAJOR:
-        dk, dv = _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_own.index(buffer), ds_sync, dk,
-                                  dv, first_key, m_start, seqlen_q, seqlen_k, qk_scale_log2, causal, window,
-                                  alibi_head, softcap, MASK)
-    else:
-        if len(dropout_draws) > 0:
-            draws = (dropout_draws[0], dropout_draws[1] + head, dropout_draws[2])
-        else:
-            draws = ()
-        dk, dv = _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_own[0], ds_own.index(buffer),
-                                  ds_sync, dk, dv, first_key, m_start, seqlen_q, seqlen_k, qk_scale_log2, causal,
-                                  window, alibi_head, softcap, draws, MASK)
-    if i >= LAG:
-        # block i - LAG's dQ: with the split by features one block late, as the other consumer wrote its dS a
-        # block ago (not waiting for it lets the two consumers drift out of phase); its wait completes this
-        # block's dV and dK products too
-        _finish_dq(i - LAG, dq_m_start if LAG > 0 else m_start, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready,
-                   ds_free, zero_dq, dq_tile, dq_full, dq_empty, seqlen_q, softmax_scale, rows_masked, swapped_dq,
-                   OVER_ALL_KEYS, KEY_MAJOR)
-    dk, dv = wait_accumulators(dk, dv)
-    arrive_after_wgmma(q_empty.index(stage))
-    return dk, dv
-
-
-@gluon.jit
 def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p_own, ds_own, ds_lo, ds_hi, dq_tile,
               kv_ready, q_ready, q_empty, ds_ready, ds_free, dq_full, dq_empty, DK, DV, stride_dk_b, stride_dk_n,
               stride_dk_h, stride_dv_b, stride_dv_n, stride_dv_h, batch, head_k, n_start, head_dim, aligned, k_start,
               rows_masked, swapped_dq, key0, group_size, m_block_lo, blocks_per_head, n_iterations, seqlen_q,
-              seqlen_k, softmax_scale, qk_scale_log2, causal, first_visit, window, dropout, alibi, softcap,
-              split_loops):
+              seqlen_k, softmax_scale, qk_scale_log2, causal, first_visit, window, dropout, alibi, softcap):
     """One warpgroup: keys [n_start + key0, + OWN) of the block (k_own, v_own: their K and V rows [OWN, WIDTH] per
     chunk of the head dim; p_own: () with key-major scores, else (its [ROWS, OWN] P tile, ); ds_own: its two dS
     tiles in shared memory, [2, ROWS, OWN], or dS^T [2, OWN, ROWS] with key-major scores); dK / dV over every query
@@ -476,42 +412,56 @@ def _consumer(k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p
     else:
         dropout_draws = ()
     mbarrier.wait(kv_ready, 0)
-    context = (k_own, v_own, k_lo, k_hi, q_smem, do_smem, lse_smem, delta_smem, p_own, ds_own, ds_lo, ds_hi, dq_tile,
-               q_ready, q_empty, ds_ready, ds_free, dq_full, dq_empty, rows_masked, swapped_dq, first_key, seqlen_q,
-               seqlen_k, softmax_scale, qk_scale_log2, causal, window, dropout_draws, alibi, softcap, zero_dq)
-    # the first row of the block whose dQ an iteration finishes (varlen's rows_masked reads it)
-    dq_m_start = m_block_lo * ROWS
-    if len(split_loops) > 0 and len(alibi) == 0 and len(dropout) == 0:
-        # each query head's blocks [a, b) see every key of this consumer's without a mask and the others need it:
-        # three loops, the middle one without the mask's arithmetic, each block's head and rows counted, not divided
-        # out of the iteration (ALiBi and dropout keep one loop that finds the mask per block: their consumers spill
-        # more when split)
-        a, b = unmasked_query_blocks(first_key, OWN, m_block_lo, blocks_per_head, seqlen_q, seqlen_k, causal, window,
-                                     ROWS)
-        for h in range(group_size):
-            head = head_k * group_size + h
-            base = h * blocks_per_head - m_block_lo
-            for m in range(m_block_lo, m_block_lo + a):
-                dk, dv = _consumer_block(base + m, head, m * ROWS, dq_m_start, dk, dv, context, True)
-                dq_m_start = m * ROWS
-            for m in range(m_block_lo + a, m_block_lo + b):
-                dk, dv = _consumer_block(base + m, head, m * ROWS, dq_m_start, dk, dv, context, False)
-                dq_m_start = m * ROWS
-            for m in range(m_block_lo + b, m_block_lo + blocks_per_head):
-                dk, dv = _consumer_block(base + m, head, m * ROWS, dq_m_start, dk, dv, context, True)
-                dq_m_start = m * ROWS
-    else:
-        for i in range(n_iterations):
-            head, m_start = query_block(loop_position(i, first_visit, n_iterations), blocks_per_head, m_block_lo,
-                                        head_k, group_size, ROWS)
-            dk, dv = _consumer_block(i, head, m_start, dq_m_start, dk, dv, context, None)
-            dq_m_start = m_start
+    for i in range(n_iterations):
+        stage = i % STAGES
+        head, m_start = query_block(loop_position(i, first_visit, n_iterations), blocks_per_head, m_block_lo,
+                                    head_k, group_size, ROWS)
+        mbarrier.wait(q_ready.index(stage), (i // STAGES) & 1)
+        # [ROWS, WIDTH] per chunk: Q_i, dO_i
+        q_tile = matrices_of(entries_of(q_smem, stage))
+        do_tile = matrices_of(entries_of(do_smem, stage))
+        # [1, ROWS] the rows' lse and delta; rows past seqlen_q read 0 for both, as their Q and dO rows do, so that
+        # every product they enter (dV, dK, and dQ rows the reduction clips) adds zeros
+        statistics = (lse_smem.index(stage), delta_smem.index(stage))
+        # dS buffer i % 2; its previous use (block i - 2) is free once the dQ products of that block completed;
+        # with the split by features the other consumer waits for both dS of a block (ds_ready)
+        buffer = i % 2
+        if OVER_ALL_KEYS:
+            ds_sync = (ds_free.index(buffer), ((i // 2) - 1) & 1, i >= 2, ds_ready.index(buffer))
+        else:
+            ds_sync = ()
+        if len(alibi) > 0:
+            # the block's head's slope in log2 units, and the pure-causal flag
+            alibi_head = (gl.load(alibi[0] + head) * 1.4426950408889634, alibi[1])
+        else:
+            alibi_head = ()
+        if KEY_MAJOR:
+            dk, dv = _key_major_block(q_tile, do_tile, k_own, v_own, statistics, ds_own.index(buffer), ds_sync, dk,
+                                      dv, first_key, m_start, seqlen_q, seqlen_k, qk_scale_log2, causal, window,
+                                      alibi_head, softcap)
+        else:
+            if len(dropout) > 0:
+                draws = (dropout_draws[0], dropout_draws[1] + head, dropout_draws[2])
+            else:
+                draws = ()
+            dk, dv = _row_major_block(q_tile, do_tile, k_own, v_own, statistics, p_own[0], ds_own.index(buffer),
+                                      ds_sync, dk, dv, first_key, m_start, seqlen_q, seqlen_k, qk_scale_log2, causal,
+                                      window, alibi_head, softcap, draws)
+        if i >= LAG:
+            # block i - LAG's dQ: with the split by features one block late, as the other consumer wrote its dS a
+            # block ago (not waiting for it lets the two consumers drift out of phase); its wait completes this
+            # block's dV and dK products too
+            _finish_dq(i - LAG, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_tile, dq_full,
+                       dq_empty, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit, seqlen_q,
+                       softmax_scale, rows_masked, swapped_dq, OVER_ALL_KEYS, KEY_MAJOR)
+        dk, dv = wait_accumulators(dk, dv)
+        arrive_after_wgmma(q_empty.index(stage))
     if OVER_ALL_KEYS:
         # the last block's dQ (its ds_free arrival has no waiter)
         if n_iterations > 0:
-            _finish_dq(n_iterations - 1, dq_m_start, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq,
-                       dq_tile, dq_full, dq_empty, seqlen_q, softmax_scale, rows_masked, swapped_dq, OVER_ALL_KEYS,
-                       KEY_MAJOR)
+            _finish_dq(n_iterations - 1, ds_own, ds_lo, ds_hi, k_lo, k_hi, ds_ready, ds_free, zero_dq, dq_tile,
+                       dq_full, dq_empty, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit,
+                       seqlen_q, softmax_scale, rows_masked, swapped_dq, OVER_ALL_KEYS, KEY_MAJOR)
     # [OWN, WIDTH] per chunk: this consumer's key rows
     column = 0
     for chunk in gl.static_range(len(dk)):
@@ -713,12 +663,10 @@ def attn_bwd_hopper_kernel(k_desc, v_desc, q_desc, do_desc, dq_desc, k_desc2, v_
         dq_tiles[0], )
     second = (k_halves[1], v_halves[1]) + second_dq + staged + (p_tiles[1], ds_smem[1]) + ds_smem + (
         dq_tiles[1], )
-    # (0, ) where blocks may need the mask and others not: the consumers' loops split by it (_consumer)
-    split_loops = (0, ) if CAUSAL or LOCAL or len(rows_masked) > 0 else ()
     first = first + barriers + (dq_full[0], dq_empty[0]) + pointers + (gl.to_tensor(0), ) + loop + (
-        dropout, alibi, softcap, split_loops)
+        dropout, alibi, softcap)
     second = second + barriers + (dq_full[1], dq_empty[1]) + pointers + (gl.to_tensor(OWN), ) + loop + (
-        dropout, alibi, softcap, split_loops)
+        dropout, alibi, softcap)
     placement = (desc_batch, q_start, head_k, group_size, m_block_lo, blocks_per_head, n_iterations, first_visit)
     writers = ((dq_tiles[0], dq_full[0], dq_empty[0], dq_descs[0]) + placement + (gl.to_tensor(0), order),
                (dq_tiles[1], dq_full[1], dq_empty[1], dq_descs[1]) + placement + (gl.to_tensor(second_feature), order))

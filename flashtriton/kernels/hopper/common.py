@@ -4,8 +4,7 @@ backward kernels share."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
-    warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .. import common as _triton_common
 
@@ -421,56 +420,6 @@ def alibi_bias(s, alibi, first_key, m_start, seqlen_q, seqlen_k, KEY_AXIS: gl.co
 
 
 @gluon.jit
-def block_needs_mask(first_key, KEYS: gl.constexpr, m_start, ROWS: gl.constexpr, seqlen_q, seqlen_k, causal,
-                     window):
-    """Whether some row of the block (ROWS query rows from m_start, KEYS keys from first_key) must not see some key
-    of it: a key past seqlen_k, or, causal (bottom-right aligned), after the row's last key, or outside the row's
-    local window (window: (window_left, window_right), or ()). Scalar: blocks without it skip the mask."""
-    last_key = first_key + KEYS - 1
-    if len(window) > 0:
-        offset = seqlen_k - seqlen_q
-        # the first row's last visible key, the last row's first
-        needs = (last_key >= seqlen_k) | (last_key > m_start + offset + window[1]) | (
-            first_key < m_start + ROWS - 1 + offset - window[0])
-    else:
-        needs = (last_key >= seqlen_k) | ((causal != 0) & (last_key > m_start + (seqlen_k - seqlen_q)))
-    return needs
-
-
-@gluon.jit
-def unmasked_query_blocks(first_key, KEYS: gl.constexpr, m_block_lo, blocks_per_head, seqlen_q, seqlen_k, causal,
-                          window, ROWS: gl.constexpr):
-    """(a, b): of the query blocks m_block_lo + j, j in [0, blocks_per_head) (ROWS rows each), against the KEYS keys
-    from first_key, those with a in [a, b) need no mask (block_needs_mask is false for them and true for the others):
-    under the causal mask or a window's right edge the blocks before a see keys after their rows' last ones, under a
-    window's left edge the blocks from b on miss keys before their rows' first ones, and a key block that runs past
-    seqlen_k needs the mask everywhere (a = b = 0). No division of a negative number. Plain arithmetic (tests run it
-    on ints against block_needs_mask)."""
-    last_key = first_key + KEYS - 1
-    offset = seqlen_k - seqlen_q
-    # rows before which a block masks keys on the right: a row r sees last_key once r + offset + right >= last_key
-    right = 0
-    if len(window) > 0:
-        right = window[1]
-    # [lo * ROWS, before) hold the blocks that mask on the right: m * ROWS < last_key - offset - right
-    before = last_key - offset - right - m_block_lo * ROWS
-    a = (before + ROWS - 1) // ROWS * (before > 0)
-    if len(window) == 0:
-        a = a * (causal != 0)
-    a = a + (blocks_per_head - a) * (a > blocks_per_head)
-    b = blocks_per_head
-    if len(window) > 0:
-        # blocks mask keys on the left once m * ROWS > first_key - ROWS + 1 - offset + window_left
-        after = first_key - ROWS + 1 - offset + window[0] - m_block_lo * ROWS
-        b = (after // ROWS + 1) * (after >= 0)
-        b = b + (blocks_per_head - b) * (b > blocks_per_head)
-        b = b + (a - b) * (b < a)
-    # 0 where the block runs past seqlen_k
-    inside = last_key < seqlen_k
-    return a * inside, b * inside
-
-
-@gluon.jit
 def capped_logits(s, softcap):
     """Scores s (fp32) to log2-domain logits under softcap (softcap_in_scale, softcap_out_log2): softcap_out_log2 *
     tanh(s * softcap_in_scale), tanh from exp2 as kernels/common.tanh computes it; and like s, the derivative's
@@ -481,22 +430,25 @@ def capped_logits(s, softcap):
 
 @gluon.jit
 def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_q, seqlen_k, causal, window,
-                         KEY_AXIS: gl.constexpr, alibi, softcap, MASK: gl.constexpr = None):
+                         KEY_AXIS: gl.constexpr, alibi, softcap):
     """P = exp2(s * qk_scale_log2 - lse_log2) of scores s (query rows from m_start, keys from first_key; [ROWS, KEYS],
     or [KEYS, ROWS] with KEY_AXIS 0: the transposed scores K Q^T), 0 where a key is past seqlen_k or, causal
     (bottom-right aligned), after the row's last key, or outside the row's local window (window: (window_left,
-    window_right), or ()); blocks that need none of it (block_needs_mask) come back without mask arithmetic, found
-    at run time, or MASK (True / False) where the caller knows. lse_log2: [ROWS] along s's row axis. One comparison
-    per element against each row's last visible key, and nothing kept live across the caller's loop (key vectors
-    held across it would spill ~40 registers of the d128 causal consumers). Query rows past seqlen_q are not masked:
-    their Q, dO, lse and delta read as zeros, so P = 1 there but dS = 0 and dO = 0, and every product they enter
-    adds zeros (with ALiBi P is at most 1, see below). Keys past seqlen_k are (their K rows are zeros, so P would be
-    exp2(-lse_log2), which may overflow). alibi: () or (slope_log2 of the rows' head, alibi_pure_causal): the logits
-    get kernels/common.alibi_bias_log2's bias (alibi_bias). softcap: () or (softcap_in_scale, softcap_out_log2): the
-    logits are capped first (capped_logits). Returns (P, () or, with softcap, like s the factor 1 - tanh^2)."""
+    window_right), or ()); blocks that need none of it come back without mask arithmetic. lse_log2: [ROWS] along
+    s's row axis. One comparison per element against each row's last visible key, and nothing kept live across the
+    caller's loop (key vectors held across it would spill ~40 registers of the d128 causal consumers). Query rows
+    past seqlen_q are not masked: their Q, dO, lse and delta read as zeros, so P = 1 there but dS = 0 and dO = 0,
+    and every product they enter adds zeros (with ALiBi P is at most 1, see below). Keys past seqlen_k are (their
+    K rows are zeros, so P would be exp2(-lse_log2), which may overflow). alibi: () or (slope_log2 of the rows'
+    head, alibi_pure_causal): the logits get kernels/common.alibi_bias_log2's bias (alibi_bias). softcap: () or
+    (softcap_in_scale, softcap_out_log2): the logits are capped first (capped_logits). Returns (P, () or, with
+    softcap, like s the factor 1 - tanh^2)."""
     ROW_AXIS: gl.constexpr = 1 - KEY_AXIS
     ROWS: gl.constexpr = s.shape[ROW_AXIS]
     KEYS: gl.constexpr = s.shape[KEY_AXIS]
+    # [ROWS] a value per query row; [KEYS] a value per key
+    row_layout: gl.constexpr = gl.SliceLayout(KEY_AXIS, s.type.layout)
+    key_layout: gl.constexpr = gl.SliceLayout(ROW_AXIS, s.type.layout)
     if len(softcap) > 0:
         logits, tanh_factor = capped_logits(s, softcap)
     else:
@@ -510,95 +462,27 @@ def masked_probabilities(s, lse_log2, qk_scale_log2, first_key, m_start, seqlen_
         # more is inf, and inf * their zero dO is NaN); a visible key's exponent exceeds 0 by rounding only
         exponent = gl.minimum(exponent, 0.0)
     p = gl.exp2(exponent)
-    if MASK is None:
-        if block_needs_mask(first_key, KEYS, m_start, ROWS, seqlen_q, seqlen_k, causal, window):
-            p = _masked(p, first_key, m_start, seqlen_q, seqlen_k, causal, window, KEY_AXIS)
-    elif MASK:
-        p = _masked(p, first_key, m_start, seqlen_q, seqlen_k, causal, window, KEY_AXIS)
-    return p, tanh_factor
-
-
-@gluon.jit
-def _masked(p, first_key, m_start, seqlen_q, seqlen_k, causal, window, KEY_AXIS: gl.constexpr):
-    """p with the keys masked_probabilities masks set to 0."""
-    ROW_AXIS: gl.constexpr = 1 - KEY_AXIS
-    ROWS: gl.constexpr = p.shape[ROW_AXIS]
-    KEYS: gl.constexpr = p.shape[KEY_AXIS]
-    # [ROWS] a value per query row; [KEYS] a value per key
-    row_layout: gl.constexpr = gl.SliceLayout(KEY_AXIS, p.type.layout)
-    key_layout: gl.constexpr = gl.SliceLayout(ROW_AXIS, p.type.layout)
+    last_key = first_key + KEYS - 1
     if len(window) > 0:
-        # [ROWS] each row's position on the keys, counted from first_key
-        aligned = m_start + gl.arange(0, ROWS, row_layout) + (seqlen_k - seqlen_q) - first_key
-        row_last = gl.minimum(aligned + window[1], seqlen_k - 1 - first_key)
-        # like p: each key's position in the block
-        keys = gl.expand_dims(gl.arange(0, KEYS, key_layout), ROW_AXIS)
-        visible = (keys <= gl.expand_dims(row_last, KEY_AXIS)) & (keys >= gl.expand_dims(aligned - window[0], KEY_AXIS))
-    else:
+        offset = seqlen_k - seqlen_q
+        # the first row's last visible key, the last row's first
+        if (last_key >= seqlen_k) | (last_key > m_start + offset + window[1]) | (
+                first_key < m_start + ROWS - 1 + offset - window[0]):
+            # [ROWS] each row's position on the keys, counted from first_key
+            aligned = m_start + gl.arange(0, ROWS, row_layout) + offset - first_key
+            row_last = gl.minimum(aligned + window[1], seqlen_k - 1 - first_key)
+            # like s: each key's position in the block
+            keys = gl.expand_dims(gl.arange(0, KEYS, key_layout), ROW_AXIS)
+            visible = (keys <= gl.expand_dims(row_last, KEY_AXIS)) & (
+                keys >= gl.expand_dims(aligned - window[0], KEY_AXIS))
+            p = gl.where(visible, p, 0.0)
+    elif (last_key >= seqlen_k) | ((causal != 0) & (last_key > m_start + (seqlen_k - seqlen_q))):
         # [ROWS] each row's last visible key, counted from first_key
         row_last = gl.full([ROWS], seqlen_k - 1 - first_key, gl.int32, row_layout)
         if causal != 0:
             diagonal = m_start + gl.arange(0, ROWS, row_layout) + (seqlen_k - seqlen_q) - first_key
             row_last = gl.minimum(row_last, diagonal)
-        # like p
+        # like s
         visible = gl.expand_dims(gl.arange(0, KEYS, key_layout), ROW_AXIS) <= gl.expand_dims(row_last, KEY_AXIS)
-    return gl.where(visible, p, 0.0)
-
-
-@gluon.jit
-def store_sequence_rows(out, rows_out, rows, head, row_in):
-    """out ([ROWS, WIDTH] per chunk of V's head dim, wgmma layouts) into rows `rows` [ROWS] (row_in: which to store) of
-    a varlen output by pointer; rows_out: (Out, stride_om, stride_oh, head_dim_v), its columns past head_dim_v (the
-    tile's padding) left alone."""
-    column = 0
-    for chunk in gl.static_range(len(out)):
-        _store_chunk_rows(out[chunk], column, rows_out, rows, head, row_in)
-        column = column + out[chunk].shape[1]
-
-
-@gluon.jit
-def _store_chunk_rows(out, column0, rows_out, rows, head, row_in):
-    """store_sequence_rows of one chunk out [ROWS, WIDTH] into columns from column0."""
-    WIDTH: gl.constexpr = out.shape[1]
-    Out, stride_om, stride_oh, head_dim_v = rows_out
-    layout: gl.constexpr = out.type.layout
-    # [ROWS] rows, [WIDTH] columns, in the accumulator's layout
-    rows = gl.convert_layout(rows, gl.SliceLayout(1, layout))
-    row_in = gl.convert_layout(row_in, gl.SliceLayout(1, layout))
-    columns = column0 + gl.arange(0, WIDTH, gl.SliceLayout(0, layout))
-    pointers = (Out + head.to(gl.int64) * stride_oh + gl.expand_dims(rows.to(gl.int64) * stride_om, 1)
-                + gl.expand_dims(columns, 0))
-    gl.store(pointers, out.to(Out.dtype.element_ty),
-             mask=gl.expand_dims(row_in, 1) & gl.expand_dims(columns < head_dim_v, 0))
-
-
-@gluon.jit
-def clear_rows_past(v_stage, valid_rows):
-    """Zero the rows from valid_rows on of a V stage (v_stage: [BLOCK_N, WIDTH] per chunk of V's head dim, shared
-    memory) and make the stores visible to the wgmmas (async proxy) of the whole warpgroup. A varlen sequence's last
-    key block reads past its end: the next sequence's rows, or whatever lies past the last one (garbage, NaN). Its
-    scores are masked to -inf, so P is 0 there, but 0 * NaN in P V is NaN: such rows must hold zeros. Both consumers
-    clear the stage they share; they write the same values."""
-    for chunk in gl.static_range(len(v_stage)):
-        _clear_chunk_rows_past(v_stage[chunk], valid_rows)
-    fence_async_shared()
-    gl.thread_barrier()
-
-
-@gluon.jit
-def _clear_chunk_rows_past(v_chunk, valid_rows):
-    """clear_rows_past on one chunk v_chunk [BLOCK_N, WIDTH], 16 rows at a time."""
-    BLOCK_N: gl.constexpr = v_chunk.shape[0]
-    WIDTH: gl.constexpr = v_chunk.shape[1]
-    CHUNK_ROWS: gl.constexpr = 16
-    # 8 elements (16 bytes) per thread and row, the warpgroup's 128 threads over [CHUNK_ROWS, WIDTH] (narrow chunks
-    # hold some rows in more than one thread: they store the same values)
-    THREADS_PER_ROW: gl.constexpr = WIDTH // 8 if WIDTH // 8 < 32 else 32
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // THREADS_PER_ROW, THREADS_PER_ROW], [4, 1], [1, 0])
-    for step in gl.static_range(BLOCK_N // CHUNK_ROWS):
-        if (step + 1) * CHUNK_ROWS > valid_rows:
-            rows = v_chunk.slice(step * CHUNK_ROWS, CHUNK_ROWS, dim=0)
-            # [CHUNK_ROWS, WIDTH] the rows' values, those from valid_rows on zeroed
-            values = rows.load(layout)
-            row = step * CHUNK_ROWS + gl.arange(0, CHUNK_ROWS, gl.SliceLayout(1, layout))
-            rows.store(gl.where(gl.expand_dims(row < valid_rows, 1), values, gl.zeros_like(values)))
+        p = gl.where(visible, p, 0.0)
+    return p, tanh_factor

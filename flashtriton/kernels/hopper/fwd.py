@@ -45,11 +45,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 
 from .common import accumulate_register_products, allocate_chunks, arrive_after_wgmma, chained_products, \
-    chunk_descriptors, chunks_bytes, chunks_width, copy_pieces, entries_of, key_rows, matrices_of, \
-    clear_rows_past, store_sequence_rows, wait_products, zero_accumulators
+    chunk_descriptors, chunks_bytes, chunks_width, copy_pieces, entries_of, key_rows, matrices_of, wait_products, \
+    zero_accumulators
 from .dropout import draw_words, dropout_key, kept_operand, row_draws
-from .fwd_softmax import hold_schedule, logits, mask_block, mask_local, operand_of, reciprocal, rescale, \
-    softmax_block, unmasked_steps
+from .fwd_softmax import hold_schedule, logits, mask_block, mask_local, operand_of, reciprocal, rescale, softmax_block
 from .schedule import block_rows, first_cursor, mask_absent_page, more_work, next_piece, page_presence, sequence_pages
 
 SHARED_BYTES_FOR_TILES = gl.constexpr(220 * 1024)  # sm_90: 227 KiB per program, less barriers and the compiler's
@@ -181,6 +180,38 @@ def _pass_turn(turns):
 
 
 @gluon.jit
+def _clear_rows_past(v_stage, valid_rows):
+    """Zero the rows from valid_rows on of a V stage (v_stage: [BLOCK_N, WIDTH] per chunk of V's head dim, shared
+    memory) and make the stores visible to the wgmmas (async proxy) of the whole warpgroup. A varlen sequence's last
+    key block reads past its end: the next sequence's rows, or whatever lies past the last one (garbage, NaN). Its
+    scores are masked to -inf, so P is 0 there, but 0 * NaN in P V is NaN: such rows must hold zeros. Both consumers
+    clear the stage they share; they write the same values."""
+    for chunk in gl.static_range(len(v_stage)):
+        _clear_chunk_rows_past(v_stage[chunk], valid_rows)
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _clear_chunk_rows_past(v_chunk, valid_rows):
+    """_clear_rows_past on one chunk v_chunk [BLOCK_N, WIDTH], 16 rows at a time."""
+    BLOCK_N: gl.constexpr = v_chunk.shape[0]
+    WIDTH: gl.constexpr = v_chunk.shape[1]
+    CHUNK_ROWS: gl.constexpr = 16
+    # 8 elements (16 bytes) per thread and row, the warpgroup's 128 threads over [CHUNK_ROWS, WIDTH] (narrow chunks
+    # hold some rows in more than one thread: they store the same values)
+    THREADS_PER_ROW: gl.constexpr = WIDTH // 8 if WIDTH // 8 < 32 else 32
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // THREADS_PER_ROW, THREADS_PER_ROW], [4, 1], [1, 0])
+    for step in gl.static_range(BLOCK_N // CHUNK_ROWS):
+        if (step + 1) * CHUNK_ROWS > valid_rows:
+            rows = v_chunk.slice(step * CHUNK_ROWS, CHUNK_ROWS, dim=0)
+            # [CHUNK_ROWS, WIDTH] the rows' values, those from valid_rows on zeroed
+            values = rows.load(layout)
+            row = step * CHUNK_ROWS + gl.arange(0, CHUNK_ROWS, gl.SliceLayout(1, layout))
+            rows.store(gl.where(gl.expand_dims(row < valid_rows, 1), values, gl.zeros_like(values)))
+
+
+@gluon.jit
 def _rescale_chunks(acc, alpha, lag):
     """fwd_softmax.rescale on every chunk of the output."""
     scaled = ()
@@ -190,74 +221,23 @@ def _rescale_chunks(acc, alpha, lag):
 
 
 @gluon.jit
-def _key_block_step(j, p, m_i, l_i, acc, step, MASK: gl.constexpr):
-    """Step j >= 1 of _key_blocks (step: its arguments the step reads, and its S tile's zeros): S_j issued with
-    P_{j-1} V_{j-1}, block top - j's softmax (with its mask where MASK: blocks that cannot need one skip even the
-    test) while P_{j-1} V_{j-1} runs, P_j's operand and the rescale. Returns (P_j's operand, m_i, l_i, acc)."""
-    q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, first_load, top, row0, offs_m, seqlen_q, seqlen_k, alibi, \
-        causal, window, turns, lead, fences, lag, residues, clear_v, draws, row_pages, qk_scale_log2, zero_s = step
-    STAGES: gl.constexpr = k_smem[0].shape[0]
-    BLOCK_N: gl.constexpr = k_smem[0].shape[2]
-    PV_GROUPS: gl.constexpr = len(v_smem)
-    col_s: gl.constexpr = gl.SliceLayout(0, zero_s.type.layout)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc[0].type.layout, k_width=2)
-    load = first_load + j
-    stage = load % STAGES
-    previous = (load - 1) % STAGES
-    mbarrier.wait(k_ready.index(stage), (load // STAGES) & 1)
-    mbarrier.wait(v_ready.index(previous), ((load - 1) // STAGES) & 1)
-    v_previous = matrices_of(entries_of(v_smem, previous))
-    if len(clear_v) > 0 and MASK:
-        # (varlen calls mask step 1)
-        if (j == 1) & ((top + 1) * BLOCK_N > seqlen_k):
-            clear_rows_past(v_previous, seqlen_k - top * BLOCK_N)
-    _wait_turn(turns, load, lead)
-    s = chained_products(q, matrices_of(entries_of(k_smem, stage)), zero_s)
-    acc = accumulate_register_products(p, v_previous, acc)
-    _pass_turn(turns)
-    if len(draws) > 0:
-        words = draw_words(zero_s, top - j, draws[0], col_s)
-    presence = page_presence(row_pages, top - j, BLOCK_N)
-    # S_j done (wgmma groups complete in order); P_{j-1} V_{j-1} may still run
-    s = logits(warpgroup_mma_wait(PV_GROUPS, deps=(s, )), top - j, offs_m, seqlen_q, seqlen_k, alibi, col_s)
-    arrive_after_wgmma(k_empty.index(stage))
-    s = mask_absent_page(s, presence, zero_s, col_s)
-    if MASK:
-        if len(window) > 0:
-            s = mask_local(s, top - j, row0, offs_m, seqlen_q, seqlen_k, window, col_s)
-        else:
-            s = mask_block(s, top - j, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
-    p, m_i, l_i, alpha = softmax_block(s, m_i, l_i, qk_scale_log2, lag)
-    hold_schedule(fences)
-    acc = wait_products(acc)
-    arrive_after_wgmma(v_empty.index(previous))
-    if len(draws) > 0:
-        p = kept_operand(p, words, draws[0], v_smem[0].dtype, p_layout)
-    else:
-        p = operand_of(p, v_smem[0].dtype, p_layout)
-    acc = _rescale_chunks(acc, alpha, lag)
-    return p, m_i, l_i, acc
-
-
-@gluon.jit
 def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, release_q, first_load, top, count,
                 row0, offs_m, seqlen_q, seqlen_k, qk_scale_log2, alibi, causal, window, turns, lead, fences, lag,
                 residues, clear_v, draws, row_pages):
     """One consumer's pass over a work item's key blocks (the program's loads first_load, first_load + 1, ...) for its
     Q tile q ([ROWS, WIDTH] per chunk of the head dim, shared memory; k_smem and v_smem [STAGES, 1, BLOCK_N, 1, WIDTH]
     per chunk of their head dims): `count` key blocks from block `top` down (step j visits block top - j; a whole
-    tile's top is its last block). Only blocks crossing seqlen_k, the causal diagonal or a window's edges need a
-    mask: the first steps' (seqlen_k, the diagonal or the right edge: a consumer's rows end before its tile's last
-    key) and under a local window the last ones (its left edge; fwd_softmax.unmasked_steps), so the steps between
-    run without mask code (code that never runs there would still cost time; ALiBi's keep one loop that tests every
-    block). Overlapped inside the
+    tile's top is its last block). Only blocks crossing seqlen_k or (causal) the diagonal need a mask, and they come
+    first: non-causal, the first step's block alone, so the loop has no mask code (code that never runs there would
+    still cost time); causal, the loop keeps it (a 64-row consumer's diagonal can cross two blocks, and its tile's
+    last block can lie wholly past it: the second step may need one, never the third). Overlapped inside the
     warpgroup: step 0's softmax first, then per step j S_j and P_{j-1} V_{j-1} issued together, softmax j while
     P_{j-1} V_{j-1} runs (where fences hold the schedule; else ptxas waits for P V first), then P_j's operand and the
     rescale. Arrives on q_free (if release_q) once its last S wgmma completed. With ping-pong the S_0 issue and each
     block's S_j + P_{j-1} V_{j-1} issue are steps first_load, first_load + 1, ... of _wait_turn (both consumers
     count the same loads). lag: softmax_block's; residues: mask_block's; alibi: logits' (qk_scale_log2 is 1 where it
     is given). clear_v: (0, ) for a varlen call, else (): V's rows past seqlen_k in block `top` (the only block that
-    crosses it) are zeroed before its P V (common.clear_rows_past). draws: () or (dropout.row_draws' of the rows, ):
+    crosses it) are zeroed before its P V (_clear_rows_past). draws: () or (dropout.row_draws' of the rows, ):
     each block's Philox words are drawn while its S wgmma runs, and the dropped elements of P zeroed after the row
     sum took them (the LSE ignores dropout). row_pages: () or schedule.sequence_pages' entry: each block's page ids
     are read while its S wgmma runs, and keys on a page outside the pool are masked (schedule.mask_absent_page).
@@ -305,40 +285,77 @@ def _key_blocks(q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, q_free, r
         p = kept_operand(p, words, draws[0], v_smem[0].dtype, p_layout)
     else:
         p = operand_of(p, v_smem[0].dtype, p_layout)
-    # the steps after the first in three loops: steps that may need a mask (unmasked_steps), steps that cannot (a
-    # copy of the step without mask code), steps that may again (a local window's left edge); a varlen call's step 1
-    # (which clears V's rows past seqlen_k) and ALiBi's steps (its bias arithmetic spills in split loops) masked
-    first_plain, left = unmasked_steps(top, count, row0, ROWS, BLOCK_N, seqlen_q, seqlen_k, causal, window)
-    if len(window) == 0:
-        # without the causal mask only step 0 can need one: 1, a constant (one loop, as the kernel compiles it)
-        first_plain = 1 + (gl.maximum(first_plain, 1) - 1) * (causal != 0)
-    else:
-        first_plain = gl.maximum(first_plain, 1)
-        left = gl.maximum(left, first_plain)
-    if len(alibi) > 0:
-        first_plain = count
-        left = count
-    elif len(clear_v) > 0:
-        first_plain = gl.maximum(first_plain, gl.minimum(count, 2))
-    step = (q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, first_load, top, row0, offs_m, seqlen_q,
-            seqlen_k, alibi, causal, window, turns, lead, fences, lag, residues, clear_v, draws, row_pages,
-            qk_scale_log2, zero_s)
-    for j in range(1, first_plain):
-        p, m_i, l_i, acc = _key_block_step(j, p, m_i, l_i, acc, step, True)
-    for j in range(first_plain, left):
-        p, m_i, l_i, acc = _key_block_step(j, p, m_i, l_i, acc, step, False)
-    for j in range(left, count):
-        p, m_i, l_i, acc = _key_block_step(j, p, m_i, l_i, acc, step, True)
+    for j in range(1, count):
+        load = first_load + j
+        stage = load % STAGES
+        previous = (load - 1) % STAGES
+        mbarrier.wait(k_ready.index(stage), (load // STAGES) & 1)
+        mbarrier.wait(v_ready.index(previous), ((load - 1) // STAGES) & 1)
+        v_previous = matrices_of(entries_of(v_smem, previous))
+        if len(clear_v) > 0:
+            if (j == 1) & ((top + 1) * BLOCK_N > seqlen_k):
+                _clear_rows_past(v_previous, seqlen_k - top * BLOCK_N)
+        _wait_turn(turns, load, lead)
+        s = chained_products(q, matrices_of(entries_of(k_smem, stage)), zero_s)
+        acc = accumulate_register_products(p, v_previous, acc)
+        _pass_turn(turns)
+        if len(draws) > 0:
+            words = draw_words(zero_s, top - j, draws[0], col_s)
+        presence = page_presence(row_pages, top - j, BLOCK_N)
+        # S_j done (wgmma groups complete in order); P_{j-1} V_{j-1} may still run
+        s = logits(warpgroup_mma_wait(PV_GROUPS, deps=(s, )), top - j, offs_m, seqlen_q, seqlen_k, alibi, col_s)
+        arrive_after_wgmma(k_empty.index(stage))
+        s = mask_absent_page(s, presence, zero_s, col_s)
+        if len(window) > 0:
+            s = mask_local(s, top - j, row0, offs_m, seqlen_q, seqlen_k, window, col_s)
+        elif causal != 0:
+            s = mask_block(s, top - j, row0, offs_m, seqlen_q, seqlen_k, causal, residues, col_s)
+        p, m_i, l_i, alpha = softmax_block(s, m_i, l_i, qk_scale_log2, lag)
+        hold_schedule(fences)
+        acc = wait_products(acc)
+        arrive_after_wgmma(v_empty.index(previous))
+        if len(draws) > 0:
+            p = kept_operand(p, words, draws[0], v_smem[0].dtype, p_layout)
+        else:
+            p = operand_of(p, v_smem[0].dtype, p_layout)
+        acc = _rescale_chunks(acc, alpha, lag)
     arrive_after_wgmma(q_free, pred=release_q)
     last = first_load + count - 1
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
     v_last = matrices_of(entries_of(v_smem, last % STAGES))
     if len(clear_v) > 0:
         if (count == 1) & ((top + 1) * BLOCK_N > seqlen_k):
-            clear_rows_past(v_last, seqlen_k - top * BLOCK_N)
+            _clear_rows_past(v_last, seqlen_k - top * BLOCK_N)
     acc = wait_products(accumulate_register_products(p, v_last, acc))
     arrive_after_wgmma(v_empty.index(last % STAGES))
     return acc, m_i, l_i
+
+
+@gluon.jit
+def _store_rows(out, rows_out, rows, head, row_in):
+    """out ([ROWS, WIDTH] per chunk of V's head dim, wgmma layouts) into rows `rows` [ROWS] (row_in: which to store) of
+    a varlen output by pointer; rows_out: (Out, stride_om, stride_oh, head_dim_v), its columns past head_dim_v (the
+    tile's padding) left alone."""
+    column = 0
+    for chunk in gl.static_range(len(out)):
+        _store_chunk_rows(out[chunk], column, rows_out, rows, head, row_in)
+        column = column + out[chunk].shape[1]
+
+
+@gluon.jit
+def _store_chunk_rows(out, column0, rows_out, rows, head, row_in):
+    """_store_rows of one chunk out [ROWS, WIDTH] into columns from column0."""
+    WIDTH: gl.constexpr = out.shape[1]
+    Out, stride_om, stride_oh, head_dim_v = rows_out
+    layout: gl.constexpr = out.type.layout
+    # [ROWS] rows, [WIDTH] columns, in the accumulator's layout
+    rows = gl.convert_layout(rows, gl.SliceLayout(1, layout))
+    row_in = gl.convert_layout(row_in, gl.SliceLayout(1, layout))
+    columns = column0 + gl.arange(0, WIDTH, gl.SliceLayout(0, layout))
+    pointers = (Out + head.to(gl.int64) * stride_oh + gl.expand_dims(rows.to(gl.int64) * stride_om, 1)
+                + gl.expand_dims(columns, 0))
+    gl.store(pointers, out.to(Out.dtype.element_ty),
+             mask=gl.expand_dims(row_in, 1) & gl.expand_dims(columns < head_dim_v, 0))
 
 
 @gluon.jit
@@ -347,16 +364,16 @@ def _store_output(out, lse, o_tile, o_desc, q_empty, Lse, stride_lse_b, stride_l
     """A consumer's rows of a whole tile's result: lse [ROWS] (rows offs_m below the sequence's length), out ([ROWS,
     WIDTH] per chunk of V's head dim) through o_tile (per chunk) by TMA (which clips rows past a dense call's
     seqlen_q); where O is staged in the consumer's Q tile (o_in_q), Q's slot is released once the store has read it.
-    bounds: schedule.tile_work's. rows_out: () for a dense call; for a varlen one (store_sequence_rows' argument) a
-    tile that runs past its sequence's end is stored by pointer instead, as the next sequence's rows follow in the
-    same tensor (and the LSE's rows are offset by the sequence's first row: stride_lse_b is 0)."""
+    bounds: schedule.tile_work's. rows_out: () for a dense call; for a varlen one (_store_rows' argument) a tile that
+    runs past its sequence's end is stored by pointer instead, as the next sequence's rows follow in the same tensor
+    (and the LSE's rows are offset by the sequence's first row: stride_lse_b is 0)."""
     ROWS: gl.constexpr = out[0].shape[0]
     seqlen_q, _, q_start, _, desc_batch = bounds
     lse_row_base = batch.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + q_start
     gl.store(Lse + lse_row_base + offs_m, lse, mask=offs_m < seqlen_q)
     if len(rows_out) > 0:
         if row0 + ROWS > seqlen_q:
-            store_sequence_rows(out, rows_out, q_start + offs_m, head, offs_m < seqlen_q)
+            _store_rows(out, rows_out, q_start + offs_m, head, offs_m < seqlen_q)
             if o_in_q != 0:
                 mbarrier.arrive(q_empty)
         else:
@@ -607,7 +624,7 @@ def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, q_desc2, k_desc2, v_d
     (q_rows / k_rows: T of q / k, unspecialized as they change every call); seqlen_q / seqlen_k are the
     longest lengths; each tile's sequence bounds come from schedule.tile_work; a tile that runs past its sequence's
     end stores O by pointer (Out, stride_om, stride_oh; head_dim_v: out's own head dim), and V's rows past a
-    sequence's keys are zeroed in shared memory before they meet P (common.clear_rows_past). Grids are not paired and the
+    sequence's keys are zeroed in shared memory before they meet P (_clear_rows_past). Grids are not paired and the
     tail is not cut. alibi_args: (AlibiSlopes, stride_alibi_b, alibi_pure_causal, logit_scale_log2); ALiBi
     (AlibiSlopes given, None otherwise; stride_alibi_b 0 for (H,) slopes): the logits q.k * logit_scale_log2 get
     kernels/common.alibi_bias_log2's bias (fwd_softmax.logits), qk_scale_log2 1. dropout_args: (RngState,

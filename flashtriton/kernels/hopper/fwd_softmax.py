@@ -196,36 +196,3 @@ def logits(s, block, offs_m, seqlen_q, seqlen_k, alibi, col_s: gl.constexpr):
         distance = gl.where(alibi[1] != 0, difference, gl.abs(difference))
         s = s - alibi[0] * distance.to(gl.float32)
     return s
-
-
-@gluon.jit
-def unmasked_steps(top, count, row0, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, seqlen_q, seqlen_k, causal,
-                   window):
-    """(a, b): of fwd._key_blocks' `count` steps (step j visits key block top - j) for query rows row0 .. row0 +
-    ROWS - 1, those with a <= j < b see every key of their block: no key past seqlen_k, past a row's last key under
-    the causal mask or a window's right edge (the first steps), or before a row's first key under a window's left
-    edge (the last steps, local windows: window = (window_left, window_right), else ()). The others may need
-    mask_block / mask_local. Plain arithmetic, no division of a negative number (tests run it on ints)."""
-    offset = seqlen_k - seqlen_q
-    # one past the last key every row sees: the first row's last key + 1, at most seqlen_k
-    right_end = seqlen_k
-    if len(window) > 0:
-        row_end = row0 + offset + window[1] + 1
-        right_end = right_end + (row_end - right_end) * (row_end < right_end)
-    elif causal != 0:
-        row_end = row0 + offset + 1
-        right_end = right_end + (row_end - right_end) * (row_end < right_end)
-    # blocks below full_blocks hold keys before right_end only; step j's block is below it from j = top - full + 1
-    full_blocks = right_end // BLOCK_N * (right_end > 0)
-    a = top - full_blocks + 1
-    a = a * (a > 0)
-    a = a + (count - a) * (a > count)
-    b = count
-    if len(window) > 0:
-        # the first key the last row sees; blocks below the block holding it miss it for some row
-        first_key = row0 + ROWS - 1 + offset - window[0]
-        missing_blocks = (first_key + BLOCK_N - 1) // BLOCK_N * (first_key > 0)
-        b = top - missing_blocks + 1
-        b = b + (count - b) * (b > count)
-        b = b + (a - b) * (b < a)
-    return a, b
