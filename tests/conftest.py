@@ -5,7 +5,9 @@ products right in the interpreter itself (flashtriton.kernels.common.mma), and t
 fails if a patch of the interpreter's dot comes back here.
 """
 
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,6 +58,20 @@ settings.register_profile("long", max_examples=int(os.environ.get("FLASHTRITON_F
 settings.load_profile("ci")
 
 
+@pytest.fixture
+def benchmark_script():
+    """Loads benchmarks/<name>.py of this checkout as a module: benchmark_script("bench_host")."""
+
+    def load(name: str):
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
@@ -83,4 +99,8 @@ def force_dq_atomic():
 def pytest_report_header(config):
     mode = "Triton interpreter" if INTERPRETED else "compiled Triton on CUDA / reference on CPU"
     cuda = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    return [f"flashtriton kernels: {mode}; CUDA device: {cuda}; TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}"]
+    import numpy
+    import triton
+
+    return [f"flashtriton kernels: {mode}; CUDA device: {cuda}; TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}",
+            f"torch {torch.__version__}, triton {triton.__version__}, numpy {numpy.__version__}"]

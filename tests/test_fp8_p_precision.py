@@ -2,23 +2,11 @@
 emulation separates the P.V operands the FP8 design rests on (fp16 and two e4m3 pieces within the 3x RMSE bar of
 issue 42, one e4m3 product far outside it)."""
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_p_precision.py"
 
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("fp8_p_precision", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_rounded_operands_are_their_formats_values():
-    script = load_script()
+def test_rounded_operands_are_their_formats_values(benchmark_script):
+    script = benchmark_script("fp8_p_precision")
     relative = torch.rand(4096, dtype=torch.float64)
     for fmt, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("e4m3", torch.float8_e4m3fn),
                        ("e5m2", torch.float8_e5m2)):
@@ -34,8 +22,8 @@ def test_rounded_operands_are_their_formats_values():
     assert two.max() <= 2 ** -8 and one.max() <= 2 ** -4 and one.max() > 2 ** -6
 
 
-def test_formats_against_the_bf16_path(capsys):
-    script = load_script()
+def test_formats_against_the_bf16_path(capsys, benchmark_script):
+    script = benchmark_script("fp8_p_precision")
     bf16_rmse, errors = script.measure((1, 256, 2, 64), causal=True, seed=0)
     assert set(errors) == set(script.FORMATS) and bf16_rmse > 0
     ratios = {fmt: error / bf16_rmse for fmt, error in errors.items()}

@@ -14,7 +14,7 @@ fi
 . "$venv/bin/activate"
 if ! python -c "import sys, flashtriton, pytest, xdist, hypothesis, importlib.util as u; assert u.find_spec('ring_flash_attn') and (sys.version_info < (3, 11) or u.find_spec('transformers'))" \
     >/dev/null 2>&1; then
-  python -m pip install --quiet "torch==2.13.0" "triton==3.6.0" "numpy<2.4"
+  python -m pip install --quiet "torch==2.13.0" "triton==3.6.0" numpy
   python -m pip install --quiet -e ".[test]"
 fi
 command="${1:-}"

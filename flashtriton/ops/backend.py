@@ -22,7 +22,7 @@ from ..kernels.fill import fill_uncovered_rows_kernel
 from ..kernels import fwd as fwd_kernel_module
 from ..kernels.fwd import attn_fwd_kernel
 from ..scores import ScoreParams, score_params
-from . import call_plans, checks, dropout, hopper, reference_path, sink
+from . import call_plans, checks, dropout, hopper, interpreter_compat, reference_path, sink
 from .launching import (alibi_batch_stride, compiled_without_line_info, compiler_key_ahead, device_guard, launch,
                         tma_compatible, triton_cdiv)
 
@@ -35,6 +35,8 @@ TMA_OFF, TMA_HOST, TMA_DEVICE, TMA_PACKED = (mode.value for mode in (
 # TRITON_INTERPRET is read when @triton.jit runs, so the kernel objects themselves say how they run.
 KERNELS_INTERPRETED = type(attn_fwd_kernel).__name__ == "InterpretedFunction"
 compiler_key_ahead(KERNELS_INTERPRETED)
+if KERNELS_INTERPRETED:
+    interpreter_compat.install()
 
 
 # Tests set this (flashtriton.testing.poisoned_outputs) so every output buffer starts as NaN/garbage
