@@ -132,6 +132,7 @@ def cpu_path_description(kernels_interpreted: bool) -> str:
 
 
 def collect_environment() -> Environment:
+    import numpy
     import triton
 
     from . import __version__
@@ -141,6 +142,7 @@ def collect_environment() -> Environment:
         "flashtriton": __version__,
         "torch": torch.__version__,
         "triton": triton.__version__,
+        "numpy (Triton's interpreter)": numpy.__version__,
         "python": platform.python_version(),
         "CUDA runtime (torch.version.cuda)": torch.version.cuda,
         "CUDA driver": cuda_driver_version(),

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 
+import numpy
 import pytest
 import torch
 
@@ -149,6 +150,7 @@ def test_env_json_has_no_library_gaps(capsys):
     assert cli.main(["env", "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)
     assert payload["versions"]["torch"] == torch.__version__
+    assert payload["versions"]["numpy (Triton's interpreter)"] == numpy.__version__
     assert payload["library_gaps"] == {}
 
 
