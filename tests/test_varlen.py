@@ -302,10 +302,11 @@ def test_new_lengths_keep_the_compiled_kernels_cache_key(monkeypatch):
 def test_new_lengths_do_not_recompile():
     from flashtriton.kernels.bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
     from flashtriton.kernels.fwd import attn_fwd_kernel
-    from flashtriton.ops.hopper import attn_fwd_hopper_kernel
+    from flashtriton.ops.hopper import attn_bwd_hopper_kernel, attn_fwd_hopper_kernel
 
-    # on sm_90 the dense forwards below run the Gluon kernel
-    kernels = [fn for fn in (attn_fwd_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_fwd_hopper_kernel) if fn]
+    # on sm_90 the calls below run the Gluon kernels (the backward's softcap included)
+    kernels = [fn for fn in (attn_fwd_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_fwd_hopper_kernel,
+                             attn_bwd_hopper_kernel) if fn]
 
     def compiled_count():
         return sum(len(cache[0]) for fn in kernels for cache in fn.device_caches.values())
