@@ -530,9 +530,9 @@ def _stage_type_descriptor(scratch: torch.Tensor, rows: int):
 
 def aligned_rows(*outputs) -> bool:
     """Whether every (tensor, head dim) of outputs (16-bit, stored by kernels/hopper/common.store_rows) takes 16-byte
-    stores: its address and every stride but the last a multiple of 16 bytes, and the head dim one of 8 elements."""
-    return all(tensor.data_ptr() % 16 == 0 and head_dim % 8 == 0 and all(stride % 8 == 0 for stride in
-                                                                           tensor.stride()[:-1])
+    stores: its address and every stride but the last a multiple of 16 bytes (tma_compatible), and the head dim one
+    of 16 bytes."""
+    return all(tma_compatible(tensor) and head_dim % (16 // tensor.element_size()) == 0
                for tensor, head_dim in outputs)
 
 
