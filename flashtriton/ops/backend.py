@@ -382,9 +382,9 @@ def launch_bwd(dout, q, k, v, out, lse, dq, dk, dv, delta, params: ScoreParams, 
                                     and k.shape[0] > 0)
     # ALiBi and dropout: on the Gluon backward's tiles up to 128 wide (hopper.backward_takes_logit_options); softcap
     # there too (hopper.covers), not with dropout
-    plain = varlen_fits and not ((alibi_slopes is not None or dropout_p > 0.0)
-                                 and not hopper.backward_takes_logit_options(head_dim)) and not (
-        params.has_softcap and dropout_p > 0.0)
+    logit_options = alibi_slopes is not None or dropout_p > 0.0
+    plain = (varlen_fits and (not logit_options or hopper.backward_takes_logit_options(head_dim))
+             and not (params.has_softcap and dropout_p > 0.0))
     gluon = hopper.gluon_runs("bwd", q, params, seqlen_q, seqlen_k, plain, descriptors_ok, deterministic,
                               head_dim_v=head_dim_v)
     if gluon and is_varlen:
